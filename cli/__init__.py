@@ -1,0 +1,1 @@
+"""ptplan.cli: thin click commands that parse, validate, call one function and print."""

@@ -1,0 +1,59 @@
+"""The ``ptplan`` command group: each subcommand lives in its own module and only parses and hands over."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ptplan.planner.errors import PtplanError
+
+
+class PtplanGroup(click.Group):
+    """A click group that turns PtplanError into one clear message and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except PtplanError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=PtplanGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ptplan")
+def cli() -> None:
+    """ptplan: plan and run elastic pipelined training of Transformers.
+
+    \b
+    profile  measure every layer of a model on a device -> profile.json
+    plan     freeze trajectory, AutoPipe, AutoDP, simulator -> plan.json
+    show     interactive offline HTML report of a plan
+    run      replay a plan as real elastic training (torchrun)
+    compare  predicted versus measured, phase by phase
+    """
+
+
+def _register() -> None:
+    # Each command module is optional until it exists; import errors of real modules must surface.
+    import importlib
+
+    for mod, name in (("profile_cmd", "profile"), ("plan_cmd", "plan"), ("show_cmd", "show"),
+                      ("run_cmd", "run"), ("compare_cmd", "compare")):
+        try:
+            m = importlib.import_module(f"ptplan.cli.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name == f"ptplan.cli.{mod}":
+                continue
+            raise
+        cli.add_command(getattr(m, name))
+
+
+_register()
+
+
+def main() -> None:
+    cli(prog_name="ptplan")
+
+
+if __name__ == "__main__":
+    main()

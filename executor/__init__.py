@@ -1,0 +1,1 @@
+"""ptplan.executor: everything that touches torch — model adapters, profiler, elastic runtime, cache."""

@@ -1,0 +1,1 @@
+"""ptplan.planner: pure planning (numpy, scipy, networkx, plotly) — never imports torch."""

@@ -1,0 +1,156 @@
+"""Small helpers to validate JSON records field by field and write files atomically."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import PtplanError, SchemaError
+
+
+class Fields:
+    """Typed access to one JSON object; every failure names the field path.
+
+    ``Fields(obj, "plan", "phases[2]")`` then ``f.int("K", min=1)`` raises
+    ``SchemaError("plan", "phases[2].K", ...)`` if K is missing, not an int, or < 1.
+    """
+
+    def __init__(self, obj: Any, what: str, path: str = "", allowed: Iterable[str] | None = None) -> None:
+        self.what, self.path = what, path
+        if not isinstance(obj, dict):
+            raise SchemaError(what, path or "<root>", f"expected an object, got {type(obj).__name__}")
+        self.obj = obj
+        if allowed is not None:
+            unknown = sorted(set(obj) - set(allowed))
+            if unknown:
+                raise SchemaError(what, self._p(unknown[0]), "unknown key",
+                                  f"allowed keys: {', '.join(sorted(allowed))}")
+
+    def _p(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def _get(self, key: str, default: Any = ...) -> Any:
+        if key not in self.obj:
+            if default is ...:
+                raise SchemaError(self.what, self._p(key), "missing")
+            return default
+        return self.obj[key]
+
+    def raw(self, key: str, default: Any = ...) -> Any:
+        return self._get(key, default)
+
+    def str(self, key: str, default: Any = ..., choices: Iterable[str] | None = None) -> str:
+        v = self._get(key, default)
+        if v is default and default is not ...:
+            return v
+        if not isinstance(v, str):
+            raise SchemaError(self.what, self._p(key), f"expected a string, got {v!r}")
+        if choices is not None and v not in set(choices):
+            raise SchemaError(self.what, self._p(key), f"{v!r} is not one of {sorted(choices)}")
+        return v
+
+    def int(self, key: str, default: Any = ..., min: int | None = None) -> int:
+        v = self._get(key, default)
+        if v is default and default is not ...:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise SchemaError(self.what, self._p(key), f"expected an integer, got {v!r}")
+        if min is not None and v < min:
+            raise SchemaError(self.what, self._p(key), f"{v} is below the minimum {min}")
+        return v
+
+    def float(self, key: str, default: Any = ..., min: float | None = None, max: float | None = None) -> float:
+        v = self._get(key, default)
+        if v is default and default is not ...:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise SchemaError(self.what, self._p(key), f"expected a finite number, got {v!r}")
+        if min is not None and v < min:
+            raise SchemaError(self.what, self._p(key), f"{v} is below the minimum {min}")
+        if max is not None and v > max:
+            raise SchemaError(self.what, self._p(key), f"{v} is above the maximum {max}")
+        return float(v)
+
+    def bool(self, key: str, default: Any = ...) -> bool:
+        v = self._get(key, default)
+        if not isinstance(v, bool):
+            raise SchemaError(self.what, self._p(key), f"expected true/false, got {v!r}")
+        return v
+
+    def list(self, key: str, default: Any = ..., length: int | None = None) -> list:
+        v = self._get(key, default)
+        if v is default and default is not ...:
+            return v
+        if not isinstance(v, list):
+            raise SchemaError(self.what, self._p(key), f"expected a list, got {type(v).__name__}")
+        if length is not None and len(v) != length:
+            raise SchemaError(self.what, self._p(key), f"expected {length} entries, got {len(v)}")
+        return v
+
+    def floats(self, key: str, length: int | None = None, min: float | None = 0.0) -> list[float]:
+        out = []
+        for i, x in enumerate(self.list(key, length=length)):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"expected a finite number, got {x!r}")
+            if min is not None and x < min:
+                raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"{x} is below the minimum {min}")
+            out.append(float(x))
+        return out
+
+    def ints(self, key: str, length: int | None = None, min: int | None = None) -> list[int]:
+        out = []
+        for i, x in enumerate(self.list(key, length=length)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"expected an integer, got {x!r}")
+            if min is not None and x < min:
+                raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"{x} is below the minimum {min}")
+            out.append(x)
+        return out
+
+    def obj_(self, key: str, allowed: Iterable[str] | None = None, default: Any = ...) -> "Fields":
+        v = self._get(key, default)
+        return Fields(v, self.what, self._p(key), allowed)
+
+    def objs(self, key: str) -> list["Fields"]:
+        return [Fields(x, self.what, f"{self._p(key)}[{i}]") for i, x in enumerate(self.list(key))]
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Read a JSON file, turning I/O and syntax errors into one clear PtplanError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise PtplanError(f"{what} file not found: {p}") from None
+    except OSError as e:
+        raise PtplanError(f"cannot read {what} file {p}: {e.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PtplanError(f"{what} file {p} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write text to path via a temporary file in the same folder, so no half-written file remains."""
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        raise PtplanError(f"output folder does not exist: {p.parent}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write obj as indented JSON, atomically."""
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")

@@ -1,0 +1,267 @@
+"""The profile contract (``ptplan.profile/1``): measured per-layer costs, typed, validated on load.
+
+Legend: L = number of Transformer blocks; a *layer* is one entry of the flat execution-order list
+(embedding, blocks or block halves, final norm, head). Freezing works on blocks: with f frozen
+blocks, the frozen prefix is every layer before the first layer of block f (the embedding and
+blocks 0..f-1). Times are seconds per micro-batch, one value per measured micro-batch size.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import PtplanError, SchemaError
+from .jsonio import Fields, read_json, write_json
+
+SCHEMA = "ptplan.profile/1"
+LAYER_KINDS = ("embedding", "block", "attention", "mlp", "norm", "head")
+GRANULARITIES = ("block", "half")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRecord:
+    """One layer of the flat list, with its measured costs."""
+
+    index: int
+    """Position in execution order, 0-based."""
+    name: str
+    """Human name, e.g. ``embeddings``, ``block3.attn``, ``head``."""
+    kind: str
+    """One of LAYER_KINDS."""
+    block: int | None
+    """Transformer block this layer belongs to (None for embedding, norm and head)."""
+    params: int
+    """Number of parameters."""
+    param_bytes: int
+    """Bytes of the parameters in the profiled dtype."""
+    grad_bytes: int
+    """Bytes of the parameter gradients."""
+    optimizer_bytes: int
+    """Bytes of optimizer state (AdamW: two fp32 moments per parameter)."""
+    output_bytes_per_sample: int
+    """Bytes of this layer's output (the tensor sent to the next stage) for one sample."""
+    saved_bytes_per_sample: int
+    """Bytes this layer saves for backward for one sample (measured with saved-tensor hooks)."""
+    forward_s: tuple[float, ...]
+    """Forward seconds with grad enabled, one per profile micro-batch size."""
+    backward_s: tuple[float, ...]
+    """Backward seconds (input and weight gradients), one per micro-batch size."""
+    nograd_forward_s: tuple[float, ...]
+    """Forward seconds under no_grad/eval (how a frozen layer runs), one per micro-batch size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WholeModel:
+    """A whole-model step measured directly, to check the per-layer sum against."""
+
+    forward_s: tuple[float, ...]
+    forward_backward_s: tuple[float, ...]
+    peak_memory_bytes: tuple[int, ...] = ()
+    """Peak device memory of one forward+backward (CUDA only; empty on CPU)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    name: str
+    """Adapter name, e.g. ``bert-base``."""
+    family: str
+    """``bert`` | ``vit`` | ``gpt2``."""
+    num_blocks: int
+    """L, the number of Transformer blocks."""
+    seq_len: int
+    """Tokens per sample (for ViT: patches + 1)."""
+    dtype: str
+    """``float32`` | ``bfloat16`` | ``float16``."""
+    granularity: str
+    """``block`` (one layer per block) or ``half`` (attention and MLP halves)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The Hugging Face config fields used to build the model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    kind: str
+    """``cpu`` | ``cuda``."""
+    name: str
+    memory_bytes: int
+    torch_version: str
+    date: str
+    """ISO date of the measurement."""
+    threads: int = 0
+    """torch intra-op threads used (CPU)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """A measured profile. Construct via ``load_profile`` or the executor's profiler."""
+
+    model: ModelInfo
+    device: DeviceInfo
+    batch_sizes: tuple[int, ...]
+    """Micro-batch sizes measured, ascending."""
+    layers: tuple[LayerRecord, ...]
+    whole_model: WholeModel
+    measurement: dict[str, Any] = field(default_factory=dict)
+    """How it was measured: warmup, repeats, timer, statistic."""
+    schema: str = SCHEMA
+
+    # ---- derived views -------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.model.num_blocks
+
+    def frozen_boundary(self, frozen_blocks: int) -> int:
+        """Index of the first active layer when ``frozen_blocks`` blocks are frozen.
+
+        0 frozen blocks -> 0 (nothing frozen); f >= 1 -> first layer of block f, so the embedding
+        freezes with block 0; f == L -> first layer after the last block (norm and head stay active).
+        """
+        L = self.num_blocks
+        if not 0 <= frozen_blocks <= L:
+            raise PtplanError(f"frozen block count {frozen_blocks} is outside 0..{L} for {self.model.name}")
+        if frozen_blocks == 0:
+            return 0
+        for rec in self.layers:
+            if rec.block is not None and rec.block >= frozen_blocks:
+                return rec.index
+        # all blocks frozen: first layer after the last block
+        last_block_layer = max(r.index for r in self.layers if r.block is not None)
+        return last_block_layer + 1
+
+    def _interp(self, values: tuple[float, ...], micro_batch: float) -> float:
+        """Seconds at a micro-batch size: piecewise-linear between measured sizes, linear beyond."""
+        bs = np.asarray(self.batch_sizes, dtype=float)
+        vs = np.asarray(values, dtype=float)
+        if len(bs) == 1:
+            return float(vs[0] * micro_batch / bs[0])
+        if micro_batch <= bs[0]:
+            # below the smallest measured size: scale proportionally but keep the fixed overhead
+            slope = (vs[1] - vs[0]) / (bs[1] - bs[0])
+            return float(max(vs[0] - slope * (bs[0] - micro_batch), vs[0] * micro_batch / bs[0]))
+        if micro_batch >= bs[-1]:
+            slope = max((vs[-1] - vs[-2]) / (bs[-1] - bs[-2]), 0.0)
+            if slope == 0.0:
+                slope = vs[-1] / bs[-1]
+            return float(vs[-1] + slope * (micro_batch - bs[-1]))
+        return float(np.interp(micro_batch, bs, vs))
+
+    def forward_s(self, layer: int, micro_batch: float) -> float:
+        return self._interp(self.layers[layer].forward_s, micro_batch)
+
+    def backward_s(self, layer: int, micro_batch: float) -> float:
+        return self._interp(self.layers[layer].backward_s, micro_batch)
+
+    def nograd_forward_s(self, layer: int, micro_batch: float) -> float:
+        return self._interp(self.layers[layer].nograd_forward_s, micro_batch)
+
+    def identity(self) -> dict[str, Any]:
+        """What a plan records to tie itself to this profile."""
+        return {
+            "model": self.model.name,
+            "family": self.model.family,
+            "num_blocks": self.model.num_blocks,
+            "num_layers": self.num_layers,
+            "granularity": self.model.granularity,
+            "seq_len": self.model.seq_len,
+            "dtype": self.model.dtype,
+            "device": self.device.name,
+            "device_kind": self.device.kind,
+            "fingerprint": self.fingerprint(),
+        }
+
+    def fingerprint(self) -> str:
+        """A short hash of the layer structure (names, kinds, parameter counts), not the timings."""
+        h = hashlib.sha256()
+        for r in self.layers:
+            h.update(f"{r.name}|{r.kind}|{r.block}|{r.params};".encode())
+        return h.hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {"schema": d.pop("schema"), **d}
+
+
+def profile_from_json(obj: Any, source: str = "profile") -> Profile:
+    """Validate a decoded JSON object and build a Profile; errors name the bad field."""
+    top = Fields(obj, source, allowed=("schema", "model", "device", "batch_sizes", "layers",
+                                       "whole_model", "measurement"))
+    schema = top.str("schema")
+    if schema != SCHEMA:
+        raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
+                          "Re-create it with `ptplan profile`")
+    m = top.obj_("model", allowed=("name", "family", "num_blocks", "seq_len", "dtype", "granularity", "config"))
+    model = ModelInfo(name=m.str("name"), family=m.str("family"), num_blocks=m.int("num_blocks", min=1),
+                      seq_len=m.int("seq_len", min=1), dtype=m.str("dtype"),
+                      granularity=m.str("granularity", choices=GRANULARITIES),
+                      config=dict(m.raw("config", {})))
+    dv = top.obj_("device", allowed=("kind", "name", "memory_bytes", "torch_version", "date", "threads"))
+    device = DeviceInfo(kind=dv.str("kind", choices=("cpu", "cuda")), name=dv.str("name"),
+                        memory_bytes=dv.int("memory_bytes", min=0), torch_version=dv.str("torch_version"),
+                        date=dv.str("date"), threads=dv.int("threads", 0, min=0))
+    bsz = top.ints("batch_sizes", min=1)
+    if not bsz:
+        raise SchemaError(source, "batch_sizes", "is empty", "Profile at least one micro-batch size")
+    if sorted(set(bsz)) != bsz:
+        raise SchemaError(source, "batch_sizes", f"{bsz} must be strictly ascending")
+    n = len(bsz)
+    layers = []
+    for i, lf in enumerate(top.objs("layers")):
+        Fields(lf.obj, source, lf.path, allowed=[f.name for f in LayerRecord.__dataclass_fields__.values()])
+        idx = lf.int("index", min=0)
+        if idx != i:
+            raise SchemaError(source, f"{lf.path}.index", f"is {idx}, expected {i} (layers must be in order)")
+        block = lf.raw("block")
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 0):
+            raise SchemaError(source, f"{lf.path}.block", f"expected null or a block index, got {block!r}")
+        layers.append(LayerRecord(
+            index=idx, name=lf.str("name"), kind=lf.str("kind", choices=LAYER_KINDS), block=block,
+            params=lf.int("params", min=0), param_bytes=lf.int("param_bytes", min=0),
+            grad_bytes=lf.int("grad_bytes", min=0), optimizer_bytes=lf.int("optimizer_bytes", min=0),
+            output_bytes_per_sample=lf.int("output_bytes_per_sample", min=0),
+            saved_bytes_per_sample=lf.int("saved_bytes_per_sample", min=0),
+            forward_s=tuple(lf.floats("forward_s", length=n)),
+            backward_s=tuple(lf.floats("backward_s", length=n)),
+            nograd_forward_s=tuple(lf.floats("nograd_forward_s", length=n)),
+        ))
+    if not layers:
+        raise SchemaError(source, "layers", "is empty")
+    blocks = sorted({r.block for r in layers if r.block is not None})
+    if blocks != list(range(model.num_blocks)):
+        raise SchemaError(source, "layers", f"cover blocks {blocks[:3]}..{blocks[-3:] if blocks else []} "
+                          f"but model.num_blocks is {model.num_blocks}")
+    last = -1
+    for r in layers:
+        if r.block is not None:
+            if r.block < last:
+                raise SchemaError(source, f"layers[{r.index}].block", "blocks must appear in ascending order")
+            last = r.block
+    w = top.obj_("whole_model", allowed=("forward_s", "forward_backward_s", "peak_memory_bytes"))
+    whole = WholeModel(forward_s=tuple(w.floats("forward_s", length=n)),
+                       forward_backward_s=tuple(w.floats("forward_backward_s", length=n)),
+                       peak_memory_bytes=tuple(w.ints("peak_memory_bytes", min=0) if "peak_memory_bytes" in w.obj else ()))
+    meas = top.raw("measurement", {})
+    if not isinstance(meas, dict):
+        raise SchemaError(source, "measurement", "expected an object")
+    return Profile(model=model, device=device, batch_sizes=tuple(bsz), layers=tuple(layers),
+                   whole_model=whole, measurement=meas)
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    """Load and validate a profile file. Raises PtplanError/SchemaError with the file and field."""
+    return profile_from_json(read_json(path, "profile"), source=f"profile {os.fspath(path)}")
+
+
+def save_profile(profile: Profile, path: str | os.PathLike) -> None:
+    """Write a profile atomically (validated first, so an invalid profile is never written)."""
+    obj = profile.to_json()
+    profile_from_json(json.loads(json.dumps(obj)), source="profile (before writing)")
+    write_json(path, obj)
