@@ -132,7 +132,8 @@ class Plan:
                           f"re-run `ptplan plan` with a freeze policy that can reach it")
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        """Plain JSON types (lists, not tuples), ready for json.dumps or the validator."""
+        d = json.loads(json.dumps(asdict(self)))
         return {"schema": d.pop("schema"), **d}
 
 

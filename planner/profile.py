@@ -23,6 +23,29 @@ LAYER_KINDS = ("embedding", "block", "attention", "mlp", "norm", "head")
 GRANULARITIES = ("block", "half")
 
 
+
+def interp_rows(batch_sizes: np.ndarray, values: np.ndarray, b: float) -> np.ndarray:
+    """Seconds at micro-batch size ``b`` for every row of ``values`` (rows = layers, cols = sizes).
+
+    Piecewise-linear between measured sizes; beyond the largest, linear with the last segment's
+    slope (proportional scaling if that slope is not positive); below the smallest, linear towards
+    the origin but never below proportional scaling.
+    """
+    bs = batch_sizes
+    if len(bs) == 1:
+        return values[:, 0] * (b / bs[0])
+    if b <= bs[0]:
+        slope = (values[:, 1] - values[:, 0]) / (bs[1] - bs[0])
+        return np.maximum(values[:, 0] - slope * (bs[0] - b), values[:, 0] * (b / bs[0]))
+    if b >= bs[-1]:
+        slope = (values[:, -1] - values[:, -2]) / (bs[-1] - bs[-2])
+        slope = np.where(slope > 0, slope, values[:, -1] / bs[-1])
+        return values[:, -1] + slope * (b - bs[-1])
+    j = int(np.searchsorted(bs, b, side="right")) - 1
+    t = (b - bs[j]) / (bs[j + 1] - bs[j])
+    return values[:, j] * (1 - t) + values[:, j + 1] * t
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerRecord:
     """One layer of the flat list, with its measured costs."""
@@ -138,21 +161,9 @@ class Profile:
         return last_block_layer + 1
 
     def _interp(self, values: tuple[float, ...], micro_batch: float) -> float:
-        """Seconds at a micro-batch size: piecewise-linear between measured sizes, linear beyond."""
-        bs = np.asarray(self.batch_sizes, dtype=float)
-        vs = np.asarray(values, dtype=float)
-        if len(bs) == 1:
-            return float(vs[0] * micro_batch / bs[0])
-        if micro_batch <= bs[0]:
-            # below the smallest measured size: scale proportionally but keep the fixed overhead
-            slope = (vs[1] - vs[0]) / (bs[1] - bs[0])
-            return float(max(vs[0] - slope * (bs[0] - micro_batch), vs[0] * micro_batch / bs[0]))
-        if micro_batch >= bs[-1]:
-            slope = max((vs[-1] - vs[-2]) / (bs[-1] - bs[-2]), 0.0)
-            if slope == 0.0:
-                slope = vs[-1] / bs[-1]
-            return float(vs[-1] + slope * (micro_batch - bs[-1]))
-        return float(np.interp(micro_batch, bs, vs))
+        """Seconds at a micro-batch size (see ``interp_rows`` for the rule)."""
+        return float(interp_rows(np.asarray(self.batch_sizes, dtype=float),
+                                 np.asarray([values], dtype=float), micro_batch)[0])
 
     def forward_s(self, layer: int, micro_batch: float) -> float:
         return self._interp(self.layers[layer].forward_s, micro_batch)
@@ -186,7 +197,8 @@ class Profile:
         return h.hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        """Plain JSON types (lists, not tuples), ready for json.dumps or the validator."""
+        d = json.loads(json.dumps(asdict(self)))
         return {"schema": d.pop("schema"), **d}
 
 

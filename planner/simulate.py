@@ -1,0 +1,332 @@
+"""Discrete-event simulation of one training iteration of one pipeline, for a schedule given as data.
+
+Legend: K stages, M micro-batches, R ranks (R = K for GPipe and 1F1B), f / b forward / backward
+seconds of one micro-batch on a stage.
+
+Model (what the numbers mean):
+
+- Each rank runs its action list in order, one compute action at a time. F costs
+  ``forward_s`` (plus ``prefix_s`` on stage 0: the frozen prefix runs just before each forward and
+  shows as a PREFIX event), B costs ``backward_s``.
+- Point-to-point messages do not block the sender's compute: a SEND occupies the directed link
+  (sending rank → receiving rank) for ``send_forward_s`` / ``send_backward_s`` of the *sending*
+  stage, starting when the sender reaches it in its list and the link is free (sends on one link
+  go one at a time, in list order; the two directions are independent). A RECV blocks its rank
+  until the data has arrived (the end of the matching send). In the timeline the transfer shows
+  as SEND_x on the sending rank and RECV_x on the receiving rank, both over the transfer's interval.
+- ALLREDUCE of stage s runs on a per-rank data-parallel channel, apart from compute, starting when
+  the rank reaches it (after the stage's last backward, where the generators put it) for
+  ``allreduce_s``; so one stage's all-reduce overlaps other stages' remaining backwards.
+  iteration_s = max(makespan, every all-reduce's end).
+- Memory on stage s: ``fixed_bytes`` + peak in-flight micro-batches × (``activation_bytes_per_mb``
+  + ``output_bytes_per_mb``), where a micro-batch is in flight from its F's start to its B's end.
+  Since one rank computes one action at a time, that peak follows from list order alone.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from .errors import PtplanError
+from .plan import TimelineEvent
+from .schedule import Action, ActionKind, Schedule, ScheduleError, check_schedule, is_generated
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageCost:
+    """Costs of one pipeline stage for one micro-batch (seconds) and its memory (bytes)."""
+
+    forward_s: float
+    """One micro-batch forward on this stage (active layers)."""
+    backward_s: float
+    """One micro-batch backward on this stage."""
+    prefix_s: float = 0.0
+    """Stage 0 only: frozen-prefix no-grad forward (or cache read) per micro-batch, run before F."""
+    send_forward_s: float = 0.0
+    """Time to send one micro-batch's output activation to the next stage."""
+    send_backward_s: float = 0.0
+    """Time to send one micro-batch's input gradient to the previous stage."""
+    allreduce_s: float = 0.0
+    """Data-parallel gradient all-reduce of this stage's trainable parameters (0 when D == 1)."""
+    fixed_bytes: int = 0
+    """Weights + gradients + optimizer state (+ the frozen prefix's weights on stage 0)."""
+    activation_bytes_per_mb: int = 0
+    """Bytes saved for backward per micro-batch, held from its F's start until its B ends."""
+    output_bytes_per_mb: int = 0
+    """Transient output / receive buffer per micro-batch in flight."""
+
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "prefix_s", "send_forward_s", "send_backward_s", "allreduce_s"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+                raise PtplanError(f"StageCost.{name} must be a finite number of seconds >= 0, got {v!r}")
+            object.__setattr__(self, name, float(v))  # numpy scalars become plain floats
+        for name in ("fixed_bytes", "activation_bytes_per_mb", "output_bytes_per_mb"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
+                raise PtplanError(f"StageCost.{name} must be an integer number of bytes >= 0, got {v!r}")
+            object.__setattr__(self, name, int(v))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    iteration_s: float
+    """Seconds for the iteration, the exposed all-reduce included."""
+    bubble_fraction: float
+    """1 - Σ busy compute / (R · makespan): the ranks' idle share before the all-reduce tail."""
+    allreduce_s: float
+    """Exposed all-reduce: iteration_s - makespan_s."""
+    makespan_s: float
+    """The pipeline part (every compute and receive done), before the all-reduce tail."""
+    stage_busy_s: tuple[float, ...]
+    """Per stage: compute seconds (forwards, prefix and backwards)."""
+    stage_peak_memory_bytes: tuple[int, ...]
+    peak_inflight: tuple[int, ...]
+    """Per stage: most micro-batches whose activations are held at once."""
+    events: tuple[TimelineEvent, ...] = ()
+    """The timeline, when ``simulate(..., events=True)``; sorted by (start, rank)."""
+
+
+class ClosedForm(NamedTuple):
+    makespan_s: float
+    bubble_fraction: float
+
+
+def gpipe_closed_form(K: int, M: int, f: float, b: float) -> ClosedForm:
+    """GPipe on K uniform stages, zero communication: (M+K-1)(f+b), bubble (K-1)/(M+K-1)."""
+    return ClosedForm((M + K - 1) * (f + b), (K - 1) / (M + K - 1))
+
+
+def one_f_one_b_closed_form(K: int, M: int, f: float, b: float) -> ClosedForm:
+    """1F1B on K uniform stages, zero communication, M >= K: the same makespan and bubble as GPipe
+    (1F1B saves activation memory, not time)."""
+    if M < K:
+        raise ScheduleError(f"1F1B needs M >= K, got M={M} < K={K}")
+    return gpipe_closed_form(K, M, f, b)
+
+
+# ---- compiled program ---------------------------------------------------------------------
+_COMPUTE, _SEND, _RECV, _ALLREDUCE = range(4)
+# duration slots per stage in the per-call table: F (+prefix), B, SEND_F, SEND_B, ALLREDUCE
+_NSLOT = 5
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A schedule flattened, in a dependency-respecting order, to parallel integer tuples."""
+
+    op: tuple[int, ...]
+    rank: tuple[int, ...]
+    slot: tuple[int, ...]
+    """Index into the duration table (stage * _NSLOT + kind slot); -1 for receives."""
+    chan: tuple[int, ...]
+    """Sends: directed-link id. Receives and others: -1."""
+    msg: tuple[int, ...]
+    """Sends and receives: message id (shared by a send and its receive). Others: -1."""
+    actions: tuple[Action, ...]
+    """The action at each program position (for events)."""
+    num_msgs: int
+    num_links: int
+    count_f: tuple[int, ...]
+    count_b: tuple[int, ...]
+    peak_inflight: tuple[int, ...]
+
+
+_PROGRAM_ATTR = "_ptplan_sim_program"
+
+
+def _compile(schedule: Schedule) -> _Program:
+    """Check the schedule (unless a generator made it) and flatten it; cached on the schedule object."""
+    cached = schedule.__dict__.get(_PROGRAM_ATTR)
+    if cached is not None:
+        return cached
+    if schedule.slices != 1:
+        raise ScheduleError(f"schedule {schedule.name!r} uses {schedule.slices} token slices; the simulator does "
+                            f"not model token slices yet (StageCost is per micro-batch)")
+    if any(a.kind is ActionKind.W for acts in schedule.actions for a in acts):
+        raise ScheduleError(f"schedule {schedule.name!r} has weight-gradient (W) actions; the simulator does "
+                            f"not model zero-bubble schedules yet (StageCost has no weight-gradient time)")
+    if not is_generated(schedule):
+        check_schedule(schedule)  # raises ScheduleError on any problem, deadlocks included
+    prog = _flatten(schedule)
+    object.__setattr__(schedule, _PROGRAM_ATTR, prog)  # a cache beside the fields, not a field
+    return prog
+
+
+def _flatten(schedule: Schedule) -> _Program:
+    """One greedy pass: sweep the ranks (alternating direction), each running its list until it meets
+    a receive whose send has not run yet; record every action in the order it ran."""
+    s2r = schedule.stage_to_rank
+    lists = schedule.actions
+    R, K = len(lists), schedule.K
+    F, B, SF, SB, RF, RB, AR = (ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.SEND_B,
+                                ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ALLREDUCE)
+    links: dict[tuple[int, int], int] = {}
+    sent: dict[tuple[int, bool, int, int], int] = {}  # (receiving stage, forward?, mb, slice) -> message id
+    op: list[int] = []
+    rank: list[int] = []
+    slot: list[int] = []
+    chan: list[int] = []
+    msg: list[int] = []
+    acts: list = []
+    count_f, count_b = [0] * K, [0] * K
+    live, peak = [0] * K, [0] * K
+    ptr = [0] * R
+    remaining = sum(map(len, lists))
+    sweep = 0
+    while remaining:
+        progressed = False
+        for r in (range(R) if sweep % 2 == 0 else range(R - 1, -1, -1)):
+            lst = lists[r]
+            i0 = i = ptr[r]
+            n = len(lst)
+            while i < n:
+                a = lst[i]
+                k = a.kind
+                s = a.stage
+                if k is RF or k is RB:
+                    mid = sent.get((s, k is RF, a.mb, a.slice))
+                    if mid is None:
+                        break  # blocked: its send has not run yet
+                    op.append(_RECV)
+                    slot.append(-1)
+                    chan.append(-1)
+                    msg.append(mid)
+                else:
+                    c = -1
+                    mid = -1
+                    if k is F:
+                        o, sl = _COMPUTE, s * _NSLOT
+                        count_f[s] += 1
+                        live[s] += 1
+                        if live[s] > peak[s]:
+                            peak[s] = live[s]
+                    elif k is B:
+                        o, sl = _COMPUTE, s * _NSLOT + 1
+                        count_b[s] += 1
+                        live[s] -= 1
+                    elif k is SF or k is SB:
+                        fwd = k is SF
+                        dst = s + 1 if fwd else s - 1
+                        o, sl = _SEND, s * _NSLOT + (2 if fwd else 3)
+                        c = links.setdefault((r, s2r[dst]), len(links))
+                        mid = sent[(dst, fwd, a.mb, a.slice)] = len(sent)
+                    elif k is AR:
+                        o, sl = _ALLREDUCE, s * _NSLOT + 4
+                    else:  # pragma: no cover - rejected before (W) or by Action itself
+                        raise ScheduleError(f"the simulator cannot run {a}")
+                    op.append(o)
+                    slot.append(sl)
+                    chan.append(c)
+                    msg.append(mid)
+                rank.append(r)
+                acts.append(a)
+                i += 1
+            if i != i0:
+                ptr[r] = i
+                remaining -= i - i0
+                progressed = True
+        if not progressed:  # pragma: no cover - check_schedule finds deadlocks first
+            raise ScheduleError(f"schedule {schedule.name!r} deadlocks; run check_schedule for details")
+        sweep += 1
+    return _Program(op=tuple(op), rank=tuple(rank), slot=tuple(slot), chan=tuple(chan), msg=tuple(msg),
+                    actions=tuple(acts), num_msgs=len(sent), num_links=len(links),
+                    count_f=tuple(count_f), count_b=tuple(count_b), peak_inflight=tuple(peak))
+
+
+# ---- simulation ---------------------------------------------------------------------------
+def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = False) -> SimResult:
+    """Simulate one iteration of ``schedule`` with per-stage ``costs`` (see the module docstring).
+
+    The schedule is checked (``check_schedule``; skipped for the generators' own output, which the
+    tests check) and flattened once per schedule object; later calls only run the event loop, and
+    ``build_schedule`` returns the same object for the same (name, K, M).
+    """
+    K = schedule.K
+    if len(costs) != K:
+        raise PtplanError(f"simulate: {len(costs)} stage costs for a schedule with K={K} stages; give one "
+                          f"StageCost per stage")
+    for s, c in enumerate(costs):
+        if s > 0 and c.prefix_s > 0:
+            raise PtplanError(f"simulate: stage {s} has prefix_s={c.prefix_s}, but only stage 0 runs the frozen "
+                              f"prefix; put its cost on stage 0")
+    prog = _compile(schedule)
+    dur: list[float] = []
+    for c in costs:
+        dur += (c.forward_s + c.prefix_s, c.backward_s, c.send_forward_s, c.send_backward_s, c.allreduce_s)
+
+    R = schedule.num_ranks
+    T = [0.0] * R                  # each rank's compute clock
+    D = [0.0] * R                  # each rank's all-reduce channel: free from
+    L = [0.0] * prog.num_links     # each directed link: free from
+    A = [0.0] * prog.num_msgs      # each message: arrival time
+    start = [0.0] * len(prog.op)
+    i = 0  # op codes as literals in the hot loop: 0 _COMPUTE, 1 _SEND, 2 _RECV, 3 _ALLREDUCE
+    for o, r, d, ch, mg in zip(prog.op, prog.rank, prog.slot, prog.chan, prog.msg):
+        if o == 0:  # compute
+            t = T[r]
+            start[i] = t
+            T[r] = t + dur[d]
+        elif o == 1:  # send: wait for the link, not for the receiver
+            t = T[r]
+            lf = L[ch]
+            if lf > t:
+                t = lf
+            start[i] = t
+            e = t + dur[d]
+            L[ch] = e
+            A[mg] = e
+        elif o == 2:  # receive: block until the data has arrived
+            a = A[mg]
+            if a > T[r]:
+                T[r] = a
+        else:  # all-reduce, on its own channel
+            t = T[r]
+            df = D[r]
+            if df > t:
+                t = df
+            start[i] = t
+            D[r] = t + dur[d]
+        i += 1
+
+    makespan = max(T)
+    iteration = max(makespan, max(D))
+    busy = tuple(prog.count_f[s] * (costs[s].forward_s + costs[s].prefix_s) + prog.count_b[s] * costs[s].backward_s
+                 for s in range(K))
+    bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
+    memory = tuple(c.fixed_bytes + p * (c.activation_bytes_per_mb + c.output_bytes_per_mb)
+                   for c, p in zip(costs, prog.peak_inflight))
+    return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=iteration - makespan,
+                     makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
+                     peak_inflight=prog.peak_inflight,
+                     events=_events(schedule, prog, costs, dur, start) if events else ())
+
+
+_COMM_EVENT = {ActionKind.SEND_F: ("SEND_F", "RECV_F"), ActionKind.SEND_B: ("SEND_B", "RECV_B")}
+
+
+def _events(schedule: Schedule, prog: _Program, costs: Sequence[StageCost], dur: list[float],
+            start: list[float]) -> tuple[TimelineEvent, ...]:
+    s2r = schedule.stage_to_rank
+    out: list[TimelineEvent] = []
+    for i, (o, r, a) in enumerate(zip(prog.op, prog.rank, prog.actions)):
+        if o == _RECV:
+            continue  # drawn from its send, on the receiving rank
+        t = start[i]
+        d = dur[prog.slot[i]]
+        if o == _COMPUTE:
+            p = costs[a.stage].prefix_s if a.kind is ActionKind.F else 0.0
+            if p > 0:
+                out.append(TimelineEvent(rank=r, stage=a.stage, kind="PREFIX", mb=a.mb, start=t, end=t + p))
+            out.append(TimelineEvent(rank=r, stage=a.stage, kind=a.kind.value, mb=a.mb, start=t + p, end=t + d))
+        elif d > 0 and o == _SEND:
+            send_kind, recv_kind = _COMM_EVENT[a.kind]
+            dst = a.stage + 1 if a.kind is ActionKind.SEND_F else a.stage - 1
+            out.append(TimelineEvent(rank=r, stage=a.stage, kind=send_kind, mb=a.mb, start=t, end=t + d))
+            out.append(TimelineEvent(rank=s2r[dst], stage=dst, kind=recv_kind, mb=a.mb, start=t, end=t + d))
+        elif d > 0 and o == _ALLREDUCE:
+            out.append(TimelineEvent(rank=r, stage=a.stage, kind="ALLREDUCE", mb=-1, start=t, end=t + d))
+    out.sort(key=lambda e: (e.start, e.rank))
+    return tuple(out)
