@@ -1,0 +1,140 @@
+"""Prediction against reality: read a run log (run.jsonl) and set it beside the plan, phase by phase."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import PtplanError
+from .plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseComparison:
+    phase: int
+    frozen_blocks: int
+    K: int
+    D: int
+    M: int
+    steps: int
+    """Steps measured (the first ``warmup`` steps of each visit to the phase are left out)."""
+    predicted_iteration_s: float
+    measured_iteration_s: float
+    """Median measured step time."""
+    iteration_error: float
+    """(predicted − measured) / measured."""
+    predicted_samples_per_s: float
+    measured_samples_per_s: float
+    predicted_peak_memory_bytes: int
+    measured_peak_memory_bytes: int | None
+    memory_error: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comparison:
+    phases: tuple[PhaseComparison, ...]
+    transitions: tuple[dict[str, Any], ...]
+    median_abs_iteration_error: float
+    median_abs_memory_error: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_run_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Parse run.jsonl; each line one JSON object with a ``type``. Errors name the line."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        raise PtplanError(f"cannot read run log {path}: {e.strerror}") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PtplanError(f"run log {path} line {i} is not JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or "type" not in rec:
+            raise PtplanError(f"run log {path} line {i}: expected an object with a 'type' field")
+        out.append(rec)
+    if not any(r["type"] == "step" for r in out):
+        raise PtplanError(f"run log {path} has no step records; was the run started with --log?")
+    return out
+
+
+def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
+    """Median measured step time per phase against the plan's prediction."""
+    header = next((r for r in records if r["type"] == "header"), None)
+    if header is not None:
+        fp = header.get("plan_fingerprint") or header.get("fingerprint")
+        want = plan.inputs.get("profile", {}).get("fingerprint")
+        if fp and want and fp != want:
+            raise PtplanError(f"the run log was made with a plan for profile fingerprint {fp}, but this plan's is "
+                              f"{want}; compare the run with the plan it ran")
+    by_phase: dict[int, list[dict]] = {}
+    seen_in_visit: dict[int, int] = {}
+    last_phase = None
+    for r in records:
+        if r["type"] != "step":
+            continue
+        try:
+            ph = int(r["phase"])
+            secs = float(r["seconds"])
+        except (KeyError, TypeError, ValueError):
+            raise PtplanError(f"run log step record without numeric 'phase' and 'seconds': {r}") from None
+        if ph != last_phase:
+            seen_in_visit[ph] = 0
+            last_phase = ph
+        seen_in_visit[ph] += 1
+        if seen_in_visit[ph] <= warmup:
+            continue
+        if not 0 <= ph < len(plan.phases):
+            raise PtplanError(f"run log refers to phase {ph} but the plan has {len(plan.phases)} phases")
+        by_phase.setdefault(ph, []).append(r)
+    rows = []
+    for ph, recs in sorted(by_phase.items()):
+        p = plan.phases[ph]
+        meas = statistics.median(float(r["seconds"]) for r in recs)
+        samples = statistics.median(float(r.get("samples", p.global_batch)) for r in recs)
+        mem_vals = [int(r["peak_memory_bytes"]) for r in recs if r.get("peak_memory_bytes") is not None]
+        pred_mem = max(p.predicted.stage_peak_memory_bytes)
+        meas_mem = max(mem_vals) if mem_vals else None
+        rows.append(PhaseComparison(
+            phase=ph, frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, steps=len(recs),
+            predicted_iteration_s=p.predicted.iteration_s, measured_iteration_s=meas,
+            iteration_error=(p.predicted.iteration_s - meas) / meas if meas > 0 else float("nan"),
+            predicted_samples_per_s=p.predicted.samples_per_s,
+            measured_samples_per_s=samples / meas if meas > 0 else 0.0,
+            predicted_peak_memory_bytes=pred_mem, measured_peak_memory_bytes=meas_mem,
+            memory_error=(pred_mem - meas_mem) / meas_mem if meas_mem else None))
+    if not rows:
+        raise PtplanError(f"no phase has more than {warmup} measured step(s); run more steps per phase")
+    mem_errs = [abs(r.memory_error) for r in rows if r.memory_error is not None]
+    return Comparison(
+        phases=tuple(rows), transitions=tuple(r for r in records if r["type"] == "transition"),
+        median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in rows),
+        median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
+
+
+def format_comparison(c: Comparison) -> str:
+    hdr = (f"{'phase':>5} {'frozen':>6} {'K':>3} {'D':>3} {'M':>3} {'steps':>5} {'pred s/it':>10} {'meas s/it':>10} "
+           f"{'err':>7} {'pred smp/s':>10} {'meas smp/s':>10} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}")
+    lines = [hdr, "-" * len(hdr)]
+    for r in c.phases:
+        mm = f"{r.measured_peak_memory_bytes / 2**20:>9.1f}" if r.measured_peak_memory_bytes else f"{'-':>9}"
+        me = f"{r.memory_error:>+7.1%}" if r.memory_error is not None else f"{'-':>7}"
+        lines.append(f"{r.phase:>5} {r.frozen_blocks:>6} {r.K:>3} {r.D:>3} {r.M:>3} {r.steps:>5} "
+                     f"{r.predicted_iteration_s:>10.4f} {r.measured_iteration_s:>10.4f} {r.iteration_error:>+7.1%} "
+                     f"{r.predicted_samples_per_s:>10.1f} {r.measured_samples_per_s:>10.1f} "
+                     f"{r.predicted_peak_memory_bytes / 2**20:>9.1f} {mm} {me}")
+    lines.append(f"median |error|: iteration time {c.median_abs_iteration_error:.1%}"
+                 + (f", peak memory {c.median_abs_memory_error:.1%}" if c.median_abs_memory_error is not None else
+                    ", peak memory not measured"))
+    for t in c.transitions:
+        parts = ", ".join(f"{k} {v:.3f} s" for k, v in (t.get("parts") or {}).items())
+        lines.append(f"transition at step {t.get('step')}: {t.get('from_phase')} -> {t.get('to_phase')} in "
+                     f"{float(t.get('seconds', 0)):.3f} s ({parts})")
+    return "\n".join(lines)
