@@ -74,6 +74,13 @@ def format_plan_table(plan) -> str:
     lines.append("")
     lines.append(f"baseline (no freezing, static K={b.K}, D={b.D}, M={b.M}): {plan.baseline.seconds:.1f} s; "
                  f"plan: {plan.totals['seconds']:.1f} s; predicted speedup {plan.totals['speedup']:.2f}x")
+    if plan.totals.get("best_static_K") is not None and (plan.totals["best_static_K"], plan.totals["best_static_M"]) != (b.K, b.M):
+        lines.append(f"best static configuration without freezing (K={int(plan.totals['best_static_K'])}, "
+                     f"M={int(plan.totals['best_static_M'])}): {plan.totals['best_static_seconds']:.1f} s; "
+                     f"speedup over it {plan.totals['speedup_vs_best_static']:.2f}x")
+    if prof.get("device_kind") == "cpu" and "cpu" not in str(cl.get("gpu_name", "")).lower():
+        lines.append(f"note: the profile was measured on {prof['device']} (CPU); predicted seconds use its compute "
+                     f"speed with the cluster's links and memory. Profile on the target GPU for absolute numbers.")
     return "\n".join(lines)
 
 
@@ -94,6 +101,9 @@ def format_plan_table(plan) -> str:
 @click.option("--manual", "manual", default=None, help="Frozen blocks per epoch, e.g. 0,4,7,9 (with --freeze manual).")
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
 @click.option("-K", "--pipeline-length", "pin_k", type=int, default=None, help="Pin the pipeline length K.")
+@click.option("--start-K", "start_k", type=int, default=None,
+              help="Start from this pipeline length and only compress (the paper: one pipeline per node, K=8); "
+                   "the baseline is then this static pipeline.")
 @click.option("-M", "--micro-batches", "pin_m", type=int, default=None, help="Pin the micro-batch count M.")
 @click.option("--cache", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
               help="AutoCache of the frozen prefix's outputs.")
@@ -103,7 +113,7 @@ def format_plan_table(plan) -> str:
 @click.option("--report", default=None, help="Also write the interactive HTML report here.")
 @click.option("--quiet", is_flag=True, help="Do not print the table.")
 def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
-         schedule, pin_k, pin_m, cache, memory_fraction, out, report, quiet) -> None:
+         schedule, pin_k, start_k, pin_m, cache, memory_fraction, out, report, quiet) -> None:
     """Plan elastic pipelined training for PROFILE (a profile file or a shipped profile name).
 
     Default: the shipped ViT-B/16 profile on the paper's cluster, α=1/3, 10 epochs.
@@ -125,7 +135,7 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
         raise PtplanError("--freeze manual needs --manual with the frozen blocks per epoch, e.g. --manual 0,4,7,9")
     freeze = FreezePolicy(policy=freeze_policy, alpha=alpha, manual=tuple(manual_list or ()))
     training = TrainingConfig(epochs=epochs, samples_per_epoch=samples_per_epoch, batch=batch,
-                              batch_policy=batch_policy, schedule=schedule, pin_K=pin_k, pin_M=pin_m, cache=cache,
+                              batch_policy=batch_policy, schedule=schedule, pin_K=pin_k, start_K=start_k, pin_M=pin_m, cache=cache,
                               memory_fraction=memory_fraction)
     t0 = time.perf_counter()
     result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath))

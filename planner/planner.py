@@ -61,6 +61,9 @@ class TrainingConfig:
     """Use this pipeline length in every phase (when it fits), instead of searching."""
     pin_M: int | None = None
     """Use this micro-batch count in every phase, instead of searching."""
+    start_K: int | None = None
+    """Start from this pipeline length (the paper starts with one pipeline per node) and only compress:
+    the no-freeze phase and the baseline use it, later phases choose any K <= start_K."""
     cache: str = "off"
     """AutoCache: ``off``, ``on`` (whenever something is frozen) or ``auto`` (when it pays)."""
     memory_fraction: float = 0.9
@@ -87,6 +90,10 @@ class TrainingConfig:
             raise PtplanError(f"memory fraction must be in (0, 1], got {self.memory_fraction}")
         if self.pin_K is not None and self.pin_K < 1:
             raise PtplanError(f"pinned K must be at least 1, got {self.pin_K}")
+        if self.start_K is not None and self.start_K < 1:
+            raise PtplanError(f"start K must be at least 1, got {self.start_K}")
+        if self.start_K is not None and self.pin_K is not None:
+            raise PtplanError("give either a pinned K (--pipeline-length) or a start K (--start-K), not both")
         if self.pin_M is not None and self.pin_M < 1:
             raise PtplanError(f"pinned M must be at least 1, got {self.pin_M}")
 
@@ -267,10 +274,21 @@ class _PhasePlanner:
         return self._schedules[key]
 
     # -- one phase ----------------------------------------------------------------------------
-    def phase(self, f: int, keep_timeline: bool, simulate_top: int = 3) -> Phase:
+    def k_candidates(self, f: int, n_active: int, free: bool) -> list[int]:
+        """Pipeline lengths to try: the pinned one, start_K for the no-freeze phase, else every divisor."""
+        if self.cfg.pin_K is not None:
+            return [self.cfg.pin_K]
+        if self.cfg.start_K is not None and not free:
+            if f == 0:
+                return [self.cfg.start_K]
+            return [k for k in _divisors(self.world) if k <= min(n_active, self.cfg.start_K)]
+        return [k for k in _divisors(self.world) if k <= n_active]
+
+    def phase(self, f: int, keep_timeline: bool, simulate_top: int = 3, free: bool = False) -> Phase:
+        """The best configuration for f frozen blocks (``free``: ignore start_K)."""
         n0 = self.p.frozen_boundary(f)
         n_active = self.n - n0
-        Ks = [self.cfg.pin_K] if self.cfg.pin_K is not None else [k for k in _divisors(self.world) if k <= n_active]
+        Ks = self.k_candidates(f, n_active, free)
         cands: list[_Candidate] = []
         reasons: list[str] = []
         for K in Ks:
@@ -388,9 +406,13 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
         points.append(TrajectoryPoint(epoch=e, frozen_blocks=f, phase=index[f], iterations=iters, seconds=secs))
         total_s += secs
         total_samples += iters * ph.global_batch
+    def static_seconds(ph: Phase) -> float:
+        return training.epochs * (training.samples_per_epoch // ph.global_batch) * ph.predicted.iteration_s
+
     base_phase = phases[index[0]]
-    base_iters = training.samples_per_epoch // base_phase.global_batch
-    base_s = training.epochs * base_iters * base_phase.predicted.iteration_s
+    base_s = static_seconds(base_phase)
+    best_static = pp.phase(0, keep_timeline=False, free=True) if training.start_K is not None else base_phase
+    best_static_s = static_seconds(best_static)
     inputs = {
         "profile": {**profile.identity(), **({"path": profile_path} if profile_path else {})},
         "cluster": cluster.to_json(),
@@ -399,6 +421,8 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     totals = {"seconds": total_s, "samples": total_samples, "baseline_seconds": base_s,
-              "speedup": base_s / total_s if total_s > 0 else 0.0}
+              "speedup": base_s / total_s if total_s > 0 else 0.0,
+              "best_static_seconds": best_static_s, "best_static_K": best_static.K, "best_static_M": best_static.M,
+              "speedup_vs_best_static": best_static_s / total_s if total_s > 0 else 0.0}
     return Plan(inputs=json.loads(json.dumps(inputs)), phases=tuple(phases), trajectory=tuple(points), totals=totals,
                 baseline=Baseline(phase=base_phase, seconds=base_s))
