@@ -1,0 +1,115 @@
+"""``ptplan profile``: measure every layer of a model on a device and write a profile JSON."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from ptplan.planner.errors import PtplanError
+
+DTYPES = ("float32", "bfloat16", "float16")
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; anything else is a PtplanError."""
+    parts = [p.strip() for p in text.split(",")]
+    out = []
+    for p in parts:
+        try:
+            b = int(p)
+        except ValueError:
+            raise PtplanError(f"--batch-sizes must be a comma-separated list of positive integers, "
+                              f"e.g. 1,2,4; got {text!r}") from None
+        if b <= 0:
+            raise PtplanError(f"--batch-sizes must be positive, got {b} in {text!r}")
+        out.append(b)
+    return out
+
+
+@click.command("profile")
+@click.argument("model_name", metavar="MODEL")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample (BERT/GPT-2; default 128).")
+@click.option("--image-size", type=int, default=None, help="ViT image side in pixels (default 224; tiny 32).")
+@click.option("--batch-sizes", default="1,2,4", show_default=True, help="Micro-batch sizes, comma-separated.")
+@click.option("--granularity", type=click.Choice(("half", "block")), default="half", show_default=True,
+              help="half: attention and MLP halves of each block; block: one layer per block.")
+@click.option("--warmup", type=int, default=2, show_default=True, help="Untimed repeats per batch size.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Timed repeats (median) per batch size.")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU; default torch's).")
+@click.option("--timer", type=click.Choice(("wall", "cpu")), default="wall", show_default=True,
+              help="CPU only: wall clock, or process CPU time (needs --threads 1; robust on a shared machine).")
+@click.option("--dropout", type=float, default=None, help="Set every dropout probability (default: the config's).")
+@click.option("--weights", type=click.Path(), default=None, help="Local Hugging Face model folder to load.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Output file [default: MODEL_DEVICE_DTYPE.json, e.g. bert-base_cpu_fp32.json].")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
+            batch_sizes: str, granularity: str, warmup: int, repeats: int, threads: int | None, timer: str,
+            dropout: float | None, weights: str | None, out: str | None, quiet: bool) -> None:
+    """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
+
+    \b
+    MODEL: bert-tiny bert-base bert-large vit-tiny vit-base vit-large gpt2-tiny gpt2 gpt2-medium
+    Example: ptplan profile bert-base --device cpu --batch-sizes 1,2,4 --out p.json
+    """
+    sizes = parse_batch_sizes(batch_sizes)
+    if warmup < 0:
+        raise PtplanError(f"--warmup must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise PtplanError(f"--repeats must be >= 1, got {repeats}")
+    if threads is not None and threads < 1:
+        raise PtplanError(f"--threads must be >= 1, got {threads}")
+    dev_kind = device.split(":")[0]
+    path = Path(out) if out else Path(f"{model_name}_{dev_kind}_{_SHORT[dtype]}.json")
+    if not path.parent.is_dir():
+        raise PtplanError(f"output folder does not exist: {path.parent}")
+
+    import torch  # torch only when profiling: the other commands stay fast
+
+    from ptplan.executor.models import build_model
+    from ptplan.executor.profiler import agreement, check_batch_sizes, profile_model, resolve_device
+    from ptplan.planner.profile import save_profile
+
+    resolve_device(device)  # fail on a missing GPU before building a large model
+    check_batch_sizes(sizes)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    _warn_if_busy(dev_kind, timer)
+    model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
+                        dtype=getattr(torch, dtype), dropout=dropout, weights=weights)
+    prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
+                         progress=not quiet, timer=timer)
+    save_profile(prof, path)
+    _print_summary(prof, agreement(prof))
+    click.echo(f"wrote {path}")
+
+
+def _warn_if_busy(dev_kind: str, timer: str) -> None:
+    """On CPU with the wall timer, say so when other work is already running (timings will be noisy)."""
+    if dev_kind != "cpu" or timer != "wall" or not hasattr(os, "getloadavg"):
+        return
+    load = os.getloadavg()[0]
+    if load >= 1.0:
+        click.echo(f"note: this machine is busy (load average {load:.1f} on {os.cpu_count()} cores), so wall-clock "
+                   "timings will be noisy; --threads 1 --timer cpu measures CPU time instead", err=True)
+
+
+def _print_summary(prof, agree) -> None:
+    j = len(prof.batch_sizes) - 1
+    b = prof.batch_sizes[j]
+    m, d = prof.model, prof.device
+    click.echo(f"{m.name}: {m.num_blocks} blocks, {prof.num_layers} layers ({m.granularity}), seq {m.seq_len}, "
+               f"{m.dtype} on {d.kind} ({d.name}, {d.threads} threads)")
+    click.echo(f"per layer at micro-batch {b} (ms; saved = activation bytes kept for backward per sample):")
+    click.echo(f"{'#':>3} {'layer':<14} {'kind':<9} {'params':>11} {'fwd':>9} {'bwd':>9} {'nograd':>9} "
+               f"{'saved MB':>9}")
+    for r in prof.layers:
+        click.echo(f"{r.index:>3} {r.name:<14} {r.kind:<9} {r.params:>11,} {1e3 * r.forward_s[j]:>9.2f} "
+                   f"{1e3 * r.backward_s[j]:>9.2f} {1e3 * r.nograd_forward_s[j]:>9.2f} "
+                   f"{r.saved_bytes_per_sample / 2**20:>9.2f}")
+    for bsz, s, w, rel in agree:
+        click.echo(f"batch {bsz}: per-layer sum {s:.4f} s vs whole-model step {w:.4f} s ({100 * rel:+.1f}%)")
