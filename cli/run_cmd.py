@@ -1,0 +1,110 @@
+"""``ptplan run``: check the plan against the job, then launch torchrun with one worker per process."""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+import click
+
+from ptplan.planner.errors import PtplanError
+
+
+@click.command("run")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
+@click.option("--model", required=True, help="Model adapter name, e.g. bert-base (must match the plan's profile).")
+@click.option("--weights", type=click.Path(file_okay=False), default=None,
+              help="Local Hugging Face model folder to start from (default: random init from --seed).")
+@click.option("--nproc-per-node", type=int, required=True, help="Processes (GPUs) on this node.")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes (torchrun), or MIN:MAX.")
+@click.option("--node-rank", type=int, default=None, help="This node's rank (torchrun static rendezvous).")
+@click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (torchrun).")
+@click.option("--rdzv-id", default=None, help="Job id shared by all nodes (torchrun).")
+@click.option("--rdzv-backend", default=None, help="Rendezvous backend, e.g. c10d (torchrun).")
+@click.option("--master-addr", default=None, help="Static rendezvous address (torchrun).")
+@click.option("--master-port", type=int, default=None, help="Static rendezvous port (torchrun).")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Restart the worker group on a failure; restarts resume from --checkpoint-dir.")
+@click.option("--epochs", type=int, default=None, help="Epochs (default: the plan's).")
+@click.option("--steps-per-epoch", type=int, default=None, help="Optimizer steps per epoch (default: the data's).")
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="adamw", show_default=True)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--adam-eps", type=float, default=1e-8, show_default=True, help="AdamW epsilon.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--freeze", type=click.Choice(["planned", "adaptive"]), default="planned", show_default=True,
+              help="Follow the plan's trajectory, or decide from measured gradient norms.")
+@click.option("--freeze-every", type=int, default=None,
+              help="A freeze step every N optimizer steps (default: the plan's cadence, per epoch).")
+@click.option("--alpha", type=float, default=None, help="Freeze rate for --freeze adaptive (default: the plan's).")
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--checkpoint-every", type=int, default=0, show_default=True,
+              help="Also checkpoint every N steps (always at each epoch end when --checkpoint-dir is set).")
+@click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir/checkpoint.pt.")
+@click.option("--log", "log_path", type=click.Path(dir_okay=False), default="run.jsonl", show_default=True,
+              help="Run log (JSON lines) for `ptplan compare`.")
+@click.option("--data", default="synthetic", show_default=True,
+              help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask.")
+@click.option("--no-shuffle", is_flag=True, help="Visit samples in id order.")
+@click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+              help="Seconds a collective may wait before the job fails (a dead rank).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--dry-run", is_flag=True, help="Check everything and print the torchrun command; do not run.")
+def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nnodes: str, node_rank: int | None,
+        rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, master_addr: str | None,
+        master_port: int | None, max_restarts: int, epochs: int | None, steps_per_epoch: int | None,
+        optimizer: str, lr: float, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
+        freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
+        resume: bool, log_path: str, data: str, no_shuffle: bool, dropout: float | None, device: str,
+        timeout_s: float, no_progress: bool, dry_run: bool) -> None:
+    """Replay PLAN as real elastic pipelined data-parallel training (torchrun; gloo on CPU, NCCL on GPU).
+
+    \b
+    one node:   ptplan run plan.json --model bert-base --nproc-per-node 4
+    two nodes:  ptplan run plan.json --model bert-base --nproc-per-node 8 --nnodes 2 \\
+                  --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1   (on each node)
+    """
+    from ptplan.executor.config import RunConfig
+    from ptplan.executor.launch import Rendezvous, command, launch
+
+    if nproc_per_node < 1:
+        raise PtplanError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+    cfg = RunConfig(plan=os.path.abspath(plan_path), model=model, weights=weights, epochs=epochs,
+                    steps_per_epoch=steps_per_epoch, optimizer=optimizer, lr=lr, momentum=momentum,
+                    weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every, alpha=alpha,
+                    checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
+                    checkpoint_every=checkpoint_every, resume=resume,
+                    log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
+                    dropout=dropout, device=device, timeout_s=timeout_s, progress=not no_progress)
+    rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                      rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
+                      max_restarts=max_restarts)
+    check_before_launch(cfg, rdzv)
+    if dry_run:
+        click.echo(shlex.join(command(cfg, rdzv)))
+        return
+    rc = launch(cfg, rdzv)
+    if rc:
+        click.echo(f"error: the run failed (torchrun exit code {rc}); see the messages above", err=True)
+        sys.exit(rc)
+
+
+def check_before_launch(cfg, rdzv) -> None:
+    """Refuse a job that cannot work before starting any process: world size, model, batch, schedule."""
+    from ptplan.executor.job import build_for_plan
+    from ptplan.executor.validate import check_model, check_phase, check_world, batch_policy_of, global_batch_of
+    from ptplan.planner.plan import load_plan
+
+    plan = load_plan(cfg.plan)
+    world = rdzv.fixed_world()
+    if world is not None:
+        check_world(plan, world)
+    gb, policy = global_batch_of(plan), batch_policy_of(plan)
+    for i, ph in enumerate(plan.phases):
+        check_phase(i, ph, gb, policy)
+    check_model(plan, build_for_plan(plan, cfg))
+    if cfg.data != "synthetic" and not os.path.exists(cfg.data):
+        raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")

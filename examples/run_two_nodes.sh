@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Elastic pipelined training on two nodes (c10d rendezvous). Run the same command on both nodes:
+#
+#   node A:  RDZV=nodeA.example:29400 JOB=job42 examples/run_two_nodes.sh
+#   node B:  RDZV=nodeA.example:29400 JOB=job42 examples/run_two_nodes.sh
+#
+# 2 x NPROC must equal the plan's K*D. Checkpoints are written by global rank 0 only, so put
+# CKPT on rank 0's node (or a shared file system); --max-restarts restarts resume from it.
+set -euo pipefail
+PLAN=${PLAN:-plan.json}
+MODEL=${MODEL:-bert-base}
+NPROC=${NPROC:-8}
+RDZV=${RDZV:?set RDZV=host:port of the rendezvous (any one node)}
+JOB=${JOB:-ptplan-$(date +%Y%m%d)}
+CKPT=${CKPT:-runs/$JOB/ckpt}
+exec ptplan run "$PLAN" --model "$MODEL" --nnodes 2 --nproc-per-node "$NPROC" \
+  --rdzv-backend c10d --rdzv-endpoint "$RDZV" --rdzv-id "$JOB" --max-restarts 3 \
+  --optimizer adamw --lr 1e-4 --weight-decay 0.01 \
+  --checkpoint-dir "$CKPT" --checkpoint-every 500 --log "runs/$JOB/run.jsonl" "$@"

@@ -1,0 +1,106 @@
+"""What ``ptplan run`` asks the runtime to do: one keyword-only record, checked on construction."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ptplan.planner.errors import PtplanError
+
+from .optim import OPTIMIZERS
+
+FREEZE_MODES = ("planned", "adaptive")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Settings of one training run (the plan decides the layout; this decides everything else)."""
+
+    plan: str
+    """Path of the plan file (``ptplan plan`` output)."""
+    model: str
+    """Model adapter name (``executor.models.MODEL_NAMES``); must match the plan's profile."""
+    weights: str | None = None
+    """Local Hugging Face model folder to start from (None: random init from ``seed``)."""
+    epochs: int | None = None
+    """Epochs to run (None: the plan's)."""
+    steps_per_epoch: int | None = None
+    """Optimizer steps per epoch (None: as many full global batches as the epoch's samples hold)."""
+    optimizer: str = "adamw"
+    """``sgd`` (with momentum) or ``adamw``."""
+    lr: float = 1e-3
+    momentum: float = 0.9
+    """SGD momentum (ignored by AdamW)."""
+    weight_decay: float = 0.0
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (1e-6, as in BERT pre-training, damps the noise of near-zero gradients)."""
+    seed: int = 0
+    """Seeds the model init, the data order and the synthetic data."""
+    freeze: str = "planned"
+    """``planned``: follow the plan's trajectory; ``adaptive``: the gradient-norm rule picks the count."""
+    freeze_every: int | None = None
+    """Take a freeze step every N optimizer steps instead of the plan's cadence (planned: the plan's
+    trajectory entries are consumed one per N steps)."""
+    alpha: float | None = None
+    """Freeze rate for ``adaptive`` (None: the plan's, else 1/3)."""
+    checkpoint_dir: str | None = None
+    """Folder for ``checkpoint.pt`` (None: no checkpoints)."""
+    checkpoint_every: int = 0
+    """Also checkpoint every N optimizer steps (0: only at the end of each epoch and of the run)."""
+    resume: bool = False
+    """Continue from ``checkpoint_dir/checkpoint.pt`` (in whatever phase it was written)."""
+    log: str | None = None
+    """Run log path (JSON lines), written by rank 0; appended to on resume."""
+    data: str = "synthetic"
+    """``synthetic`` or a .pt/.npz file of tensors (inputs, labels, optional attention_mask)."""
+    shuffle: bool = True
+    """Visit samples in a seeded random order per epoch (False: in id order)."""
+    dropout: float | None = None
+    """Set every dropout of the model (None: keep the config's)."""
+    image_size: int | None = None
+    """ViT only: pixels per side (None: from the plan's sequence length)."""
+    num_labels: int = 2
+    dtype: str = "float32"
+    device: str = "auto"
+    """``auto`` (CUDA from LOCAL_RANK when available, else CPU), ``cpu`` or ``cuda``."""
+    timeout_s: float = 600.0
+    """Process-group timeout: a dead peer makes the job fail after at most this long."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        if self.freeze not in FREEZE_MODES:
+            raise PtplanError(f"unknown freeze mode {self.freeze!r}; use one of {', '.join(FREEZE_MODES)}")
+        if self.dtype not in DTYPES:
+            raise PtplanError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise PtplanError(f"unknown device {self.device!r}; use auto, cpu or cuda")
+        for name in ("epochs", "steps_per_epoch", "freeze_every"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise PtplanError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+        if self.checkpoint_every < 0:
+            raise PtplanError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if not self.lr > 0:
+            raise PtplanError(f"--lr must be positive, got {self.lr}")
+        if self.alpha is not None and not 0 < self.alpha < 1:
+            raise PtplanError(f"--alpha must lie strictly between 0 and 1, got {self.alpha}")
+        if self.resume and not self.checkpoint_dir:
+            raise PtplanError("--resume needs --checkpoint-dir (the folder holding checkpoint.pt)")
+        if self.timeout_s <= 0:
+            raise PtplanError(f"--timeout must be positive, got {self.timeout_s}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        d: dict[str, Any] = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PtplanError(f"run config: unknown keys {unknown}")
+        return cls(**d)

@@ -1,0 +1,63 @@
+"""The optimizer: one torch optimizer over the whole canonical model, with state only for owned params.
+
+Every rank keeps the full model and a single optimizer over all its parameters. A parameter that
+has no gradient (frozen, or held by another stage) is skipped by ``step()``, so the optimizer never
+has to be rebuilt; at a phase change only the state of the parameters that move is sent, and the
+state of parameters a rank no longer owns is dropped. State tensors are created eagerly with the
+values torch's lazy initialisation would give (zeros; AdamW ``step`` = 0), which is exact: SGD's
+first update ``0 * momentum + grad`` equals its lazy ``clone(grad)`` bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from ptplan.planner.errors import PtplanError
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(params: list[torch.nn.Parameter], kind: str, *, lr: float, momentum: float = 0.9,
+                   weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                   eps: float = 1e-8) -> torch.optim.Optimizer:
+    """SGD (with momentum) or AdamW over ``params`` (the whole model, in a fixed order)."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    raise PtplanError(f"unknown optimizer {kind!r}; use one of {', '.join(OPTIMIZERS)}")
+
+
+def state_keys(opt: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The per-parameter state entries this optimizer keeps, in a fixed order."""
+    if isinstance(opt, torch.optim.SGD):
+        return ("momentum_buffer",) if opt.param_groups[0]["momentum"] != 0 else ()
+    if isinstance(opt, torch.optim.AdamW):
+        keys = ("step", "exp_avg", "exp_avg_sq")
+        return keys + (("max_exp_avg_sq",) if opt.param_groups[0]["amsgrad"] else ())
+    raise TypeError(f"unsupported optimizer {type(opt).__name__}")
+
+
+def _fresh(opt: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torch.Tensor:
+    if key == "step":
+        g = opt.param_groups[0]
+        if g.get("capturable") or g.get("fused"):
+            return torch.zeros((), dtype=torch.float32, device=p.device)
+        return torch.tensor(0.0, dtype=torch.float32)
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def ensure_state(opt: torch.optim.Optimizer, p: torch.nn.Parameter) -> list[torch.Tensor]:
+    """The state tensors of ``p`` (created as torch would lazily, if missing), in ``state_keys`` order."""
+    keys = state_keys(opt)
+    st = opt.state[p]
+    for k in keys:
+        if k not in st or st[k] is None:
+            st[k] = _fresh(opt, k, p)
+    return [st[k] for k in keys]
+
+
+def drop_state(opt: torch.optim.Optimizer, keep: set[int]) -> None:
+    """Forget the state of every parameter whose id() is not in ``keep``."""
+    for p in list(opt.state.keys()):
+        if id(p) not in keep:
+            del opt.state[p]

@@ -1,0 +1,63 @@
+"""The run log (``run.jsonl``): a header, then one JSON object per step and per transition; rank 0 writes.
+
+Records (``ptplan compare`` reads them)::
+
+    {"type": "header", "schema": "ptplan.runlog/1", "plan_fingerprint", "model", "world_size", ...}
+    {"type": "step", "epoch", "step", "phase", "frozen_blocks", "K", "D", "seconds", "samples", "loss",
+     "allreduce_seconds"}
+    {"type": "transition", "step", "from_phase", "to_phase", "seconds",
+     "parts": {"weights", "optimizer_state", "groups", "rebuild"}, "bytes": {...}, ...}
+
+``step`` counts optimizer steps from 0 over the whole run; ``phase`` indexes ``plan.phases``;
+``seconds`` is rank 0's wall time of the step (it waits for the step's last collective);
+``allreduce_seconds`` the part of it rank 0 spent averaging gradients over its data-parallel group.
+Also written: ``freeze_decision`` (adaptive freezing: the norms and the count chosen) and ``resume``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, TextIO
+
+SCHEMA = "ptplan.runlog/1"
+
+
+class RunLog:
+    """Appends records to a JSON-lines file, one flushed line each; a no-op without a path."""
+
+    def __init__(self, path: str | os.PathLike | None, *, append: bool = False) -> None:
+        self._f: TextIO | None = None
+        if path is not None:
+            d = os.path.dirname(os.fspath(path))
+            if d:
+                os.makedirs(d, exist_ok=True)
+            self._f = open(path, "a" if append else "w", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record, sort_keys=False) + "\n")
+            self._f.flush()
+
+    def header(self, **fields: Any) -> None:
+        self.write({"type": "header", "schema": SCHEMA, **fields})
+
+    def step(self, *, epoch: int, step: int, phase: int, frozen_blocks: int, K: int, D: int, seconds: float,
+             samples: int, loss: float, **extra: Any) -> None:
+        self.write({"type": "step", "epoch": epoch, "step": step, "phase": phase, "frozen_blocks": frozen_blocks,
+                    "K": K, "D": D, "seconds": seconds, "samples": samples, "loss": loss, **extra})
+
+    def transition(self, *, step: int, from_phase: int | None, to_phase: int, seconds: float,
+                   parts: dict[str, float], **extra: Any) -> None:
+        self.write({"type": "transition", "step": step, "from_phase": from_phase, "to_phase": to_phase,
+                    "seconds": seconds, "parts": parts, **extra})
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a run log, in order (for tests and tools; ``planner.compare`` has its own reader)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

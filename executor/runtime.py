@@ -1,0 +1,249 @@
+"""One rank's elastic runtime: the canonical model, the optimizer, the current phase, its groups and stage.
+
+Legend: K stages per pipeline, D pipelines, M micro-batches per pipeline.
+
+Every rank keeps the full canonical model and one optimizer over all of it (``optim``); a phase
+gives each rank one stage (``stage``), whose gradients are averaged over the stage's data-parallel
+group by one flat all-reduce after the schedule's step (never DDP around a stage). Entering a phase
+(``ElasticRuntime.switch``) moves weights and optimizer state to their new owners
+(``transition``), destroys the old groups and creates the new ones in the same order on every
+rank (``groups``), and rebuilds the stage and its schedule. The training loop is in ``training``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import Phase, Plan
+
+from .groups import PhaseGroups, build_groups, destroy_groups
+from .optim import drop_state, ensure_state, state_keys
+from .stage import build_schedule, set_trainable, stage_module
+from .transition import current_after, exchange, needs, owned_layers, plan_transfers
+
+
+class ElasticRuntime:
+    """One rank's view of the run: canonical model, optimizer, current phase, groups and stage."""
+
+    def __init__(self, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 device: torch.device, timeout_s: float, backend: str) -> None:
+        self.plan, self.model, self.opt = plan, model, optimizer
+        self.device, self.backend = device, backend
+        self.timeout = _timedelta(timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.n = len(model.layers)
+        self.layer_params = [list(layer.parameters()) for layer in model.layers]
+        seen: dict[int, int] = {}
+        for i, ps in enumerate(self.layer_params):
+            for p in ps:
+                if id(p) in seen and seen[id(p)] != i:
+                    raise PtplanError(f"layers {seen[id(p)]} and {i} share a parameter (tied weights); the runtime "
+                                      f"needs every parameter in exactly one layer")
+                seen[id(p)] = i
+        self.sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.layer_params]
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.block_of = [s.block for s in model.specs]
+        self.phase_index: int | None = None
+        self.phase: Phase | None = None
+        self.groups: PhaseGroups | None = None
+        self.module = None
+        self.schedule = None
+        self.owned: list[int] = []
+        self.last_allreduce_s = 0.0
+        """Seconds of the last step's data-parallel gradient all-reduce on this rank."""
+        self.current: list[frozenset[int]] = [frozenset()] * self.n
+        """Per layer, the ranks whose copy is current (see ``transition``)."""
+
+    # ---- moving layers ---------------------------------------------------------------------
+    def _weights_of(self, layers: tuple[int, ...]) -> list[Tensor]:
+        return [p.data for i in layers for p in self.layer_params[i]]
+
+    def _state_of(self, layers: tuple[int, ...]) -> list[Tensor]:
+        return [t for i in layers for p in self.layer_params[i] for t in ensure_state(self.opt, p)]
+
+    def _exchange(self, have: list[frozenset[int]], need: list[frozenset[int]], state: bool) -> int:
+        sizes = [2 * s for s in self.sizes] if state else self.sizes
+        transfers = plan_transfers(have, need, sizes)
+        return exchange(transfers, self.rank, self._state_of if state else self._weights_of, self.device,
+                        batched=self.backend == "nccl")
+
+    def switch(self, index: int, *, have_weights: list[frozenset[int]],
+               have_state: list[frozenset[int]] | None) -> dict[str, Any]:
+        """Enter phase ``index``: move weights and optimizer state, rebuild groups and stage.
+
+        ``have_weights[i]``: ranks whose copy of layer i is current; ``have_state[i]``: ranks holding
+        layer i's optimizer state (None: no state exists yet). Returns seconds per part (the slowest
+        rank's) and bytes sent (all ranks together).
+        """
+        new = self.plan.phases[index]
+        t0 = time.perf_counter()
+        need = needs(new, self.n)
+        sent_w = self._exchange(have_weights, need, state=False)
+        self.current = current_after(new, have_weights, need)
+        t1 = time.perf_counter()
+        sent_s = 0
+        if have_state is not None:
+            active = [i >= new.frozen_layers for i in range(self.n)]
+            have_s = [h if a else frozenset() for h, a in zip(have_state, active)]
+            need_s = [nd if a and h else frozenset() for nd, h, a in zip(need, have_s, active)]
+            sent_s = self._exchange(have_s, need_s, state=True)
+        self.owned = owned_layers(new, self.rank, self.n)
+        drop_state(self.opt, {id(p) for i in self.owned for p in self.layer_params[i]})
+        t2 = time.perf_counter()
+        set_trainable(self.model, new.frozen_layers)
+        old = self.phase
+        if old is None or self.groups is None or (old.K, old.D, old.ranks) != (new.K, new.D, new.ranks):
+            destroy_groups(self.groups)
+            self.groups = None
+            self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
+        t3 = time.perf_counter()
+        stage = self.groups.place.stage
+        self.module = stage_module(self.model, new, stage)
+        self.schedule = None
+        if new.K > 1:
+            self.schedule = build_schedule(self.module, new, stage, self.device, self.groups.pp_group, self.model.loss)
+        self.opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        self.phase, self.phase_index = new, index
+        secs = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0], dtype=torch.float64, device=self.device)
+        sent = torch.tensor([sent_w, sent_s], dtype=torch.float64, device=self.device)
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sent)
+        w, s, g, r, total = secs.tolist()
+        bw, bs = sent.tolist()
+        return {"seconds": total, "parts": {"weights": w, "optimizer_state": s, "groups": g, "rebuild": r},
+                "bytes": {"weights": int(bw), "optimizer_state": int(bs)}}
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def _owned_grads(self) -> list[Tensor]:
+        return [p.grad for i in self.owned for p in self.layer_params[i] if p.grad is not None]
+
+    def _allreduce_grads(self) -> None:
+        ph = self.phase
+        if ph.D == 1:
+            return
+        grads = self._owned_grads()
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for _, gs in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            dist.all_reduce(flat, group=self.groups.dp_group)
+            flat.div_(ph.D)
+            off = 0
+            for g in gs:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def train_step(self, batch: tuple[Tensor, Tensor, Tensor | None], *, want_norms: bool) -> tuple[float, list[float]]:
+        """Forward, backward, data-parallel gradient average and optimizer step on this rank's shard.
+
+        Returns the global mean loss and, with ``want_norms``, the per-block gradient norms (every
+        rank gets the same numbers: one all-reduce over the world).
+        """
+        ph, place = self.phase, self.groups.place
+        x, y, mask = (None if t is None else t.to(self.device) for t in batch)
+        kw = {} if mask is None else {"attention_mask": mask}
+        self.opt.zero_grad(set_to_none=True)
+        losses: list[Tensor] = []
+        last = place.stage == ph.K - 1
+        if ph.K == 1:
+            xs, ys = torch.tensor_split(x, ph.M), torch.tensor_split(y, ph.M)
+            ms = torch.tensor_split(mask, ph.M) if mask is not None else [None] * ph.M
+            for xm, ym, mm in zip(xs, ys, ms):
+                loss = self.model.loss(self.module(xm, **({} if mm is None else {"attention_mask": mm})), ym)
+                loss.backward()
+                losses.append(loss.detach())
+            for g in self._owned_grads():
+                g.div_(ph.M)
+        elif place.stage == 0:
+            self.schedule.step(x, return_outputs=False, **kw)
+        elif last:
+            self.schedule.step(target=y, losses=losses, return_outputs=False, **kw)
+        else:
+            self.schedule.step(return_outputs=False, **kw)
+        t0 = time.perf_counter()
+        self._allreduce_grads()
+        self.last_allreduce_s = time.perf_counter() - t0
+        self.opt.step()
+        L = self.model.num_blocks
+        vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
+        if last:
+            vec[0] = torch.stack([loss.double() for loss in losses]).mean()
+        if want_norms and place.pipeline == 0:  # one replica per stage counts its (averaged) gradients
+            for i in self.owned:
+                b = self.block_of[i]
+                if b is None:
+                    continue
+                for p in self.layer_params[i]:
+                    if p.grad is not None:
+                        vec[1 + b] += p.grad.double().pow(2).sum()
+        dist.all_reduce(vec)
+        vec = vec.cpu()
+        return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+
+    # ---- whole-model views -----------------------------------------------------------------
+    def gather(self, with_state: bool = False) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+        """Bring every current layer (and optionally its optimizer state) to rank 0; collective.
+
+        Rank 0 gets ({name: weights}, {name: {key: state}}); the others get empty dicts.
+        """
+        ph = self.phase
+        have = self.current
+        need = [frozenset({0})] * self.n
+        self._exchange(have, need, state=False)
+        state: dict[str, dict[str, Tensor]] = {}
+        if with_state:
+            active = [i >= ph.frozen_layers for i in range(self.n)]
+            self._exchange([h if a else frozenset() for h, a in zip(have, active)],
+                           [nd if a else frozenset() for nd, a in zip(need, active)], state=True)
+        if self.rank != 0:
+            return {}, {}
+        keys = state_keys(self.opt)
+        weights = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        if with_state:
+            for i in range(ph.frozen_layers, self.n):
+                for p in self.layer_params[i]:
+                    tensors = ensure_state(self.opt, p)
+                    state[self.names[id(p)]] = {k: v.detach().cpu().clone() for k, v in zip(keys, tensors)}
+            drop_state(self.opt, {id(p) for i in self.owned for p in self.layer_params[i]})
+        return weights, state
+
+    def checksum_agrees(self) -> bool:
+        """Whether every rank built bit-identical weights (cheap: two float64 sums per rank)."""
+        with torch.no_grad():
+            v = torch.zeros(2, dtype=torch.float64)
+            for p in self.model.parameters():
+                d = p.detach().double()
+                v[0] += d.sum().cpu()
+                v[1] += (d * d).sum().cpu()
+        out = [torch.zeros_like(v).to(self.device) for _ in range(self.world)]
+        dist.all_gather(out, v.to(self.device))
+        return all(torch.equal(o, out[0]) for o in out)
+
+    def close(self) -> None:
+        destroy_groups(self.groups)
+        self.groups = None
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def phase_index(plan: Plan, frozen_blocks: int) -> int:
+    ph = plan.phase_for(frozen_blocks)
+    return next(i for i, p in enumerate(plan.phases) if p is ph)
+
+
+def broadcast_int(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())

@@ -1,0 +1,170 @@
+"""Hand-made plans for a built model (tests, benchmarks, examples), valid per the plan contract.
+
+``make_plan(model, [spec(0, K=4, D=1, M=4, b=2), spec(1, K=2, D=2, M=2, b=2), ...], trajectory=[0, 1, 2])``
+gives a Plan whose profile identity matches ``model``, with even partitions and row-major rank
+layouts unless given, dummy predictions, and one trajectory point per freeze step.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from torch import nn
+
+from ptplan.planner.plan import Baseline, Phase, Plan, Prediction, TrajectoryPoint, plan_from_json
+
+from .validate import frozen_boundary, model_fingerprint
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseSpec:
+    frozen_blocks: int
+    K: int
+    D: int
+    M: int
+    b: int
+    """Micro-batch size (samples)."""
+    partition: tuple[tuple[int, int], ...] | None = None
+    """K layer ranges over the active layers (None: as even as possible)."""
+    ranks: tuple[tuple[int, ...], ...] | None = None
+    """ranks[p][s] (None: row-major, rank = p*K + s)."""
+    schedule: str | None = None
+    """``gpipe`` | ``1f1b`` (None: the plan's default)."""
+
+
+def spec(frozen_blocks: int, *, K: int, D: int, M: int, b: int, **kw: Any) -> PhaseSpec:
+    return PhaseSpec(frozen_blocks=frozen_blocks, K=K, D=D, M=M, b=b, **kw)
+
+
+def even_partition(lo: int, hi: int, K: int) -> tuple[tuple[int, int], ...]:
+    """K contiguous ranges over [lo, hi), sizes differing by at most one (larger ones last)."""
+    n = hi - lo
+    if n < K:
+        raise ValueError(f"{n} active layers cannot fill {K} stages")
+    base, extra = divmod(n, K)
+    out, a = [], lo
+    for s in range(K):
+        size = base + (1 if s >= K - extra else 0)
+        out.append((a, a + size))
+        a += size
+    return tuple(out)
+
+
+def _phase(model: nn.Module, sp: PhaseSpec, schedule: str) -> Phase:
+    n0 = frozen_boundary(model, sp.frozen_blocks)
+    part = sp.partition or even_partition(n0, len(model.layers), sp.K)
+    ranks = sp.ranks or tuple(tuple(p * sp.K + s for s in range(sp.K)) for p in range(sp.D))
+    pred = Prediction(iteration_s=1.0, samples_per_s=1.0, bubble_fraction=0.0, allreduce_s=0.0,
+                      stage_compute_s=(0.0,) * sp.K, stage_peak_memory_bytes=(0,) * sp.K)
+    return Phase(frozen_blocks=sp.frozen_blocks, frozen_layers=n0, K=sp.K, D=sp.D, M=sp.M,
+                 micro_batch_size=sp.b, schedule=sp.schedule or schedule, partition=tuple(part), cache=False,
+                 ranks=tuple(tuple(r) for r in ranks), predicted=pred)
+
+
+def profile_identity(model: nn.Module) -> dict[str, Any]:
+    return {"model": model.name, "family": model.family, "num_blocks": model.num_blocks,
+            "num_layers": len(model.layers), "granularity": model.granularity, "seq_len": model.seq_len,
+            "dtype": "float32", "device": "test", "device_kind": "cpu", "fingerprint": model_fingerprint(model)}
+
+
+def make_plan(model: nn.Module, phases: Sequence[PhaseSpec], *, trajectory: Sequence[int] | None = None,
+              schedule: str = "gpipe", batch_policy: str = "constant-global", epochs: int | None = None,
+              samples_per_epoch: int = 1024, freeze: dict[str, Any] | None = None) -> Plan:
+    """A valid Plan for ``model`` (round-tripped through the JSON validator)."""
+    built = [_phase(model, sp, schedule) for sp in phases]
+    index = {p.frozen_blocks: i for i, p in enumerate(built)}
+    traj = list(trajectory) if trajectory is not None else [p.frozen_blocks for p in built]
+    batch = built[0].global_batch if batch_policy == "constant-global" else built[0].pipeline_batch
+    points = tuple(TrajectoryPoint(epoch=e, frozen_blocks=f, phase=index[f],
+                                   iterations=samples_per_epoch // built[index[f]].global_batch, seconds=0.0)
+                   for e, f in enumerate(traj))
+    inputs = {
+        "profile": profile_identity(model),
+        "cluster": {"name": "test"},
+        "training": {"epochs": epochs or len(traj), "samples_per_epoch": samples_per_epoch, "batch": batch,
+                     "batch_policy": batch_policy, "schedule": schedule},
+        "freeze": freeze or {"policy": "manual", "alpha": 1 / 3, "manual": traj, "every": "epoch",
+                             "adaptive": False},
+    }
+    base = built[index.get(0, 0)]
+    plan = Plan(inputs=inputs, phases=tuple(built), trajectory=points, totals={"seconds": 0.0},
+                baseline=Baseline(phase=base, seconds=0.0))
+    return plan_from_json(json.loads(json.dumps(plan.to_json())), source="test plan")
+
+
+# ---- multi-process runs on CPU (fork + gloo) -------------------------------------------------------
+
+def _child(rank: int, world: int, store_path: str, timeout_s: float, fn, args: tuple, err_path: str) -> None:
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # first: libgomp is not fork-safe once the parent used threads
+    code = 0
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        fn(rank, world, *args)
+        dist.destroy_process_group()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        with open(err_path, "w") as f:
+            f.write(traceback.format_exc())
+        code = 1
+    os._exit(code)  # skip atexit handlers (a broken peer must not hang the exit)
+
+
+@dataclass(frozen=True)
+class WorldResult:
+    exitcodes: tuple[int | None, ...]
+    """Per rank; None = still running at the deadline (then killed)."""
+    errors: tuple[str, ...]
+    """Per rank: the traceback text of a failure ('' if none)."""
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(c == 0 for c in self.exitcodes)
+
+    def explain(self) -> str:
+        return "\n".join(f"rank {r}: exit {c}\n{e}" for r, (c, e) in enumerate(zip(self.exitcodes, self.errors))
+                         if c != 0)
+
+
+def run_world(world: int, fn, args: tuple = (), *, tmpdir: str, timeout_s: float = 60.0,
+              deadline_s: float = 180.0) -> WorldResult:
+    """Run ``fn(rank, world, *args)`` in ``world`` forked processes joined by gloo over a FileStore.
+
+    Each child sets one torch thread first, uses a process-group timeout of ``timeout_s``, and exits
+    without atexit handlers. The parent waits at most ``deadline_s`` in all, then kills what is left.
+    """
+    import multiprocessing as mp
+    import os
+    import time
+
+    ctx = mp.get_context("fork")
+    store = os.path.join(tmpdir, f"store-{time.monotonic_ns()}")
+    errs = [os.path.join(tmpdir, f"err-{time.monotonic_ns()}-{r}.txt") for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, store, timeout_s, fn, args, errs[r]), daemon=True)
+             for r in range(world)]
+    t0 = time.monotonic()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(max(0.0, deadline_s - (time.monotonic() - t0)))
+    codes = []
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            codes.append(None)
+        else:
+            codes.append(p.exitcode)
+    texts = tuple(open(e).read() if os.path.exists(e) else "" for e in errs)
+    return WorldResult(exitcodes=tuple(codes), errors=texts, seconds=time.monotonic() - t0)

@@ -1,0 +1,304 @@
+"""The training loop: replay a plan as pipelined data-parallel training, changing phase inside the job.
+
+Per step: decide the frozen count (the plan's trajectory, or the adaptive gradient-norm rule),
+switch phase when it changes (``runtime.ElasticRuntime.switch``), take the next global batch of
+the epoch's order, train on this pipeline's shard, log. Checkpoints, resume, snapshots and the
+progress bar live here too. Every rank calls ``run_training`` with the same arguments.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import Plan
+
+from . import checkpoint as ckpt
+from .config import RunConfig
+from .data import Dataset, epoch_order, global_batch_ids, shard
+from .freezing import FreezeSchedule
+from .optim import ensure_state, make_optimizer, state_keys
+from .runlog import RunLog
+from .runtime import ElasticRuntime, broadcast_int, phase_index
+from .transition import needs
+from .validate import check_plan
+
+
+@dataclass
+class Hooks:
+    """Test and tooling hooks (every rank must get the same ``snapshots`` value: gathering is collective)."""
+
+    snapshots: bool = False
+    """Gather the full model to rank 0 after every transition and at the end, and call ``on_snapshot``."""
+    on_snapshot: Callable[[str, int, dict[str, Tensor]], None] | None = None
+    """On rank 0: (event "start"|"transition"|"final", optimizer steps done, {parameter name: tensor})."""
+    after_step: Callable[[int, int], None] | None = None
+    """On every rank after each step: (optimizer steps done, rank). May raise or exit (tests)."""
+
+
+@dataclass
+class Position:
+    """Where the run is; saved in checkpoints."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    cursor: int = 0
+    """Samples of the epoch's order consumed so far."""
+    global_step: int = 0
+    """Optimizer steps done."""
+    frozen_blocks: int = 0
+    decided_T: int = 0
+    """Last freeze step T already decided (adaptive)."""
+    norm_sum: list[float] = field(default_factory=list)
+    """Per block: sum of per-step gradient norms since the last decision (adaptive)."""
+    norm_count: int = 0
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    transitions: list[dict[str, Any]]
+    final_loss: float | None
+    seconds: float
+
+
+def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Dataset, *,
+                 device: torch.device | None = None, hooks: Hooks | None = None) -> RunSummary:
+    """Train ``model`` following ``plan`` on an initialised default process group; every rank calls this.
+
+    Checks the plan against the job first (PtplanError before any collective), then trains.
+    """
+    hooks = hooks or Hooks()
+    device = device or torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check_plan(plan, model, world)
+    training = plan.inputs.get("training", {})
+    epochs = cfg.epochs or int(training.get("epochs", 1))
+    N = len(dataset)
+    smallest = min(ph.global_batch for ph in plan.phases)
+    if cfg.steps_per_epoch and cfg.steps_per_epoch * smallest > N:
+        raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs at least {cfg.steps_per_epoch}*{smallest} = "
+                          f"{cfg.steps_per_epoch * smallest} samples per epoch but the data has {N}; lower "
+                          f"--steps-per-epoch or use more data")
+    if N < min(ph.global_batch for ph in plan.phases):
+        raise PtplanError(f"the data has {N} samples, fewer than one global batch of "
+                          f"{min(ph.global_batch for ph in plan.phases)}")
+    backend = dist.get_backend()
+    model.to(device)
+    torch.manual_seed(cfg.seed * 1009 + rank)  # dropout streams differ per rank, as in plain data parallelism
+    opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+                         weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+    rt = ElasticRuntime(plan, model, opt, device=device, timeout_s=cfg.timeout_s, backend=backend)
+    fs = FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
+    everyone = frozenset(range(world))
+    log = RunLog(cfg.log if rank == 0 else None, append=cfg.resume)
+    fingerprint = plan.inputs.get("profile", {}).get("fingerprint")
+    pos = Position(norm_sum=[0.0] * model.num_blocks)
+    t_start = time.perf_counter()
+    if cfg.resume:
+        pos, info = _resume(cfg, plan, rt, device)
+        log.write({"type": "resume", "step": pos.global_step, "epoch": pos.epoch, "phase": rt.phase_index,
+                   "seconds": info["seconds"], "parts": info["parts"]})
+    else:
+        pos.frozen_blocks = fs.planned(0, 0)
+        same = rt.checksum_agrees()
+        rt.switch(phase_index(plan, pos.frozen_blocks),
+                  have_weights=[everyone if same else frozenset({0})] * rt.n, have_state=None)
+        log.header(plan_fingerprint=fingerprint, model=model.name, world_size=world, backend=backend,
+                   optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
+                   freeze_every=fs.every, batch_policy=training.get("batch_policy"), epochs=epochs,
+                   steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=N, plan=cfg.plan,
+                   phases=[dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size,
+                                schedule=p.schedule) for p in plan.phases])
+        if hooks.snapshots:
+            _snapshot(rt, hooks, "start", 0)
+    if rank == 0 and any(p.cache for p in plan.phases):
+        print("ptplan run: note: the plan enables the AutoCache in some phases; this runtime recomputes the "
+              "frozen prefix instead (same results, slower stage 0)", flush=True)
+
+    total = None
+    if cfg.steps_per_epoch:
+        total = epochs * cfg.steps_per_epoch
+    elif cfg.freeze == "planned" and fs.every is None:
+        total = sum(N // plan.phase_for(fs.planned(e, 0)).global_batch for e in range(epochs))
+    bar = _progress(cfg.progress and rank == 0, total, pos.global_step)
+    transitions: list[dict[str, Any]] = []
+    last_ckpt = pos.global_step if cfg.resume else -1
+    loss = None
+    try:
+        while pos.epoch < epochs:
+            order = epoch_order(N, cfg.seed, pos.epoch, cfg.shuffle)
+            while not (cfg.steps_per_epoch and pos.step_in_epoch >= cfg.steps_per_epoch):
+                want, decision = _decide(cfg, fs, pos, device)
+                if decision is not None:
+                    log.write(decision)
+                if want != rt.phase.frozen_blocks:
+                    info = _transition(rt, plan, want, pos)
+                    transitions.append(info)
+                    log.transition(**info)
+                    if hooks.snapshots:
+                        _snapshot(rt, hooks, "transition", pos.global_step)
+                ph = rt.phase
+                if pos.cursor + ph.global_batch > N:  # the rest of the epoch holds no full global batch
+                    if cfg.steps_per_epoch:
+                        log.write({"type": "epoch_end", "epoch": pos.epoch, "steps": pos.step_in_epoch,
+                                   "reason": f"data exhausted: {N - pos.cursor} samples left, global batch "
+                                             f"{ph.global_batch}"})
+                    break
+                ids = global_batch_ids(order, pos.cursor, ph.global_batch)
+                mine = shard(ids, ph.D, rt.groups.place.pipeline)
+                t0 = time.perf_counter()
+                loss, norms = rt.train_step(dataset.batch(mine), want_norms=cfg.freeze == "adaptive")
+                secs = time.perf_counter() - t0
+                if cfg.freeze == "adaptive":
+                    pos.norm_sum = [a + b for a, b in zip(pos.norm_sum, norms)]
+                    pos.norm_count += 1
+                log.step(epoch=pos.epoch, step=pos.global_step, phase=rt.phase_index, frozen_blocks=ph.frozen_blocks,
+                         K=ph.K, D=ph.D, seconds=secs, samples=ph.global_batch, loss=loss,
+                         allreduce_seconds=rt.last_allreduce_s)
+                pos.cursor += ph.global_batch
+                pos.step_in_epoch += 1
+                pos.global_step += 1
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", f=ph.frozen_blocks, K=ph.K, D=ph.D, refresh=False)
+                if cfg.checkpoint_dir and cfg.checkpoint_every and pos.global_step % cfg.checkpoint_every == 0:
+                    _save(cfg, plan, rt, pos)
+                    last_ckpt = pos.global_step
+                if hooks.after_step is not None:
+                    hooks.after_step(pos.global_step, rank)
+            pos.epoch += 1
+            pos.step_in_epoch = 0
+            pos.cursor = 0
+            if cfg.checkpoint_dir and last_ckpt != pos.global_step:
+                _save(cfg, plan, rt, pos)
+                last_ckpt = pos.global_step
+        if hooks.snapshots:
+            _snapshot(rt, hooks, "final", pos.global_step)
+        dist.barrier()
+    finally:
+        bar.close()
+        log.close()
+    rt.close()
+    return RunSummary(steps=pos.global_step, transitions=transitions, final_loss=loss,
+                      seconds=time.perf_counter() - t_start)
+
+
+def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position, device: torch.device
+            ) -> tuple[int, dict[str, Any] | None]:
+    """The frozen count for the next step (identical on every rank), and the adaptive decision record."""
+    if cfg.freeze == "planned":
+        return fs.planned(pos.epoch, pos.global_step), None
+    T = fs.T(pos.epoch, pos.global_step)
+    if T <= pos.decided_T:
+        return pos.frozen_blocks, None
+    norms = [s / pos.norm_count for s in pos.norm_sum] if pos.norm_count else None
+    want = fs.adaptive(pos.frozen_blocks, norms) if dist.get_rank() == 0 else 0
+    want = broadcast_int(want, device)
+    record = {"type": "freeze_decision", "step": pos.global_step, "T": T, "from_frozen": pos.frozen_blocks,
+              "to_frozen": want, "alpha": fs.alpha, "grad_norms": norms, "steps_measured": pos.norm_count}
+    pos.decided_T = T
+    pos.norm_sum = [0.0] * len(pos.norm_sum)
+    pos.norm_count = 0
+    return want, record
+
+
+def _transition(rt: ElasticRuntime, plan: Plan, want: int, pos: Position) -> dict[str, Any]:
+    old, old_index = rt.phase, rt.phase_index
+    new_index = phase_index(plan, want)
+    owners = needs(old, rt.n)
+    state = [owners[i] if i >= old.frozen_layers else frozenset() for i in range(rt.n)]
+    info = rt.switch(new_index, have_weights=rt.current, have_state=state)
+    pos.frozen_blocks = want
+    new = rt.phase
+    return {"step": pos.global_step, "from_phase": old_index, "to_phase": new_index, **info,
+            "from": {"frozen_blocks": old.frozen_blocks, "K": old.K, "D": old.D},
+            "to": {"frozen_blocks": new.frozen_blocks, "K": new.K, "D": new.D}}
+
+
+def _snapshot(rt: ElasticRuntime, hooks: Hooks, event: str, step: int) -> None:
+    weights, _ = rt.gather(with_state=False)
+    if rt.rank == 0 and hooks.on_snapshot is not None:
+        hooks.on_snapshot(event, step, weights)
+
+
+def _save(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, pos: Position) -> None:
+    weights, state = rt.gather(with_state=True)
+    rng = [None] * rt.world
+    dist.all_gather_object(rng, _rng_state())
+    if rt.rank == 0:
+        ckpt.save_checkpoint(cfg.checkpoint_dir, {
+            "plan_fingerprint": plan.inputs.get("profile", {}).get("fingerprint"), "model_name": rt.model.name,
+            "optimizer": cfg.optimizer, "world_size": rt.world, "model": weights, "optim": state,
+            "position": asdict(pos), "rng": rng})
+    dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, device: torch.device) -> tuple[Position, dict[str, Any]]:
+    """Load the checkpoint on rank 0, then send every layer and its optimizer state to its owners."""
+    meta: list[Any] = [None]
+    data = None
+    if rt.rank == 0:
+        try:
+            data = ckpt.load_checkpoint(cfg.checkpoint_dir)
+            problems = []
+            if data["model_name"] != rt.model.name:
+                problems.append(f"it is for model {data['model_name']}, not {rt.model.name}")
+            if data["optimizer"] != cfg.optimizer:
+                problems.append(f"it holds {data['optimizer']} state, not {cfg.optimizer}")
+            if data["world_size"] != rt.world:
+                problems.append(f"it was written by {data['world_size']} processes, not {rt.world}")
+            if problems:
+                raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: "
+                                  + "; ".join(problems))
+            meta[0] = {"position": data["position"], "rng": data["rng"]}
+        except PtplanError as e:
+            meta[0] = {"error": str(e)}
+    dist.broadcast_object_list(meta, src=0)
+    if "error" in meta[0]:
+        raise PtplanError(meta[0]["error"])
+    pos = Position(**meta[0]["position"])
+    index = phase_index(plan, pos.frozen_blocks)
+    new = plan.phases[index]
+    if rt.rank == 0:
+        params = dict(rt.model.named_parameters())
+        with torch.no_grad():
+            for name, t in data["model"].items():
+                params[name].copy_(t)
+            for name, st in data["optim"].items():
+                p = params[name]
+                for k, v in zip(state_keys(rt.opt), ensure_state(rt.opt, p)):
+                    v.copy_(st[k])
+    rng = meta[0]["rng"][rt.rank]
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    only0 = [frozenset({0})] * rt.n
+    state_have = [frozenset({0}) if i >= new.frozen_layers else frozenset() for i in range(rt.n)]
+    info = rt.switch(index, have_weights=only0, have_state=state_have)
+    return pos, info
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, **kw: Any) -> None: ...
+    def close(self) -> None: ...
+
+
+def _progress(enabled: bool, total: int | None, initial: int):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

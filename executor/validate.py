@@ -1,0 +1,135 @@
+"""Checks a plan against the job before any training: world size, model, batch split, schedule limits.
+
+Every failure is a PtplanError with the numbers and the fix (the CLI prints it and exits 2).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from torch import nn
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import Phase, Plan
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """The structure hash a profile of this model records (names, kinds, blocks, parameter counts)."""
+    h = hashlib.sha256()
+    for layer, spec in zip(model.layers, model.specs):
+        params = sum(p.numel() for p in layer.parameters())
+        h.update(f"{spec.name}|{spec.kind}|{spec.block}|{params};".encode())
+    return h.hexdigest()[:16]
+
+
+def frozen_boundary(model: nn.Module, frozen_blocks: int) -> int:
+    """Index of the first active layer with ``frozen_blocks`` frozen (as ``Profile.frozen_boundary``)."""
+    if frozen_blocks == 0:
+        return 0
+    for i, spec in enumerate(model.specs):
+        if spec.block is not None and spec.block >= frozen_blocks:
+            return i
+    return max(i for i, s in enumerate(model.specs) if s.block is not None) + 1
+
+
+def global_batch_of(plan: Plan) -> int | None:
+    """The plan's training batch: global under constant-global, per pipeline under constant-pipeline.
+
+    ``ptplan plan`` records it as ``training.batch``; ``training.global_batch`` is read as a fallback.
+    None when the plan does not say.
+    """
+    t = plan.inputs.get("training", {})
+    for key in ("batch", "global_batch"):
+        if isinstance(t.get(key), int) and not isinstance(t.get(key), bool):
+            return t[key]
+    return None
+
+
+def batch_policy_of(plan: Plan) -> str:
+    return plan.inputs.get("training", {}).get("batch_policy", "constant-global")
+
+
+def check_world(plan: Plan, world_size: int) -> None:
+    want = plan.world_size
+    if world_size != want:
+        p = plan.phases[0]
+        raise PtplanError(
+            f"the plan needs K*D = {p.K}*{p.D} = {want} processes but this job has {world_size}; "
+            f"launch it with {want} processes in all (--nnodes x --nproc-per-node = {want}) or make a plan for "
+            f"{world_size} GPUs with `ptplan plan`")
+
+
+def check_model(plan: Plan, model: nn.Module) -> None:
+    prof: dict[str, Any] = plan.inputs.get("profile", {})
+    have = dict(model=model.name, num_layers=len(model.layers), num_blocks=model.num_blocks,
+                granularity=model.granularity)
+    desc = (f"{model.name} ({model.num_blocks} blocks, {len(model.layers)} layers at {model.granularity} "
+            f"granularity)")
+    fix = f"pass --model {prof.get('model')} or make a plan for {model.name} (`ptplan profile` then `ptplan plan`)"
+    for key, value in have.items():
+        if key in prof and prof[key] != value:
+            raise PtplanError(f"the plan is for {prof.get('model')} ({prof.get('num_blocks')} blocks, "
+                              f"{prof.get('num_layers')} layers at {prof.get('granularity')} granularity) but the "
+                              f"model is {desc}: {key} {prof[key]!r} != {value!r}; {fix}")
+    fp = prof.get("fingerprint")
+    if fp and fp != model_fingerprint(model):
+        raise PtplanError(f"the plan's profile fingerprint {fp} does not match {desc} (fingerprint "
+                          f"{model_fingerprint(model)}: layer names, kinds or parameter counts differ, e.g. another "
+                          f"--weights config, image size or label count); {fix}")
+    L = model.num_blocks
+    for i, ph in enumerate(plan.phases):
+        if ph.frozen_blocks > L:
+            raise PtplanError(f"plan phase {i} freezes {ph.frozen_blocks} blocks but {model.name} has {L}")
+        b = frozen_boundary(model, ph.frozen_blocks)
+        if ph.frozen_layers != b:
+            raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) starts its pipeline at layer "
+                              f"{ph.frozen_layers} but in {desc} block {ph.frozen_blocks} starts at layer {b}; {fix}")
+        if ph.partition[-1][1] != len(model.layers):
+            raise PtplanError(f"plan phase {i}'s partition ends at layer {ph.partition[-1][1]} but {desc} has "
+                              f"{len(model.layers)} layers; {fix}")
+
+
+def check_phase(i: int, ph: Phase, global_batch: int | None, policy: str) -> None:
+    if ph.schedule == "1f1b" and ph.M < ph.K:
+        raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) uses 1F1B with M={ph.M} micro-batches "
+                          f"on K={ph.K} stages; 1F1B needs M >= K: re-plan with more micro-batches (e.g. "
+                          f"--micro-batches {ph.K}) or the gpipe schedule")
+    if global_batch is None:
+        return
+    if policy == "constant-global":
+        split = ph.D * ph.M
+        if global_batch % split or global_batch // split != ph.micro_batch_size:
+            raise PtplanError(
+                f"plan phase {i} ({ph.frozen_blocks} frozen blocks) cannot split the global batch of {global_batch} "
+                f"samples into D*M = {ph.D}*{ph.M} = {split} equal micro-batches of {ph.micro_batch_size}: "
+                f"{ph.D}*{ph.M}*{ph.micro_batch_size} = {ph.global_batch}; use a global batch divisible by {split} "
+                f"and re-plan")
+    elif ph.pipeline_batch != global_batch:
+        raise PtplanError(
+            f"plan phase {i} ({ph.frozen_blocks} frozen blocks) runs {ph.M}*{ph.micro_batch_size} = "
+            f"{ph.pipeline_batch} samples per pipeline but the plan's per-pipeline batch is {global_batch}; "
+            f"use a batch divisible by M={ph.M} and re-plan")
+
+
+def check_trajectory(plan: Plan) -> None:
+    """Every frozen count the plan's trajectory visits has a phase."""
+    have = sorted(p.frozen_blocks for p in plan.phases)
+    for t in plan.trajectory:
+        if t.frozen_blocks not in have:
+            raise PtplanError(f"the plan's trajectory reaches {t.frozen_blocks} frozen blocks at epoch {t.epoch} but "
+                              f"the plan has phases only for {have}; re-run `ptplan plan`")
+
+
+def check_plan(plan: Plan, model: nn.Module, world_size: int) -> None:
+    """Everything that must hold before training starts."""
+    check_world(plan, world_size)
+    check_model(plan, model)
+    check_trajectory(plan)
+    gb, policy = global_batch_of(plan), batch_policy_of(plan)
+    for i, ph in enumerate(plan.phases):
+        check_phase(i, ph, gb, policy)
+    if policy == "constant-global":
+        sizes = {ph.global_batch for ph in plan.phases}
+        if len(sizes) > 1:
+            raise PtplanError(f"constant-global-batch plan whose phases use different global batches {sorted(sizes)}; "
+                              f"re-plan with `ptplan plan`")
