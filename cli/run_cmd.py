@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 
@@ -52,6 +53,22 @@ from ptplan.planner.errors import PtplanError
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
               help="Seconds a collective may wait before the job fails (a dead rank).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--cache", "cache_mode", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="AutoCache: 'auto' caches the frozen prefix's output per sample in the phases where the plan "
+                   "says so (ptplan plan --cache); 'off' recomputes it every step (same results).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory for the cache's RAM tier, shared by the processes of a node; removed at the end "
+                   "(default: /dev/shm, RAM-backed).")
+@click.option("--cache-budget", default=None, metavar="SIZE",
+              help="Cap on the cache's RAM-tier bytes per node, e.g. 8GiB or 500MB (default: what the data "
+                   "needs, every sample's prefix output at two frozen counts).")
+@click.option("--cache-spill-dir", type=click.Path(file_okay=False), default=None,
+              help="Disk directory for cache slabs beyond --cache-budget (default: none; rows that do not fit "
+                   "are recomputed).")
+@click.option("--cache-allow-nondeterministic", is_flag=True,
+              help="Cache even when the frozen prefix is not a fixed function of the sample (random data "
+                   "augmentation, a layer random in eval mode); later epochs then replay the first output. "
+                   "Without it such a run stops before training.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the torchrun command; do not run.")
 def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nnodes: str, node_rank: int | None,
         rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, master_addr: str | None,
@@ -59,7 +76,8 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
         optimizer: str, lr: float, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
         resume: bool, log_path: str, data: str, no_shuffle: bool, dropout: float | None, device: str,
-        timeout_s: float, no_progress: bool, dry_run: bool) -> None:
+        timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None, cache_budget: str | None,
+        cache_spill_dir: str | None, cache_allow_nondeterministic: bool, dry_run: bool) -> None:
     """Replay PLAN as real elastic pipelined data-parallel training (torchrun; gloo on CPU, NCCL on GPU).
 
     \b
@@ -78,7 +96,11 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                     checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume,
                     log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
-                    dropout=dropout, device=device, timeout_s=timeout_s, progress=not no_progress)
+                    dropout=dropout, device=device, timeout_s=timeout_s, progress=not no_progress,
+                    cache=cache_mode, cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
+                    cache_budget=None if cache_budget is None else parse_size(cache_budget, "--cache-budget"),
+                    cache_spill_dir=os.path.abspath(cache_spill_dir) if cache_spill_dir else None,
+                    cache_allow_nondeterministic=cache_allow_nondeterministic)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)
@@ -108,3 +130,19 @@ def check_before_launch(cfg, rdzv) -> None:
     check_model(plan, build_for_plan(plan, cfg))
     if cfg.data != "synthetic" and not os.path.exists(cfg.data):
         raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
+    if cfg.cache_dir is not None and not os.path.isdir(cfg.cache_dir):
+        raise PtplanError(f"--cache-dir {cfg.cache_dir}: no such directory; create it or leave the option out "
+                          f"(/dev/shm)")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """Bytes from '123', '500MB', '8GiB', '1.5 GB' (decimal and binary units, case-insensitive)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m[2].lower() if m else ""
+    if not m or unit not in _UNITS:
+        raise PtplanError(f"{option} {text!r}: expected a size such as 8GiB, 500MB or 1000000 (bytes)")
+    return int(float(m[1]) * _UNITS[unit])

@@ -11,6 +11,7 @@ from .optim import OPTIMIZERS
 
 FREEZE_MODES = ("planned", "adaptive")
 DTYPES = ("float32", "bfloat16", "float16")
+CACHE_MODES = ("auto", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,18 @@ class RunConfig:
     """Process-group timeout: a dead peer makes the job fail after at most this long."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    cache: str = "auto"
+    """AutoCache: ``auto`` caches the frozen prefix's output in the phases where the plan says so
+    (``Phase.cache``); ``off`` always recomputes it (same results, slower stage 0)."""
+    cache_dir: str | None = None
+    """Directory of the cache's RAM tier, one subdirectory per node, removed at the end (None: /dev/shm)."""
+    cache_budget: int | None = None
+    """Cap on the cache's RAM-tier bytes per node (None: what the data set needs, see ``cache_run``)."""
+    cache_spill_dir: str | None = None
+    """Disk directory for slabs beyond the budget (None: rows that do not fit are recomputed each time)."""
+    cache_allow_nondeterministic: bool = False
+    """Cache even when the frozen prefix is not a fixed function of the sample (random augmentation, an
+    eval-mode random layer): every later epoch then replays the first output computed."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -92,6 +105,10 @@ class RunConfig:
             raise PtplanError("--resume needs --checkpoint-dir (the folder holding checkpoint.pt)")
         if self.timeout_s <= 0:
             raise PtplanError(f"--timeout must be positive, got {self.timeout_s}")
+        if self.cache not in CACHE_MODES:
+            raise PtplanError(f"unknown cache mode {self.cache!r}; use one of {', '.join(CACHE_MODES)}")
+        if self.cache_budget is not None and self.cache_budget < 0:
+            raise PtplanError(f"--cache-budget must be >= 0 bytes, got {self.cache_budget}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -11,7 +11,15 @@ Records (``ptplan compare`` reads them)::
 ``step`` counts optimizer steps from 0 over the whole run; ``phase`` indexes ``plan.phases``;
 ``seconds`` is rank 0's wall time of the step (it waits for the step's last collective);
 ``allreduce_seconds`` the part of it rank 0 spent averaging gradients over its data-parallel group.
+On the sampled step of each phase visit (the 2nd) the record also holds ``memory_sampled: true``,
+``peak_memory_bytes`` (the largest rank's stage working set) and ``memory`` (the method and every
+rank's break-down); see ``executor/memory.py``. That step's ``seconds`` include the measuring hooks.
 Also written: ``freeze_decision`` (adaptive freezing: the norms and the count chosen) and ``resume``.
+With the AutoCache (``executor/cache_run.py``): ``cache_setup`` once (directory, budget, the plan's
+predicted bytes, accepted determinism notes) and ``cache`` after every epoch: that epoch's ``hits``,
+``refreshes``, ``misses``, ``rows_written``, ``rows_not_cached``, ``slabs_evicted``, ``bytes_evicted``,
+``slabs_promoted`` summed over the ranks, the run's ``totals`` of those, and ``ram_bytes``,
+``disk_bytes``, ``ram_slabs``, ``disk_slabs`` in use (summed over the nodes, after the eviction).
 """
 from __future__ import annotations
 

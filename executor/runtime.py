@@ -8,6 +8,8 @@ group by one flat all-reduce after the schedule's step (never DDP around a stage
 (``ElasticRuntime.switch``) moves weights and optimizer state to their new owners
 (``transition``), destroys the old groups and creates the new ones in the same order on every
 rank (``groups``), and rebuilds the stage and its schedule. The training loop is in ``training``.
+In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by ``cache_run``),
+stage 0 holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s output for the shard.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch import Tensor
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
 
+from .cache import ActivationCache, prefix_forward
 from .groups import PhaseGroups, build_groups, destroy_groups
 from .optim import drop_state, ensure_state, state_keys
 from .stage import build_schedule, set_trainable, stage_module
@@ -59,6 +62,8 @@ class ElasticRuntime:
         """Seconds of the last step's data-parallel gradient all-reduce on this rank."""
         self.current: list[frozenset[int]] = [frozenset()] * self.n
         """Per layer, the ranks whose copy is current (see ``transition``)."""
+        self.cache: ActivationCache | None = None
+        """The node's AutoCache (``cache_run``; set with ``set_cache``). None: always recompute."""
 
     # ---- moving layers ---------------------------------------------------------------------
     def _weights_of(self, layers: tuple[int, ...]) -> list[Tensor]:
@@ -103,11 +108,7 @@ class ElasticRuntime:
             self.groups = None
             self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
         t3 = time.perf_counter()
-        stage = self.groups.place.stage
-        self.module = stage_module(self.model, new, stage)
-        self.schedule = None
-        if new.K > 1:
-            self.schedule = build_schedule(self.module, new, stage, self.device, self.groups.pp_group, self.model.loss)
+        self._build_stage(new)
         self.opt.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
         self.phase, self.phase_index = new, index
@@ -119,6 +120,20 @@ class ElasticRuntime:
         bw, bs = sent.tolist()
         return {"seconds": total, "parts": {"weights": w, "optimizer_state": s, "groups": g, "rebuild": r},
                 "bytes": {"weights": int(bw), "optimizer_state": int(bs)}}
+
+    def _build_stage(self, ph: Phase) -> None:
+        stage = self.groups.place.stage
+        self.module = stage_module(self.model, ph, stage, cached_prefix=self._caches(ph))
+        self.schedule = None
+        if ph.K > 1:
+            self.schedule = build_schedule(self.module, ph, stage, self.device, self.groups.pp_group, self.model.loss)
+
+    def set_cache(self, cache: ActivationCache | None) -> None:
+        """Read the frozen prefix's output from ``cache`` in caching phases from now on (rebuilds the
+        current stage if its phase caches; call between steps)."""
+        self.cache = cache
+        if self.phase is not None and self._caches(self.phase):
+            self._build_stage(self.phase)
 
     # ---- one optimizer step ----------------------------------------------------------------
     def _owned_grads(self) -> list[Tensor]:
@@ -141,14 +156,23 @@ class ElasticRuntime:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
 
-    def train_step(self, batch: tuple[Tensor, Tensor, Tensor | None], *, want_norms: bool) -> tuple[float, list[float]]:
+    def _caches(self, ph: Phase) -> bool:
+        """Whether stage 0 of ``ph`` reads the frozen prefix's output from the cache."""
+        return self.cache is not None and ph.cache and ph.frozen_layers > 0
+
+    def train_step(self, batch: tuple[Tensor, Tensor, Tensor | None], *, want_norms: bool,
+                   ids: Tensor | None = None) -> tuple[float, list[float]]:
         """Forward, backward, data-parallel gradient average and optimizer step on this rank's shard.
 
-        Returns the global mean loss and, with ``want_norms``, the per-block gradient norms (every
-        rank gets the same numbers: one all-reduce over the world).
+        ``ids``: the shard's sample ids (needed when the phase caches the frozen prefix). Returns the
+        global mean loss and, with ``want_norms``, the per-block gradient norms (every rank gets the
+        same numbers: one all-reduce over the world).
         """
         ph, place = self.phase, self.groups.place
         x, y, mask = (None if t is None else t.to(self.device) for t in batch)
+        if place.stage == 0 and self._caches(ph):  # the whole shard at once, before the micro-batch split
+            assert ids is not None, "a caching phase needs the shard's sample ids"
+            x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache)
         kw = {} if mask is None else {"attention_mask": mask}
         self.opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []

@@ -1,7 +1,8 @@
 """One rank's stage of a phase: a module made of views of the canonical model's layers, and its schedule.
 
 Stage s runs layers ``partition[s]``; stage 0 first runs the frozen prefix ``[0, frozen_layers)``
-under ``no_grad`` in eval mode. The layers are the canonical model's own modules (no copies), so
+under ``no_grad`` in eval mode, unless the phase caches it (then stage 0's input is the prefix's
+output, from ``cache.prefix_forward``). The layers are the canonical model's own modules (no copies), so
 training a stage trains the canonical model in place.
 """
 from __future__ import annotations
@@ -38,12 +39,19 @@ class StageModule(nn.Module):
         return x
 
 
-def stage_module(model: nn.Module, phase: Phase, stage: int) -> StageModule:
-    """The module for stage ``stage`` of ``phase``, made of ``model.layers`` (views, not copies)."""
+def stage_module(model: nn.Module, phase: Phase, stage: int, *, cached_prefix: bool = False) -> StageModule:
+    """The module for stage ``stage`` of ``phase``, made of ``model.layers`` (views, not copies).
+
+    ``cached_prefix``: the caller feeds stage 0 the frozen prefix's output (AutoCache), so the module
+    holds no prefix; the frozen layers are put in eval mode all the same, as they run when computed.
+    """
     lo, hi = phase.partition[stage]
-    prefix = phase.frozen_layers if stage == 0 else 0
+    prefix = phase.frozen_layers if stage == 0 and not cached_prefix else 0
     mod = StageModule(model.layers, lo, hi, prefix)
     mod.train()
+    if cached_prefix:
+        for layer in model.layers[:phase.frozen_layers]:
+            layer.eval()
     return mod
 
 

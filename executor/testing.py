@@ -31,6 +31,8 @@ class PhaseSpec:
     """ranks[p][s] (None: row-major, rank = p*K + s)."""
     schedule: str | None = None
     """``gpipe`` | ``1f1b`` (None: the plan's default)."""
+    cache: bool = False
+    """Cache the frozen prefix's output in this phase (AutoCache; ``Phase.cache``)."""
 
 
 def spec(frozen_blocks: int, *, K: int, D: int, M: int, b: int, **kw: Any) -> PhaseSpec:
@@ -58,7 +60,7 @@ def _phase(model: nn.Module, sp: PhaseSpec, schedule: str) -> Phase:
     pred = Prediction(iteration_s=1.0, samples_per_s=1.0, bubble_fraction=0.0, allreduce_s=0.0,
                       stage_compute_s=(0.0,) * sp.K, stage_peak_memory_bytes=(0,) * sp.K)
     return Phase(frozen_blocks=sp.frozen_blocks, frozen_layers=n0, K=sp.K, D=sp.D, M=sp.M,
-                 micro_batch_size=sp.b, schedule=sp.schedule or schedule, partition=tuple(part), cache=False,
+                 micro_batch_size=sp.b, schedule=sp.schedule or schedule, partition=tuple(part), cache=sp.cache,
                  ranks=tuple(tuple(r) for r in ranks), predicted=pred)
 
 

@@ -19,9 +19,11 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Plan
 
 from . import checkpoint as ckpt
+from .cache_run import setup_cache
 from .config import RunConfig
 from .data import Dataset, epoch_order, global_batch_ids, shard
 from .freezing import FreezeSchedule
+from .memory import MemorySampler, StepMemory
 from .optim import ensure_state, make_optimizer, state_keys
 from .runlog import RunLog
 from .runtime import ElasticRuntime, broadcast_int, phase_index
@@ -117,9 +119,10 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                                 schedule=p.schedule) for p in plan.phases])
         if hooks.snapshots:
             _snapshot(rt, hooks, "start", 0)
-    if rank == 0 and any(p.cache for p in plan.phases):
-        print("ptplan run: note: the plan enables the AutoCache in some phases; this runtime recomputes the "
-              "frozen prefix instead (same results, slower stage 0)", flush=True)
+    cache = setup_cache(cfg, plan, model, dataset, device)  # collective; refuses a nondeterministic prefix
+    if cache is not None:
+        rt.set_cache(cache.cache)
+        log.write(cache.setup_record)
 
     total = None
     if cfg.steps_per_epoch:
@@ -127,6 +130,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     elif cfg.freeze == "planned" and fs.every is None:
         total = sum(N // plan.phase_for(fs.planned(e, 0)).global_batch for e in range(epochs))
     bar = _progress(cfg.progress and rank == 0, total, pos.global_step)
+    sampler = MemorySampler()  # peak memory on the 2nd step of each phase visit (executor/memory.py)
     transitions: list[dict[str, Any]] = []
     last_ckpt = pos.global_step if cfg.resume else -1
     loss = None
@@ -152,15 +156,17 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                     break
                 ids = global_batch_ids(order, pos.cursor, ph.global_batch)
                 mine = shard(ids, ph.D, rt.groups.place.pipeline)
+                mem = StepMemory(rt).start() if sampler.want(rt.phase_index) else None
                 t0 = time.perf_counter()
-                loss, norms = rt.train_step(dataset.batch(mine), want_norms=cfg.freeze == "adaptive")
+                loss, norms = rt.train_step(dataset.batch(mine), want_norms=cfg.freeze == "adaptive", ids=mine)
                 secs = time.perf_counter() - t0
+                measured = {} if mem is None else (mem.stop() or mem.record())  # collective
                 if cfg.freeze == "adaptive":
                     pos.norm_sum = [a + b for a, b in zip(pos.norm_sum, norms)]
                     pos.norm_count += 1
                 log.step(epoch=pos.epoch, step=pos.global_step, phase=rt.phase_index, frozen_blocks=ph.frozen_blocks,
                          K=ph.K, D=ph.D, seconds=secs, samples=ph.global_batch, loss=loss,
-                         allreduce_seconds=rt.last_allreduce_s)
+                         allreduce_seconds=rt.last_allreduce_s, **measured)
                 pos.cursor += ph.global_batch
                 pos.step_in_epoch += 1
                 pos.global_step += 1
@@ -171,6 +177,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                     last_ckpt = pos.global_step
                 if hooks.after_step is not None:
                     hooks.after_step(pos.global_step, rank)
+            if cache is not None:
+                log.write(cache.epoch_end(rt.phase, pos.epoch, pos.global_step))
             pos.epoch += 1
             pos.step_in_epoch = 0
             pos.cursor = 0
@@ -180,7 +188,11 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         if hooks.snapshots:
             _snapshot(rt, hooks, "final", pos.global_step)
         dist.barrier()
+        if cache is not None:
+            cache.finish(ok=True)
     finally:
+        if cache is not None:
+            cache.finish(ok=False)  # after an error: no barrier; a no-op after the line above
         bar.close()
         log.close()
     rt.close()

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: skip ``gpu`` tests without CUDA, and the bundled pretrained MiniLM folder."""
+"""Shared pytest fixtures: skip ``gpu`` tests without CUDA, one torch thread for multi-process tests,
+and the bundled pretrained MiniLM folder."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,3 +31,15 @@ def minilm_dir() -> Path:
     if not (d / "config.json").is_file():
         pytest.skip(f"no config.json in {d}")
     return d
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread in this process: on a busy 2-core box OpenMP's spinning threads otherwise
+    slow tiny ops by 10-100x, and forked children start from a single-threaded parent."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -16,13 +16,8 @@ from ptplan.planner.freeze import next_frozen
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """One intra-op thread in this process: on a busy 2-core box OpenMP's spinning threads otherwise
-    slow tiny ops by 10-100x, and forked children start from a single-threaded parent."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(before)
 
 pytestmark = pytest.mark.multiproc
 
