@@ -39,7 +39,9 @@ def parse_batch_sizes(text: str) -> list[int]:
               help="half: attention and MLP halves of each block; block: one layer per block.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed repeats per batch size.")
 @click.option("--repeats", type=int, default=5, show_default=True, help="Timed repeats (median) per batch size.")
-@click.option("--threads", type=int, default=None, help="torch intra-op threads (CPU; default torch's).")
+@click.option("--threads", type=int, default=None,
+              help="torch intra-op threads [default on CPU: 1, as each torchrun process runs "
+                   "(OMP_NUM_THREADS=1); on CUDA: torch's].")
 @click.option("--timer", type=click.Choice(("wall", "cpu")), default="wall", show_default=True,
               help="CPU only: wall clock, or process CPU time (needs --threads 1; robust on a shared machine).")
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability (default: the config's).")
@@ -53,7 +55,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
 
     \b
-    MODEL: bert-tiny bert-base bert-large vit-tiny vit-base vit-large gpt2-tiny gpt2 gpt2-medium
+    MODEL: bert-tiny bert-small bert-base bert-large vit-tiny vit-small vit-base vit-large
+           gpt2-tiny gpt2 gpt2-medium
     Example: ptplan profile bert-base --device cpu --batch-sizes 1,2,4 --out p.json
     """
     sizes = parse_batch_sizes(batch_sizes)
@@ -76,6 +79,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
 
     resolve_device(device)  # fail on a missing GPU before building a large model
     check_batch_sizes(sizes)
+    if threads is None and dev_kind == "cpu":
+        threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
     _warn_if_busy(dev_kind, timer)
@@ -95,7 +100,7 @@ def _warn_if_busy(dev_kind: str, timer: str) -> None:
     load = os.getloadavg()[0]
     if load >= 1.0:
         click.echo(f"note: this machine is busy (load average {load:.1f} on {os.cpu_count()} cores), so wall-clock "
-                   "timings will be noisy; --threads 1 --timer cpu measures CPU time instead", err=True)
+                   "timings will be noisy; --timer cpu (with one thread) measures CPU time instead", err=True)
 
 
 def _print_summary(prof, agree) -> None:

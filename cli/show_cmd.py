@@ -1,4 +1,4 @@
-"""``ptplan show``: write a plan's interactive, offline HTML report."""
+"""``ptplan show``: write a plan's interactive, offline HTML report (with a run beside it, when given)."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,18 @@ from ptplan.planner.viz import write_report
 @click.argument("plan", type=click.Path(dir_okay=False, path_type=str))
 @click.option("--out", "out", default="report.html", show_default=True, type=click.Path(dir_okay=False, path_type=str),
               help="HTML file to write (self-contained; opens without network).")
-def show(plan: str, out: str) -> None:
+@click.option("--run", "runlog", default=None, type=click.Path(dir_okay=False, path_type=str),
+              help="A run log of this plan (ptplan run --log): adds the predicted-against-measured figure.")
+@click.option("--warmup", type=int, default=1, show_default=True,
+              help="With --run: steps left out at the start of each phase visit.")
+def show(plan: str, out: str, runlog: str | None, warmup: int) -> None:
     """Write PLAN (a plan.json from `ptplan plan`) as one interactive HTML report."""
     p = load_plan(plan)
-    write_report(p, out)
+    comparison = None
+    if runlog is not None:
+        from ptplan.planner.compare import compare, read_run_log
+
+        comparison = compare(p, read_run_log(runlog), warmup=warmup)
+    write_report(p, out, comparison=comparison)
     size = os.path.getsize(out)
     click.echo(f"wrote {out} ({size / 1e6:.1f} MB)")

@@ -31,9 +31,11 @@ Per family:
   parameter between its first and last stage, so the head is a separate Parameter initialised as a
   copy of ``wte``. The two then train independently (the head's parameters are counted separately).
 
-Names: ``*-tiny`` are small configs for tests (4 blocks, hidden 64); the others have the published
-sizes. With ``weights=DIR`` the architecture comes from ``DIR/config.json`` (as ``from_pretrained``
-does), which must be of the named family; the name then only picks the family and the adapter's
+Names: ``*-tiny`` are small configs for tests (4 blocks, hidden 64); ``*-small`` (4 blocks, hidden
+256; ViT 64x64 pixels in 8x8 patches) are big enough for compute to outweigh framework overheads on
+a CPU (the calibration benchmark, ``bench/calibrate.py``); the others have the published sizes.
+With ``weights=DIR`` the architecture comes from ``DIR/config.json`` (as ``from_pretrained`` does),
+which must be of the named family; the name then only picks the family and the adapter's
 label. Missing head weights (a base-model checkpoint) are initialised from ``seed``; any other
 missing or mismatched weight is an error.
 """
@@ -53,19 +55,22 @@ from torch import Tensor, nn
 from ptplan.planner.errors import PtplanError
 
 MODEL_NAMES: tuple[str, ...] = ("bert-tiny", "bert-base", "bert-large", "vit-tiny", "vit-base", "vit-large",
-                                "gpt2-tiny", "gpt2", "gpt2-medium")
+                                "gpt2-tiny", "gpt2", "gpt2-medium", "bert-small", "vit-small")
 FAMILIES = ("bert", "vit", "gpt2")
 GRANULARITIES = ("block", "half")
 
 _TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256)
+_SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
 # name -> (family, config keyword arguments). Real sizes from the published checkpoints.
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "bert-tiny": ("bert", dict(_TINY, vocab_size=1024)),
+    "bert-small": ("bert", dict(_SMALL, vocab_size=1024)),
     "bert-base": ("bert", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                intermediate_size=3072)),
     "bert-large": ("bert", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                 intermediate_size=4096)),
     "vit-tiny": ("vit", dict(_TINY, image_size=32, patch_size=8)),
+    "vit-small": ("vit", dict(_SMALL, image_size=64, patch_size=8)),
     "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                              intermediate_size=3072, image_size=224, patch_size=16)),
     "vit-large": ("vit", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,

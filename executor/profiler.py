@@ -13,6 +13,10 @@ How it measures (per micro-batch size b, after ``warmup`` untimed repeats, media
   backward, timed as one. Layered and whole steps alternate, so machine noise hits both alike.
 - **No-grad forward** (nograd_forward_s): eval mode under ``torch.no_grad``, layer by layer, timed
   (how a frozen layer runs).
+- **Optimizer step** (optimizer_s): one AdamW step (torch's default implementation for the device)
+  over each layer's parameters, with gradients present, timed per layer, the layers stepped one
+  after another in each repeat (as warm or cold in the caches as in a whole-model step; median of
+  ``repeats`` after ``warmup``); the parameter values are restored afterwards.
 - **Memory**: parameter and gradient bytes (the model dtype), optimizer bytes (AdamW: two fp32
   moments per parameter; no fp32 master copy counted), output bytes per sample, and bytes saved for
   backward per sample, measured with ``torch.autograd.graph.saved_tensors_hooks`` during one forward
@@ -221,6 +225,41 @@ def _memory_pass(model: LayeredModel, x: Tensor, labels: Tensor, mask: Tensor | 
     return out_bytes, saved_bytes
 
 
+def _optimizer_steps(model: LayeredModel, clock: _Clock, warmup: int, repeats: int) -> list[float]:
+    """Per layer: median seconds of one AdamW step over its parameters (values restored afterwards).
+
+    One optimizer per layer, stepped layer after layer in one pass per repeat, so each layer's
+    parameters, gradients and moments are as cold in the caches as in a whole-model step.
+    """
+    layers = [list(layer.parameters()) for layer in model.layers]
+    with torch.no_grad():
+        saved = [[p.detach().clone() for p in ps] for ps in layers]
+        for ps in layers:
+            for p in ps:
+                p.grad = torch.full_like(p, 1e-3)
+    opts = [torch.optim.AdamW(ps, lr=1e-3) if ps else None for ps in layers]
+    times: list[list[float]] = [[] for _ in layers]
+    try:
+        for r in range(warmup + repeats):
+            for i, opt in enumerate(opts):
+                if opt is None:
+                    continue
+                clock.sync()
+                a = clock.stamp()
+                opt.step()
+                b = clock.stamp()
+                clock.sync()
+                if r >= warmup:
+                    times[i].append(clock.seconds(a, b))
+    finally:
+        with torch.no_grad():
+            for ps, vs in zip(layers, saved):
+                for p, v in zip(ps, vs):
+                    p.copy_(v)
+                    p.grad = None
+    return [statistics.median(t) if t else 0.0 for t in times]
+
+
 # ---- device description ------------------------------------------------------------------------
 
 def _cpu_name() -> str:
@@ -352,6 +391,7 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
                     model.train()
                     out_bytes, saved_bytes = _memory_pass(model, x, labels, mask, b)
                     _clear_grads(model)
+            opt_s = _optimizer_steps(model, clock, warmup, repeats)
     finally:
         bar.close()
 
@@ -364,7 +404,8 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
             grad_bytes=nbytes, optimizer_bytes=ADAMW_STATE_BYTES_PER_PARAM * count,
             output_bytes_per_sample=out_bytes[i], saved_bytes_per_sample=saved_bytes[i],
-            forward_s=tuple(fwd[i]), backward_s=tuple(bwd[i]), nograd_forward_s=tuple(nog[i])))
+            forward_s=tuple(fwd[i]), backward_s=tuple(bwd[i]), nograd_forward_s=tuple(nog[i]),
+            optimizer_s=opt_s[i]))
     info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
                      dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config_summary(model))
     measurement = {
@@ -376,6 +417,7 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
         "head_includes_loss": True, "whole_model_forward": "train mode, grad enabled, loss included",
         "grads_set_to_none_each_step": True,
         "memory_batch_size": bs[-1], "optimizer": "AdamW (2 fp32 moments per parameter)",
+        "optimizer_step": "AdamW step over each layer's parameters alone, timed per layer",
     }
     return Profile(model=info, device=_device_info(dev), batch_sizes=bs, layers=tuple(records),
                    whole_model=WholeModel(forward_s=tuple(whole_f), forward_backward_s=tuple(whole_fb),

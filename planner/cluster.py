@@ -60,6 +60,18 @@ class Cluster:
     """Inter-node links per node that can carry traffic in parallel (e.g. 8 on a DGX H100)."""
     host_memory_bytes: int | None = None
     """Host RAM per node, bytes (bounds the AutoCache); None if unknown."""
+    action_overhead_s: float = 0.0
+    """Framework seconds per pipelined compute action (one micro-batch's forward or backward on a
+    stage of a pipeline with K > 1): the schedule's bookkeeping and posting its sends and receives,
+    on the rank's host thread. 0 where not measured."""
+    step_overhead_s: float = 0.0
+    """Framework seconds per training step, paid once per iteration: clearing gradients, the loss
+    all-reduce over the world, the schedule's set-up. 0 where not measured."""
+    concurrency_slowdown: float = 1.0
+    """Factor (>= 1) on every compute time when all GPUs (processes) of a node compute at once,
+    against the profile's device computing alone: 1 for GPUs, which have their own memory; above 1
+    for CPU processes that share caches and memory bandwidth and whose synchronous steps wait for
+    the slowest. 1 where not measured."""
     notes: str = ""
     """Where the numbers come from, and which are assumptions."""
 
@@ -77,10 +89,14 @@ class Cluster:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                 raise PtplanError(f"cluster {self.name!r}: {key} is {v!r} bytes/s; it must be a positive "
                                   "number (e.g. 15.75e9 for PCIe 3.0 x16)")
-        for key in ("intra_latency_s", "inter_latency_s"):
+        for key in ("intra_latency_s", "inter_latency_s", "action_overhead_s", "step_overhead_s"):
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise PtplanError(f"cluster {self.name!r}: {key} is {v!r} s; it must be >= 0 (e.g. 1e-5)")
+        c = self.concurrency_slowdown
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 1:
+            raise PtplanError(f"cluster {self.name!r}: concurrency_slowdown is {c!r}; it must be a number >= 1 "
+                              "(1 = no slowdown)")
         if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool) or not isinstance(
                 self.host_memory_bytes, int) or self.host_memory_bytes <= 0):
             raise PtplanError(f"cluster {self.name!r}: host_memory_bytes is {self.host_memory_bytes!r}; "
@@ -216,7 +232,10 @@ def cluster_from_json(obj: Any, source: str = "cluster") -> Cluster:
             gpu_memory_bytes=f.int("gpu_memory_bytes", min=1), gpu_name=f.str("gpu_name"),
             intra_bandwidth=f.float("intra_bandwidth", min=0), intra_latency_s=f.float("intra_latency_s", min=0),
             inter_bandwidth=f.float("inter_bandwidth", min=0), inter_latency_s=f.float("inter_latency_s", min=0),
-            nics_per_node=f.int("nics_per_node", 1, min=1), host_memory_bytes=host, notes=f.str("notes", ""))
+            nics_per_node=f.int("nics_per_node", 1, min=1), host_memory_bytes=host,
+            action_overhead_s=f.float("action_overhead_s", 0.0, min=0),
+            step_overhead_s=f.float("step_overhead_s", 0.0, min=0),
+            concurrency_slowdown=f.float("concurrency_slowdown", 1.0, min=1), notes=f.str("notes", ""))
     except SchemaError:
         raise
     except PtplanError as e:
@@ -237,16 +256,30 @@ def _host_ram_bytes() -> int:
 
 
 def cpu_cluster(procs: int = 2) -> Cluster:
-    """This machine as a one-node cluster of ``procs`` CPU processes sharing its RAM."""
+    """This machine as a one-node cluster of ``procs`` CPU processes sharing its RAM.
+
+    Links and framework overheads were measured on the 2-core development box (torch 2.13 CPU, gloo
+    over loopback TCP, one thread per process); see the preset's notes for the commands.
+    """
     if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         raise PtplanError(f"cpu cluster needs at least 1 process, got {procs!r} (use e.g. cpu:2)")
     ram = _host_ram_bytes()
     return Cluster(
         name="cpu" if procs == 2 else f"cpu:{procs}", nodes=1, gpus_per_node=procs,
-        gpu_memory_bytes=ram // procs, gpu_name="CPU process", intra_bandwidth=2.5e9, intra_latency_s=30e-6,
-        inter_bandwidth=2.5e9, inter_latency_s=30e-6, host_memory_bytes=ram,
-        notes="ESTIMATE: gloo over loopback TCP; 2.5 GB/s from a Python TCP loopback test on the 2-core dev "
-              "box (2.4 GB/s), 30 us per message assumed for gloo overheads; memory = host RAM / processes.")
+        gpu_memory_bytes=ram // procs, gpu_name="CPU process", intra_bandwidth=0.52e9, intra_latency_s=200e-6,
+        inter_bandwidth=0.52e9, inter_latency_s=200e-6, host_memory_bytes=ram, action_overhead_s=330e-6,
+        step_overhead_s=0.8e-3, concurrency_slowdown=1.06 if procs > 1 else 1.0,
+        notes="MEASURED on the 2-core dev box (torch 2.13 CPU, gloo over loopback TCP, 1 thread per process). "
+              "Links, `python bench/comm_bench.py`: the gradient all-reduce of 2 processes as the runtime does it "
+              "(flatten, all-reduce, divide, copy back) fits 1 ms + bytes / 0.52 GB/s (16 MiB in 33 ms; a bare "
+              "dist.all_reduce reaches 0.9 GB/s), point-to-point 0.17-0.24 ms one way up to 256 KiB and 1.6 GB/s "
+              "for large messages; one link of 0.52 GB/s (the all-reduce carries the most bytes) and 200 us per "
+              "message. Framework, `python bench/overhead_bench.py` (4 runs): a torch.distributed.pipelining 1F1B "
+              "step with no compute costs 0.29-0.38 ms of host CPU per forward or backward action "
+              "(action_overhead_s 330 us); the training loop adds 0.3-1.4 ms per step over forward + backward + "
+              "AdamW (step_overhead_s 0.8 ms); the slowest of 2 processes stepping together is 4-8 % slower than "
+              "one alone (concurrency_slowdown 1.06; 1 for one process). This VM's speed drifts by 10-20 % over "
+              "seconds, so every figure is a median. Memory = host RAM / processes.")
 
 
 PRESETS: dict[str, Cluster] = {

@@ -19,7 +19,7 @@ class PhaseComparison:
     D: int
     M: int
     steps: int
-    """Steps measured (the first ``warmup`` steps of each visit to the phase are left out)."""
+    """Steps timed (the first ``warmup`` steps of each visit and the memory-sampled steps left out)."""
     predicted_iteration_s: float
     measured_iteration_s: float
     """Median measured step time."""
@@ -28,8 +28,19 @@ class PhaseComparison:
     predicted_samples_per_s: float
     measured_samples_per_s: float
     predicted_peak_memory_bytes: int
+    """The fullest stage's predicted peak."""
     measured_peak_memory_bytes: int | None
+    """The fullest rank's measured peak (``executor/memory.py``), None when not measured."""
     memory_error: float | None
+    predicted_stage_memory_bytes: tuple[int, ...] = ()
+    measured_stage_memory_bytes: tuple[int, ...] = ()
+    """Per stage, the largest of its data-parallel replicas (empty when not measured per rank)."""
+    measured_allreduce_s: float | None = None
+    """Median seconds rank 0 spent in the data-parallel gradient all-reduce."""
+    predicted_allreduce_s: float = 0.0
+    """Exposed all-reduce the simulator predicts."""
+    timed_with_memory_hooks: bool = False
+    """The phase had no other step after the warm-up, so its memory-sampled step was timed (slower)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,16 +76,55 @@ def read_run_log(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
-    """Median measured step time per phase against the plan's prediction."""
+def _check_same_plan(plan: Plan, records: list[dict[str, Any]]) -> None:
+    """Refuse a run log written for another plan: profile fingerprint and phase shapes must agree."""
     header = next((r for r in records if r["type"] == "header"), None)
-    if header is not None:
-        fp = header.get("plan_fingerprint") or header.get("fingerprint")
-        want = plan.inputs.get("profile", {}).get("fingerprint")
-        if fp and want and fp != want:
-            raise PtplanError(f"the run log was made with a plan for profile fingerprint {fp}, but this plan's is "
-                              f"{want}; compare the run with the plan it ran")
-    by_phase: dict[int, list[dict]] = {}
+    if header is None:
+        return
+    fp = header.get("plan_fingerprint") or header.get("fingerprint")
+    want = plan.inputs.get("profile", {}).get("fingerprint")
+    if fp and want and fp != want:
+        raise PtplanError(f"the run log was made with a plan for profile fingerprint {fp}, but this plan's is "
+                          f"{want}; compare the run with the plan it ran")
+    shapes = header.get("phases")
+    if isinstance(shapes, list):
+        ours = [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]
+        theirs = [{k: s.get(k) for k in ("frozen_blocks", "K", "D", "M")} for s in shapes if isinstance(s, dict)]
+        if theirs != ours:
+            diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            got = theirs[diff] if diff < len(theirs) else "none"
+            exp = ours[diff] if diff < len(ours) else "none"
+            raise PtplanError(f"the run log's plan has {len(theirs)} phases and this plan {len(ours)}; phase {diff} "
+                              f"is {got} in the run and {exp} in this plan; compare the run with the plan it ran")
+
+
+def _stage_memory(phase, rec: dict[str, Any]) -> tuple[int, ...]:
+    rows = (rec.get("memory") or {}).get("per_rank")
+    if not isinstance(rows, list):
+        return ()
+    out = []
+    for s in range(phase.K):
+        vals = [int(rows[row[s]]["total"]) for row in phase.ranks if row[s] < len(rows)]
+        if not vals:
+            return ()
+        out.append(max(vals))
+    return tuple(out)
+
+
+def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
+    """Median measured step time and the sampled peak memory per phase, against the plan's prediction.
+
+    Timing: the median over the phase's steps, leaving out the first ``warmup`` steps of each visit
+    to the phase (set-up: receive buffers, shape inference) and the steps that measured memory
+    (their hooks slow them down) -- unless a phase has no other step, then its memory-sampled steps
+    are timed and the row says so. Memory: the largest sampled ``peak_memory_bytes`` of the phase.
+    """
+    if warmup < 0:
+        raise PtplanError(f"warmup must be 0 or more, got {warmup}")
+    _check_same_plan(plan, records)
+    timed: dict[int, list[dict]] = {}
+    hooked: dict[int, list[dict]] = {}
+    sampled: dict[int, list[dict]] = {}
     seen_in_visit: dict[int, int] = {}
     last_phase = None
     for r in records:
@@ -82,26 +132,39 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
             continue
         try:
             ph = int(r["phase"])
-            secs = float(r["seconds"])
+            float(r["seconds"])
         except (KeyError, TypeError, ValueError):
             raise PtplanError(f"run log step record without numeric 'phase' and 'seconds': {r}") from None
+        if not 0 <= ph < len(plan.phases):
+            raise PtplanError(f"run log refers to phase {ph} but the plan has {len(plan.phases)} phases; "
+                              f"compare the run with the plan it ran")
+        p = plan.phases[ph]
+        if ("K" in r and r["K"] != p.K) or ("D" in r and r["D"] != p.D):
+            raise PtplanError(f"run log step {r.get('step')} ran phase {ph} with K={r.get('K')}, D={r.get('D')} but "
+                              f"the plan's phase {ph} has K={p.K}, D={p.D}; compare the run with the plan it ran")
+        if r.get("peak_memory_bytes") is not None:
+            sampled.setdefault(ph, []).append(r)
         if ph != last_phase:
             seen_in_visit[ph] = 0
             last_phase = ph
         seen_in_visit[ph] += 1
         if seen_in_visit[ph] <= warmup:
             continue
-        if not 0 <= ph < len(plan.phases):
-            raise PtplanError(f"run log refers to phase {ph} but the plan has {len(plan.phases)} phases")
-        by_phase.setdefault(ph, []).append(r)
+        (hooked if r.get("memory_sampled") else timed).setdefault(ph, []).append(r)
     rows = []
-    for ph, recs in sorted(by_phase.items()):
+    for ph in sorted(set(timed) | set(hooked)):
         p = plan.phases[ph]
+        recs = timed.get(ph) or hooked[ph]  # only a memory-sampled step after the warm-up: time it anyway
         meas = statistics.median(float(r["seconds"]) for r in recs)
         samples = statistics.median(float(r.get("samples", p.global_batch)) for r in recs)
-        mem_vals = [int(r["peak_memory_bytes"]) for r in recs if r.get("peak_memory_bytes") is not None]
+        ar = [float(r["allreduce_seconds"]) for r in recs if r.get("allreduce_seconds") is not None]
+        mem_recs = sampled.get(ph, [])
         pred_mem = max(p.predicted.stage_peak_memory_bytes)
-        meas_mem = max(mem_vals) if mem_vals else None
+        meas_mem = max(int(r["peak_memory_bytes"]) for r in mem_recs) if mem_recs else None
+        stage_mem: tuple[int, ...] = ()
+        for r in mem_recs:
+            got = _stage_memory(p, r)
+            stage_mem = tuple(max(a, b) for a, b in zip(stage_mem, got)) if stage_mem and got else (got or stage_mem)
         rows.append(PhaseComparison(
             phase=ph, frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, steps=len(recs),
             predicted_iteration_s=p.predicted.iteration_s, measured_iteration_s=meas,
@@ -109,9 +172,14 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
             predicted_samples_per_s=p.predicted.samples_per_s,
             measured_samples_per_s=samples / meas if meas > 0 else 0.0,
             predicted_peak_memory_bytes=pred_mem, measured_peak_memory_bytes=meas_mem,
-            memory_error=(pred_mem - meas_mem) / meas_mem if meas_mem else None))
+            memory_error=(pred_mem - meas_mem) / meas_mem if meas_mem else None,
+            predicted_stage_memory_bytes=tuple(int(x) for x in p.predicted.stage_peak_memory_bytes),
+            measured_stage_memory_bytes=stage_mem,
+            measured_allreduce_s=statistics.median(ar) if ar else None,
+            predicted_allreduce_s=p.predicted.allreduce_s, timed_with_memory_hooks=ph not in timed))
     if not rows:
-        raise PtplanError(f"no phase has more than {warmup} measured step(s); run more steps per phase")
+        raise PtplanError(f"no phase has a step after leaving out the first {warmup} step(s) of each visit; "
+                          f"run more steps per phase (e.g. --steps-per-epoch 6)")
     mem_errs = [abs(r.memory_error) for r in rows if r.memory_error is not None]
     return Comparison(
         phases=tuple(rows), transitions=tuple(r for r in records if r["type"] == "transition"),
@@ -129,7 +197,8 @@ def format_comparison(c: Comparison) -> str:
         lines.append(f"{r.phase:>5} {r.frozen_blocks:>6} {r.K:>3} {r.D:>3} {r.M:>3} {r.steps:>5} "
                      f"{r.predicted_iteration_s:>10.4f} {r.measured_iteration_s:>10.4f} {r.iteration_error:>+7.1%} "
                      f"{r.predicted_samples_per_s:>10.1f} {r.measured_samples_per_s:>10.1f} "
-                     f"{r.predicted_peak_memory_bytes / 2**20:>9.1f} {mm} {me}")
+                     f"{r.predicted_peak_memory_bytes / 2**20:>9.1f} {mm} {me}"
+                     + ("  (timed on the memory-sampled step)" if r.timed_with_memory_hooks else ""))
     lines.append(f"median |error|: iteration time {c.median_abs_iteration_error:.1%}"
                  + (f", peak memory {c.median_abs_memory_error:.1%}" if c.median_abs_memory_error is not None else
                     ", peak memory not measured"))

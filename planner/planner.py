@@ -13,6 +13,25 @@ How one phase is chosen (all from measured costs, no constants from the paper):
 3. the best few (K, M) by estimate are simulated exactly with the discrete-event simulator (the
    schedule as data); the fastest that fits in memory wins.
 Predicted totals do not include transition time (the executor measures it; see ``ptplan compare``).
+
+Terms added after comparing predictions with real runs (``bench/calibrate.py``, ``ptplan compare``):
+- **optimizer step**: each stage's AdamW step (the profile's per-layer ``optimizer_s``) runs after
+  its all-reduce and before the iteration ends; it was missing from every prediction (2-4 % of a
+  CPU step of bert-small, more with few micro-batches per step).
+- **framework overheads** (the cluster's ``action_overhead_s`` and ``step_overhead_s``, measured by
+  ``bench/overhead_bench.py``): the pipelining schedule's own work lengthens every forward and
+  backward of a K > 1 pipeline; a fixed cost is paid once per step.
+- **concurrency** (the cluster's ``concurrency_slowdown``, measured by ``bench/overhead_bench.py``):
+  on a CPU "cluster" the processes share caches and memory bandwidth, and a synchronous step waits
+  for the slowest; every compute time of a multi-process cpu:N plan is scaled by it (1 on GPUs).
+  Two-process runs were 10-20 % slower than predicted before; one-process runs were not.
+- **gradient all-reduce**: the cpu preset's link is what the runtime's flatten + all-reduce + copy
+  back reaches (0.52 GB/s), not the estimate it had (2.5 GB/s): the runs' ``allreduce_seconds``
+  were 2-5x the prediction.
+- **receive buffers**: torch.distributed.pipelining keeps one activation buffer per micro-batch on
+  every stage but the first and one gradient buffer per micro-batch on every stage but the last, for
+  the whole phase (``executor/memory.py`` found them: M x boundary bytes each), so a stage's fixed
+  memory grows with M.
 """
 from __future__ import annotations
 
@@ -133,7 +152,7 @@ class _PhasePlanner:
 
     def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig) -> None:
         self.p, self.c, self.cfg = profile, cluster, cfg
-        self.t = CostTable(profile)
+        self.t = CostTable(profile, time_scale=cluster.concurrency_slowdown)
         self.n = profile.num_layers
         self.world = cluster.world_size
         self.limit = cluster.gpu_memory_bytes * cfg.memory_fraction
@@ -144,6 +163,7 @@ class _PhasePlanner:
         self.cum_grad = np.concatenate([[0.0], np.cumsum(t.grad_bytes)])
         self.cum_saved = np.concatenate([[0.0], np.cumsum(t.saved_per_sample)])
         self.cum_param = np.concatenate([[0.0], np.cumsum(t.param_bytes)])
+        self.cum_opt = np.concatenate([[0.0], np.cumsum(t.optimizer_s)])
 
     # -- batch policy -------------------------------------------------------------------------
     def pipeline_batch(self, D: int) -> int | None:
@@ -240,29 +260,45 @@ class _PhasePlanner:
         if K > 1:
             out = t.out_per_sample[hi[:-1] - 1] * b
             comm = float(2 * (ki.link_lat + out / ki.link_bw).sum())
+        if K > 1:
+            per_mb += 2 * self.c.action_overhead_s
         ar = ki.ar_lat + (self.cum_grad[hi] - self.cum_grad[lo]) * ki.ar_per_byte if len(ki.ranks) > 1 else np.zeros(K)
-        est = float(per_mb.sum() + (M - 1) * per_mb.max() + comm + ar.max())
+        opt = self.cum_opt[hi] - self.cum_opt[lo]
+        est = float(per_mb.sum() + (M - 1) * per_mb.max() + comm + (ar + opt).max() + self.c.step_overhead_s)
         peak = (self.cum_state[hi] - self.cum_state[lo] + self.inflight(K, M) * (self.cum_saved[hi] - self.cum_saved[lo]) * b
-                + 2 * t.out_per_sample[hi - 1] * b)
+                + 2 * t.out_per_sample[hi - 1] * b + self._recv_buffers(K, M, b, lo, hi))
         peak[0] += self.cum_param[n0]
         return est, float(peak.max()), use_cache
 
-    def stage_costs(self, n0: int, K: int, b: int, ranges, use_cache: bool) -> list[StageCost]:
+    def _recv_buffers(self, K: int, M: int, b: int, lo, hi):
+        """Receive buffers per stage: torch.distributed.pipelining keeps, for the whole phase, one
+        activation buffer per micro-batch on every stage but the first and one gradient buffer per
+        micro-batch on every stage but the last (measured: ``executor/memory.py``'s ``buffers``)."""
+        if K == 1:
+            return np.zeros(np.shape(lo))
+        out = self.t.out_per_sample
+        s = np.arange(K)
+        lo, hi = np.asarray(lo), np.asarray(hi)
+        return M * b * (np.where(s > 0, out[lo - 1], 0.0) + np.where(s < K - 1, out[hi - 1], 0.0))
+
+    def stage_costs(self, n0: int, K: int, M: int, b: int, ranges, use_cache: bool) -> list[StageCost]:
         """The simulator's per-stage costs for one candidate."""
         t, ki = self.t, self.kinfo(K)
         fwd, bwd, _ = t.at(b)
         D = len(ki.ranks)
         prefix_s = self._prefix_s(n0, b, use_cache)
+        ovh = self.c.action_overhead_s if K > 1 else 0.0
+        buffers = self._recv_buffers(K, M, b, [r[0] for r in ranges], [r[1] for r in ranges])
         out = []
         for s, (lo, hi) in enumerate(ranges):
             send_f = ki.link_lat[s] + t.out_per_sample[hi - 1] * b / ki.link_bw[s] if s < K - 1 else 0.0
             send_b = ki.link_lat[s - 1] + t.out_per_sample[lo - 1] * b / ki.link_bw[s - 1] if s > 0 else 0.0
             ar = ki.ar_lat[s] + (self.cum_grad[hi] - self.cum_grad[lo]) * ki.ar_per_byte[s] if D > 1 else 0.0
-            fixed = self.cum_state[hi] - self.cum_state[lo] + (self.cum_param[n0] if s == 0 else 0.0)
+            fixed = self.cum_state[hi] - self.cum_state[lo] + (self.cum_param[n0] if s == 0 else 0.0) + buffers[s]
             out.append(StageCost(
-                forward_s=float(fwd[lo:hi].sum()), backward_s=float(bwd[lo:hi].sum()),
+                forward_s=float(fwd[lo:hi].sum()) + ovh, backward_s=float(bwd[lo:hi].sum()) + ovh,
                 prefix_s=prefix_s if s == 0 else 0.0, send_forward_s=float(send_f), send_backward_s=float(send_b),
-                allreduce_s=float(ar), fixed_bytes=int(fixed),
+                allreduce_s=float(ar), optimizer_s=float(t.optimizer_s[lo:hi].sum()), fixed_bytes=int(fixed),
                 activation_bytes_per_mb=int((self.cum_saved[hi] - self.cum_saved[lo]) * b),
                 output_bytes_per_mb=int(t.out_per_sample[hi - 1] * b)))
         return out
@@ -330,8 +366,8 @@ class _PhasePlanner:
         best = None
         for cand in cands[:simulate_top]:
             ranges = self.partition(n0, cand.K, cand.M, cand.b) or cand.ranges
-            costs = self.stage_costs(n0, cand.K, cand.b, ranges, cand.cache)
-            sim = simulate(self.schedule(cand.K, cand.M), costs)
+            costs = self.stage_costs(n0, cand.K, cand.M, cand.b, ranges, cand.cache)
+            sim = simulate(self.schedule(cand.K, cand.M), costs, step_overhead_s=self.c.step_overhead_s)
             if max(sim.stage_peak_memory_bytes) > self.limit:
                 reasons.append(f"K={cand.K}, M={cand.M}: simulated peak {max(sim.stage_peak_memory_bytes) / GiB:.2f} "
                                f"GiB exceeds the limit")
@@ -347,7 +383,8 @@ class _PhasePlanner:
     def _to_phase(self, f, n0, cand: _Candidate, ranges, costs, sim, keep_timeline: bool) -> Phase:
         timeline: tuple[TimelineEvent, ...] = ()
         if keep_timeline and cand.K * cand.M * 6 <= MAX_TIMELINE_EVENTS:
-            timeline = tuple(simulate(self.schedule(cand.K, cand.M), costs, events=True).events)
+            timeline = tuple(simulate(self.schedule(cand.K, cand.M), costs, events=True,
+                                      step_overhead_s=self.c.step_overhead_s).events)
         B = cand.D * cand.M * cand.b
         pred = Prediction(
             iteration_s=sim.iteration_s, samples_per_s=B / sim.iteration_s if sim.iteration_s > 0 else 0.0,

@@ -76,6 +76,9 @@ class LayerRecord:
     """Backward seconds (input and weight gradients), one per micro-batch size."""
     nograd_forward_s: tuple[float, ...]
     """Forward seconds under no_grad/eval (how a frozen layer runs), one per micro-batch size."""
+    optimizer_s: float = 0.0
+    """Seconds of one optimizer (AdamW) step over this layer's parameters; independent of the
+    micro-batch size. 0 in profiles written before the profiler measured it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +246,7 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
             forward_s=tuple(lf.floats("forward_s", length=n)),
             backward_s=tuple(lf.floats("backward_s", length=n)),
             nograd_forward_s=tuple(lf.floats("nograd_forward_s", length=n)),
+            optimizer_s=lf.float("optimizer_s", 0.0, min=0.0),
         ))
     if not layers:
         raise SchemaError(source, "layers", "is empty")

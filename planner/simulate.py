@@ -17,7 +17,13 @@ Model (what the numbers mean):
 - ALLREDUCE of stage s runs on a per-rank data-parallel channel, apart from compute, starting when
   the rank reaches it (after the stage's last backward, where the generators put it) for
   ``allreduce_s``; so one stage's all-reduce overlaps other stages' remaining backwards.
-  iteration_s = max(makespan, every all-reduce's end).
+  iteration_s = max(makespan, every all-reduce's end) before the update (next item).
+- UPDATE: each rank then steps its optimizer (``optimizer_s``, after both its compute and its
+  all-reduce have ended), and every iteration pays ``step_overhead_s`` once (the runtime's fixed
+  work per step: clearing gradients, the loss all-reduce over the world, the schedule's set-up).
+  iteration_s = max over ranks of (max(compute end, all-reduce end) + optimizer_s) + step_overhead_s.
+  Measured on this machine (``bench/calibrate.py``): without these the AdamW step alone, 2-4 % of a
+  CPU step of bert-small, was missing from every prediction.
 - Memory on stage s: ``fixed_bytes`` + peak in-flight micro-batches × (``activation_bytes_per_mb``
   + ``output_bytes_per_mb``), where a micro-batch is in flight from its F's start to its B's end.
   Since one rank computes one action at a time, that peak follows from list order alone.
@@ -50,6 +56,8 @@ class StageCost:
     """Time to send one micro-batch's input gradient to the previous stage."""
     allreduce_s: float = 0.0
     """Data-parallel gradient all-reduce of this stage's trainable parameters (0 when D == 1)."""
+    optimizer_s: float = 0.0
+    """The optimizer step over this stage's trainable parameters, after its all-reduce."""
     fixed_bytes: int = 0
     """Weights + gradients + optimizer state (+ the frozen prefix's weights on stage 0)."""
     activation_bytes_per_mb: int = 0
@@ -58,7 +66,8 @@ class StageCost:
     """Transient output / receive buffer per micro-batch in flight."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "prefix_s", "send_forward_s", "send_backward_s", "allreduce_s"):
+        for name in ("forward_s", "backward_s", "prefix_s", "send_forward_s", "send_backward_s", "allreduce_s",
+                     "optimizer_s"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be a finite number of seconds >= 0, got {v!r}")
@@ -77,7 +86,7 @@ class SimResult:
     bubble_fraction: float
     """1 - Σ busy compute / (R · makespan): the ranks' idle share before the all-reduce tail."""
     allreduce_s: float
-    """Exposed all-reduce: iteration_s - makespan_s."""
+    """Exposed all-reduce: how far the last all-reduce ends after the makespan."""
     makespan_s: float
     """The pipeline part (every compute and receive done), before the all-reduce tail."""
     stage_busy_s: tuple[float, ...]
@@ -87,6 +96,9 @@ class SimResult:
     """Per stage: most micro-batches whose activations are held at once."""
     events: tuple[TimelineEvent, ...] = ()
     """The timeline, when ``simulate(..., events=True)``; sorted by (start, rank)."""
+    update_s: float = 0.0
+    """After the pipeline and the exposed all-reduce: the optimizer step (slowest rank) and the
+    per-step overhead; iteration_s = makespan_s + allreduce_s + update_s."""
 
 
 class ClosedForm(NamedTuple):
@@ -237,8 +249,11 @@ def _flatten(schedule: Schedule) -> _Program:
 
 
 # ---- simulation ---------------------------------------------------------------------------
-def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = False) -> SimResult:
+def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = False,
+             step_overhead_s: float = 0.0) -> SimResult:
     """Simulate one iteration of ``schedule`` with per-stage ``costs`` (see the module docstring).
+
+    ``step_overhead_s``: fixed seconds per iteration added at the end (see UPDATE above).
 
     The schedule is checked (``check_schedule``; skipped for the generators' own output, which the
     tests check) and flattened once per schedule object; later calls only run the event loop, and
@@ -252,6 +267,8 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
         if s > 0 and c.prefix_s > 0:
             raise PtplanError(f"simulate: stage {s} has prefix_s={c.prefix_s}, but only stage 0 runs the frozen "
                               f"prefix; put its cost on stage 0")
+    if not isinstance(step_overhead_s, numbers.Real) or not math.isfinite(step_overhead_s) or step_overhead_s < 0:
+        raise PtplanError(f"simulate: step_overhead_s must be a finite number of seconds >= 0, got {step_overhead_s!r}")
     prog = _compile(schedule)
     dur: list[float] = []
     for c in costs:
@@ -292,15 +309,20 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
         i += 1
 
     makespan = max(T)
-    iteration = max(makespan, max(D))
+    synced = max(makespan, max(D))
+    s2r = schedule.stage_to_rank
+    opt = [0.0] * R
+    for s, c in enumerate(costs):
+        opt[s2r[s]] += c.optimizer_s
+    iteration = max(max(t, d) + o for t, d, o in zip(T, D, opt)) + step_overhead_s
     busy = tuple(prog.count_f[s] * (costs[s].forward_s + costs[s].prefix_s) + prog.count_b[s] * costs[s].backward_s
                  for s in range(K))
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
     memory = tuple(c.fixed_bytes + p * (c.activation_bytes_per_mb + c.output_bytes_per_mb)
                    for c, p in zip(costs, prog.peak_inflight))
-    return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=iteration - makespan,
+    return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
                      makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
-                     peak_inflight=prog.peak_inflight,
+                     peak_inflight=prog.peak_inflight, update_s=iteration - synced,
                      events=_events(schedule, prog, costs, dur, start) if events else ())
 
 

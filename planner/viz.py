@@ -10,7 +10,7 @@ import html
 import math
 import os
 from importlib import metadata
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -21,9 +21,14 @@ from .errors import PtplanError
 from .jsonio import write_atomic
 from .plan import Phase, Plan
 
+if TYPE_CHECKING:
+    from .compare import Comparison
+
 GIB = float(1 << 30)
 FIGURES = ("trajectory", "cluster", "timeline", "throughput", "memory")
 """Keys of ``build_figures``' result, in page order."""
+COMPARISON = "comparison"
+"""Key of the extra figure ``build_figures(plan, comparison)`` adds: predicted against measured (last)."""
 
 MAX_GRID_CELLS = 128
 """The GPU grid draws at most this many GPUs (whole rows); larger clusters repeat the same layout."""
@@ -481,11 +486,63 @@ def memory_figure(plan: Plan) -> go.Figure:
     return fig
 
 
+# ---- 6. predicted against measured (``ptplan show --run``) -------------------------------------
+PRED_COLOUR, MEAS_COLOUR = "#4C78A8", "#F58518"
+
+
+def _err_text(e: float | None) -> str:
+    return "not measured" if e is None or not math.isfinite(e) else f"{e:+.0%}"
+
+
+def comparison_figure(comparison: "Comparison") -> go.Figure:
+    """Per phase: predicted and measured iteration time (left) and peak memory (right), errors on the bars."""
+    rows = comparison.phases
+    x = [f"phase {r.phase}<br>f={r.frozen_blocks} K={r.K} D={r.D}" for r in rows]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
+                        subplot_titles=("Iteration time", "Peak memory (fullest stage)"))
+    pt = np.array([r.predicted_iteration_s for r in rows]) * 1e3
+    mt = np.array([r.measured_iteration_s for r in rows]) * 1e3
+    fig.add_trace(go.Bar(x=x, y=pt, name="Predicted", marker_color=PRED_COLOUR, legendgroup="pred",
+                         hovertemplate="%{x}<br>predicted %{y:.1f} ms<extra></extra>"), row=1, col=1)
+    fig.add_trace(go.Bar(x=x, y=mt, name="Measured", marker_color=MEAS_COLOUR, legendgroup="meas",
+                         text=[_err_text(r.iteration_error) for r in rows], textposition="outside", cliponaxis=False,
+                         customdata=[[r.steps, _err_text(r.iteration_error)] for r in rows],
+                         hovertemplate="%{x}<br>measured %{y:.1f} ms (median of %{customdata[0]} steps)<br>"
+                                       "prediction error %{customdata[1]}<extra></extra>"), row=1, col=1)
+    has_mem = any(r.measured_peak_memory_bytes is not None for r in rows)
+    pm = np.array([r.predicted_peak_memory_bytes for r in rows], dtype=float) / 2**20
+    mm = np.array([r.measured_peak_memory_bytes if r.measured_peak_memory_bytes is not None else np.nan
+                   for r in rows], dtype=float) / 2**20
+    fig.add_trace(go.Bar(x=x, y=pm, name="Predicted", marker_color=PRED_COLOUR, legendgroup="pred", showlegend=False,
+                         hovertemplate="%{x}<br>predicted %{y:.1f} MiB<extra></extra>"), row=1, col=2)
+    fig.add_trace(go.Bar(x=x, y=mm, name="Measured", marker_color=MEAS_COLOUR, legendgroup="meas", showlegend=False,
+                         text=[_err_text(r.memory_error) for r in rows], textposition="outside", cliponaxis=False,
+                         customdata=[[_err_text(r.memory_error)] for r in rows],
+                         hovertemplate="%{x}<br>measured %{y:.1f} MiB<br>prediction error %{customdata[0]}"
+                                       "<extra></extra>"), row=1, col=2)
+    mem_part = (f", peak memory {comparison.median_abs_memory_error:.1%}"
+                if comparison.median_abs_memory_error is not None else ", peak memory not measured")
+    _base_layout(fig, f"Predicted against measured — median |error|: iteration time "
+                      f"{comparison.median_abs_iteration_error:.1%}{mem_part}", 470, legend_right=False)
+    fig.update_layout(barmode="group", bargap=0.25, margin=dict(l=70, r=30, t=80, b=110), legend=dict(y=-0.25))
+    top_t = float(np.nanmax(np.concatenate([pt, mt]))) if len(rows) else 1.0
+    fig.update_yaxes(title_text="Milliseconds per iteration", range=[0, top_t * 1.2], row=1, col=1)
+    top_m = float(np.nanmax(np.concatenate([pm, mm]))) if len(rows) and has_mem else float(pm.max(initial=1.0))
+    fig.update_yaxes(title_text="MiB", range=[0, top_m * 1.2], row=1, col=2)
+    if not has_mem:
+        fig.add_annotation(text="memory not measured in this run", x=0.78, xref="paper", y=0.5, yref="paper",
+                           showarrow=False, font=dict(size=13, color="#6b7280"))
+    return fig
+
+
 # ---- the report --------------------------------------------------------------------------------
-def build_figures(plan: Plan) -> dict[str, go.Figure]:
-    """The five report figures, keyed by FIGURES, in page order."""
-    return {"trajectory": trajectory_figure(plan), "cluster": cluster_figure(plan),
+def build_figures(plan: Plan, comparison: "Comparison | None" = None) -> dict[str, go.Figure]:
+    """The five report figures, keyed by FIGURES, in page order; plus ``comparison`` when a run is given."""
+    figs = {"trajectory": trajectory_figure(plan), "cluster": cluster_figure(plan),
             "timeline": timeline_figure(plan), "throughput": throughput_figure(plan), "memory": memory_figure(plan)}
+    if comparison is not None:
+        figs[COMPARISON] = comparison_figure(comparison)
+    return figs
 
 
 _CSS = """
@@ -533,6 +590,10 @@ _SECTIONS = {
                    "against the baseline without freezing."),
     "memory": ("Peak memory per stage", "Weights, gradients, optimizer state and activations in flight, against "
                "the GPU's capacity."),
+    COMPARISON: ("Predicted against measured", "A real run of this plan (ptplan run --log) beside the prediction, "
+                 "phase by phase: the median step time (first step of each phase and the memory-sampled step left "
+                 "out) and the sampled peak memory of the fullest rank; labels give (predicted − measured) / "
+                 "measured."),
 }
 
 
@@ -619,11 +680,16 @@ def _version() -> str:
         return "dev"
 
 
-def report_html(plan: Plan, figures: dict[str, go.Figure] | None = None) -> str:
-    """The whole report as one self-contained HTML string (plotly.js embedded once, no network needed)."""
-    figs = figures if figures is not None else build_figures(plan)
+def report_html(plan: Plan, figures: dict[str, go.Figure] | None = None,
+                comparison: "Comparison | None" = None) -> str:
+    """The whole report as one self-contained HTML string (plotly.js embedded once, no network needed).
+
+    With ``comparison`` (``planner.compare.compare`` of a run of this plan) the report ends with the
+    predicted-against-measured figure.
+    """
+    figs = figures if figures is not None else build_figures(plan, comparison)
     parts = []
-    for key in FIGURES:
+    for key in FIGURES + ((COMPARISON,) if COMPARISON in figs else ()):
         title, note = _SECTIONS[key]
         div = figs[key].to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{key}",
                                 config=PLOTLY_CONFIG, default_width="100%")
@@ -642,9 +708,9 @@ def report_html(plan: Plan, figures: dict[str, go.Figure] | None = None) -> str:
             f"Works offline: plotly.js is embedded.</footer></main></body></html>\n")
 
 
-def write_report(plan: Plan, path: str | os.PathLike) -> None:
+def write_report(plan: Plan, path: str | os.PathLike, comparison: "Comparison | None" = None) -> None:
     """Write the report to ``path`` atomically (no half-written file on failure)."""
     parent = os.path.dirname(os.fspath(path)) or "."
     if not os.path.isdir(parent):
         raise PtplanError(f"output folder does not exist: {parent}")
-    write_atomic(path, report_html(plan))
+    write_atomic(path, report_html(plan, comparison=comparison))

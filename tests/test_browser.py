@@ -118,3 +118,38 @@ def test_report_renders_offline(driver, tmp_path):
 
     severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
     assert not severe, f"console errors: {severe}"
+
+
+def test_report_with_a_run_draws_the_comparison_figure(driver, tmp_path):
+    """``ptplan show --run``: the predicted-against-measured figure is drawn last, with its error labels."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ptplan.planner.compare import compare
+    from ptplan.planner.viz import COMPARISON
+
+    plan = vit_paper_plan()
+    recs = [{"type": "header", "plan_fingerprint": plan.inputs["profile"].get("fingerprint")}]
+    step = 0
+    for i, ph in enumerate(plan.phases[:3]):
+        for k in range(4):
+            r = {"type": "step", "step": step, "phase": i, "K": ph.K, "D": ph.D, "samples": ph.global_batch,
+                 "seconds": ph.predicted.iteration_s * (1.1 if k else 3.0)}
+            if k == 1:
+                r.update(memory_sampled=True, peak_memory_bytes=int(max(ph.predicted.stage_peak_memory_bytes) * 0.8))
+            recs.append(r)
+            step += 1
+    c = compare(plan, recs)
+    report = tmp_path / "report.html"
+    write_report(plan, report, comparison=c)
+    driver.get(report.resolve().as_uri())
+    n = len(FIGURES) + 1
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(RENDERED_JS) == [n, n])
+    ids = driver.execute_script("return Array.from(document.querySelectorAll('.js-plotly-plot')).map(d => d.id)")
+    assert ids == [f"fig-{k}" for k in FIGURES] + [f"fig-{COMPARISON}"]
+    bars = driver.execute_script(f"return document.querySelectorAll('#fig-{COMPARISON} .bars .point').length")
+    assert bars == 4 * 3  # predicted and measured, time and memory, for 3 phases
+    labels = driver.execute_script(f"return Array.from(document.querySelectorAll('#fig-{COMPARISON} .bars text'))"
+                                   ".map(t => t.textContent)")
+    assert labels.count("-9%") == 3 and labels.count("+25%") == 3, labels  # 1/1.1 - 1 and 1/0.8 - 1
+    severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not severe, f"console errors: {severe}"

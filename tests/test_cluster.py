@@ -21,7 +21,7 @@ def test_presets_have_the_documented_shape():
     assert (dgx.world_size, dgx.intra_bandwidth, dgx.inter_bandwidth, dgx.nics_per_node) == (8, 450e9, 50e9, 8)
     assert get_preset("h100-4node").world_size == 32
     cpu = get_preset("cpu")
-    assert (cpu.nodes, cpu.gpus_per_node) == (1, 2) and "ESTIMATE" in cpu.notes
+    assert (cpu.nodes, cpu.gpus_per_node) == (1, 2) and "MEASURED" in cpu.notes and "comm_bench" in cpu.notes
     assert get_preset("cpu:4").gpus_per_node == 4
     assert cpu_cluster(4).gpu_memory_bytes * 4 <= cpu_cluster(4).host_memory_bytes
     for c in PRESETS.values():
@@ -137,3 +137,19 @@ def test_resolve_cluster(tmp_path):
         resolve_cluster("papr")
     with pytest.raises(PtplanError, match="cluster file not found"):
         resolve_cluster(str(tmp_path / "missing.json"))
+
+
+def test_framework_overheads_are_optional_checked_and_round_trip():
+    obj = get_preset("paper").to_json()
+    assert obj["action_overhead_s"] == 0.0 and obj["step_overhead_s"] == 0.0  # not measured on GPUs
+    old = {k: v for k, v in obj.items() if k not in ("action_overhead_s", "step_overhead_s", "concurrency_slowdown")}
+    assert cluster_from_json(old) == get_preset("paper")  # cluster files written before still load
+    cpu = get_preset("cpu:2")
+    assert cpu.action_overhead_s > 0 and cpu.step_overhead_s >= 0 and "overhead_bench" in cpu.notes
+    assert cluster_from_json(cpu.to_json()) == cpu
+    with pytest.raises(PtplanError, match="action_overhead_s.*-1 is below the minimum 0"):
+        cluster_from_json({**obj, "action_overhead_s": -1})
+    with pytest.raises(PtplanError, match="concurrency_slowdown.*below the minimum 1"):
+        cluster_from_json({**obj, "concurrency_slowdown": 0.5})
+    with pytest.raises(PtplanError, match="concurrency_slowdown is 0.9; it must be a number >= 1"):
+        Cluster(**{**{k: v for k, v in obj.items() if k != "schema"}, "concurrency_slowdown": 0.9})

@@ -198,8 +198,8 @@ def test_make_batch_shapes_and_dtypes():
 
 
 def test_defaults_and_real_sizes():
-    assert set(MODEL_NAMES) == {"bert-tiny", "bert-base", "bert-large", "vit-tiny", "vit-base", "vit-large",
-                                "gpt2-tiny", "gpt2", "gpt2-medium"}
+    assert set(MODEL_NAMES) == {"bert-tiny", "bert-small", "bert-base", "bert-large", "vit-tiny", "vit-small",
+                                "vit-base", "vit-large", "gpt2-tiny", "gpt2", "gpt2-medium"}
     m = build_model("bert-tiny")
     assert m.seq_len == 128 and m.granularity == "half" and m.family == "bert"
     assert not m.training  # built in eval mode
@@ -224,8 +224,8 @@ def test_pretrained_minilm_matches_hugging_face(minilm_dir):
     m = build_model("bert-base", weights=minilm_dir, seq_len=16, dropout=0.0)
     assert m.num_blocks == 6 and m.config.hidden_size == 384 and len(m.layers) == 6 * 2 + 3
     ref = tf.BertModel.from_pretrained(minilm_dir, local_files_only=True).eval()
-    torch.testing.assert_close(m.layers[1].attention.self.query.weight, ref.encoder.layer[0].attention.self.query.weight,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(m.layers[1].attention.self.query.weight,
+                               ref.encoder.layer[0].attention.self.query.weight, atol=0, rtol=0)
     x, _, _ = m.make_batch(2, torch.Generator().manual_seed(8))
     mask = _padding_mask(2, 16)
     with torch.no_grad():

@@ -213,3 +213,62 @@ def test_start_K_pins_the_first_phase_and_only_compresses():
     assert plan.totals["speedup"] >= plan.totals["speedup_vs_best_static"]
     with pytest.raises(PtplanError, match="not both"):
         TrainingConfig(epochs=1, samples_per_epoch=8, batch=8, start_K=2, pin_K=2)
+
+
+# ---- cost-model terms measured on this machine (bench/calibrate.py) ------------------------------
+def _cpu_plan(prof, cluster, K: int, M: int):
+    return make_plan(prof, cluster, TrainingConfig(epochs=1, samples_per_epoch=256, batch=16, pin_K=K, pin_M=M),
+                     FreezePolicy(policy="none")).phases[0]
+
+
+def test_receive_buffers_count_once_per_micro_batch_on_each_pipelined_stage():
+    """torch.distributed.pipelining keeps one activation and one gradient receive buffer per micro-batch."""
+    from dataclasses import replace
+
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
+    cluster = replace(get_preset("cpu:2"), action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0)
+    t = CostTable(prof)
+    for M in (2, 8):
+        ph = _cpu_plan(prof, cluster, 2, M)
+        b = ph.micro_batch_size
+        (lo0, hi0), (lo1, hi1) = ph.partition
+        boundary = t.out_per_sample[hi0 - 1] * b
+        fixed0 = (t.train_state_bytes[lo0:hi0].sum() + M * boundary
+                  + min(2, M) * (t.saved_per_sample[lo0:hi0].sum() * b + boundary))
+        fixed1 = t.train_state_bytes[lo1:hi1].sum() + M * boundary + (t.saved_per_sample[lo1:hi1].sum()
+                                                                      + t.out_per_sample[hi1 - 1]) * b
+        assert ph.predicted.stage_peak_memory_bytes == pytest.approx((fixed0, fixed1), abs=4)
+
+
+def test_optimizer_step_and_framework_overheads_lengthen_the_iteration():
+    from dataclasses import replace
+
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
+    prof_opt = replace(prof, layers=tuple(replace(r, optimizer_s=1e-3) for r in prof.layers))
+    bare = replace(get_preset("cpu:2"), action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0)
+    base = _cpu_plan(prof, bare, 2, 4)
+    # the optimizer steps after the last backward: the slower stage's step extends the iteration
+    with_opt = _cpu_plan(prof_opt, bare, 2, 4)
+    assert with_opt.partition == base.partition
+    slow = max(hi - lo for lo, hi in base.partition)
+    assert with_opt.predicted.iteration_s - base.predicted.iteration_s == pytest.approx(slow * 1e-3, rel=0.35)
+    # the step overhead is paid once per step; the action overhead on every F and B of a K>1 pipeline
+    step = _cpu_plan(prof, replace(bare, step_overhead_s=0.01), 2, 4)
+    assert step.predicted.iteration_s == pytest.approx(base.predicted.iteration_s + 0.01)
+    act = _cpu_plan(prof, replace(bare, action_overhead_s=0.01), 2, 4)
+    assert act.predicted.iteration_s >= base.predicted.iteration_s + (4 + 1) * 2 * 0.01 - 1e-9  # (M+K-1)(f+b)
+    one = _cpu_plan(prof, replace(bare, action_overhead_s=0.01), 1, 4)  # K=1: the runtime's own loop
+    assert one.predicted.iteration_s == pytest.approx(_cpu_plan(prof, bare, 1, 4).predicted.iteration_s)
+
+
+def test_concurrency_slowdown_scales_every_compute_time_not_communication():
+    from dataclasses import replace
+
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
+    bare = replace(get_preset("cpu:2"), action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0,
+                   intra_latency_s=0.0, intra_bandwidth=1e18, inter_latency_s=0.0, inter_bandwidth=1e18)
+    base = _cpu_plan(prof, bare, 2, 4)
+    slow = _cpu_plan(prof, replace(bare, concurrency_slowdown=1.25), 2, 4)
+    assert slow.predicted.iteration_s == pytest.approx(1.25 * base.predicted.iteration_s)
+    assert slow.predicted.stage_peak_memory_bytes == base.predicted.stage_peak_memory_bytes
+    assert get_preset("cpu:1").concurrency_slowdown == 1.0 < get_preset("cpu:2").concurrency_slowdown

@@ -47,7 +47,11 @@ def test_round_trip(tmp_path):
     d = _valid()
     prof = profile_from_json(copy.deepcopy(d))
     assert json.loads(json.dumps(prof.to_json())) == {**d, "whole_model": {**d["whole_model"],
-                                                                           "peak_memory_bytes": []}}
+                                                                           "peak_memory_bytes": []},
+                                                      "layers": [{**x, "optimizer_s": 0.0} for x in d["layers"]]}
+    assert all(r.optimizer_s == 0.0 for r in prof.layers)  # optional: profiles written before it still load
+    d["layers"][0]["optimizer_s"] = 0.002
+    assert profile_from_json(copy.deepcopy(d)).layers[0].optimizer_s == 0.002
     save_profile(prof, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == prof
 
@@ -158,12 +162,12 @@ def test_cli_cuda_unavailable(run, tmp_path):
 
 
 def test_cli_writes_a_valid_profile_and_prints_the_check(run, tmp_path):
-    res = run("bert-tiny", "--seq-len", "16", "--batch-sizes", "2,1", "--warmup", "0", "--repeats", "1",
-              "--threads", "1", "--quiet")
+    res = run("bert-tiny", "--seq-len", "16", "--batch-sizes", "2,1", "--warmup", "0", "--repeats", "1", "--quiet")
     assert res.exit_code == 0, res.output + res.stderr
     out = tmp_path / "bert-tiny_cpu_fp32.json"  # the default name
     prof = load_profile(out)
-    assert prof.batch_sizes == (1, 2) and prof.device.threads == 1 and prof.model.seq_len == 16
+    assert prof.batch_sizes == (1, 2) and prof.model.seq_len == 16
+    assert prof.device.threads == 1  # the CPU default, as torchrun runs each process
     assert "block0.attn" in res.stdout and f"wrote {out.name}" in res.stdout
     for b in (1, 2):
         assert f"batch {b}: per-layer sum " in res.stdout

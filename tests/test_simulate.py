@@ -254,3 +254,30 @@ def test_simulate_is_fast():
     t = time.perf_counter()
     simulate(big, costs)
     assert time.perf_counter() - t < 0.5
+
+
+# ---- the update after the pipeline: optimizer step and per-step overhead ------------------------
+@pytest.mark.parametrize("K, M", [(1, 3), (2, 4), (4, 8)])
+def test_optimizer_step_and_step_overhead_end_the_iteration(K, M):
+    base = simulate(one_f_one_b(K, M), uniform(K, 1, 2), events=True)
+    opt = [StageCost(forward_s=1, backward_s=2, optimizer_s=0.1 + 2.5 * s) for s in range(K)]
+    r = simulate(one_f_one_b(K, M), opt, step_overhead_s=0.05)
+    # every rank steps after its own last backward (stage s ends s backwards before stage 0)
+    ends = [max(e.end for e in base.events if e.rank == s and e.kind == "B") for s in range(K)]
+    assert ends == [base.makespan_s - 2 * s for s in range(K)]
+    assert r.makespan_s == pytest.approx(base.makespan_s)
+    assert r.iteration_s == pytest.approx(max(e + 0.1 + 2.5 * s for s, e in enumerate(ends)) + 0.05)
+    assert r.update_s == pytest.approx(r.iteration_s - r.makespan_s - r.allreduce_s)
+    assert r.bubble_fraction == pytest.approx(base.bubble_fraction)  # the update is not a bubble
+
+
+def test_optimizer_step_waits_for_the_stage_allreduce():
+    costs = [StageCost(forward_s=1, backward_s=1, allreduce_s=3, optimizer_s=0.5),
+             StageCost(forward_s=1, backward_s=1, allreduce_s=0, optimizer_s=2)]
+    r = simulate(gpipe(2, 1), costs)
+    # stage 0's last backward ends at 4, its all-reduce at 7, its step at 7.5; stage 1 ends at 3 + 2 = 5
+    assert r.makespan_s == 4 and r.allreduce_s == 3 and r.iteration_s == 7.5 and r.update_s == 0.5
+    with pytest.raises(PtplanError, match="optimizer_s"):
+        StageCost(forward_s=1, backward_s=1, optimizer_s=-1)
+    with pytest.raises(PtplanError, match="step_overhead_s"):
+        simulate(gpipe(2, 1), costs, step_overhead_s=float("nan"))

@@ -1,0 +1,197 @@
+"""``ptplan compare``: predicted against measured per phase (pure, on hand-written run logs), the report
+figure, and one real two-process run whose log carries peak memory (multi-process, gloo)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from ptplan.cli.main import cli
+from ptplan.planner.cluster import get_preset
+from ptplan.planner.compare import compare, format_comparison, read_run_log
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.freeze import FreezePolicy
+from ptplan.planner.plan import save_plan
+from ptplan.planner.planner import TrainingConfig, make_plan
+from ptplan.planner.synthetic import synthetic_profile
+from ptplan.planner.viz import COMPARISON, FIGURES, build_figures, report_html
+
+
+@pytest.fixture(scope="module")
+def plan():
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512, flops_per_s=1e9)
+    return make_plan(prof, get_preset("cpu:2"), TrainingConfig(epochs=2, samples_per_epoch=64, batch=8, pin_K=2),
+                     FreezePolicy(policy="manual", manual=(0, 2)))
+
+
+def _log(plan, secs: dict[int, list[float]], mem: dict[int, int] | None = None, fingerprint=None) -> list[dict]:
+    """A run log: header, then per phase the given step seconds; step 2 of each phase samples memory."""
+    fp = fingerprint or plan.inputs["profile"]["fingerprint"]
+    recs = [{"type": "header", "plan_fingerprint": fp,
+             "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]}]
+    step, prev = 0, None
+    for ph, ss in secs.items():
+        p = plan.phases[ph]
+        if prev is not None:
+            recs.append({"type": "transition", "step": step, "from_phase": prev, "to_phase": ph, "seconds": 0.01,
+                         "parts": {"weights": 0.004, "rebuild": 0.006}})
+        prev = ph
+        for i, s in enumerate(ss):
+            r = {"type": "step", "step": step, "phase": ph, "K": p.K, "D": p.D, "seconds": s,
+                 "samples": p.global_batch, "allreduce_seconds": 0.0}
+            if i == 1 and mem is not None:
+                per_rank = [{"total": mem[ph] - 1000 * k} for k in range(p.K * p.D)]
+                r.update(memory_sampled=True, peak_memory_bytes=mem[ph], memory={"per_rank": per_rank})
+            recs.append(r)
+            step += 1
+    return recs
+
+
+def test_medians_errors_and_left_out_steps(plan):
+    pred = [p.predicted.iteration_s for p in plan.phases]
+    # first step (warm-up) and the memory-sampled second step are slow outliers and must be left out
+    secs = {0: [9.0, 9.0, pred[0] * 2, pred[0] * 2, pred[0] * 4], 2: [9.0, 9.0, pred[2], pred[2] * 0.5, pred[2]]}
+    mem = {0: plan.phases[0].predicted.stage_peak_memory_bytes[0] // 2, 2: max(plan.phases[2].predicted.stage_peak_memory_bytes)}
+    c = compare(plan, _log(plan, secs, mem))
+    r0, r2 = c.phases
+    assert (r0.phase, r0.steps, r2.phase, r2.steps) == (0, 3, 2, 3)
+    assert r0.measured_iteration_s == pytest.approx(pred[0] * 2)
+    assert r0.iteration_error == pytest.approx(-0.5)
+    assert r2.iteration_error == pytest.approx(0.0)
+    assert r0.measured_samples_per_s == pytest.approx(plan.phases[0].global_batch / (pred[0] * 2))
+    assert r0.measured_peak_memory_bytes == mem[0]
+    assert r0.memory_error == pytest.approx(max(plan.phases[0].predicted.stage_peak_memory_bytes) / mem[0] - 1)
+    assert r2.memory_error == pytest.approx(0.0)
+    assert len(r0.measured_stage_memory_bytes) == plan.phases[0].K  # per stage, from the per-rank rows
+    assert c.median_abs_iteration_error == pytest.approx(0.25)
+    assert len(c.transitions) == 1
+    text = format_comparison(c)
+    assert "median |error|: iteration time 25.0%" in text and "-50.0%" in text and "0 -> 2" in text
+
+
+def test_a_phase_with_only_the_memory_sampled_step_is_timed_on_it(plan):
+    c = compare(plan, _log(plan, {0: [9.0, 2.0]}, {0: 1 << 20}))
+    r = c.phases[0]
+    assert r.steps == 1 and r.measured_iteration_s == 2.0 and r.timed_with_memory_hooks
+    assert "timed on the memory-sampled step" in format_comparison(c)
+    assert not compare(plan, _log(plan, {0: [9.0, 2.0, 1.0]}, {0: 1 << 20})).phases[0].timed_with_memory_hooks
+
+
+def test_warmup_zero_and_missing_memory(plan):
+    c = compare(plan, _log(plan, {0: [1.0, 3.0]}), warmup=0)
+    assert c.phases[0].steps == 2 and c.phases[0].measured_iteration_s == 2.0
+    assert c.phases[0].measured_peak_memory_bytes is None and c.median_abs_memory_error is None
+    assert "peak memory not measured" in format_comparison(c)
+
+
+def test_mismatched_run_log_is_refused(plan):
+    with pytest.raises(PtplanError, match="fingerprint"):
+        compare(plan, _log(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="0123456789abcdef"))
+    bad = _log(plan, {0: [1.0, 1.0, 1.0]})
+    bad[0]["phases"][0]["K"] = 7
+    with pytest.raises(PtplanError, match="phase 0 is"):
+        compare(plan, bad)
+    recs = _log(plan, {0: [1.0, 1.0, 1.0]})
+    recs[2]["phase"] = 99
+    with pytest.raises(PtplanError, match="phase 99 but the plan has"):
+        compare(plan, recs)
+    recs = _log(plan, {0: [1.0, 1.0, 1.0]})
+    recs[2]["D"] = 5
+    with pytest.raises(PtplanError, match="K=2, D=5"):
+        compare(plan, recs)
+    with pytest.raises(PtplanError, match="run more steps"):
+        compare(plan, _log(plan, {0: [1.0]}))
+
+
+def _write(path, recs) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def test_cli_table_json_and_errors(plan, tmp_path):
+    pp = tmp_path / "plan.json"
+    save_plan(plan, pp)
+    pred = plan.phases[0].predicted.iteration_s
+    log = _write(tmp_path / "run.jsonl", _log(plan, {0: [1.0, 1.0, pred, pred]}, {0: 1 << 20}))
+    out = tmp_path / "cmp.json"
+    r = CliRunner().invoke(cli, ["compare", str(pp), log, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "pred s/it" in r.output and "median |error|: iteration time 0.0%" in r.output
+    data = json.loads(out.read_text())
+    assert data["phases"][0]["measured_peak_memory_bytes"] == 1 << 20 and data["median_abs_iteration_error"] == 0
+    bad = _write(tmp_path / "bad.jsonl", _log(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="ffffffffffffffff"))
+    r = CliRunner().invoke(cli, ["compare", str(pp), bad])
+    assert r.exit_code == 2 and "fingerprint" in r.output
+    (tmp_path / "junk.jsonl").write_text("{not json\n")
+    r = CliRunner().invoke(cli, ["compare", str(pp), str(tmp_path / "junk.jsonl")])
+    assert r.exit_code == 2 and "line 1 is not JSON" in r.output
+
+
+def test_report_figure_and_show_run(plan, tmp_path):
+    c = compare(plan, _log(plan, {0: [1.0, 1.0, 0.5, 0.5], 2: [1.0, 1.0, 0.2]}, {0: 1 << 20, 2: 1 << 19}))
+    figs = build_figures(plan, c)
+    assert list(figs) == [*FIGURES, COMPARISON]
+    fig = figs[COMPARISON]
+    assert [t.name for t in fig.data] == ["Predicted", "Measured", "Predicted", "Measured"]
+    assert len(fig.data[1].x) == 2 and fig.data[1].text[0] == f"{c.phases[0].iteration_error:+.0%}"
+    assert list(build_figures(plan)) == list(FIGURES)  # without a run: the five figures only
+    html = report_html(plan, comparison=c)
+    assert html.count('class="plotly-graph-div"') == len(FIGURES) + 1 and 'id="fig-comparison"' in html
+    pp = tmp_path / "plan.json"
+    save_plan(plan, pp)
+    log = _write(tmp_path / "run.jsonl", _log(plan, {0: [1.0, 1.0, 0.5]}))
+    r = CliRunner().invoke(cli, ["show", str(pp), "--run", log, "--out", str(tmp_path / "r.html")])
+    assert r.exit_code == 0, r.output
+    assert 'id="fig-comparison"' in (tmp_path / "r.html").read_text()
+
+
+# ---- a real run: the log carries peak memory and compares without error ------------------------------
+
+@pytest.mark.multiproc
+def test_real_run_logs_peak_memory_and_compares(tmp_path):
+    import torch
+
+    from ptplan.executor.config import RunConfig
+    from ptplan.executor.data import SyntheticDataset
+    from ptplan.executor.models import build_model
+    from ptplan.executor.profiler import profile_model
+    from ptplan.executor.runlog import read_records
+    from ptplan.executor.testing import run_world
+    from ptplan.executor.training import run_training
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+        prof = profile_model(model, device="cpu", batch_sizes=[1, 2], warmup=0, repeats=1, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    plan = make_plan(prof, get_preset("cpu:2"), TrainingConfig(epochs=2, samples_per_epoch=32, batch=4, pin_K=2),
+                     FreezePolicy(policy="manual", manual=(0, 2)))
+    log = str(tmp_path / "run.jsonl")
+    cfg = RunConfig(plan="(test)", model="bert-tiny", steps_per_epoch=3, epochs=2, progress=False, timeout_s=60,
+                    log=log, dropout=0.0)
+    ds = SyntheticDataset(model, 3 * 4)
+
+    def worker(rank: int, world: int) -> None:
+        run_training(cfg, plan, model, ds)
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    steps = [r for r in read_records(log) if r["type"] == "step"]
+    sampled = [r for r in steps if r.get("memory_sampled")]
+    assert [r["step"] for r in sampled] == [1, 4]  # the 2nd step of each phase
+    for r in sampled:
+        rows = r["memory"]["per_rank"]
+        assert len(rows) == 2 and r["peak_memory_bytes"] == max(x["total"] for x in rows)
+        for x in rows:
+            assert x["params"] > 0 and x["grads"] > 0 and x["optimizer"] == pytest.approx(2 * x["grads"], rel=0.01)
+            assert x["activations"] > 0 and x["buffers"] > 0  # K=2: both stages hold receive buffers
+            assert x["total"] == x["params"] + x["grads"] + x["optimizer"] + x["buffers"] + x["activations"]
+    c = compare(plan, read_run_log(log))
+    assert [r.phase for r in c.phases] == [0, 2] and all(r.steps == 1 for r in c.phases)
+    assert all(r.measured_peak_memory_bytes for r in c.phases)
+    assert c.median_abs_memory_error < 0.25  # the plan's memory model matches what the stage holds
+    assert os.path.getsize(log) > 0
