@@ -41,6 +41,7 @@ from ptplan.executor.runlog import read_records
 from ptplan.executor.training import run_training
 from ptplan.executor.testing import make_plan, run_world, spec
 from ptplan.executor.validate import frozen_boundary
+from ptplan.planner.partition import optimal_partition
 
 TRAJECTORY = (0, 4, 7, 9)
 # frozen blocks -> (K, D) of the elastic run, per number of processes
@@ -54,31 +55,8 @@ def layer_costs(model) -> list[float]:
 
 
 def balanced(costs: list[float], lo: int, K: int, prefix: float = 0.0) -> tuple[tuple[int, int], ...]:
-    """Optimal contiguous split of layers [lo, n) into K non-empty stages minimising the largest cost.
-
-    Stage 0 also pays ``prefix`` (the frozen layers' no-grad forward).
-    """
-    n = len(costs)
-    pre = [0.0]
-    for c in costs[lo:]:
-        pre.append(pre[-1] + c)
-    m = n - lo
-    inf = float("inf")
-    best = [[inf] * (m + 1) for _ in range(K + 1)]
-    cut = [[0] * (m + 1) for _ in range(K + 1)]
-    best[0][0] = 0.0
-    for k in range(1, K + 1):
-        for j in range(k, m + 1):
-            for i in range(k - 1, j):
-                v = max(best[k - 1][i], pre[j] - pre[i] + (prefix if k == 1 else 0.0))
-                if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, i
-    bounds, j = [], m
-    for k in range(K, 0, -1):
-        i = cut[k][j]
-        bounds.append((lo + i, lo + j))
-        j = i
-    return tuple(reversed(bounds))
+    """AutoPipe's optimal split of layers [lo, n) into K stages; stage 0 also pays ``prefix``."""
+    return optimal_partition(costs[lo:], K, stage0_extra_s=prefix).shifted(lo)
 
 
 def build_plan(model, batch: int, layout: dict[int, tuple[int, int]], schedule: str):

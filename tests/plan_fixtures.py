@@ -7,7 +7,8 @@ simulation of GPipe / 1F1B for pipeline 0 that emits the same typed events the p
 from __future__ import annotations
 
 import json
-import math
+
+from ptplan.planner.partition import optimal_partition
 from ptplan.planner.plan import (Baseline, Phase, Plan, Prediction, TimelineEvent, TrajectoryPoint,
                                  plan_from_json)
 
@@ -42,26 +43,7 @@ def frozen_boundary(num_blocks: int, granularity: str, f: int) -> int:
 
 def _partition(costs: list[float], lo: int, K: int) -> tuple[tuple[int, int], ...]:
     """Optimal contiguous partition of layers [lo, len(costs)) into K stages (minimise the slowest)."""
-    n = len(costs) - lo
-    pre = [0.0]
-    for c in costs[lo:]:
-        pre.append(pre[-1] + c)
-    INF = math.inf
-    best = [[INF] * (n + 1) for _ in range(K + 1)]
-    cut = [[0] * (n + 1) for _ in range(K + 1)]
-    best[0][0] = 0.0
-    for k in range(1, K + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                v = max(best[k - 1][i], pre[j] - pre[i])
-                if v < best[k][j]:
-                    best[k][j], cut[k][j] = v, i
-    bounds, j = [], n
-    for k in range(K, 0, -1):
-        i = cut[k][j]
-        bounds.append((lo + i, lo + j))
-        j = i
-    return tuple(reversed(bounds))
+    return optimal_partition(costs[lo:], K).shifted(lo)
 
 
 def _schedule(kind: str, K: int, M: int, s: int) -> list[tuple[str, int]]:

@@ -17,11 +17,8 @@ ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _tiny(name: str, granularity: str = "half", **kw) -> LayeredModel:

@@ -15,11 +15,8 @@ SEQ = 16
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(n)
 
 
 def _profile(model, **kw):
