@@ -35,7 +35,7 @@ class CostTable:
         self.grad_bytes = np.array([r.grad_bytes for r in p.layers], dtype=float)
         self.saved_per_sample = np.array([r.saved_bytes_per_sample for r in p.layers], dtype=float)
         self.out_per_sample = np.array([r.output_bytes_per_sample for r in p.layers], dtype=float)
-        self.optimizer_s = k * np.array([r.optimizer_s for r in p.layers], dtype=float)
+        self.optimizer_s = k * np.array([r.optimizer_s or 0.0 for r in p.layers], dtype=float)
         """Seconds of one optimizer step over each layer's parameters (independent of b)."""
 
     def at(self, b: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

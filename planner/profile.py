@@ -76,9 +76,10 @@ class LayerRecord:
     """Backward seconds (input and weight gradients), one per micro-batch size."""
     nograd_forward_s: tuple[float, ...]
     """Forward seconds under no_grad/eval (how a frozen layer runs), one per micro-batch size."""
-    optimizer_s: float = 0.0
+    optimizer_s: float | None = None
     """Seconds of one optimizer (AdamW) step over this layer's parameters; independent of the
-    micro-batch size. 0 in profiles written before the profiler measured it."""
+    micro-batch size. None in profiles written before the profiler measured it (the planner then
+    charges 0 and the plan carries a warning)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,6 +123,27 @@ class DeviceInfo:
     """torch intra-op threads used (CPU)."""
 
 
+PROVENANCE_SOURCES = ("measured", "projected", "synthetic")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """Where a profile's numbers come from."""
+
+    source: str = "measured"
+    """``measured`` (timed on ``device``), ``projected`` (from a device model, not timed) or
+    ``synthetic`` (analytic numbers for tests and benchmarks; never ship these)."""
+    command: str = ""
+    """The command that wrote the profile (empty when unknown, e.g. older files)."""
+    device_model: str | None = None
+    """For ``projected``: the device model the times come from."""
+
+    def __post_init__(self) -> None:
+        if self.source not in PROVENANCE_SOURCES:
+            raise PtplanError(f"profile provenance source {self.source!r} is not one of "
+                              f"{', '.join(PROVENANCE_SOURCES)}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Profile:
     """A measured profile. Construct via ``load_profile`` or the executor's profiler."""
@@ -134,6 +156,8 @@ class Profile:
     whole_model: WholeModel
     measurement: dict[str, Any] = field(default_factory=dict)
     """How it was measured: warmup, repeats, timer, statistic."""
+    provenance: Provenance = field(default_factory=Provenance)
+    """Measured, projected or synthetic, and the command that wrote it."""
     schema: str = SCHEMA
 
     # ---- derived views -------------------------------------------------------------------
@@ -208,7 +232,7 @@ class Profile:
 def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     """Validate a decoded JSON object and build a Profile; errors name the bad field."""
     top = Fields(obj, source, allowed=("schema", "model", "device", "batch_sizes", "layers",
-                                       "whole_model", "measurement"))
+                                       "whole_model", "measurement", "provenance"))
     schema = top.str("schema")
     if schema != SCHEMA:
         raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
@@ -246,7 +270,7 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
             forward_s=tuple(lf.floats("forward_s", length=n)),
             backward_s=tuple(lf.floats("backward_s", length=n)),
             nograd_forward_s=tuple(lf.floats("nograd_forward_s", length=n)),
-            optimizer_s=lf.float("optimizer_s", 0.0, min=0.0),
+            optimizer_s=None if lf.raw("optimizer_s", None) is None else lf.float("optimizer_s", min=0.0),
         ))
     if not layers:
         raise SchemaError(source, "layers", "is empty")
@@ -267,8 +291,15 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     meas = top.raw("measurement", {})
     if not isinstance(meas, dict):
         raise SchemaError(source, "measurement", "expected an object")
+    if "provenance" in top.obj:
+        pv = top.obj_("provenance", allowed=("source", "command", "device_model"))
+        dm = pv.raw("device_model", None)
+        provenance = Provenance(source=pv.str("source", choices=PROVENANCE_SOURCES), command=pv.str("command", ""),
+                                device_model=None if dm is None else pv.str("device_model"))
+    else:  # files written before provenance existed
+        provenance = Provenance(source="synthetic" if device.name == "synthetic" else "measured")
     return Profile(model=model, device=device, batch_sizes=tuple(bsz), layers=tuple(layers),
-                   whole_model=whole, measurement=meas)
+                   whole_model=whole, measurement=meas, provenance=provenance)
 
 
 def load_profile(path: str | os.PathLike) -> Profile:

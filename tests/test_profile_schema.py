@@ -46,10 +46,12 @@ def _field_error(obj: dict) -> SchemaError:
 def test_round_trip(tmp_path):
     d = _valid()
     prof = profile_from_json(copy.deepcopy(d))
-    assert json.loads(json.dumps(prof.to_json())) == {**d, "whole_model": {**d["whole_model"],
-                                                                           "peak_memory_bytes": []},
-                                                      "layers": [{**x, "optimizer_s": 0.0} for x in d["layers"]]}
-    assert all(r.optimizer_s == 0.0 for r in prof.layers)  # optional: profiles written before it still load
+    assert json.loads(json.dumps(prof.to_json())) == {
+        **d, "whole_model": {**d["whole_model"], "peak_memory_bytes": []},
+        "layers": [{**x, "optimizer_s": None} for x in d["layers"]],
+        "provenance": {"source": "measured", "command": "", "device_model": None}}
+    assert all(r.optimizer_s is None for r in prof.layers)  # optional: profiles written before it still load
+    assert prof.provenance.source == "measured"  # files without provenance were measured
     d["layers"][0]["optimizer_s"] = 0.002
     assert profile_from_json(copy.deepcopy(d)).layers[0].optimizer_s == 0.002
     save_profile(prof, tmp_path / "p.json")
