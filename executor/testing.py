@@ -12,7 +12,11 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from ptplan.planner.plan import Baseline, Phase, Plan, Prediction, TrajectoryPoint, plan_from_json
+from ptplan.planner.cluster import cpu_cluster
+from ptplan.planner.config import TrainingConfig
+from ptplan.planner.freeze import FreezePolicy
+from ptplan.planner.plan import (Baseline, Phase, Plan, PlanInputs, Prediction, ProfileRef, Totals, TrajectoryPoint,
+                                 plan_from_json)
 
 from .validate import frozen_boundary, model_fingerprint
 
@@ -64,33 +68,37 @@ def _phase(model: nn.Module, sp: PhaseSpec, schedule: str) -> Phase:
                  ranks=tuple(tuple(r) for r in ranks), predicted=pred)
 
 
-def profile_identity(model: nn.Module) -> dict[str, Any]:
-    return {"model": model.name, "family": model.family, "num_blocks": model.num_blocks,
-            "num_layers": len(model.layers), "granularity": model.granularity, "seq_len": model.seq_len,
-            "dtype": "float32", "device": "test", "device_kind": "cpu", "fingerprint": model_fingerprint(model)}
+def profile_identity(model: nn.Module) -> ProfileRef:
+    return ProfileRef(model=model.name, family=model.family, num_blocks=model.num_blocks, num_layers=len(model.layers),
+                      granularity=model.granularity, seq_len=model.seq_len, dtype="float32", device="test",
+                      device_kind="cpu", fingerprint=model_fingerprint(model), source="synthetic")
 
 
 def make_plan(model: nn.Module, phases: Sequence[PhaseSpec], *, trajectory: Sequence[int] | None = None,
               schedule: str = "gpipe", batch_policy: str = "constant-global", epochs: int | None = None,
-              samples_per_epoch: int = 1024, freeze: dict[str, Any] | None = None) -> Plan:
-    """A valid Plan for ``model`` (round-tripped through the JSON validator)."""
+              samples_per_epoch: int = 1024, freeze: FreezePolicy | None = None) -> Plan:
+    """A valid Plan for ``model`` (round-tripped through the JSON validator). ``trajectory``: the
+    frozen count per freeze step (default: each phase once, in order)."""
     built = [_phase(model, sp, schedule) for sp in phases]
     index = {p.frozen_blocks: i for i, p in enumerate(built)}
     traj = list(trajectory) if trajectory is not None else [p.frozen_blocks for p in built]
     batch = built[0].global_batch if batch_policy == "constant-global" else built[0].pipeline_batch
-    points = tuple(TrajectoryPoint(epoch=e, frozen_blocks=f, phase=index[f],
-                                   iterations=samples_per_epoch // built[index[f]].global_batch, seconds=0.0)
-                   for e, f in enumerate(traj))
-    inputs = {
-        "profile": profile_identity(model),
-        "cluster": {"name": "test"},
-        "training": {"epochs": epochs or len(traj), "samples_per_epoch": samples_per_epoch, "batch": batch,
-                     "batch_policy": batch_policy, "schedule": schedule},
-        "freeze": freeze or {"policy": "manual", "alpha": 1 / 3, "manual": traj, "every": "epoch",
-                             "adaptive": False},
-    }
+    points, step = [], 0
+    for e, f in enumerate(traj):
+        iters = samples_per_epoch // built[index[f]].global_batch
+        points.append(TrajectoryPoint(epoch=e, step=step, frozen_blocks=f, phase=index[f], iterations=iters,
+                                      seconds=0.0))
+        step += iters
+    world = built[0].K * built[0].D
+    inputs = PlanInputs(
+        profile=profile_identity(model), cluster=cpu_cluster(world),
+        training=TrainingConfig(epochs=epochs or len(traj), samples_per_epoch=samples_per_epoch, batch=batch,
+                                batch_policy=batch_policy, schedule=schedule, cache="off"),
+        freeze=freeze or FreezePolicy(policy="manual", manual=tuple(traj)))
     base = built[index.get(0, 0)]
-    plan = Plan(inputs=inputs, phases=tuple(built), trajectory=points, totals={"seconds": 0.0},
+    plan = Plan(inputs=inputs, phases=tuple(built), freeze_steps=tuple(traj), trajectory=tuple(points),
+                totals=Totals(seconds=0.0, samples=0.0, baseline_seconds=0.0, speedup=0.0, best_static_seconds=0.0,
+                              best_static_K=base.K, best_static_M=base.M, speedup_vs_best_static=0.0),
                 baseline=Baseline(phase=base, seconds=0.0))
     return plan_from_json(json.loads(json.dumps(plan.to_json())), source="test plan")
 

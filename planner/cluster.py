@@ -32,6 +32,13 @@ from .jsonio import Fields, read_json
 
 SCHEMA = "ptplan.cluster/1"
 GiB = 2**30
+DEVICE_KINDS = ("gpu", "cpu")
+MAX_BANDWIDTH = 1e15
+"""Bytes/s; no link moves a petabyte per second. Bounds keep every derived time finite."""
+MIN_BANDWIDTH = 1e3
+MAX_LATENCY_S = 60.0
+MAX_MEMORY_BYTES = 2**60
+MAX_DEVICES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,33 +79,54 @@ class Cluster:
     against the profile's device computing alone: 1 for GPUs, which have their own memory; above 1
     for CPU processes that share caches and memory bandwidth and whose synchronous steps wait for
     the slowest. 1 where not measured."""
+    device_kind: str = "gpu"
+    """``gpu`` (device memory apart from the host's) or ``cpu`` (processes on one machine: the
+    "device" memory is host memory, so nothing is streamed between them)."""
     notes: str = ""
     """Where the numbers come from, and which are assumptions."""
 
+    @property
+    def device_is_host(self) -> bool:
+        return self.device_kind == "cpu"
+
+    @property
+    def device_noun(self) -> str:
+        """What one rank is, for messages: ``GPU`` or ``CPU process``."""
+        return "CPU process" if self.device_is_host else "GPU"
+
     def __post_init__(self) -> None:
+        if self.device_kind not in DEVICE_KINDS:
+            raise PtplanError(f"cluster {self.name!r}: device_kind is {self.device_kind!r}; use one of "
+                              f"{', '.join(DEVICE_KINDS)}")
         for key in ("nodes", "gpus_per_node", "nics_per_node"):
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PtplanError(f"cluster {self.name!r}: {key} is {v!r}; it must be an integer >= 1")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_DEVICES:
+                raise PtplanError(f"cluster {self.name!r}: {key} is {v!r}; it must be an integer in 1..{MAX_DEVICES}")
+        if self.nodes * self.gpus_per_node > MAX_DEVICES:
+            raise PtplanError(f"cluster {self.name!r}: {self.nodes} x {self.gpus_per_node} = "
+                              f"{self.nodes * self.gpus_per_node:,} devices; ptplan plans up to {MAX_DEVICES:,}")
         if isinstance(self.gpu_memory_bytes, bool) or not isinstance(self.gpu_memory_bytes, int) \
-                or self.gpu_memory_bytes <= 0:
+                or not 0 < self.gpu_memory_bytes <= MAX_MEMORY_BYTES:
             raise PtplanError(f"cluster {self.name!r}: gpu_memory_bytes is {self.gpu_memory_bytes!r}; "
-                              "it must be a positive integer (e.g. 85899345920 for 80 GiB)")
+                              "it must be a positive integer of bytes (e.g. 85899345920 for 80 GiB)")
         for key in ("intra_bandwidth", "inter_bandwidth"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
-                raise PtplanError(f"cluster {self.name!r}: {key} is {v!r} bytes/s; it must be a positive "
-                                  "number (e.g. 15.75e9 for PCIe 3.0 x16)")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                    or not MIN_BANDWIDTH <= v <= MAX_BANDWIDTH:
+                raise PtplanError(f"cluster {self.name!r}: {key} is {v!r} bytes/s; give a number between "
+                                  f"{MIN_BANDWIDTH:.0e} and {MAX_BANDWIDTH:.0e} (e.g. 15.75e9 for PCIe 3.0 x16)")
         for key in ("intra_latency_s", "inter_latency_s", "action_overhead_s", "step_overhead_s"):
             v = getattr(self, key)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-                raise PtplanError(f"cluster {self.name!r}: {key} is {v!r} s; it must be >= 0 (e.g. 1e-5)")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
+                    or not 0 <= v <= MAX_LATENCY_S:
+                raise PtplanError(f"cluster {self.name!r}: {key} is {v!r} s; give a number of seconds in "
+                                  f"0..{MAX_LATENCY_S:g} (e.g. 1e-5)")
         c = self.concurrency_slowdown
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 1:
-            raise PtplanError(f"cluster {self.name!r}: concurrency_slowdown is {c!r}; it must be a number >= 1 "
-                              "(1 = no slowdown)")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 1 <= c <= 100:
+            raise PtplanError(f"cluster {self.name!r}: concurrency_slowdown is {c!r}; it must be a number in "
+                              "1..100 (1 = no slowdown)")
         if self.host_memory_bytes is not None and (isinstance(self.host_memory_bytes, bool) or not isinstance(
-                self.host_memory_bytes, int) or self.host_memory_bytes <= 0):
+                self.host_memory_bytes, int) or not 0 < self.host_memory_bytes <= MAX_MEMORY_BYTES):
             raise PtplanError(f"cluster {self.name!r}: host_memory_bytes is {self.host_memory_bytes!r}; "
                               "it must be a positive integer or null")
 
@@ -235,7 +263,8 @@ def cluster_from_json(obj: Any, source: str = "cluster") -> Cluster:
             nics_per_node=f.int("nics_per_node", 1, min=1), host_memory_bytes=host,
             action_overhead_s=f.float("action_overhead_s", 0.0, min=0),
             step_overhead_s=f.float("step_overhead_s", 0.0, min=0),
-            concurrency_slowdown=f.float("concurrency_slowdown", 1.0, min=1), notes=f.str("notes", ""))
+            concurrency_slowdown=f.float("concurrency_slowdown", 1.0, min=1),
+            device_kind=f.str("device_kind", "gpu", choices=DEVICE_KINDS), notes=f.str("notes", ""))
     except SchemaError:
         raise
     except PtplanError as e:
@@ -268,7 +297,7 @@ def cpu_cluster(procs: int = 2) -> Cluster:
         name="cpu" if procs == 2 else f"cpu:{procs}", nodes=1, gpus_per_node=procs,
         gpu_memory_bytes=ram // procs, gpu_name="CPU process", intra_bandwidth=0.52e9, intra_latency_s=200e-6,
         inter_bandwidth=0.52e9, inter_latency_s=200e-6, host_memory_bytes=ram, action_overhead_s=330e-6,
-        step_overhead_s=0.8e-3, concurrency_slowdown=1.06 if procs > 1 else 1.0,
+        step_overhead_s=0.8e-3, concurrency_slowdown=1.06 if procs > 1 else 1.0, device_kind="cpu",
         notes="MEASURED on the 2-core dev box (torch 2.13 CPU, gloo over loopback TCP, 1 thread per process). "
               "Links, `python bench/comm_bench.py`: the gradient all-reduce of 2 processes as the runtime does it "
               "(flatten, all-reduce, divide, copy back) fits 1 ms + bytes / 0.52 GB/s (16 MiB in 33 ms; a bare "

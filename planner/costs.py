@@ -1,7 +1,8 @@
-"""Vectorised per-layer cost tables from a profile: seconds and bytes at any micro-batch size.
+"""Per-layer cost tables from a profile: seconds at any micro-batch size, bytes, and their prefix sums.
 
-Legend: n = number of flat layers; b = micro-batch size (samples). Every method returns a numpy
-array of length n (one value per layer) so that stage sums are prefix-sum differences.
+Legend: n = number of flat layers; b = micro-batch size (samples). Arrays have one value per layer;
+``cum_*`` arrays have n + 1 entries (``cum[j] - cum[i]`` is the sum over layers ``[i, j)``), so a
+stage's total is two lookups whatever its length.
 """
 from __future__ import annotations
 
@@ -12,6 +13,25 @@ import numpy as np
 from .profile import Profile, interp_rows
 
 
+def _cum(a: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0.0], np.cumsum(a)))
+
+
+@dataclass(frozen=True)
+class TimesAt:
+    """Per-layer seconds at one micro-batch size, with prefix sums."""
+
+    b: int
+    fwd: np.ndarray
+    bwd: np.ndarray
+    nograd: np.ndarray
+    cum_fb: np.ndarray
+    """Prefix sums of forward + backward."""
+    cum_fwd: np.ndarray
+    cum_bwd: np.ndarray
+    cum_nograd: np.ndarray
+
+
 @dataclass
 class CostTable:
     """Per-layer costs of one profile, with per-micro-batch-size results memoised."""
@@ -19,7 +39,7 @@ class CostTable:
     profile: Profile
     time_scale: float = 1.0
     """Factor on every time (the cluster's ``concurrency_slowdown`` when its processes share a CPU)."""
-    _cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict[int, TimesAt] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         p = self.profile
@@ -29,25 +49,42 @@ class CostTable:
         self._fwd = k * np.array([r.forward_s for r in p.layers], dtype=float)
         self._bwd = k * np.array([r.backward_s for r in p.layers], dtype=float)
         self._nog = k * np.array([r.nograd_forward_s for r in p.layers], dtype=float)
+        self.params = np.array([r.params for r in p.layers], dtype=float)
         self.param_bytes = np.array([r.param_bytes for r in p.layers], dtype=float)
-        self.train_state_bytes = np.array([r.param_bytes + r.grad_bytes + r.optimizer_bytes for r in p.layers],
-                                          dtype=float)
         self.grad_bytes = np.array([r.grad_bytes for r in p.layers], dtype=float)
         self.saved_per_sample = np.array([r.saved_bytes_per_sample for r in p.layers], dtype=float)
         self.out_per_sample = np.array([r.output_bytes_per_sample for r in p.layers], dtype=float)
+        self.optimizer_measured = all(r.optimizer_s is not None for r in p.layers)
+        """Whether the profile measured every layer's optimizer step (older profiles did not)."""
         self.optimizer_s = k * np.array([r.optimizer_s or 0.0 for r in p.layers], dtype=float)
-        """Seconds of one optimizer step over each layer's parameters (independent of b)."""
+        """Seconds of one AdamW step over each layer's parameters (independent of b; 0 where not measured)."""
+        self.cum_param = _cum(self.param_bytes)
+        self.cum_grad = _cum(self.grad_bytes)
+        self.cum_saved = _cum(self.saved_per_sample)
+        self.cum_opt_s = _cum(self.optimizer_s)
+        self.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(self.param_bytes)))
+        """``max_param_upto[j]``: the largest single layer's weights among layers ``[0, j)``."""
 
-    def at(self, b: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(forward, backward, no-grad forward) seconds per layer at micro-batch size b."""
-        key = float(b)
-        hit = self._cache.get(key)
+    @property
+    def measured_range(self) -> tuple[int, int]:
+        """(smallest, largest) micro-batch size the profile measured."""
+        return int(self.batch_sizes[0]), int(self.batch_sizes[-1])
+
+    def extrapolated(self, b: int) -> bool:
+        lo, hi = self.measured_range
+        return not lo <= b <= hi
+
+    def at(self, b: int) -> TimesAt:
+        """Per-layer seconds at micro-batch size b (piecewise linear between measured sizes)."""
+        hit = self._cache.get(b)
         if hit is None:
-            hit = (interp_rows(self.batch_sizes, self._fwd, key), interp_rows(self.batch_sizes, self._bwd, key),
-                   interp_rows(self.batch_sizes, self._nog, key))
-            self._cache[key] = hit
+            bs, x = self.batch_sizes, float(b)
+            f, bw, ng = interp_rows(bs, self._fwd, x), interp_rows(bs, self._bwd, x), interp_rows(bs, self._nog, x)
+            hit = TimesAt(b=b, fwd=f, bwd=bw, nograd=ng, cum_fb=_cum(f + bw), cum_fwd=_cum(f), cum_bwd=_cum(bw),
+                          cum_nograd=_cum(ng))
+            self._cache[b] = hit
         return hit
 
-    def prefix_nograd_s(self, frozen_layers: int, b: float) -> float:
+    def prefix_nograd_s(self, frozen_layers: int, b: int) -> float:
         """Seconds of the frozen prefix's no-grad forward for one micro-batch."""
-        return float(self.at(b)[2][:frozen_layers].sum())
+        return float(self.at(b).cum_nograd[frozen_layers])

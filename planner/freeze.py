@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .errors import PtplanError
+from .jsonio import Fields
 
 POLICIES = ("geometric", "manual", "none")
 _EPS = 1e-9
@@ -117,6 +118,20 @@ class FreezePolicy:
             raise PtplanError(f"adaptive freezing needs policy \"geometric\" (got {self.policy!r})")
 
 
+def freeze_from_json(f: Fields) -> FreezePolicy:
+    """A FreezePolicy from a plan's ``inputs.freeze`` object (unknown keys rejected by name)."""
+    Fields(f.obj, f.what, f.path, allowed=("policy", "alpha", "manual", "every", "adaptive"))
+    every = f.raw("every", "epoch")
+    if every != "epoch":
+        every = f.int("every", min=1)
+    try:
+        return FreezePolicy(policy=f.str("policy", choices=POLICIES), alpha=f.float("alpha", 1 / 3),
+                            manual=tuple(f.ints("manual", min=0)) if "manual" in f.obj else (), every=every,
+                            adaptive=f.bool("adaptive", False))
+    except PtplanError as e:
+        raise PtplanError(f"{f.what}: {f.path}: {e}") from None
+
+
 def _check_L_alpha(L: int, alpha: float) -> None:
     if isinstance(L, bool) or not isinstance(L, int) or L < 1:
         raise PtplanError(f"number of blocks L is {L!r}; it must be an integer >= 1")
@@ -144,6 +159,21 @@ def _steps_at_epoch(policy: FreezePolicy, epoch: int, steps_per_epoch: int | Non
         raise PtplanError(f"freezing every {policy.every} steps needs steps_per_epoch (>= 1), "
                           f"got {steps_per_epoch!r}")
     return (epoch * steps_per_epoch) // int(policy.every)
+
+
+def freeze_table(policy: FreezePolicy, L: int, last_T: int) -> list[int]:
+    """The frozen count at freeze steps T = 0..last_T, cut where it stops changing (the last entry
+    then holds for every later T): what a plan stores and a run replays."""
+    _check_L_alpha(L, policy.alpha)
+    if isinstance(last_T, bool) or not isinstance(last_T, int) or last_T < 0:
+        raise PtplanError(f"last freeze step is {last_T!r}; it must be an integer >= 0")
+    final = 0 if policy.policy == "none" else L if policy.policy == "geometric" else policy.manual[-1]
+    out = [_count_at(policy, L, 0)]
+    T = 0
+    while T < last_T and not (out[-1] == final and (policy.policy != "manual" or T >= len(policy.manual) - 1)):
+        T += 1
+        out.append(_count_at(policy, L, T))
+    return out
 
 
 def trajectory(policy: FreezePolicy, L: int, epochs: int, *, steps_per_epoch: int | None = None) -> list[int]:

@@ -52,7 +52,7 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"{v!r} is not one of {sorted(choices)}")
         return v
 
-    def int(self, key: str, default: Any = ..., min: int | None = None) -> int:
+    def int(self, key: str, default: Any = ..., min: int | None = None, max: int | None = None) -> int:
         v = self._get(key, default)
         if v is default and default is not ...:
             return v
@@ -60,6 +60,8 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"expected an integer, got {v!r}")
         if min is not None and v < min:
             raise SchemaError(self.what, self._p(key), f"{v} is below the minimum {min}")
+        if max is not None and v > max:
+            raise SchemaError(self.what, self._p(key), f"{v:,} is above the maximum {max:,}")
         return v
 
     def float(self, key: str, default: Any = ..., min: float | None = None, max: float | None = None) -> float:
@@ -90,23 +92,29 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"expected {length} entries, got {len(v)}")
         return v
 
-    def floats(self, key: str, length: int | None = None, min: float | None = 0.0) -> list[float]:
+    def floats(self, key: str, length: int | None = None, min: float | None = 0.0,
+               max: float | None = None) -> list[float]:
         out = []
         for i, x in enumerate(self.list(key, length=length)):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
                 raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"expected a finite number, got {x!r}")
             if min is not None and x < min:
                 raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"{x} is below the minimum {min}")
+            if max is not None and x > max:
+                raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"{x} is above the maximum {max:g}")
             out.append(float(x))
         return out
 
-    def ints(self, key: str, length: int | None = None, min: int | None = None) -> list[int]:
+    def ints(self, key: str, length: int | None = None, min: int | None = None,
+             max: int | None = None) -> list[int]:
         out = []
         for i, x in enumerate(self.list(key, length=length)):
             if isinstance(x, bool) or not isinstance(x, int):
                 raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"expected an integer, got {x!r}")
             if min is not None and x < min:
                 raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"{x} is below the minimum {min}")
+            if max is not None and x > max:
+                raise SchemaError(self.what, f"{self._p(key)}[{i}]", f"{x} is above the maximum {max:,}")
             out.append(x)
         return out
 

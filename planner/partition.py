@@ -1,41 +1,45 @@
-"""AutoPipe: the optimal contiguous split of the active layers into K pipeline stages.
+"""AutoPipe: the optimal contiguous split of the active layers into K pipeline stages, under memory.
 
-Legend: n = number of layers to split (the active layers of a phase, indexed 0..n-1 here; the caller
-shifts ranges by the frozen prefix); K = number of stages (pipeline length); a stage is a half-open
-layer range [lo, hi); T = a bound on the slowest stage's seconds.
+Legend: layers ``[start, n)`` are split (the active layers of a phase); K = number of stages
+(pipeline length); a stage is a half-open layer range [lo, hi) on pipeline position s; T = a bound
+on the slowest stage's seconds.
 
-Stage cost model (seconds per micro-batch, forward + backward, or whatever unit ``costs`` uses):
+``split_stages(model, K, memory_limit)`` takes the cost model as an object: for stage index s and a
+band of candidate stages it gives their busy seconds and peak bytes (``planner.stage.StageModel``,
+the one stage model the search and the simulator use too), plus per-layer lower bounds of both as
+prefix sums. Every stage's cost may depend on its position s (stage 0 runs the frozen prefix; 1F1B
+keeps K - s micro-batches in flight; the links differ), so the search evaluates each position on
+its own.
+
+It minimises, lexicographically: (1) the slowest stage's cost, then (2) the sum of squared stage
+costs among the splits that reach (1) (balance, and cheaper cuts: each cut adds its communication
+to the two stages it joins), subject to every stage's peak bytes <= the limit. Remaining ties go to
+the split whose cuts lie as late as possible, from the last cut backwards (deterministic). (2) is
+additive over stages, so the second DP is exact without comparing floats for equality.
+
+The algorithm is exact: a dynamic program over (stages used, layers covered) that stores the least
+slowest-stage cost T*, then a second one that minimises (2) over splits whose every stage is <= T*.
+Costs are not monotone in the range once boundary communication is counted (a longer stage can be
+cheaper if it ends at a cheap cut), so no greedy feasibility test is used. Speed comes from a band:
+a stage costs at least the sum of its layers' lower bounds (time and memory), and a quick split
+gives an upper bound on T*, so only stages within both bounds are considered; each DP step is a few
+numpy operations over that band.
+
+``optimal_partition(costs, K, ...)`` is the same search for plain per-layer numbers:
 
     cost([lo, hi)) = sum(costs[lo:hi])
                      + boundary_s[lo-1]   if lo > 0   (receive the input; its gradient goes back)
                      + boundary_s[hi-1]   if hi < n   (send the output; receive its gradient)
                      + stage0_extra_s     if lo == 0  (the frozen prefix's no-grad forward)
 
-A boundary's communication is charged to both stages it joins: with blocking point-to-point
-transfers both ends are busy for it. Stage memory is sum(memory[lo:hi]) (+ stage0_extra_memory on
-stage 0) and must be <= memory_limit.
-
-``optimal_partition`` minimises, lexicographically: (1) the slowest stage's cost, then (2) the sum
-of squared stage costs among the splits that reach (1): balance, and since each cut adds its
-communication to the two stages it joins, cheaper cuts too. Remaining ties go to the split whose cuts
-lie as late as possible, from the last cut backwards (deterministic). (2) is additive over stages, so
-the DP for it is exact without comparing floats for equality.
-
-The algorithm is exact: a dynamic program over (stages used, layers covered) that stores the least
-slowest-stage cost T*, then a second one that minimises (2) over splits whose every stage is <= T*.
-Costs are not monotone in the range once boundary communication is counted (a longer stage can be
-cheaper if it ends at a cheap cut), so no greedy feasibility test is used. Speed comes from a band:
-a stage costs at least the sum of its layers, and a quick prefix-sum split gives an upper bound on
-T*, so only stages whose layer sum is within that bound are considered; each DP step is two numpy
-operations over that band. On the shared 2-core dev box a call costs about 0.2 ms plus 15 us per
-stage (n=200: K=8 0.3 ms, K=64 1 ms).
+with stage memory sum(memory[lo:hi]) (+ stage0_extra_memory on stage 0) <= memory_limit.
 """
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -50,7 +54,8 @@ class Partition:
     """A split of n layers into K contiguous non-empty stages."""
 
     ranges: tuple[tuple[int, int], ...]
-    """K half-open layer ranges [lo, hi), contiguous, starting at 0."""
+    """K half-open layer ranges [lo, hi), contiguous (from 0 for ``optimal_partition``; from the first
+    active layer for ``split_stages``)."""
     stage_costs: tuple[float, ...]
     """Per stage: its cost under the model above (same unit as the costs given)."""
     bottleneck: float
@@ -59,7 +64,7 @@ class Partition:
     """Per stage: its memory (bytes), when memory was given; empty otherwise."""
 
     def __post_init__(self) -> None:
-        assert self.ranges and self.ranges[0][0] == 0, self.ranges
+        assert self.ranges, self.ranges
         for a, b in zip(self.ranges, self.ranges[1:]):
             assert a[1] == b[0], self.ranges
         assert all(lo < hi for lo, hi in self.ranges), self.ranges
@@ -115,134 +120,157 @@ def stage_cost(costs: Sequence[float], lo: int, hi: int, *, boundary_s: Sequence
     return c
 
 
-def optimal_partition(costs: Sequence[float], K: int, *, boundary_s: Sequence[float] | None = None,
-                      stage0_extra_s: float = 0.0, memory: Sequence[float] | None = None,
-                      stage0_extra_memory: float = 0.0, memory_limit: float | None = None) -> Partition:
-    """The exact min-bottleneck split of ``costs`` into K stages (see the module docstring).
+class _StageFamily(Protocol):
+    """What ``split_stages`` needs of a cost model (``planner.stage.StageModel`` is the product's one).
 
-    ``boundary_s``: seconds to move layer i's output to the next stage (length n, or n-1: the last
-    layer's output never crosses a cut). ``memory``: bytes per layer; with ``memory_limit`` every
-    stage must fit. Raises InfeasibleError with the numbers when no split fits.
+    Layers are absolute indices; the stages split ``[start, n)``. ``cum_time_lb`` and ``cum_state``
+    are prefix sums (length n + 1) of per-layer lower bounds of a stage's time and memory (the
+    search band is cut with them). ``prepare(I, J)`` computes what does not depend on the stage
+    index for candidate stages [I, J) (arrays of any equal shape); ``evaluate(s, terms, cols)`` gives
+    their exact (busy seconds, peak bytes) as stage s, for the columns ``cols`` of those arrays.
     """
-    c = _vector("costs", costs)
-    n = len(c)
-    if n == 0:
-        raise PtplanError("nothing to partition: the list of layer costs is empty")
+
+    start: int
+    n: int
+    cum_time_lb: np.ndarray
+    cum_state: np.ndarray
+
+    def prepare(self, I: np.ndarray, J: np.ndarray) -> Any: ...
+    def evaluate(self, s: int, terms: Any, cols: slice = ...) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def _one(model: _StageFamily, s: int, lo: int, hi: int) -> tuple[float, float]:
+    """(busy seconds, peak bytes) of the single stage [lo, hi) as stage s."""
+    t, m = model.evaluate(s, model.prepare(np.array([lo]), np.array([hi])))
+    return float(np.asarray(t).reshape(-1)[0]), float(np.asarray(m).reshape(-1)[0])
+
+
+def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None) -> Partition:
+    """The exact min-bottleneck split of the model's layers ``[start, n)`` into K stages whose every
+    stage fits ``memory_limit`` (see the module docstring). Ranges are absolute layer indices.
+
+    Raises InfeasibleError with the numbers when no split fits.
+    """
     if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
         raise PtplanError(f"number of stages K is {K!r}; it must be an integer >= 1")
     K = int(K)
-    if K > n:
-        raise InfeasibleError(f"cannot split {n} layers into K={K} stages: every stage needs at least one "
-                              f"layer; use K <= {n}")
-    beta = np.zeros(n + 1)
-    if boundary_s is not None:
-        b = _vector("boundary_s", boundary_s)
-        if len(b) not in (n, n - 1):
-            raise PtplanError(f"boundary_s has {len(b)} entries for {n} layers; give {n} (or {n - 1})")
-        beta[1:n] = b[:n - 1]
-    extra = _scalar("stage0_extra_s", stage0_extra_s)
-    S = np.concatenate(([0.0], np.cumsum(c)))
-
-    mem_reach = np.full(n + 1, n, dtype=np.int64)   # largest j with [i, j) within memory
-    Mp = None
-    if memory is not None:
-        m = _vector("memory", memory, n)
-        mextra = _scalar("stage0_extra_memory", stage0_extra_memory)
-        Mp = np.concatenate(([0.0], np.cumsum(m)))
-        if memory_limit is not None:
-            if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, np.number)) \
-                    or not math.isfinite(memory_limit) or memory_limit <= 0:
-                raise PtplanError(f"memory_limit is {memory_limit!r}; it must be a positive number of bytes")
-            lim = float(memory_limit) * (1 + _TOL)
-            mem_reach = np.searchsorted(Mp, Mp + lim, side="right") - 1
-            mem_reach[0] = np.searchsorted(Mp, lim - mextra, side="right") - 1 if mextra <= lim else 0
-            if (mem_reach[:n] <= np.arange(n)).any() or Mp[n] + mextra > K * lim:
-                _raise_memory(m, mextra, float(memory_limit), K)
-    elif memory_limit is not None:
-        raise PtplanError("memory_limit was given without per-layer memory")
-
-    if K == 1:
-        if mem_reach[0] < n:
-            _raise_memory(np.diff(Mp), float(stage0_extra_memory), float(memory_limit), K)
-        return _result([0, n], S, beta, extra, Mp, float(stage0_extra_memory))
-
-    # stage 0 = [0, j) for every j
+    a, n = int(model.start), int(model.n)
+    m = n - a
+    if m <= 0:
+        raise PtplanError("nothing to partition: no layers")
+    if K > m:
+        raise InfeasibleError(f"cannot split {m} layers into K={K} stages: every stage needs at least one "
+                              f"layer; use K <= {m}")
+    lim = math.inf
+    if memory_limit is not None:
+        if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, np.number)) \
+                or not math.isfinite(memory_limit) or memory_limit <= 0:
+            raise PtplanError(f"memory_limit is {memory_limit!r}; it must be a positive number of bytes")
+        lim = float(memory_limit) * (1 + _TOL)
+    S, A = model.cum_time_lb, model.cum_state
     js = np.arange(n + 1)
-    first = S + beta + extra
-    first_ok = (js >= 1) & (js <= mem_reach[0])
+    # stage 0 = [a, j): evaluated exactly for every j
+    J0 = js[a + 1:]
+    t0, m0 = model.evaluate(0, model.prepare(np.full(m, a), J0))
+    first = np.full(n + 1, np.inf)
+    first[a + 1:] = t0
+    first_ok = np.zeros(n + 1, dtype=bool)
+    first_ok[a + 1:] = m0 <= lim
+    if K == 1:
+        if not first_ok[n]:
+            raise MemoryInfeasibleError(model, K, lim)
+        return _result(model, [a, n])
 
-    # An upper bound UB on T* from a prefix-sum split. A stage [i, j) costs at least S[j] - S[i], so
-    # only stages with S[j] - S[i] <= UB matter: reach[i] = last such j (and within memory).
-    UB = _quick_bound(S, beta, extra, K, mem_reach)
-    reach = mem_reach.copy()
+    # stages from i: memory lower bound, then the time band below the quick split's bottleneck UB
+    reach = np.minimum(np.searchsorted(A, A + lim, side="right") - 1, n) if math.isfinite(lim) else np.full(n + 1, n)
+    UB = _quick_bound(model, K, lim)
     if math.isfinite(UB):
         reach = np.minimum(reach, np.searchsorted(S, S + UB * (1 + 1e-9), side="right") - 1)
-        reach[0] = min(reach[0], int(np.searchsorted(S, UB * (1 + 1e-9) - extra, side="right")) - 1)
     reach = np.maximum(reach, js)
-    w = max(1, int((reach[1:n] - js[1:n]).max(initial=1)))
-
-    # Rows j that k stages can cover and still leave a split of the rest: reach is non-decreasing
-    # for i >= 1, so the farthest prefix after k stages is reach applied k times, and the nearest is
-    # the least j from which K - k more stages still reach n.
+    ok0 = first_ok & (first <= UB * (1 + 1e-9)) if math.isfinite(UB) else first_ok
+    if not ok0.any():
+        raise MemoryInfeasibleError(model, K, lim)
+    w = max(1, int((reach[a + 1:n] - js[a + 1:n]).max(initial=1)))
     rl = reach.tolist()
     top, bot = [0] * (K + 1), [0] * (K + 1)
-    top[1] = rl[0]
+    top[1] = int(np.flatnonzero(ok0).max())
     for k in range(2, K + 1):
         top[k] = rl[top[k - 1]]
     bot[K] = n
     for k in range(K - 1, 0, -1):
-        bot[k] = bisect_left(rl, bot[k + 1], 1, n)
-    lo_k = [max(bot[k], k) for k in range(K + 1)]
+        bot[k] = bisect_left(rl, bot[k + 1], a + 1, n)
+    lo_k = [max(bot[k], a + k) for k in range(K + 1)]
     hi_k = [min(top[k], n - K + k) + 1 for k in range(K + 1)]    # exclusive
     if any(lo_k[k] >= hi_k[k] for k in range(1, K + 1)):
-        assert Mp is not None and memory_limit is not None, "no rows left without a memory limit"
-        _raise_memory(np.diff(Mp), float(stage0_extra_memory), float(memory_limit), K)
+        raise MemoryInfeasibleError(model, K, lim)
     c0 = min(lo_k[2:])
 
-    # band[d, j - c0] = cost of the stage [i, j) with i = j - 1 - d >= 1 (inf where not allowed), for
-    # the columns j >= c0 that some row window uses
+    # the band: column j (>= c0), row d is the stage [i, j) with i = j - 1 - d (clipped into [a, n])
     jj = js[None, c0:]
     I = jj - 1 - np.arange(w)[:, None]
-    Ic = np.maximum(I, 0)
-    band = np.where((I >= 1) & (jj <= reach[Ic]), S[jj] - S[Ic] + beta[Ic] + beta[jj], np.inf)
+    Id = _Diagonal(c0, w, n + 1 - c0, a, n)
+    valid = (I >= a + 1) & (jj <= Id.take_from(reach))
+    terms = model.prepare(Id, jj)
 
-    # F[k, j] = least slowest-stage cost covering [0, j) with k stages, stored at column w + j;
-    # prev[k, d, j] views F[k, j - 1 - d] without copying
+    # F[k, j] = least slowest-stage cost covering [a, j) with k stages, at column w + j; prev[k, d, j]
+    # views F[k, j - 1 - d]
     F = np.full((K + 1, w + n + 1), np.inf)
     F[1, w:] = np.where(first_ok, first, np.inf)
     prev = _lagged(F, w)
-    buf = np.empty((w, n + 1 - c0))
+    costs: list[np.ndarray] = [np.empty(0)] * (K + 1)
     for k in range(2, K + 1):
         lo, hi = lo_k[k], hi_k[k]
-        out = buf[:, lo - c0:hi - c0]
-        np.maximum(prev[k - 1, :, lo:hi], band[:, lo - c0:hi - c0], out=out)
-        np.minimum.reduce(out, axis=0, out=F[k, w + lo:w + hi])
+        cols = slice(lo - c0, hi - c0)
+        t, mem = model.evaluate(k - 1, terms, cols)
+        cost = np.where(valid[:, cols] & (mem <= lim), t, np.inf)
+        costs[k] = cost
+        np.minimum.reduce(np.maximum(prev[k - 1, :, lo:hi], cost), axis=0, out=F[k, w + lo:w + hi])
     T = float(F[K, w + n])
     if not math.isfinite(T):
-        assert Mp is not None and memory_limit is not None, "no split found without a memory limit"
-        _raise_memory(np.diff(Mp), float(stage0_extra_memory), float(memory_limit), K)
+        raise MemoryInfeasibleError(model, K, lim)
 
     # pass 2: among splits whose every stage is <= T, the least sum of squared stage costs
     Q = np.full((K + 1, w + n + 1), np.inf)
     Q[1, w:] = np.where(first_ok & (first <= T), first * first, np.inf)
     qprev = _lagged(Q, w)
-    band_sq = np.where(band <= T, band * band, np.inf)
+    sq: list[np.ndarray] = [np.empty(0)] * (K + 1)
     for k in range(2, K + 1):
         lo, hi = lo_k[k], hi_k[k]
-        out = buf[:, lo - c0:hi - c0]
-        np.add(qprev[k - 1, :, lo:hi], band_sq[:, lo - c0:hi - c0], out=out)
-        np.minimum.reduce(out, axis=0, out=Q[k, w + lo:w + hi])
+        c = costs[k]
+        sq[k] = np.where(c <= T, c * c, np.inf)
+        np.minimum.reduce(qprev[k - 1, :, lo:hi] + sq[k], axis=0, out=Q[k, w + lo:w + hi])
     assert math.isfinite(Q[K, w + n]), "pass 2 lost the optimum"
 
     # walk back: the first d (latest cut) that attains each optimum; same float sums as above
     cuts = [n]
     j = n
     for k in range(K, 1, -1):
-        j = j - 1 - int((qprev[k - 1, :, j] + band_sq[:, j - c0]).argmin())
+        j = j - 1 - int((qprev[k - 1, :, j] + sq[k][:, j - lo_k[k]]).argmin())
         cuts.append(j)
-    cuts.append(0)
+    cuts.append(a)
     cuts.reverse()
-    return _result(cuts, S, beta, extra, Mp, float(stage0_extra_memory))
+    return _result(model, cuts)
+
+
+def _at(arr: np.ndarray, I: Any) -> np.ndarray:
+    """``arr[I]`` for an index array, or through a ``_Diagonal``'s strided view."""
+    return I.take_from(arr) if isinstance(I, _Diagonal) else arr[I]
+
+
+class _Diagonal:
+    """The band's start indices I[d, j] = clip(c0 + j - 1 - d, a, n) without materialising gathers:
+    ``take_from(arr)`` is ``arr[I]`` as a strided view (each row is a shifted slice of ``arr``)."""
+
+    def __init__(self, c0: int, w: int, ncols: int, a: int, n: int) -> None:
+        self.c0, self.w, self.ncols, self.a, self.n = c0, w, ncols, a, n
+        self.idx = np.clip(np.arange(c0 - w, c0 + ncols - 1), a, n)
+        self.shape = (w, ncols)
+
+    def take_from(self, arr: np.ndarray) -> np.ndarray:
+        seg = arr[self.idx]
+        st = seg.strides[0]
+        return np.lib.stride_tricks.as_strided(seg[self.w - 1:], shape=self.shape, strides=(-st, st),
+                                               writeable=False)
 
 
 def _lagged(A: np.ndarray, w: int) -> np.ndarray:
@@ -252,80 +280,161 @@ def _lagged(A: np.ndarray, w: int) -> np.ndarray:
                       strides=(A.strides[0], -A.itemsize, A.itemsize))
 
 
-def _result(cuts: list[int], S: np.ndarray, beta: np.ndarray, extra: float, Mp: np.ndarray | None,
-            mextra: float) -> Partition:
-    """The Partition for stage boundaries ``cuts`` (0, ..., n), with its costs and memory."""
-    b = np.array(cuts)
-    lo, hi = b[:-1], b[1:]
-    ranges = tuple(zip(cuts[:-1], cuts[1:]))
-    costs = S[hi] - S[lo] + beta[lo] + beta[hi]
-    costs[0] += extra
-    mem: tuple[float, ...] = ()
-    if Mp is not None:
-        m = Mp[hi] - Mp[lo]
-        m[0] += mextra
-        mem = tuple(m.tolist())
-    return Partition(ranges=ranges, stage_costs=tuple(costs.tolist()), bottleneck=float(costs.max()),
-                     stage_memory=mem)
+def _evaluate(model: _StageFamily, cuts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(busy seconds, peak bytes) of every stage of the split with boundaries ``cuts``."""
+    c = np.asarray(cuts)
+    terms = model.prepare(c[:-1], c[1:])
+    fast = getattr(model, "evaluate_split", None)
+    if fast is not None:
+        t, mem = fast(terms)
+        return np.asarray(t, dtype=float), np.asarray(mem, dtype=float)
+    K = len(cuts) - 1
+    t, mem = np.empty(K), np.empty(K)
+    for s in range(K):
+        ts, ms = model.evaluate(s, terms, slice(s, s + 1))
+        t[s], mem[s] = float(ts[0]), float(ms[0])
+    return t, mem
 
 
-def _quick_bound(S: np.ndarray, beta: np.ndarray, extra: float, K: int, reach: np.ndarray) -> float:
-    """Bottleneck of the split that cuts nearest to k/K of the total work (stage 0's extra included).
+def _result(model: _StageFamily, cuts: list[int]) -> Partition:
+    t, mem = _evaluate(model, cuts)
+    return Partition(ranges=tuple(zip(cuts[:-1], cuts[1:])), stage_costs=tuple(t.tolist()),
+                     bottleneck=float(t.max()), stage_memory=tuple(mem.tolist()))
 
-    inf if that split breaks the memory limit (then only memory narrows the search).
-    """
-    n = len(S) - 1
-    targets = (S[n] + extra) * np.arange(1, K) / K - extra
-    cuts = np.minimum(np.maximum(np.searchsorted(S, targets, side="left"), 1), n)
+
+def _quick_bound(model: _StageFamily, K: int, lim: float) -> float:
+    """Bottleneck of the split that cuts nearest to k/K of the layers' time lower bound; inf if that
+    split breaks the memory limit (then only memory narrows the search)."""
+    a, n, S = model.start, model.n, model.cum_time_lb
+    targets = S[a] + (S[n] - S[a]) * np.arange(1, K) / K
+    cuts = np.minimum(np.maximum(np.searchsorted(S, targets, side="left"), a + 1), n)
     cuts -= (targets - S[cuts - 1]) < (S[cuts] - targets)        # the nearer of the two prefix sums
     idx = np.arange(1, K)
-    cuts = np.minimum(np.maximum(cuts, idx), n - K + idx)
+    cuts = np.minimum(np.maximum(cuts, a + idx), n - K + idx)
     cuts = np.maximum.accumulate(cuts - idx) + idx      # strictly increasing, still room for the rest
-    b = np.concatenate(([0], cuts, [n]))
-    if (reach[b[:-1]] < b[1:]).any():
+    t, mem = _evaluate(model, [a, *cuts.tolist(), n])
+    if (mem > lim).any():
         return math.inf
-    costs = S[b[1:]] - S[b[:-1]] + beta[b[1:]] + beta[b[:-1]]
-    costs[0] += extra
-    return float(costs.max())
+    return float(t.max())
+
+
+class _Additive:
+    """``optimal_partition``'s cost model: additive layer costs, boundary terms charged to both
+    stages, stage 0's extra time and memory."""
+
+    def __init__(self, costs: np.ndarray, beta: np.ndarray, extra: float, memory: np.ndarray | None,
+                 extra_mem: float) -> None:
+        self.start, self.n = 0, len(costs)
+        self.cum_time_lb = np.concatenate(([0.0], np.cumsum(costs)))
+        self.cum_state = np.concatenate(([0.0], np.cumsum(memory))) if memory is not None else np.zeros(self.n + 1)
+        self.beta, self.extra, self.extra_mem = beta, extra, extra_mem
+        self.has_memory = memory is not None
+
+    def prepare(self, I: Any, J: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        S, b = self.cum_time_lb, self.beta
+        return S[J] - _at(S, I) + _at(b, I) + b[J], self.cum_state[J] - _at(self.cum_state, I)
+
+    def evaluate(self, s: int, terms: tuple[np.ndarray, np.ndarray], cols: slice = slice(None)
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        t, m = terms[0][..., cols], terms[1][..., cols]
+        return (t + self.extra, m + self.extra_mem) if s == 0 else (t, m)
+
+
+def optimal_partition(costs: Sequence[float], K: int, *, boundary_s: Sequence[float] | None = None,
+                      stage0_extra_s: float = 0.0, memory: Sequence[float] | None = None,
+                      stage0_extra_memory: float = 0.0, memory_limit: float | None = None) -> Partition:
+    """The exact min-bottleneck split of additive ``costs`` into K stages (see the module docstring).
+
+    ``boundary_s``: seconds to move layer i's output to the next stage (length n, or n-1: the last
+    layer's output never crosses a cut). ``memory``: bytes per layer; with ``memory_limit`` every
+    stage must fit. Raises InfeasibleError with the numbers when no split fits. The planner uses
+    ``split_stages`` with the one stage model (``planner/stage.py``); this is the same search for
+    plain per-layer numbers.
+    """
+    c = _vector("costs", costs)
+    n = len(c)
+    if n == 0:
+        raise PtplanError("nothing to partition: the list of layer costs is empty")
+    if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
+        raise PtplanError(f"number of stages K is {K!r}; it must be an integer >= 1")
+    beta = np.zeros(n + 1)
+    if boundary_s is not None:
+        b = _vector("boundary_s", boundary_s)
+        if len(b) not in (n, n - 1):
+            raise PtplanError(f"boundary_s has {len(b)} entries for {n} layers; give {n} (or {n - 1})")
+        beta[1:n] = b[:n - 1]
+    extra = _scalar("stage0_extra_s", stage0_extra_s)
+    mem = None
+    mextra = 0.0
+    if memory is not None:
+        mem = _vector("memory", memory, n)
+        mextra = _scalar("stage0_extra_memory", stage0_extra_memory)
+    elif memory_limit is not None:
+        raise PtplanError("memory_limit was given without per-layer memory")
+    model = _Additive(c, beta, extra, mem, mextra)
+    part = split_stages(model, K, memory_limit if mem is not None else None)
+    if mem is None:
+        part = replace(part, stage_memory=())
+    return part
 
 
 class MemoryInfeasibleError(InfeasibleError):
-    """No K-stage split fits in GPU memory.
+    """No K-stage split fits in memory.
 
-    The message names the best split's largest stage, which costs one more partition to find, so it
-    is computed only when the message is read: a planner that catches this and tries another K
-    pays nothing for it.
+    The message names the smallest peak any split's fullest stage can have, which costs one more
+    search to find, so it is computed only when the message is read: a planner that catches this
+    and tries another configuration pays nothing for it.
     """
 
-    def __init__(self, memory: np.ndarray, extra: float, limit: float, K: int) -> None:
+    def __init__(self, model: _StageFamily, K: int, limit: float) -> None:
         super().__init__()
-        self.memory, self.extra, self.limit, self.K = memory, extra, limit, K
+        self.model, self.K, self.limit = model, K, limit
         self._msg: str | None = None
 
     def __str__(self) -> str:
         if self._msg is None:
-            m, extra, limit, K = self.memory, self.extra, self.limit, self.K
-            need = optimal_partition(m, K, stage0_extra_s=extra).bottleneck
-            self._msg = (
-                f"no split of {len(m)} layers into K={K} stages fits: the best split's largest stage needs "
-                f"{need / GiB:.2f} GiB but a GPU has {limit / GiB:.2f} GiB (all layers together: "
-                f"{(m.sum() + extra) / GiB:.2f} GiB); use a longer pipeline (larger K), a smaller micro-batch, "
-                "or GPUs with more memory")
+            self._msg = _memory_message(self.model, self.K, self.limit / (1 + _TOL))
         return self._msg
 
 
-def _raise_memory(m: np.ndarray, extra: float, limit: float, K: int) -> None:
-    if extra + m[0] > limit:
-        raise InfeasibleError(
-            f"stage 0 needs at least {(extra + m[0]) / GiB:.2f} GiB (frozen prefix {extra / GiB:.2f} GiB + "
-            f"layer 0 {m[0] / GiB:.2f} GiB) but a GPU has {limit / GiB:.2f} GiB; use a smaller micro-batch, "
-            "cache the frozen prefix, or GPUs with more memory")
-    big = int(np.argmax(m))
-    if m[big] > limit:
-        raise InfeasibleError(
-            f"layer {big} alone needs {m[big] / GiB:.2f} GiB but a GPU has {limit / GiB:.2f} GiB; use a smaller "
-            "micro-batch or GPUs with more memory")
-    raise MemoryInfeasibleError(m, extra, limit, K)
+class _MemoryAsTime:
+    """A stage family whose 'time' is the other family's peak memory: its min-max split is the split
+    whose fullest stage is least full."""
+
+    def __init__(self, model: _StageFamily) -> None:
+        self.m = model
+        self.start, self.n = model.start, model.n
+        self.cum_time_lb = model.cum_state
+        self.cum_state = np.zeros(model.n + 1)
+
+    def prepare(self, I: np.ndarray, J: np.ndarray) -> Any:
+        return self.m.prepare(I, J)
+
+    def evaluate(self, s: int, terms: Any, cols: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        _, mem = self.m.evaluate(s, terms, cols)
+        return mem, np.zeros(np.shape(mem))
+
+
+def _memory_message(model: _StageFamily, K: int, limit: float) -> str:
+    a, n = model.start, model.n
+    first = _one(model, 0, a, a + 1)[1]
+    alone = _one(model, 1, a, a + 1)[1] if K > 1 else first
+    if first > limit:
+        return (f"stage 0 needs at least {first / GiB:.2f} GiB (what stage 0 always holds, the frozen prefix's "
+                f"weights or the cached shard, {(first - alone) / GiB:.2f} GiB, + layer {a} "
+                f"{alone / GiB:.2f} GiB) but a GPU has {limit / GiB:.2f} GiB; use a smaller micro-batch, cache "
+                f"the frozen prefix, or GPUs with more memory")
+    if K > 1:
+        I = np.arange(a + 1, n)
+        single = np.asarray(model.evaluate(1, model.prepare(I, I + 1))[1])
+        big = int(np.argmax(single)) if single.size else 0
+        if single.size and single[big] > limit:
+            return (f"layer {a + 1 + big} alone needs {single[big] / GiB:.2f} GiB but a GPU has "
+                    f"{limit / GiB:.2f} GiB; use a smaller micro-batch or GPUs with more memory")
+    need = split_stages(_MemoryAsTime(model), K).bottleneck
+    return (f"no split of {n - a} layers into K={K} stages fits: the best split's largest stage needs "
+            f"{need / GiB:.2f} GiB but a GPU has {limit / GiB:.2f} GiB; use a longer pipeline (larger K), a "
+            f"smaller micro-batch, or GPUs with more memory")
 
 
 def greedy_param_partition(params: Sequence[float], K: int, *, unit: float = 1e6) -> Partition:

@@ -1,25 +1,33 @@
-"""The plan contract (``ptplan.plan/1``): one phase per frozen-block count, trajectory, totals, baseline.
+"""The plan contract (``ptplan.plan/2``): typed inputs, one phase per frozen-block count, the freeze steps,
+the predicted trajectory, totals, baseline and warnings; one reader that validates every field.
 
 Legend: L blocks; f frozen blocks; K pipeline length (stages per pipeline); D data-parallel width
-(pipelines); M micro-batches per pipeline per iteration; b micro-batch size (samples);
-global batch B = D * M * b. Layer ranges are half-open ``[lo, hi)`` indices into the profile's
-flat layer list; a phase's stages cover ``[frozen_layers, num_layers)`` and stage 0 also runs the
-frozen prefix ``[0, frozen_layers)`` under no_grad (or reads it from the cache).
+(pipelines); M micro-batches per pipeline per iteration; b micro-batch size (samples); global batch
+B = D * M * b; T a freeze step (an epoch, or every N optimizer steps). Layer ranges are half-open
+``[lo, hi)`` indices into the profile's flat layer list; a phase's stages cover
+``[frozen_layers, num_layers)`` and stage 0 also runs the frozen prefix ``[0, frozen_layers)`` under
+no_grad (or reads it from the AutoCache).
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .cluster import Cluster, cluster_from_json
+from .config import SCHEDULES, TrainingConfig, training_from_json
 from .errors import PtplanError, SchemaError
+from .freeze import FreezePolicy, freeze_from_json
 from .jsonio import Fields, read_json, write_json
+from .profile import PROVENANCE_SOURCES
 
-SCHEMA = "ptplan.plan/1"
-SCHEDULES = ("gpipe", "1f1b")
-BATCH_POLICIES = ("constant-global", "constant-pipeline")
+SCHEMA = "ptplan.plan/2"
 EVENT_KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "PREFIX", "CACHE")
+
+
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,15 +40,33 @@ class TimelineEvent:
     kind: str
     """One of EVENT_KINDS (PREFIX = frozen-prefix no-grad forward; CACHE = reading cached prefix outputs)."""
     mb: int
-    """Micro-batch index, -1 where it does not apply (ALLREDUCE)."""
+    """Micro-batch index, -1 where it does not apply (ALLREDUCE, CACHE)."""
     start: float
     end: float
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """One stage's predicted peak memory, term by term (bytes); ``total`` is the peak
+    (``planner/stage.py`` says what each term holds)."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    buffers: int
+    """Receive buffers, and on stage 0 with the AutoCache the shard's prefix outputs."""
+    activations: int
+    """In-flight micro-batches x bytes each micro-batch holds until its backward."""
+    transient: int
+    """The largest transient after the pipeline drained (all-reduce buffer, optimizer temporaries, cache fill)."""
+    inflight: int
+    total: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Prediction:
     iteration_s: float
-    """Seconds per training iteration (one global batch), including the data-parallel all-reduce."""
+    """Seconds per training iteration (one global batch) in steady state, all-reduce and update included."""
     samples_per_s: float
     bubble_fraction: float
     """Share of the pipeline's rank-time spent idle during the iteration (before the all-reduce)."""
@@ -49,9 +75,14 @@ class Prediction:
     stage_compute_s: tuple[float, ...]
     """Per stage: forward+backward seconds of all its micro-batches (prefix included on stage 0)."""
     stage_peak_memory_bytes: tuple[int, ...]
-    """Per stage: predicted peak device memory (weights, grads, optimizer, activations in flight)."""
-    cache_host_bytes: int = 0
-    """Host memory the AutoCache needs for this phase (0 when the cache is off)."""
+    """Per stage: predicted peak device memory (``stage_memory[s].total``)."""
+    stage_memory: tuple[MemoryBreakdown, ...] = ()
+    """Per stage: the peak, term by term."""
+    fill_iteration_s: float = 0.0
+    """With the AutoCache: seconds of an iteration that computes and writes the prefix outputs (the
+    phase's first pass over the data); 0 when the phase does not cache."""
+    cache_host_bytes_per_node: int = 0
+    """Host memory per node the AutoCache needs in this phase (0 when it does not cache)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +104,9 @@ class Phase:
     """ranks[p][s] = global rank holding stage s of pipeline p (D rows of K)."""
     predicted: Prediction
     timeline: tuple[TimelineEvent, ...] = ()
+    notes: tuple[str, ...] = ()
+    """Where this phase departs from what was asked (a pinned K or M that did not fit, an
+    extrapolated micro-batch size)."""
 
     @property
     def pipeline_batch(self) -> int:
@@ -89,13 +123,66 @@ class Phase:
 
 @dataclass(frozen=True, kw_only=True)
 class TrajectoryPoint:
+    """A run of optimizer steps at one frozen count, inside one epoch."""
+
     epoch: int
+    step: int
+    """Global optimizer step at which the run starts."""
     frozen_blocks: int
     phase: int
     """Index into Plan.phases."""
     iterations: int
+    fill_iterations: int = 0
+    """Of ``iterations``, how many fill the AutoCache (the phase's first pass over the data)."""
     seconds: float
-    """Predicted seconds for this epoch (iterations * phase iteration_s + transition)."""
+    """Predicted seconds of the run: fill iterations x fill_iteration_s + the rest x iteration_s."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRef:
+    """What a plan records of its profile: identity, provenance and the measured micro-batch sizes."""
+
+    model: str
+    family: str
+    num_blocks: int
+    num_layers: int
+    granularity: str
+    seq_len: int
+    dtype: str
+    device: str
+    device_kind: str
+    fingerprint: str
+    source: str = "measured"
+    """``measured``, ``projected`` or ``synthetic`` (the profile's provenance)."""
+    batch_sizes: tuple[int, ...] = ()
+    """The micro-batch sizes the profile measured."""
+    path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    profile: ProfileRef
+    cluster: Cluster
+    training: TrainingConfig
+    freeze: FreezePolicy
+    created: str = ""
+    """ISO time the plan was made."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Totals:
+    seconds: float
+    """Predicted training seconds (transitions not included; ``ptplan compare`` measures them)."""
+    samples: float
+    fill_seconds: float = 0.0
+    """Of ``seconds``, the extra that AutoCache fill iterations cost over steady ones."""
+    baseline_seconds: float
+    speedup: float
+    """baseline_seconds / seconds."""
+    best_static_seconds: float
+    best_static_K: int
+    best_static_M: int
+    speedup_vs_best_static: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,50 +193,82 @@ class Baseline:
     seconds: float
 
 
+WARNING_CODES = ("cpu-profile-for-gpu-cluster", "synthetic-profile", "projected-profile", "extrapolated-micro-batch",
+                 "missing-optimizer-time", "optimizer-time-is-adamw", "pinned-not-possible", "host-memory-unknown",
+                 "cache-off-host-memory")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanWarning:
+    """Something the user should know before trusting the plan's numbers."""
+
+    code: str
+    """One of WARNING_CODES."""
+    message: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    inputs: dict[str, Any]
-    """profile (identity), cluster (as dict), training (epochs, samples_per_epoch, global_batch,
-    batch_policy, schedule, optimizer), freeze (policy, alpha, ...)."""
+    inputs: PlanInputs
     phases: tuple[Phase, ...]
+    freeze_steps: tuple[int, ...]
+    """Frozen-block count at freeze step T = 0, 1, ... (the last entry holds after the end); what a
+    run following the plan reads."""
     trajectory: tuple[TrajectoryPoint, ...]
-    totals: dict[str, float]
-    """seconds, samples, and speedup (baseline seconds / seconds)."""
+    totals: Totals
     baseline: Baseline
+    warnings: tuple[PlanWarning, ...] = ()
     schema: str = SCHEMA
 
     @property
     def world_size(self) -> int:
         return self.phases[0].K * self.phases[0].D
 
-    def phase_for(self, frozen_blocks: int) -> Phase:
-        """The phase for a frozen-block count (every count that can occur has one)."""
-        for ph in self.phases:
+    def phase_index(self, frozen_blocks: int) -> int:
+        """Index of the phase for a frozen-block count (every count that can occur has one)."""
+        for i, ph in enumerate(self.phases):
             if ph.frozen_blocks == frozen_blocks:
-                return ph
+                return i
         have = [p.frozen_blocks for p in self.phases]
         raise PtplanError(f"the plan has no phase for {frozen_blocks} frozen blocks (it has {have}); "
                           f"re-run `ptplan plan` with a freeze policy that can reach it")
 
+    def phase_for(self, frozen_blocks: int) -> Phase:
+        return self.phases[self.phase_index(frozen_blocks)]
+
+    def frozen_at(self, T: int) -> int:
+        """The planned frozen-block count at freeze step T."""
+        if T < 0:
+            raise PtplanError(f"freeze step {T} is negative")
+        return self.freeze_steps[min(T, len(self.freeze_steps) - 1)]
+
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (lists, not tuples), ready for json.dumps or the validator."""
         d = json.loads(json.dumps(asdict(self)))
+        d["inputs"]["cluster"] = self.inputs.cluster.to_json()
         return {"schema": d.pop("schema"), **d}
 
 
 # ---- validation ---------------------------------------------------------------------------
+def _memory(f: Fields) -> MemoryBreakdown:
+    Fields(f.obj, f.what, f.path, allowed=_names(MemoryBreakdown))
+    return MemoryBreakdown(**{k: f.int(k, min=0) for k in _names(MemoryBreakdown)})
+
+
 def _prediction(f: Fields) -> Prediction:
-    Fields(f.obj, f.what, f.path, allowed=Prediction.__dataclass_fields__)
+    Fields(f.obj, f.what, f.path, allowed=_names(Prediction))
     return Prediction(
         iteration_s=f.float("iteration_s", min=0), samples_per_s=f.float("samples_per_s", min=0),
         bubble_fraction=f.float("bubble_fraction", min=0, max=1), allreduce_s=f.float("allreduce_s", min=0),
         stage_compute_s=tuple(f.floats("stage_compute_s")),
         stage_peak_memory_bytes=tuple(f.ints("stage_peak_memory_bytes", min=0)),
-        cache_host_bytes=f.int("cache_host_bytes", 0, min=0))
+        stage_memory=tuple(_memory(m) for m in f.objs("stage_memory")) if "stage_memory" in f.obj else (),
+        fill_iteration_s=f.float("fill_iteration_s", 0.0, min=0),
+        cache_host_bytes_per_node=f.int("cache_host_bytes_per_node", 0, min=0))
 
 
-def _phase(f: Fields, num_layers: int | None) -> Phase:
-    Fields(f.obj, f.what, f.path, allowed=Phase.__dataclass_fields__)
+def _phase(f: Fields, num_layers: int) -> Phase:
+    Fields(f.obj, f.what, f.path, allowed=_names(Phase))
     K, D, M = f.int("K", min=1), f.int("D", min=1), f.int("M", min=1)
     frozen_layers = f.int("frozen_layers", min=0)
     parts = []
@@ -165,52 +284,91 @@ def _phase(f: Fields, num_layers: int | None) -> Phase:
         if parts[i][0] != parts[i - 1][1]:
             raise SchemaError(f.what, f"{f.path}.partition[{i}]", f"starts at {parts[i][0]} but the previous stage "
                               f"ends at {parts[i - 1][1]} (stages must be contiguous)")
-    if num_layers is not None and parts[-1][1] != num_layers:
+    if parts[-1][1] != num_layers:
         raise SchemaError(f.what, f"{f.path}.partition", f"covers layers up to {parts[-1][1]} but the model has "
                           f"{num_layers}", "Run `ptplan plan` again for this profile")
     ranks = f.list("ranks", length=D)
     seen: set[int] = set()
     for p, row in enumerate(ranks):
-        if not isinstance(row, list) or len(row) != K or not all(isinstance(x, int) for x in row):
+        if not isinstance(row, list) or len(row) != K or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in row):
             raise SchemaError(f.what, f"{f.path}.ranks[{p}]", f"expected {K} integer ranks, got {row!r}")
         seen.update(row)
     if seen != set(range(K * D)):
         raise SchemaError(f.what, f"{f.path}.ranks", f"must use each rank 0..{K * D - 1} exactly once")
     tl = []
-    for i, e in enumerate(f.objs("timeline") if "timeline" in f.obj else []):
-        Fields(e.obj, e.what, e.path, allowed=TimelineEvent.__dataclass_fields__)
+    for e in (f.objs("timeline") if "timeline" in f.obj else []):
+        Fields(e.obj, e.what, e.path, allowed=_names(TimelineEvent))
         tl.append(TimelineEvent(rank=e.int("rank", min=0), stage=e.int("stage", min=0),
                                 kind=e.str("kind", choices=EVENT_KINDS), mb=e.int("mb", min=-1),
                                 start=e.float("start", min=0), end=e.float("end", min=0)))
     pred = _prediction(f.obj_("predicted"))
-    if len(pred.stage_peak_memory_bytes) != K:
-        raise SchemaError(f.what, f"{f.path}.predicted.stage_peak_memory_bytes", f"has {len(pred.stage_peak_memory_bytes)} "
-                          f"entries for K={K} stages")
+    for key in ("stage_peak_memory_bytes", "stage_compute_s"):
+        if len(getattr(pred, key)) != K:
+            raise SchemaError(f.what, f"{f.path}.predicted.{key}", f"has {len(getattr(pred, key))} entries for K={K} "
+                              f"stages")
+    if pred.stage_memory and len(pred.stage_memory) != K:
+        raise SchemaError(f.what, f"{f.path}.predicted.stage_memory", f"has {len(pred.stage_memory)} entries for "
+                          f"K={K} stages")
+    notes = f.list("notes", [])
+    if not all(isinstance(x, str) for x in notes):
+        raise SchemaError(f.what, f"{f.path}.notes", "expected a list of strings")
     return Phase(frozen_blocks=f.int("frozen_blocks", min=0), frozen_layers=frozen_layers, K=K, D=D, M=M,
                  micro_batch_size=f.int("micro_batch_size", min=1), schedule=f.str("schedule", choices=SCHEDULES),
                  partition=tuple(parts), cache=f.bool("cache"),
-                 ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl))
+                 ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes))
+
+
+def _profile_ref(f: Fields) -> ProfileRef:
+    Fields(f.obj, f.what, f.path, allowed=_names(ProfileRef))
+    path = f.raw("path", None)
+    if path is not None and not isinstance(path, str):
+        raise SchemaError(f.what, f"{f.path}.path", f"expected a string or null, got {path!r}")
+    return ProfileRef(model=f.str("model"), family=f.str("family"), num_blocks=f.int("num_blocks", min=1),
+                      num_layers=f.int("num_layers", min=1), granularity=f.str("granularity"),
+                      seq_len=f.int("seq_len", min=1), dtype=f.str("dtype"), device=f.str("device"),
+                      device_kind=f.str("device_kind"), fingerprint=f.str("fingerprint"),
+                      source=f.str("source", "measured", choices=PROVENANCE_SOURCES),
+                      batch_sizes=tuple(f.ints("batch_sizes", min=1)) if "batch_sizes" in f.obj else (), path=path)
+
+
+def _inputs(f: Fields) -> PlanInputs:
+    Fields(f.obj, f.what, f.path, allowed=_names(PlanInputs))
+    try:
+        cluster = cluster_from_json(f.raw("cluster"), source=f"{f.what}: {f.path}.cluster")
+    except SchemaError as e:
+        raise SchemaError(f.what, f"{f.path}.cluster.{e.field}", e.problem, e.fix) from None
+    return PlanInputs(profile=_profile_ref(f.obj_("profile")), cluster=cluster,
+                      training=training_from_json(f.obj_("training")), freeze=freeze_from_json(f.obj_("freeze")),
+                      created=f.str("created", ""))
+
+
+def _totals(f: Fields) -> Totals:
+    Fields(f.obj, f.what, f.path, allowed=_names(Totals))
+    ints = {"best_static_K", "best_static_M"}
+    return Totals(**{k: (f.int(k, min=1) if k in ints else f.float(k, 0.0 if k == "fill_seconds" else ..., min=0))
+                     for k in _names(Totals)})
 
 
 def plan_from_json(obj: Any, source: str = "plan") -> Plan:
     """Validate a decoded JSON object and build a Plan; errors name the bad field."""
-    top = Fields(obj, source, allowed=("schema", "inputs", "phases", "trajectory", "totals", "baseline"))
+    top = Fields(obj, source, allowed=_names(Plan))
     schema = top.str("schema")
     if schema != SCHEMA:
-        raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}", "Re-create it with `ptplan plan`")
-    inputs = top.obj_("inputs")
-    prof = inputs.obj_("profile")
-    num_layers = prof.int("num_layers", min=1)
-    num_blocks = prof.int("num_blocks", min=1)
-    training = inputs.obj_("training")
-    training.str("batch_policy", choices=BATCH_POLICIES)
+        raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
+                          "Re-create the plan with `ptplan plan` (plans from older versions do not load)")
+    inputs = _inputs(top.obj_("inputs"))
+    num_layers, num_blocks = inputs.profile.num_layers, inputs.profile.num_blocks
     phases = [_phase(p, num_layers) for p in top.objs("phases")]
     if not phases:
         raise SchemaError(source, "phases", "is empty: the plan has no phase", "Re-run `ptplan plan`")
     world = phases[0].K * phases[0].D
+    if world != inputs.cluster.world_size:
+        raise SchemaError(source, "phases[0]", f"uses K*D = {world} ranks but the cluster has "
+                          f"{inputs.cluster.world_size}")
     for i, ph in enumerate(phases):
         if ph.K * ph.D != world:
-            raise SchemaError(source, f"phases[{i}]", f"uses K*D = {ph.K}*{ph.D} = {ph.K * ph.D} GPUs but phase 0 "
+            raise SchemaError(source, f"phases[{i}]", f"uses K*D = {ph.K}*{ph.D} = {ph.K * ph.D} ranks but phase 0 "
                               f"uses {world}")
         if ph.frozen_blocks > num_blocks:
             raise SchemaError(source, f"phases[{i}].frozen_blocks", f"{ph.frozen_blocks} exceeds the model's "
@@ -218,19 +376,40 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
     counts = [p.frozen_blocks for p in phases]
     if len(set(counts)) != len(counts):
         raise SchemaError(source, "phases", f"frozen_blocks values repeat: {counts}")
+    steps = top.ints("freeze_steps", min=0, max=num_blocks)
+    if not steps:
+        raise SchemaError(source, "freeze_steps", "is empty", "Re-run `ptplan plan`")
+    for T, c in enumerate(steps):
+        if c not in counts:
+            raise SchemaError(source, f"freeze_steps[{T}]", f"{c} frozen blocks has no phase (phases: {counts})")
+        if T and c < steps[T - 1]:
+            raise SchemaError(source, f"freeze_steps[{T}]", f"goes down from {steps[T - 1]} to {c}; frozen blocks "
+                              f"never thaw")
     traj = []
     for t in top.objs("trajectory"):
-        Fields(t.obj, t.what, t.path, allowed=TrajectoryPoint.__dataclass_fields__)
+        Fields(t.obj, t.what, t.path, allowed=_names(TrajectoryPoint))
         pi = t.int("phase", min=0)
         if pi >= len(phases):
             raise SchemaError(source, f"{t.path}.phase", f"{pi} but the plan has {len(phases)} phases")
-        traj.append(TrajectoryPoint(epoch=t.int("epoch", min=0), frozen_blocks=t.int("frozen_blocks", min=0),
-                                    phase=pi, iterations=t.int("iterations", min=0), seconds=t.float("seconds", min=0)))
-    totals = top.obj_("totals")
-    tot = {k: totals.float(k, min=0) for k in totals.obj}
+        fb = t.int("frozen_blocks", min=0)
+        if phases[pi].frozen_blocks != fb:
+            raise SchemaError(source, f"{t.path}.frozen_blocks", f"is {fb} but phase {pi} has "
+                              f"{phases[pi].frozen_blocks}")
+        iters = t.int("iterations", min=0)
+        traj.append(TrajectoryPoint(epoch=t.int("epoch", min=0), step=t.int("step", min=0), frozen_blocks=fb,
+                                    phase=pi, iterations=iters, fill_iterations=t.int("fill_iterations", 0, min=0),
+                                    seconds=t.float("seconds", min=0)))
+        if traj[-1].fill_iterations > iters:
+            raise SchemaError(source, f"{t.path}.fill_iterations", f"{traj[-1].fill_iterations} exceeds the run's "
+                              f"{iters} iterations")
     b = top.obj_("baseline", allowed=("phase", "seconds"))
     baseline = Baseline(phase=_phase(b.obj_("phase"), num_layers), seconds=b.float("seconds", min=0))
-    return Plan(inputs=inputs.obj, phases=tuple(phases), trajectory=tuple(traj), totals=tot, baseline=baseline)
+    warnings = []
+    for w in top.objs("warnings") if "warnings" in top.obj else []:
+        Fields(w.obj, w.what, w.path, allowed=_names(PlanWarning))
+        warnings.append(PlanWarning(code=w.str("code", choices=WARNING_CODES), message=w.str("message")))
+    return Plan(inputs=inputs, phases=tuple(phases), freeze_steps=tuple(steps), trajectory=tuple(traj),
+                totals=_totals(top.obj_("totals")), baseline=baseline, warnings=tuple(warnings))
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -19,6 +19,10 @@ from .errors import PtplanError, SchemaError
 from .jsonio import Fields, read_json, write_json
 
 SCHEMA = "ptplan.profile/1"
+MAX_SECONDS = 1e6
+"""Per layer and micro-batch; larger "measurements" are corrupt (and would overflow plans)."""
+MAX_BYTES = 2**60
+MAX_BATCH = 1 << 30
 LAYER_KINDS = ("embedding", "block", "attention", "mlp", "norm", "head")
 GRANULARITIES = ("block", "half")
 
@@ -246,7 +250,7 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     device = DeviceInfo(kind=dv.str("kind", choices=("cpu", "cuda")), name=dv.str("name"),
                         memory_bytes=dv.int("memory_bytes", min=0), torch_version=dv.str("torch_version"),
                         date=dv.str("date"), threads=dv.int("threads", 0, min=0))
-    bsz = top.ints("batch_sizes", min=1)
+    bsz = top.ints("batch_sizes", min=1, max=MAX_BATCH)
     if not bsz:
         raise SchemaError(source, "batch_sizes", "is empty", "Profile at least one micro-batch size")
     if sorted(set(bsz)) != bsz:
@@ -263,14 +267,15 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
             raise SchemaError(source, f"{lf.path}.block", f"expected null or a block index, got {block!r}")
         layers.append(LayerRecord(
             index=idx, name=lf.str("name"), kind=lf.str("kind", choices=LAYER_KINDS), block=block,
-            params=lf.int("params", min=0), param_bytes=lf.int("param_bytes", min=0),
-            grad_bytes=lf.int("grad_bytes", min=0), optimizer_bytes=lf.int("optimizer_bytes", min=0),
-            output_bytes_per_sample=lf.int("output_bytes_per_sample", min=0),
-            saved_bytes_per_sample=lf.int("saved_bytes_per_sample", min=0),
-            forward_s=tuple(lf.floats("forward_s", length=n)),
-            backward_s=tuple(lf.floats("backward_s", length=n)),
-            nograd_forward_s=tuple(lf.floats("nograd_forward_s", length=n)),
-            optimizer_s=None if lf.raw("optimizer_s", None) is None else lf.float("optimizer_s", min=0.0),
+            params=lf.int("params", min=0, max=MAX_BYTES), param_bytes=lf.int("param_bytes", min=0, max=MAX_BYTES),
+            grad_bytes=lf.int("grad_bytes", min=0, max=MAX_BYTES), optimizer_bytes=lf.int("optimizer_bytes", min=0, max=MAX_BYTES),
+            output_bytes_per_sample=lf.int("output_bytes_per_sample", min=0, max=MAX_BYTES),
+            saved_bytes_per_sample=lf.int("saved_bytes_per_sample", min=0, max=MAX_BYTES),
+            forward_s=tuple(lf.floats("forward_s", length=n, max=MAX_SECONDS)),
+            backward_s=tuple(lf.floats("backward_s", length=n, max=MAX_SECONDS)),
+            nograd_forward_s=tuple(lf.floats("nograd_forward_s", length=n, max=MAX_SECONDS)),
+            optimizer_s=None if lf.raw("optimizer_s", None) is None else lf.float("optimizer_s", min=0.0,
+                                                                                   max=MAX_SECONDS),
         ))
     if not layers:
         raise SchemaError(source, "layers", "is empty")
@@ -285,8 +290,8 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
                 raise SchemaError(source, f"layers[{r.index}].block", "blocks must appear in ascending order")
             last = r.block
     w = top.obj_("whole_model", allowed=("forward_s", "forward_backward_s", "peak_memory_bytes"))
-    whole = WholeModel(forward_s=tuple(w.floats("forward_s", length=n)),
-                       forward_backward_s=tuple(w.floats("forward_backward_s", length=n)),
+    whole = WholeModel(forward_s=tuple(w.floats("forward_s", length=n, max=MAX_SECONDS * 1e3)),
+                       forward_backward_s=tuple(w.floats("forward_backward_s", length=n, max=MAX_SECONDS * 1e3)),
                        peak_memory_bytes=tuple(w.ints("peak_memory_bytes", min=0) if "peak_memory_bytes" in w.obj else ()))
     meas = top.raw("measurement", {})
     if not isinstance(meas, dict):

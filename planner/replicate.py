@@ -29,7 +29,7 @@ from typing import Sequence
 
 from .cluster import Cluster
 from .errors import InfeasibleError, PtplanError
-from .plan import BATCH_POLICIES
+from .config import BATCH_POLICIES
 
 Layout = tuple[tuple[int, ...], ...]
 

@@ -251,6 +251,19 @@ _GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 SCHEDULE_NAMES = tuple(_GENERATORS)
 
 
+def peak_inflight(name: str, K: int, M: int) -> tuple[int, ...]:
+    """Per stage, the most micro-batches in flight (F started, B not yet ended) in the named schedule:
+    GPipe holds all M; 1F1B holds min(K - s, M) on stage s. The planner's memory model uses this
+    before any schedule is built; ``tests/test_schedule.py`` checks it against the generated lists."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _GENERATORS:
+        raise ScheduleError(f"unknown schedule {name!r}; valid schedules: {', '.join(SCHEDULE_NAMES)}")
+    K, M = _sizes(key, K, M)
+    if key == "gpipe":
+        return (M,) * K
+    return tuple(min(K - s, M) for s in range(K))
+
+
 def build_schedule(name: str, K: int, M: int) -> Schedule:
     """The named schedule ("gpipe", "1f1b"; case-insensitive) for K stages and M micro-batches.
 

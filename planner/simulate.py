@@ -5,9 +5,10 @@ seconds of one micro-batch on a stage.
 
 Model (what the numbers mean):
 
-- Each rank runs its action list in order, one compute action at a time. F costs
-  ``forward_s`` (plus ``prefix_s`` on stage 0: the frozen prefix runs just before each forward and
-  shows as a PREFIX event), B costs ``backward_s``.
+- Each rank runs its action list in order, one compute action at a time, starting after its
+  stages' ``setup_s`` (stage 0 reading or filling the AutoCache for the whole shard: a CACHE event).
+  F costs ``forward_s`` (plus ``prefix_s`` on stage 0: the frozen prefix runs just before each
+  forward and shows as a PREFIX event), B costs ``backward_s``.
 - Point-to-point messages do not block the sender's compute: a SEND occupies the directed link
   (sending rank → receiving rank) for ``send_forward_s`` / ``send_backward_s`` of the *sending*
   stage, starting when the sender reaches it in its list and the link is free (sends on one link
@@ -24,9 +25,11 @@ Model (what the numbers mean):
   iteration_s = max over ranks of (max(compute end, all-reduce end) + optimizer_s) + step_overhead_s.
   Measured on this machine (``bench/calibrate.py``): without these the AdamW step alone, 2-4 % of a
   CPU step of bert-small, was missing from every prediction.
-- Memory on stage s: ``fixed_bytes`` + peak in-flight micro-batches × (``activation_bytes_per_mb``
-  + ``output_bytes_per_mb``), where a micro-batch is in flight from its F's start to its B's end.
-  Since one rank computes one action at a time, that peak follows from list order alone.
+- Memory on stage s: ``peak_bytes(fixed_bytes, activation_bytes_per_mb, p, after_bytes)`` =
+  fixed + max(p × per-micro-batch bytes, the after-pipeline transient), where p is the peak number
+  of micro-batches in flight (from its F's start to its B's end). Since one rank computes one action
+  at a time, p follows from list order alone. ``planner/stage.py`` fills these from the one stage
+  model and uses the same ``peak_bytes`` for the partitioner's memory limit.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ import math
 import numbers
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from .errors import PtplanError
 from .plan import TimelineEvent
@@ -49,7 +54,10 @@ class StageCost:
     backward_s: float
     """One micro-batch backward on this stage."""
     prefix_s: float = 0.0
-    """Stage 0 only: frozen-prefix no-grad forward (or cache read) per micro-batch, run before F."""
+    """Stage 0 only: frozen-prefix no-grad forward per micro-batch, run before each F."""
+    setup_s: float = 0.0
+    """Once per iteration before the stage's first action (stage 0 with the AutoCache: reading or
+    filling the cached prefix outputs of the whole shard)."""
     send_forward_s: float = 0.0
     """Time to send one micro-batch's output activation to the next stage."""
     send_backward_s: float = 0.0
@@ -59,20 +67,22 @@ class StageCost:
     optimizer_s: float = 0.0
     """The optimizer step over this stage's trainable parameters, after its all-reduce."""
     fixed_bytes: int = 0
-    """Weights + gradients + optimizer state (+ the frozen prefix's weights on stage 0)."""
+    """Held for the whole iteration: weights, gradients, optimizer state, receive buffers (and the
+    frozen prefix's weights or the cached shard on stage 0)."""
     activation_bytes_per_mb: int = 0
-    """Bytes saved for backward per micro-batch, held from its F's start until its B ends."""
-    output_bytes_per_mb: int = 0
-    """Transient output / receive buffer per micro-batch in flight."""
+    """Held per micro-batch in flight, from its F's start until its B ends: saved activations and
+    the stage's output."""
+    after_bytes: int = 0
+    """The largest transient after the pipeline drained (all-reduce buffer, optimizer temporaries)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "prefix_s", "send_forward_s", "send_backward_s", "allreduce_s",
-                     "optimizer_s"):
+        for name in ("forward_s", "backward_s", "prefix_s", "setup_s", "send_forward_s", "send_backward_s",
+                     "allreduce_s", "optimizer_s"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be a finite number of seconds >= 0, got {v!r}")
             object.__setattr__(self, name, float(v))  # numpy scalars become plain floats
-        for name in ("fixed_bytes", "activation_bytes_per_mb", "output_bytes_per_mb"):
+        for name in ("fixed_bytes", "activation_bytes_per_mb", "after_bytes"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be an integer number of bytes >= 0, got {v!r}")
@@ -99,6 +109,12 @@ class SimResult:
     update_s: float = 0.0
     """After the pipeline and the exposed all-reduce: the optimizer step (slowest rank) and the
     per-step overhead; iteration_s = makespan_s + allreduce_s + update_s."""
+
+
+def peak_bytes(fixed, per_mb, inflight, after):
+    """A stage's peak memory: what it always holds plus the larger of its in-flight activations and
+    its after-pipeline transient. Works on numbers and on numpy arrays (the partitioner's bands)."""
+    return fixed + np.maximum(inflight * per_mb, after)
 
 
 class ClosedForm(NamedTuple):
@@ -264,9 +280,9 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
         raise PtplanError(f"simulate: {len(costs)} stage costs for a schedule with K={K} stages; give one "
                           f"StageCost per stage")
     for s, c in enumerate(costs):
-        if s > 0 and c.prefix_s > 0:
-            raise PtplanError(f"simulate: stage {s} has prefix_s={c.prefix_s}, but only stage 0 runs the frozen "
-                              f"prefix; put its cost on stage 0")
+        if s > 0 and (c.prefix_s > 0 or c.setup_s > 0):
+            raise PtplanError(f"simulate: stage {s} has prefix_s={c.prefix_s}, setup_s={c.setup_s}, but only "
+                              f"stage 0 runs or reads the frozen prefix; put its cost on stage 0")
     if not isinstance(step_overhead_s, numbers.Real) or not math.isfinite(step_overhead_s) or step_overhead_s < 0:
         raise PtplanError(f"simulate: step_overhead_s must be a finite number of seconds >= 0, got {step_overhead_s!r}")
     prog = _compile(schedule)
@@ -275,7 +291,10 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
         dur += (c.forward_s + c.prefix_s, c.backward_s, c.send_forward_s, c.send_backward_s, c.allreduce_s)
 
     R = schedule.num_ranks
+    s2r = schedule.stage_to_rank
     T = [0.0] * R                  # each rank's compute clock
+    for s, c in enumerate(costs):
+        T[s2r[s]] += c.setup_s
     D = [0.0] * R                  # each rank's all-reduce channel: free from
     L = [0.0] * prog.num_links     # each directed link: free from
     A = [0.0] * prog.num_msgs      # each message: arrival time
@@ -310,15 +329,14 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
 
     makespan = max(T)
     synced = max(makespan, max(D))
-    s2r = schedule.stage_to_rank
     opt = [0.0] * R
     for s, c in enumerate(costs):
         opt[s2r[s]] += c.optimizer_s
     iteration = max(max(t, d) + o for t, d, o in zip(T, D, opt)) + step_overhead_s
-    busy = tuple(prog.count_f[s] * (costs[s].forward_s + costs[s].prefix_s) + prog.count_b[s] * costs[s].backward_s
-                 for s in range(K))
+    busy = tuple(costs[s].setup_s + prog.count_f[s] * (costs[s].forward_s + costs[s].prefix_s)
+                 + prog.count_b[s] * costs[s].backward_s for s in range(K))
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
-    memory = tuple(c.fixed_bytes + p * (c.activation_bytes_per_mb + c.output_bytes_per_mb)
+    memory = tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
                    for c, p in zip(costs, prog.peak_inflight))
     return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
                      makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
@@ -333,6 +351,9 @@ def _events(schedule: Schedule, prog: _Program, costs: Sequence[StageCost], dur:
             start: list[float]) -> tuple[TimelineEvent, ...]:
     s2r = schedule.stage_to_rank
     out: list[TimelineEvent] = []
+    for s, c in enumerate(costs):
+        if c.setup_s > 0:
+            out.append(TimelineEvent(rank=s2r[s], stage=s, kind="CACHE", mb=-1, start=0.0, end=c.setup_s))
     for i, (o, r, a) in enumerate(zip(prog.op, prog.rank, prog.actions)):
         if o == _RECV:
             continue  # drawn from its send, on the receiving rank

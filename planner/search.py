@@ -1,0 +1,428 @@
+"""The phase search: for one frozen-block count, the fastest (K, M, cache) whose AutoPipe split fits, proven.
+
+Legend: L blocks, f frozen blocks, n0 frozen flat layers, K pipeline length, D = W / K
+data-parallel width (W GPUs), M micro-batches per pipeline, b micro-batch size, B = D·M·b global
+batch, N samples per epoch.
+
+Steps, all pure functions of the profile, the cluster and the training settings:
+
+1. ``candidates``: every (K, M, cache) the constraints allow: K divides W and is at most the active
+   layers (the pinned K where it is possible; K <= start_K after the first phase), M splits the
+   pipeline's batch (M >= K for 1F1B; the pinned M where possible), b inside the profile's
+   measured sizes unless extrapolation is allowed, the AutoCache where the mode and the nodes'
+   host memory allow. There is no cap on M: memory and the batch bound it.
+2. ``lower_bound``: a bound on the simulated iteration that needs no partition (the stages' total
+   compute divided over K, and one micro-batch's path through every stage). The simulator's
+   iteration is never below it.
+3. ``search``: candidates in order of their bound per sample; each is split exactly by AutoPipe
+   under the one stage model's memory (``partition.split_stages``) and simulated; the search
+   stops when the next bound per sample is no better than the best simulated. So the result is the
+   candidate an exhaustive "split and simulate every candidate" would pick (tests check that).
+   With the AutoCache the objective is the phase's time per sample with its fill iterations
+   (the first pass over the data, which computes and writes the prefix's outputs) charged.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from .cluster import Cluster
+from .config import TrainingConfig
+from .costs import CostTable
+from .errors import InfeasibleError, PtplanError
+from .partition import split_stages
+from .plan import MemoryBreakdown
+from .profile import Profile
+from .replicate import divisors
+from .schedule import Schedule, build_schedule, peak_inflight
+from .simulate import SimResult, StageCost, simulate
+from .stage import Links, PhaseShape, StageModel, links_for
+
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Visit:
+    """How long a phase is expected to run, for weighing the AutoCache's fill against its savings."""
+
+    samples: float
+    """Samples the phase processes over the run (on the trajectory), or one epoch's (off it)."""
+    fill_from: int = 0
+    """Flat layers whose outputs are already cached when the phase starts (its fill runs only the
+    layers [fill_from, n0)); 0 = from the inputs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    K: int
+    D: int
+    M: int
+    b: int
+    cache: bool
+
+    @property
+    def B(self) -> int:
+        return self.D * self.M * self.b
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choice:
+    """A candidate split, simulated: what a phase of the plan is made of."""
+
+    cand: Candidate
+    ranges: tuple[tuple[int, int], ...]
+    costs: tuple[StageCost, ...]
+    sim: SimResult
+    fill_costs: tuple[StageCost, ...] = ()
+    fill_sim: SimResult | None = None
+    memory: tuple[MemoryBreakdown, ...] = ()
+    objective: float = math.inf
+    """Seconds per sample over the phase (fill iterations included)."""
+    notes: tuple[str, ...] = ()
+    links: Links | None = field(default=None, repr=False)
+
+
+def _seconds_per_sample(c: Candidate, steady: float, fill: float, visit: Visit, N: int) -> float:
+    """Expected seconds per sample of the phase: one fill pass over the data, then steady iterations."""
+    if not c.cache:
+        return steady / c.B
+    fill_samples = min(visit.samples, float(N))
+    return (fill * fill_samples + steady * max(visit.samples - fill_samples, 0.0)) / (max(visit.samples, 1.0) * c.B)
+
+
+class PhaseSearch:
+    """Searches every phase of one profile + cluster + training config (memoises what phases share)."""
+
+    def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig) -> None:
+        self.p, self.c, self.cfg = profile, cluster, cfg
+        self.t = CostTable(profile, time_scale=cluster.concurrency_slowdown)
+        self.n = profile.num_layers
+        self.W = cluster.world_size
+        self.limit = cluster.gpu_memory_bytes * cfg.memory_fraction
+        self._links: dict[int, Links] = {}
+        self._stage0: dict[int, int] = {}
+        self._hint: dict[bool | None, tuple[int, int, bool]] = {}
+        self.evaluated = 0
+        """Candidates split and simulated so far (for benchmarks)."""
+
+    # ---- shared pieces -------------------------------------------------------------------------
+    def links(self, K: int) -> Links:
+        if K not in self._links:
+            self._links[K] = links_for(self.c, K)
+        return self._links[K]
+
+    def schedule(self, K: int, M: int) -> Schedule:
+        return build_schedule(self.cfg.schedule, K, M)
+
+    def pipeline_batch(self, D: int) -> int | None:
+        if self.cfg.batch_policy == "constant-global":
+            return self.cfg.batch // D if self.cfg.batch % D == 0 else None
+        return self.cfg.batch
+
+    def model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel:
+        shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache,
+                           inflight=peak_inflight(self.cfg.schedule, cand.K, cand.M), optimizer=self.cfg.optimizer,
+                           device_is_host=self.c.device_is_host, action_overhead_s=self.c.action_overhead_s,
+                           host_read_bandwidth=self.cfg.host_read_bandwidth)
+        return StageModel(self.t, shape, self.links(cand.K), fill_from=fill_from)
+
+    # ---- 1. candidates -------------------------------------------------------------------------
+    def k_options(self, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:
+        """Pipeline lengths to try, and notes when a pinned K cannot be used here."""
+        ks = [k for k in divisors(self.W) if k <= n_active]
+        cfg = self.cfg
+        if cfg.pin_K is not None and not free:
+            if cfg.pin_K in ks:
+                return [cfg.pin_K], []
+            why = (f"only {n_active} active layers" if cfg.pin_K > n_active else
+                   f"K={cfg.pin_K} does not divide the {self.W} GPUs")
+            return ks, [f"pinned K={cfg.pin_K} not possible ({why}); K chosen freely"]
+        if cfg.start_K is not None and not free:
+            if f == 0:
+                if cfg.start_K not in ks:
+                    raise PtplanError(f"--start-K {cfg.start_K} must divide the {self.W} GPUs and be at most the "
+                                      f"{n_active} layers; valid: {', '.join(map(str, ks))}")
+                return [cfg.start_K], []
+            return [k for k in ks if k <= cfg.start_K], []
+        return ks, []
+
+    def candidates(self, f: int, n0: int, *, free: bool = False, pin_k: bool = True, cache: bool | None = None
+                   ) -> tuple[list[Candidate], list[str], list[str]]:
+        """(candidates, reasons some K or M were left out, notes for the phase). ``cache``: only
+        candidates with (True) or without (False) the AutoCache; None: as the training config says."""
+        cfg, n_active = self.cfg, self.n - n0
+        ks, notes = self.k_options(f, n_active, free=free or not pin_k)
+        lo_b, hi_b = self.t.measured_range
+        if n0 == 0:
+            caches = [False]
+        elif cache is not None:
+            caches = [cache]
+        else:
+            caches = [False] if cfg.cache == "off" else [True] if cfg.cache == "on" else [False, True]
+        out: list[Candidate] = []
+        reasons: list[str] = []
+        pin_m_used = cfg.pin_M is None
+        for K in ks:
+            D = self.W // K
+            bp = self.pipeline_batch(D)
+            if bp is None:
+                reasons.append(f"K={K}: global batch {cfg.batch} does not split over D={D} pipelines")
+                continue
+            ms = divisors(bp)
+            if cfg.schedule == "1f1b":
+                ms = [m for m in ms if m >= K]
+            if not cfg.allow_extrapolation:
+                outside = [m for m in ms if not lo_b <= bp // m <= hi_b]
+                ms = [m for m in ms if lo_b <= bp // m <= hi_b]
+                if outside and not ms:
+                    reasons.append(f"K={K}: every micro-batch size for {bp} samples per pipeline is outside the "
+                                   f"profile's measured {lo_b}..{hi_b} (profile larger sizes, or allow extrapolation)")
+            if cfg.pin_M is not None and cfg.pin_M in ms:
+                ms = [cfg.pin_M]
+                pin_m_used = True
+            if not ms:
+                if not reasons or not reasons[-1].startswith(f"K={K}:"):
+                    need = f"M >= K={K} for 1F1B" if cfg.schedule == "1f1b" else "a divisor"
+                    reasons.append(f"K={K}: {bp} samples per pipeline have no valid micro-batch count ({need})")
+                continue
+            for M in ms:
+                for cache in caches:
+                    out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache))
+        if not pin_m_used:
+            notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
+        return out, reasons, notes
+
+    # ---- 2. bounds -----------------------------------------------------------------------------
+    def lower_bound(self, c: Candidate, n0: int) -> float:
+        """Seconds that the simulated iteration of any split of this candidate is at least.
+
+        With f_s, b_s a stage's forward and backward per micro-batch (overheads and the stage-0
+        prefix included), F = Σ f_s, B = Σ b_s, and T = F + B + the cache set-up + every link's
+        latency both ways (one micro-batch's path through the pipeline):
+
+        - pipeline: GPipe's makespan is at least T + (M-1)·max_s(f_s + b_s) >= T + (M-1)(F+B)/K; in
+          1F1B stage s runs (M-1) forwards and M-K+s backwards before its last forward, whose
+          micro-batch then takes the whole path: T + (M-1)f_s + (M-K+s)b_s, and the largest over s is
+          at least the average, T + (M-1)F/K + (M-K)B/K;
+        - head and tail (any schedule): stage s starts only after the stages before it ran micro-batch
+          0 forward and ends only before they run the last one backward, so the makespan is at least
+          H_s = Σ_{s'<s} t_s' + M·t_s (t = f + b) for every s. Weights w_s with M·w_j + Σ_{s>j} w_s
+          equal for every j make Σ w_s·H_s independent of the split: max_s H_s >= c·Σ t with
+          c = 1 / (1 - (1 - 1/M)^K) (exact for K = 1 and for M = 1);
+        - the largest layer: its stage runs it M times;
+        - the tail: every stage finishes its compute, then its all-reduce and optimizer step, and
+          the slowest of those is at least their average over the K stages (and at least the
+          largest single layer's share);
+        - stage 0's last backward is the last compute of the iteration, so its all-reduce and
+          optimizer step (at least those of the first active layer, which it always holds) follow
+          the makespan bounds above;
+        plus the per-step overhead.
+        """
+        tm = self.t.at(c.b)
+        K, M = c.K, c.M
+        ovh = self.c.action_overhead_s if K > 1 else 0.0
+        fwd, bwd = tm.fwd[n0:], tm.bwd[n0:]
+        prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
+        setup = M * c.b * float(self.t.out_per_sample[n0 - 1]) / self.cfg.host_read_bandwidth if c.cache else 0.0
+        L = self.links(K)
+        F = float(fwd.sum()) + K * ovh + prefix
+        Bw = float(bwd.sum()) + K * ovh
+        T = F + Bw + setup + 2.0 * float(L.send_lat.sum())
+        if self.cfg.schedule == "gpipe":
+            pipe = T + (M - 1) * (F + Bw) / K
+        else:
+            pipe = T + (M - 1) * F / K + max(0, M - K) * Bw / K
+        pipe = max(pipe, setup + (F + Bw) / -math.expm1(K * math.log1p(-1.0 / M)) if M > 1 else 0.0)
+        fb = fwd + bwd
+        big = M * (float(fb.max()) + 2 * ovh)
+        x = M * (fb + 2 * ovh) + self.t.optimizer_s[n0:]
+        lat = 0.0
+        if c.D > 1:
+            x = x + self.t.grad_bytes[n0:] * float(L.ar_per_byte.min())
+            lat = float(L.ar_lat.min())
+        tail = max((float(x.sum()) + M * prefix + setup) / K, float(x.max())) + lat
+        stage0 = setup + M * (prefix + float(fb[0]) + 2 * ovh)  # stage 0 runs the prefix and its first layer
+        last0 = float(self.t.optimizer_s[n0])
+        if c.D > 1:
+            last0 += float(L.ar_lat[0] + self.t.grad_bytes[n0] * L.ar_per_byte[0])
+        return max(max(pipe, big, stage0) + last0, tail) + self.c.step_overhead_s
+
+    def split_bound(self, costs: Sequence[StageCost], M: int) -> float:
+        """A lower bound on the simulated iteration once the split is known (the same arguments as
+        ``lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
+        K = len(costs)
+        f = [c.forward_s + c.prefix_s for c in costs]
+        b = [c.backward_s for c in costs]
+        T = sum(f) + sum(b) + costs[0].setup_s + sum(c.send_forward_s + c.send_backward_s for c in costs)
+        if self.cfg.schedule == "gpipe":
+            pipe = T + (M - 1) * max(x + y for x, y in zip(f, b))
+        else:
+            pipe = T + max((M - 1) * f[s] + max(0, M - K + s) * b[s] for s in range(K))
+        tail = max(c.setup_s + M * (fs + bs) + c.allreduce_s + c.optimizer_s for c, fs, bs in zip(costs, f, b))
+        return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + self.c.step_overhead_s
+
+    def host_bytes_per_node(self, c: Candidate, n0: int, fill_from: int) -> float:
+        """Host memory a node needs for the AutoCache: every sample's prefix output at n0 and, while a
+        fill refreshes from fill_from, at fill_from too; plus the frozen weights the node's stage-0
+        ranks keep in host memory to fill it."""
+        if not c.cache:
+            return 0.0
+        N, out = self.cfg.samples_per_epoch, self.t.out_per_sample
+        rows = N * (out[n0 - 1] + (out[fill_from - 1] if fill_from > 0 else 0.0))
+        return float(rows + self.stage0_per_node(c.K) * self.t.cum_param[n0])
+
+    def stage0_per_node(self, K: int) -> int:
+        """The most stage-0 ranks any node holds at pipeline length K."""
+        if K not in self._stage0:
+            first = np.array([row[0] for row in self.links(K).ranks]) // self.c.gpus_per_node
+            self._stage0[K] = int(np.bincount(first).max())
+        return self._stage0[K]
+
+    def host_fits(self, c: Candidate, n0: int, fill_from: int) -> tuple[bool, str]:
+        cap = self.c.host_memory_bytes
+        need = self.host_bytes_per_node(c, n0, fill_from)
+        if cap is None or not c.cache:
+            return True, ""
+        usable = cap * self.cfg.memory_fraction
+        if self.c.device_is_host:
+            usable -= self.c.gpus_per_node * self.limit  # the processes' own memory comes out of the same RAM
+        if need <= usable:
+            return True, ""
+        return False, (f"the AutoCache needs {need / GiB:,.1f} GiB of host memory per node "
+                       f"(prefix outputs of {self.cfg.samples_per_epoch:,} samples and the frozen weights) but a "
+                       f"node has {max(usable, 0) / GiB:,.1f} GiB to spare")
+
+    # ---- 3. evaluation and search --------------------------------------------------------------
+    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf) -> "Choice | str | _Reason | None":
+        """Split and simulate one candidate; a reason when it does not fit; None when its split's bound
+        per sample is no better than ``cutoff`` (it cannot win)."""
+        self.evaluated += 1
+        fill_from = visit.fill_from if c.cache else 0
+        ok, why = self.host_fits(c, n0, fill_from)
+        if not ok:
+            return f"K={c.K}, M={c.M}, cache on: {why}"
+        model = self.model(c, n0, fill_from)
+        try:
+            part = split_stages(model, c.K, self.limit)
+        except InfeasibleError as e:
+            return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
+        ranges = part.ranges
+        costs = tuple(model.stage_costs(ranges))
+        if self.split_bound(costs, c.M) / c.B > cutoff * (1 + 1e-12):
+            return None
+        sched = self.schedule(c.K, c.M)
+        sim = simulate(sched, costs, step_overhead_s=self.c.step_overhead_s)
+        fill_costs: tuple[StageCost, ...] = ()
+        fill_sim = None
+        fill_s = sim.iteration_s
+        if c.cache:
+            fill_costs = tuple(model.stage_costs(ranges, fill=True))
+            fill_sim = simulate(sched, fill_costs, step_overhead_s=self.c.step_overhead_s)
+            fill_s = fill_sim.iteration_s
+        peak = max(sim.stage_peak_memory_bytes)
+        assert peak <= self.limit * (1 + 1e-9), "the simulator and the partitioner disagree on memory"
+        return Choice(cand=c, ranges=ranges, costs=costs, sim=sim, fill_costs=fill_costs, fill_sim=fill_sim,
+                      memory=tuple(model.stage_memory(ranges)), links=self.links(c.K),
+                      objective=_seconds_per_sample(c, sim.iteration_s, fill_s, visit, self.cfg.samples_per_epoch))
+
+    def search(self, f: int, visit: Visit, *, free: bool = False, cache: bool | None = None) -> Choice:
+        """The best configuration for f frozen blocks (``free``: ignore start_K and the pins; ``cache``:
+        only with or without the AutoCache, None: as configured)."""
+        n0 = self.p.frozen_boundary(f)
+        choice = self._search(f, n0, visit, free=free, pin_k=True, cache=cache)
+        if isinstance(choice, Choice):
+            return choice
+        if self.cfg.pin_K is not None and not free:  # the pinned K fits nowhere here: choose freely, say so
+            again = self._search(f, n0, visit, free=False, pin_k=False, cache=cache)
+            if isinstance(again, Choice):
+                note = (f"pinned K={self.cfg.pin_K} does not fit here (no micro-batch count or split of it fits in "
+                        f"memory); K chosen freely")
+                return replace(again, notes=(note, *again.notes))
+        raise self._infeasible(f, n0, choice)
+
+    def _search(self, f: int, n0: int, visit: Visit, *, free: bool, pin_k: bool, cache: bool | None
+                ) -> Choice | list[str]:
+        cands, reasons0, notes = self.candidates(f, n0, free=free, pin_k=pin_k, cache=cache)
+        reasons: list[object] = list(reasons0)
+        fits = []
+        for c in cands:
+            ok, why = self.host_fits(c, n0, visit.fill_from if c.cache else 0)
+            if ok:
+                fits.append(c)
+            elif not any(isinstance(r, str) and r.endswith(why) for r in reasons[-1:]):
+                reasons.append(f"K={c.K}, cache on: {why}")
+        heap = [(self.lower_bound(c, n0) / c.B, i, c) for i, c in enumerate(fits)]
+        # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
+        hint = self._hint.get(cache)
+        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache) == hint]
+        heapq.heapify(heap)
+        best: Choice | None = None
+
+        def consider(c: Candidate) -> None:
+            nonlocal best
+            got = self.evaluate(c, n0, visit, best.objective if best is not None else math.inf)
+            if got is None:
+                return
+            if not isinstance(got, Choice):
+                reasons.append(got)
+            elif best is None or (got.objective, got.cand.K, got.cand.M, got.cand.cache) < \
+                    (best.objective, best.cand.K, best.cand.M, best.cand.cache):
+                best = got
+
+        for c in first:
+            consider(c)
+        while heap:
+            lb, _, c = heapq.heappop(heap)
+            if best is not None and lb > best.objective * (1 + 1e-12):
+                break
+            if c not in first:
+                consider(c)
+        if best is None:
+            return [str(r) for r in reasons]
+        self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache)
+        return replace(best, notes=tuple(notes))
+
+    def _infeasible(self, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
+        shown = "\n  ".join(reasons[:8]) + (f"\n  (+{len(reasons) - 8} more)" if len(reasons) > 8 else "")
+        prefix = (f"\nThe frozen prefix holds {self.t.cum_param[n0] / GiB:.2f} GiB of weights (on stage 0 unless "
+                  f"cached)." if n0 else "")
+        return InfeasibleError(
+            f"no pipeline configuration fits with {f} frozen blocks on {self.c.name} "
+            f"({self.W} {self.c.device_noun}s x {self.c.gpu_memory_bytes / GiB:.1f} GiB, "
+            f"{self.cfg.memory_fraction:.0%} usable):\n  {shown or 'no candidate (K, M)'}{prefix}\n"
+            f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
+            f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs.")
+
+
+class _Reason:
+    """Why a candidate did not fit; the exception's message (which may cost a search) is made only
+    when the reason is shown."""
+
+    def __init__(self, prefix: str, err: Exception) -> None:
+        self.prefix, self.err = prefix, err
+
+    def __str__(self) -> str:
+        return f"{self.prefix}{self.err}"
+
+
+def exhaustive(search: PhaseSearch, f: int, visit: Visit, *, cache: bool | None = None) -> Choice | None:
+    """Every candidate split and simulated, the best kept: the reference the tests hold ``search`` to."""
+    n0 = search.p.frozen_boundary(f)
+    cands, _, _ = search.candidates(f, n0, cache=cache)
+    best: Choice | None = None
+    for c in cands:
+        got = search.evaluate(c, n0, visit)
+        if isinstance(got, Choice) and (best is None or (got.objective, c.K, c.M, c.cache) <
+                                        (best.objective, best.cand.K, best.cand.M, best.cand.cache)):
+            best = got
+    return best
+
+
+def iteration_bound_holds(search: PhaseSearch, c: Candidate, n0: int, choice: Choice) -> bool:
+    """The partition-free bound never exceeds the simulated iteration (for tests)."""
+    return search.lower_bound(c, n0) <= choice.sim.iteration_s * (1 + 1e-9)
+

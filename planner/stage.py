@@ -1,0 +1,312 @@
+"""The one stage model: a pipeline stage's time and peak memory, used by the partitioner, the search and the simulator.
+
+Legend: n flat layers; a phase freezes the prefix [0, n0) and splits the active layers [n0, n)
+into K contiguous stages; stage s holds [lo, hi) on pipeline position s; M micro-batches of b
+samples per pipeline per iteration; D data-parallel replicas of every stage.
+
+Time, per micro-batch on stage s (seconds; ``StageModel.stage_costs`` hands them to the simulator):
+
+    forward   = Σ forward[lo:hi]  + o          o = the cluster's per-action overhead when K > 1
+    backward  = Σ backward[lo:hi] + o
+    send      = latency + bytes / bandwidth of the link s -> s+1 (activation out) and s -> s-1
+                (its gradient back), bytes = b · output bytes per sample of the boundary layer
+    prefix    = stage 0 recomputing the frozen prefix: Σ no-grad forward[0:n0], inside every forward
+    setup     = stage 0 with the AutoCache, once per iteration before its first forward: the shard's
+                M·b cached rows read from host memory (steady epochs), or, in a fill epoch, the
+                prefix layers [c, n0) run on rows cached at c (0 = from the inputs) and written back,
+                streaming their weights from host memory when the device is not the host
+    allreduce = D > 1: ring all-reduce of Σ grad bytes[lo:hi] over the stage's data-parallel group
+    optimizer = Σ optimizer step seconds[lo:hi] (measured per layer for AdamW)
+
+The partitioner minimises the slowest stage's ``busy`` = forward + backward + both sends + prefix
+(+ setup / M on stage 0), the work a micro-batch costs the stage.
+
+Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_mb, after)``
+
+    static  = weights Σ param[lo:hi] + gradients Σ grad[lo:hi] + optimizer state
+              (adamw 2x, sgd 1x the weights: torch keeps the state in the parameters' dtype)
+            + receive buffers, K > 1: torch.distributed.pipelining keeps one activation buffer
+              per micro-batch on every stage but the first and one gradient buffer per
+              micro-batch on every stage but the last: M·b·(out[lo-1] if s > 0) + M·b·(out[hi-1] if s < K-1)
+            + stage 0 recomputing the prefix: the frozen weights Σ param[0:n0]
+            + stage 0 with the AutoCache: the shard's prefix outputs M·b·out[n0-1] (the frozen
+              weights stay in host memory; see ``cache.py``)
+    per_mb  = b · (Σ saved-for-backward[lo:hi] + out[hi-1]): what a micro-batch in flight holds
+              until its backward (the saved activations and the stage's output)
+    inflight= the schedule's most micro-batches in flight on stage s (``schedule.peak_inflight``)
+    after   = the largest transient once the pipeline has drained: the flat gradient all-reduce
+              buffer (Σ grad[lo:hi] when D > 1), on GPUs AdamW's foreach temporaries (one
+              weight-sized buffer), and on stage 0 with the AutoCache the fill's transient (one
+              streamed frozen layer's weights on a GPU plus one layer output for the shard)
+
+What the executor holds is exactly this: a rank materialises only its stage's layers
+(``executor/runtime.py``), and ``executor/memory.py`` measures the same terms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .cluster import Cluster
+from .costs import CostTable
+from .errors import PtplanError
+from .replicate import layout
+from .simulate import StageCost, peak_bytes
+
+OPTIMIZER_STATE_FACTOR = {"adamw": 2.0, "sgd": 1.0}
+"""Optimizer-state bytes per byte of weights (torch allocates state like the parameter)."""
+OPTIMIZER_TEMP_FACTOR_GPU = {"adamw": 1.0, "sgd": 0.0}
+"""Weight-sized temporaries of torch's foreach optimizer step on CUDA (AdamW's sqrt of the second
+moment); on CPU torch steps tensor by tensor and the temporary is one tensor's size (not modelled)."""
+PREFIX_MODES = ("recompute", "cached", "fill")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Links:
+    """One pipeline length's rank layout and per-stage communication coefficients."""
+
+    ranks: tuple[tuple[int, ...], ...]
+    """ranks[p][s]: the rank holding stage s of pipeline p."""
+    send_lat: np.ndarray
+    """K-1 entries: latency of the link from stage s to s+1 (pipeline 0; the others are alike)."""
+    send_inv_bw: np.ndarray
+    """K-1 entries: 1 / bandwidth of that link."""
+    ar_lat: np.ndarray
+    """K entries: all-reduce seconds of stage s's data-parallel group = ar_lat[s] + bytes · ar_per_byte[s]."""
+    ar_per_byte: np.ndarray
+
+
+def links_for(cluster: Cluster, K: int) -> Links:
+    """Layout and coefficients for pipeline length K. The K stage groups all-reduce at about the same
+    time at the end of an iteration, so each is costed as one of K groups sharing the inter-node links."""
+    ranks = layout(cluster, K)
+    row = ranks[0]
+    lk = [cluster.link(row[s], row[s + 1]) for s in range(K - 1)]
+    D = len(ranks)
+    lat, per = [], []
+    for s in range(K):
+        group = [ranks[p][s] for p in range(D)]
+        a0 = cluster.allreduce_seconds(group, 0.0, concurrent=K)
+        lat.append(a0)
+        per.append((cluster.allreduce_seconds(group, 1e9, concurrent=K) - a0) / 1e9)
+    return Links(ranks=ranks, send_lat=np.array([x[1] for x in lk], dtype=float),
+                 send_inv_bw=np.array([1.0 / x[0] for x in lk], dtype=float), ar_lat=np.array(lat, dtype=float),
+                 ar_per_byte=np.array(per, dtype=float))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PhaseShape:
+    """What a phase fixes for all of its stages."""
+
+    K: int
+    M: int
+    b: int
+    D: int
+    frozen: int
+    """n0, the frozen prefix's length in flat layers."""
+    cache: bool
+    """Whether stage 0 reads the prefix's output from the AutoCache instead of recomputing it."""
+    inflight: tuple[int, ...]
+    """Per stage, the schedule's most micro-batches in flight (``schedule.peak_inflight``)."""
+    optimizer: str = "adamw"
+    device_is_host: bool = False
+    """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
+    action_overhead_s: float = 0.0
+    host_read_bandwidth: float = 10e9
+
+    def __post_init__(self) -> None:
+        if len(self.inflight) != self.K:
+            raise PtplanError(f"PhaseShape: {len(self.inflight)} in-flight counts for K={self.K} stages")
+        if self.optimizer not in OPTIMIZER_STATE_FACTOR:
+            raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
+
+
+@dataclass(frozen=True)
+class Band:
+    """Stage components for arrays of candidate stages [I, J) (any equal shapes), before the stage index."""
+
+    I: np.ndarray
+    J: np.ndarray
+    fb: np.ndarray
+    """Σ (forward + backward) seconds."""
+    state: np.ndarray
+    """Weights + gradients + optimizer state bytes."""
+    grad: np.ndarray
+    weights: np.ndarray
+    per_mb: np.ndarray
+    in_bytes: np.ndarray
+    """b · output bytes of layer I-1 (what the stage receives), 0 at I = 0."""
+    out_bytes: np.ndarray
+    """b · output bytes of layer J-1 (what the stage sends)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """One stage's peak memory, term by term (bytes); ``total`` is the peak."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    buffers: int
+    """Receive buffers, and on stage 0 with the AutoCache the shard's prefix outputs."""
+    activations: int
+    """inflight · per-micro-batch bytes, at the peak of the pipeline."""
+    transient: int
+    """The largest after-pipeline transient (all-reduce buffer, optimizer temporaries, cache fill)."""
+    inflight: int
+    total: int
+
+
+class StageModel:
+    """Time and memory of any stage of one phase (see the module docstring); vectorised over stages."""
+
+    def __init__(self, table: CostTable, shape: PhaseShape, links: Links, *, fill_from: int = 0) -> None:
+        self.t, self.shape, self.links = table, shape, links
+        sh = shape
+        if not 0 <= sh.frozen < table.n:
+            raise PtplanError(f"frozen prefix of {sh.frozen} layers leaves nothing to train in {table.n} layers")
+        if sh.cache and sh.frozen == 0:
+            raise PtplanError("a phase with nothing frozen has no prefix to cache")
+        if not 0 <= fill_from <= sh.frozen:
+            raise PtplanError(f"fill_from={fill_from} must lie in 0..{sh.frozen}")
+        self.start, self.n = sh.frozen, table.n
+        self.times = table.at(sh.b)
+        f = OPTIMIZER_STATE_FACTOR[sh.optimizer]
+        self.cum_state = (1.0 + f) * table.cum_param + table.cum_grad
+        """Additive lower bound of a stage's memory (prefix sums): weights + gradients + state."""
+        self.cum_time_lb = self.times.cum_fb
+        """Additive lower bound of a stage's busy time (prefix sums): forward + backward."""
+        self.ovh = sh.action_overhead_s if sh.K > 1 else 0.0
+        self.opt_temp = 0.0 if sh.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[sh.optimizer]
+        n0, b, M = sh.frozen, sh.b, sh.M
+        out = table.out_per_sample
+        bw = sh.host_read_bandwidth
+        self.fill_from = fill_from
+        L = links
+        self._lat_in = np.concatenate(([0.0], L.send_lat))
+        self._inv_in = np.concatenate(([0.0], L.send_inv_bw))
+        self._lat_out = np.concatenate((L.send_lat, [0.0]))
+        self._inv_out = np.concatenate((L.send_inv_bw, [0.0]))
+        self._inflight = np.asarray(sh.inflight, dtype=float)
+        self._out_before = np.concatenate(([0.0], table.out_per_sample))
+        """``_out_before[i]``: output bytes per sample of layer i - 1 (what a stage starting at i receives)."""
+        if sh.cache:
+            shard = M * b * out[n0 - 1]
+            self.stage0_static = float(shard)
+            self.prefix_s = 0.0
+            self.read_setup_s = float(shard / bw)
+            c = fill_from
+            stream = 0.0 if sh.device_is_host else float(table.cum_param[n0] - table.cum_param[c]) / bw
+            read_c = float(M * b * out[c - 1] / bw) if c > 0 else 0.0
+            self.fill_setup_s = float(M * (self.times.cum_nograd[n0] - self.times.cum_nograd[c])) + read_c \
+                + float(shard / bw) + stream
+            streamed = 0.0 if sh.device_is_host else float(table.max_param_upto[n0])
+            self.stage0_after = streamed + float(M * b * out[:n0].max())
+        else:
+            self.stage0_static = float(table.cum_param[n0])
+            self.prefix_s = float(self.times.cum_nograd[n0])
+            self.read_setup_s = self.fill_setup_s = 0.0
+            self.stage0_after = 0.0
+
+    # ---- vectorised evaluation -------------------------------------------------------------
+    def band(self, I: Any, J: np.ndarray) -> Band:
+        """Index-dependent components of the stages [I, J) (absolute layer indices, I < J). ``I`` may be
+        an index object with ``take_from(arr)`` (the partitioner's strided band) instead of an array."""
+        t, b = self.t, self.shape.b
+        take = getattr(I, "take_from", None)
+
+        def at_I(arr: np.ndarray) -> np.ndarray:
+            return take(arr) if take is not None else arr[I]
+
+        grad = t.cum_grad[J] - at_I(t.cum_grad)
+        weights = t.cum_param[J] - at_I(t.cum_param)
+        out_J = t.out_per_sample[J - 1]
+        return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb),
+                    state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
+                    per_mb=b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J),
+                    in_bytes=b * at_I(self._out_before), out_bytes=b * out_J)
+
+    def prepare(self, I: np.ndarray, J: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The stage-index-free parts of stages [I, J), for ``evaluate`` (the partitioner computes them
+        once per search and slices them per stage index)."""
+        bd = self.band(I, J)
+        after = bd.grad if self.shape.D > 1 else np.zeros_like(bd.grad)
+        if self.opt_temp:
+            after = np.maximum(after, self.opt_temp * bd.weights)
+        return (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after)
+
+    def _combine(self, terms: tuple[np.ndarray, ...], s: int | np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(busy, static, per_mb, after, inflight) of prepared stages at stage index s (a number, or an
+        array broadcasting against the terms): the module docstring's formulas, in one place."""
+        sh = self.shape
+        base, inb, outb, state, per_mb, after = terms
+        si = np.asarray(s)
+        has_in, has_out, is0 = si > 0, si < sh.K - 1, si == 0
+        lat_in, inv_in = self._lat_in[si], self._inv_in[si]
+        lat_out, inv_out = self._lat_out[si], self._inv_out[si]
+        t = base + has_in * (lat_in + inb * inv_in) + has_out * (lat_out + outb * inv_out) \
+            + is0 * (self.prefix_s + self.read_setup_s / sh.M)
+        static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
+        if self.stage0_after:
+            after = np.where(is0, np.maximum(after, self.stage0_after), after)
+        return t, static, per_mb, after, self._inflight[si]
+
+    def evaluate(self, s: int, terms: tuple[np.ndarray, ...], cols: slice = slice(None)
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """(busy seconds, peak bytes) of the prepared stages as stage s (see the module docstring)."""
+        t, static, per_mb, after, infl = self._combine(tuple(x[..., cols] for x in terms), s)
+        return t, peak_bytes(static, per_mb, infl, after)
+
+    def evaluate_split(self, terms: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """``evaluate`` for the K prepared stages of one split at once, stage s being entry s."""
+        t, static, per_mb, after, infl = self._combine(terms, np.arange(self.shape.K))
+        return t, peak_bytes(static, per_mb, infl, after)
+
+    # ---- one split -------------------------------------------------------------------------
+    def check_ranges(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) arrays of a split of the active layers into K contiguous stages; PtplanError if not."""
+        if len(ranges) != self.shape.K or ranges[0][0] != self.start or ranges[-1][1] != self.n or any(
+                a[1] != c[0] or a[0] >= a[1] for a, c in zip(ranges, ranges[1:])) or ranges[-1][0] >= ranges[-1][1]:
+            raise PtplanError(f"{list(ranges)} is not a split of layers [{self.start}, {self.n}) into "
+                              f"K={self.shape.K} contiguous non-empty stages")
+        return np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
+
+    def stage_memory(self, ranges: Sequence[tuple[int, int]]) -> tuple[MemoryBreakdown, ...]:
+        """Each stage's peak memory, term by term."""
+        lo, hi = self.check_ranges(ranges)
+        sh, t = self.shape, self.t
+        _, static, per_mb, after, infl = self._combine(self.prepare(lo, hi), np.arange(sh.K))
+        weights = t.cum_param[hi] - t.cum_param[lo]
+        w = weights + (np.arange(sh.K) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
+        g = t.cum_grad[hi] - t.cum_grad[lo]
+        o = OPTIMIZER_STATE_FACTOR[sh.optimizer] * weights
+        total = peak_bytes(static, per_mb, infl, after)
+        return tuple(MemoryBreakdown(weights=int(w[s]), gradients=int(g[s]), optimizer=int(o[s]),
+                                     buffers=int(static[s] - w[s] - g[s] - o[s]), activations=int(infl[s] * per_mb[s]),
+                                     transient=int(after[s]), inflight=int(infl[s]), total=int(total[s]))
+                     for s in range(sh.K))
+
+    def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
+        """The simulator's per-stage costs for a split (``fill``: an iteration that fills the cache)."""
+        lo, hi = self.check_ranges(ranges)
+        sh, L, tm, t = self.shape, self.links, self.times, self.t
+        K = sh.K
+        terms = self.prepare(lo, hi)
+        _, static, per_mb, after, _ = self._combine(terms, np.arange(K))
+        _, inb, outb = terms[0], terms[1], terms[2]
+        s = np.arange(K)
+        send_f = (s < K - 1) * (self._lat_out + outb * self._inv_out)
+        send_b = (s > 0) * (self._lat_in + inb * self._inv_in)
+        ar = (L.ar_lat + (t.cum_grad[hi] - t.cum_grad[lo]) * L.ar_per_byte) if sh.D > 1 else np.zeros(K)
+        fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
+        bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
+        opt = t.cum_opt_s[hi] - t.cum_opt_s[lo]
+        setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
+        return [StageCost(forward_s=float(fwd[i]), backward_s=float(bwd[i]), prefix_s=self.prefix_s if i == 0 else 0.0,
+                          setup_s=setup if i == 0 else 0.0, send_forward_s=float(send_f[i]),
+                          send_backward_s=float(send_b[i]), allreduce_s=float(ar[i]), optimizer_s=float(opt[i]),
+                          fixed_bytes=int(static[i]), activation_bytes_per_mb=int(per_mb[i]),
+                          after_bytes=int(after[i])) for i in range(K)]
