@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -13,9 +14,12 @@ DEFAULT_PROFILE = "vit-base_cpu_fp32"
 
 
 def resolve_profile_path(name_or_path: str) -> Path:
-    """A profile file path, or the stem of a shipped profile (``ls profiles/``)."""
+    """A profile file path, or a shipped profile by stem (``vit-base_cpu_fp32``) or by model name
+    (``bert-tiny`` finds ``bert-tiny_cpu_fp32`` when exactly one shipped profile is of that model)."""
     p = Path(name_or_path)
     if p.exists() or p.suffix == ".json" or os.sep in name_or_path:
+        if not p.exists():
+            raise PtplanError(f"profile file not found: {p}")
         return p
     from ptplan.profiles import PROFILE_DIR, shipped
 
@@ -23,6 +27,11 @@ def resolve_profile_path(name_or_path: str) -> Path:
     if cand.exists():
         return cand
     names = sorted(x.stem for x in PROFILE_DIR.glob("*.json"))
+    by_model = [n for n in names if n.split("_")[0] == name_or_path]
+    if len(by_model) == 1:
+        return shipped(by_model[0])
+    if by_model:
+        raise PtplanError(f"several shipped profiles are of model {name_or_path!r}: {', '.join(by_model)}; name one")
     raise PtplanError(f"no profile file {name_or_path!r} and no shipped profile of that name; "
                       f"shipped: {', '.join(names) or '(none)'}")
 
@@ -34,60 +43,116 @@ def _parse_int_list(text: str, what: str) -> list[int]:
         raise PtplanError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
 
 
-def _fmt_bytes(x: float) -> str:
-    return f"{x / 1024 ** 3:.2f}"
+def _gib(x: float) -> str:
+    """GiB with enough digits that small models do not show as 0.00."""
+    g = x / 1024 ** 3
+    return f"{g:.2f}" if g >= 0.1 else f"{g:.3g}"
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
 def format_plan_table(plan) -> str:
     """A readable per-phase table plus the trajectory and the totals."""
     lines = []
     inp = plan.inputs
-    prof, cl, tr = inp["profile"], inp["cluster"], inp["training"]
-    lines.append(f"model {prof['model']} ({prof['num_blocks']} blocks, {prof['num_layers']} layers, profiled on "
-                 f"{prof['device']}) on cluster {cl['name']} ({plan.world_size} GPUs); schedule {tr['schedule']}, "
-                 f"batch policy {tr['batch_policy']}")
+    prof, cl, tr = inp.profile, inp.cluster, inp.training
+    unit = cl.device_noun + "s"
+    lines.append(f"model {prof.model} ({prof.num_blocks} blocks, {prof.num_layers} layers, profiled on {prof.device}, "
+                 f"{prof.source}) on cluster {cl.name} ({plan.world_size} {unit}); schedule {tr.schedule}, "
+                 f"batch policy {tr.batch_policy}, optimizer {tr.optimizer}, cache {tr.cache}")
     used = {t.phase for t in plan.trajectory}
-    hdr = f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<24} " \
-          f"{'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}"
+    hdr = (f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<22} "
+           f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
+    noted = []
     for i, ph in enumerate(plan.phases):
         if i not in used and len(plan.phases) > 16:
             continue
         sizes = "|".join(str(hi - lo) for lo, hi in ph.partition)
-        if len(sizes) > 24:
-            sizes = sizes[:21] + "..."
+        if len(sizes) > 22:
+            sizes = sizes[:19] + "..."
         mark = "*" if i in used else " "
+        note = "!" if ph.notes else " "
+        if ph.notes:
+            noted.append(ph)
         lines.append(f"{i:>4}{mark} {ph.frozen_blocks:>6} {ph.K:>4} {ph.D:>5} {ph.M:>4} {ph.micro_batch_size:>4}  "
-                     f"{sizes:<24} {ph.predicted.samples_per_s:>10.2f} {ph.predicted.bubble_fraction:>6.1%} "
-                     f"{_fmt_bytes(max(ph.predicted.stage_peak_memory_bytes)):>8} {'on' if ph.cache else 'off':>5}")
+                     f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "
+                     f"{ph.predicted.bubble_fraction:>6.1%} {_gib(max(ph.predicted.stage_peak_memory_bytes)):>8} "
+                     f"{'on' if ph.cache else 'off':>5}{note}")
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
                      f"for adaptive freezing)")
     else:
         lines.append("(* = on the predicted trajectory; the others serve adaptive freezing)")
+    for ph in noted[:8]:
+        lines.append(f"! {ph.frozen_blocks} frozen blocks: " + "; ".join(ph.notes))
+    if len(noted) > 8:
+        lines.append(f"! ... and {len(noted) - 8} more phases with notes (plan.json: phases[].notes)")
     lines.append("")
-    lines.append("epoch  frozen  phase  iterations  seconds")
-    for t in plan.trajectory:
-        lines.append(f"{t.epoch:>5} {t.frozen_blocks:>7} {t.phase:>6} {t.iterations:>11} {t.seconds:>8.1f}")
-    b = plan.baseline.phase
+    lines.append("epoch    step  frozen  phase  iterations  fill  seconds")
+    shown = plan.trajectory if len(plan.trajectory) <= 40 else plan.trajectory[:20] + plan.trajectory[-20:]
+    for j, t in enumerate(shown):
+        if len(plan.trajectory) > 40 and j == 20:
+            lines.append(f"  ... {len(plan.trajectory) - 40} more runs ...")
+        lines.append(f"{t.epoch:>5} {t.step:>7} {t.frozen_blocks:>7} {t.phase:>6} {t.iterations:>11} "
+                     f"{t.fill_iterations:>5} {t.seconds:>8.1f}")
+    b, T = plan.baseline.phase, plan.totals
     lines.append("")
+    fill = f" (AutoCache fills: +{T.fill_seconds:.1f} s)" if T.fill_seconds else ""
     lines.append(f"baseline (no freezing, static K={b.K}, D={b.D}, M={b.M}): {plan.baseline.seconds:.1f} s; "
-                 f"plan: {plan.totals['seconds']:.1f} s; predicted speedup {plan.totals['speedup']:.2f}x")
-    if plan.totals.get("best_static_K") is not None and (plan.totals["best_static_K"], plan.totals["best_static_M"]) != (b.K, b.M):
-        lines.append(f"best static configuration without freezing (K={int(plan.totals['best_static_K'])}, "
-                     f"M={int(plan.totals['best_static_M'])}): {plan.totals['best_static_seconds']:.1f} s; "
-                     f"speedup over it {plan.totals['speedup_vs_best_static']:.2f}x")
-    if prof.get("device_kind") == "cpu" and "cpu" not in str(cl.get("gpu_name", "")).lower():
-        lines.append(f"note: the profile was measured on {prof['device']} (CPU); predicted seconds use its compute "
-                     f"speed with the cluster's links and memory. Profile on the target GPU for absolute numbers.")
+                 f"plan: {T.seconds:.1f} s{fill}; predicted speedup {T.speedup:.2f}x")
+    if (T.best_static_K, T.best_static_M) != (b.K, b.M):
+        lines.append(f"best static configuration without freezing (K={T.best_static_K}, M={T.best_static_M}): "
+                     f"{T.best_static_seconds:.1f} s; speedup over it {T.speedup_vs_best_static:.2f}x")
     return "\n".join(lines)
 
 
-@click.command("plan")
+def format_warnings(plan) -> list[str]:
+    return [f"warning: {w.message}" for w in plan.warnings]
+
+
+def _presets_help() -> str:
+    from ptplan.planner.cluster import PRESETS
+
+    return ", ".join(PRESETS) + ", cpu:N"
+
+
+class _PlanCommand(click.Command):
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_help(ctx, formatter)
+        from ptplan.planner.cluster import PRESETS
+        from ptplan.profiles import PROFILE_DIR
+
+        with formatter.section("Cluster presets"):
+            formatter.write_dl([(k, f"{c.nodes} x {c.gpus_per_node} {c.gpu_name}, "
+                                    f"{c.gpu_memory_bytes / 2**30:.0f} GiB each") for k, c in PRESETS.items()]
+                               + [("cpu:N", "this machine as N CPU processes")])
+        with formatter.section("Shipped profiles"):
+            formatter.write_text(", ".join(sorted(x.stem for x in PROFILE_DIR.glob("*.json"))))
+
+
+def _check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
+    """Outputs in existing folders, never an input, never each other."""
+    seen: dict[Path, Path] = {}
+    ins = {p.resolve() for p in inputs}
+    for out in outputs:
+        r = out.resolve()
+        if not r.parent.is_dir():
+            raise PtplanError(f"output folder does not exist: {r.parent}")
+        if r in ins:
+            raise PtplanError(f"output {out} is also an input; write it elsewhere")
+        if r in seen:
+            raise PtplanError(f"outputs {seen[r]} and {out} are the same file; give different names")
+        seen[r] = out
+
+
+@click.command("plan", cls=_PlanCommand)
 @click.argument("profile", required=False, default=DEFAULT_PROFILE)
 @click.option("--cluster", "cluster_name", default="paper", show_default=True,
-              help="Cluster preset (paper, dgx-h100, cpu:N for N processes on this machine, ...) or a cluster JSON file.")
+              help="A cluster preset (listed below) or a cluster JSON file.")
 @click.option("--epochs", type=int, default=10, show_default=True, help="Training epochs.")
 @click.option("--samples-per-epoch", type=int, default=50_000, show_default=True, help="Samples per epoch.")
 @click.option("--batch", type=int, default=512, show_default=True,
@@ -97,24 +162,35 @@ def format_plan_table(plan) -> str:
 @click.option("--freeze", "freeze_policy", type=click.Choice(["geometric", "manual", "none"]), default="geometric",
               show_default=True, help="Freeze trajectory: the paper's geometric bound, a manual list, or none.")
 @click.option("--alpha", type=float, default=1 / 3, show_default="1/3",
-              help="Freeze rate α in (0,1): each epoch freezes at most α of the active blocks.")
-@click.option("--manual", "manual", default=None, help="Frozen blocks per epoch, e.g. 0,4,7,9 (with --freeze manual).")
+              help="Freeze rate α in (0,1): each freeze step freezes at most α of the active blocks.")
+@click.option("--manual", "manual", default=None, help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual).")
+@click.option("--freeze-every", type=int, default=None,
+              help="A freeze step every N optimizer steps instead of once per epoch.")
+@click.option("--adaptive", is_flag=True, help="The run will decide from gradient norms (ptplan run --freeze adaptive).")
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
-@click.option("-K", "--pipeline-length", "pin_k", type=int, default=None, help="Pin the pipeline length K.")
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+              help="Sets the optimizer-state memory (AdamW two moments, SGD one momentum buffer per parameter).")
+@click.option("-K", "--pipeline-length", "pin_k", type=int, default=None,
+              help="Use this pipeline length K in every phase where it fits (the table marks the others).")
 @click.option("--start-K", "start_k", type=int, default=None,
               help="Start from this pipeline length and only compress (the paper: one pipeline per node, K=8); "
                    "the baseline is then this static pipeline.")
-@click.option("-M", "--micro-batches", "pin_m", type=int, default=None, help="Pin the micro-batch count M.")
-@click.option("--cache", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True,
-              help="AutoCache of the frozen prefix's outputs.")
+@click.option("-M", "--micro-batches", "pin_m", type=int, default=None,
+              help="Use this micro-batch count in every phase where it fits.")
+@click.option("--cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="AutoCache of the frozen prefix's outputs: auto caches where it saves time (fills included).")
 @click.option("--memory-fraction", type=float, default=0.9, show_default=True,
-              help="Share of GPU memory a plan may use.")
+              help="Share of device (and host) memory a plan may use.")
+@click.option("--allow-extrapolation", is_flag=True,
+              help="Allow micro-batch sizes outside the profile's measured sizes (their times are extrapolated).")
 @click.option("--out", "out", default="plan.json", show_default=True, help="Where to write the plan.")
 @click.option("--report", default=None, help="Also write the interactive HTML report here.")
-@click.option("--quiet", is_flag=True, help="Do not print the table.")
+@click.option("--quiet", is_flag=True, help="Do not print the table (warnings are still printed).")
 def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
-         schedule, pin_k, start_k, pin_m, cache, memory_fraction, out, report, quiet) -> None:
-    """Plan elastic pipelined training for PROFILE (a profile file or a shipped profile name).
+         freeze_every, adaptive, schedule, optimizer, pin_k, start_k, pin_m, cache, memory_fraction,
+         allow_extrapolation, out, report, quiet) -> None:
+    """Plan elastic pipelined training for PROFILE (a profile file, a shipped profile name, or a model
+    name with one shipped profile, e.g. bert-tiny).
 
     Default: the shipped ViT-B/16 profile on the paper's cluster, α=1/3, 10 epochs.
     """
@@ -124,31 +200,66 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     from ptplan.planner.planner import TrainingConfig, make_plan
     from ptplan.planner.profile import load_profile
 
-    for path in (out, report):
-        if path and not Path(path).resolve().parent.exists():
-            raise PtplanError(f"output folder does not exist: {Path(path).resolve().parent}")
     ppath = resolve_profile_path(profile)
+    inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else [])
+    _check_outputs(inputs, [Path(out)] + ([Path(report)] if report else []))
     prof = load_profile(ppath)
     cluster = resolve_cluster(cluster_name)
     manual_list = _parse_int_list(manual, "--manual") if manual else None
     if freeze_policy == "manual" and manual_list is None:
         raise PtplanError("--freeze manual needs --manual with the frozen blocks per epoch, e.g. --manual 0,4,7,9")
-    freeze = FreezePolicy(policy=freeze_policy, alpha=alpha, manual=tuple(manual_list or ()))
+    freeze = FreezePolicy(policy=freeze_policy, alpha=alpha, manual=tuple(manual_list or ()),
+                          every=freeze_every if freeze_every is not None else "epoch", adaptive=adaptive)
     training = TrainingConfig(epochs=epochs, samples_per_epoch=samples_per_epoch, batch=batch,
-                              batch_policy=batch_policy, schedule=schedule, pin_K=pin_k, start_K=start_k, pin_M=pin_m, cache=cache,
-                              memory_fraction=memory_fraction)
+                              batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, pin_K=pin_k,
+                              start_K=start_k, pin_M=pin_m, cache=cache, memory_fraction=memory_fraction,
+                              allow_extrapolation=allow_extrapolation)
     t0 = time.perf_counter()
-    result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath))
+    bar = _Progress(enabled=not quiet and sys.stderr.isatty())
+    try:
+        result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath), progress=bar.update)
+    finally:
+        bar.close()
     dt = time.perf_counter() - t0
-    report_html = None
+    html = None
     if report:
-        from ptplan.planner.viz import write_report
+        from ptplan.planner.viz import report_html
 
-        report_html = report
+        html = report_html(result)  # built before anything is written: all outputs or none
     save_plan(result, out)
-    if report_html:
-        write_report(result, report_html)
+    if html is not None:
+        from ptplan.planner.jsonio import write_atomic
+
+        try:
+            write_atomic(report, html)
+        except BaseException:
+            os.unlink(out)
+            raise
     if not quiet:
         click.echo(format_plan_table(result))
+    for w in format_warnings(result):
+        click.echo(w, err=True)
     click.echo(f"planned {len(result.phases)} phases in {dt:.2f} s; wrote {out}"
                + (f" and {report}" if report else ""))
+
+
+class _Progress:
+    """A progress bar on stderr for long plans (phases searched out of all)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = None
+        self.enabled = enabled
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or total < 50:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="planning phases", unit="phase", file=sys.stderr, leave=False)
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

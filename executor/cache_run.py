@@ -20,7 +20,7 @@ in eval mode whether it caches it or not, so a cached row is exactly what recomp
 Budget (RAM tier, per node): the slab bytes of every sample at two frozen counts (after a freeze,
 an epoch refreshes the rows at the old count into the new one, and a shard's old slab goes only once
 all its rows are refreshed), capped by ``cache_budget``. The plan's prediction
-(``Phase.predicted.cache_host_bytes`` / nodes) is logged beside it.
+(``Phase.predicted.cache_host_bytes_per_node``) is logged beside it.
 """
 from __future__ import annotations
 
@@ -207,8 +207,7 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset,
     nodes = torch.tensor([int(creator)], dtype=torch.int64, device=device)
     dist.all_reduce(nodes)
     n_nodes = int(nodes.item())
-    plan_nodes = plan.inputs.get("cluster", {}).get("nodes") or 1
-    predicted = max(plan.phases[i].predicted.cache_host_bytes for i in phases) // max(1, int(plan_nodes))
+    predicted = max(plan.phases[i].predicted.cache_host_bytes_per_node for i in phases)
     record = {"type": "cache_setup", "job_id": job, "nodes": n_nodes, "dir": cache.dir, "spill_dir": cache.spill_dir,
               "budget_bytes": cache.budget_bytes, "need_bytes": need, "plan_bytes_per_node": predicted,
               "sample_shape": list(shape), "dtype": dtype_name(dtype), "samples": N, "shard_rows": cache.shard_rows,

@@ -17,9 +17,9 @@ def build_for_plan(plan: Plan, cfg: RunConfig):
     """The model adapter ``cfg.model`` at the plan's granularity and sequence length."""
     from .models import build_model
 
-    prof = plan.inputs.get("profile", {})
-    gran = prof.get("granularity", "half")
-    seq = prof.get("seq_len")
+    prof = plan.inputs.profile
+    gran = prof.granularity
+    seq = prof.seq_len
     dtype = getattr(torch, cfg.dtype)
     common = dict(granularity=gran, num_labels=cfg.num_labels, dtype=dtype, dropout=cfg.dropout,
                   weights=cfg.weights, seed=cfg.seed)
@@ -38,8 +38,8 @@ def samples_needed(plan: Plan, cfg: RunConfig) -> int:
     biggest = max(ph.global_batch for ph in plan.phases)
     if cfg.steps_per_epoch:
         return cfg.steps_per_epoch * biggest
-    n = plan.inputs.get("training", {}).get("samples_per_epoch")
-    if not isinstance(n, int) or n < biggest:
+    n = plan.inputs.training.samples_per_epoch
+    if n < biggest:
         raise PtplanError(f"the plan gives no usable samples_per_epoch ({n!r}); pass --steps-per-epoch")
     return n
 

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Any, TextIO
 
-SCHEMA = "ptplan.runlog/1"
+from ptplan.planner.runlog import SCHEMA, parse_record
 
 
 class RunLog:
@@ -42,8 +42,10 @@ class RunLog:
             self._f = open(path, "a" if append else "w", buffering=1)
 
     def write(self, record: dict[str, Any]) -> None:
+        """Check the record with the reader's own parser (``planner.runlog``), then append it."""
         if self._f is not None:
-            self._f.write(json.dumps(record, sort_keys=False) + "\n")
+            rec = parse_record(json.loads(json.dumps(record, default=_plain)), what="run log record (before writing)")
+            self._f.write(json.dumps(rec.to_json(), sort_keys=False) + "\n")
             self._f.flush()
 
     def header(self, **fields: Any) -> None:
@@ -63,6 +65,13 @@ class RunLog:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _plain(x: Any) -> Any:
+    """JSON for numpy/torch scalars that slip into records."""
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"run log: {type(x).__name__} is not JSON")
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -263,8 +263,7 @@ def _timedelta(seconds: float):
 
 
 def phase_index(plan: Plan, frozen_blocks: int) -> int:
-    ph = plan.phase_for(frozen_blocks)
-    return next(i for i, p in enumerate(plan.phases) if p is ph)
+    return plan.phase_index(frozen_blocks)
 
 
 def broadcast_int(value: int, device: torch.device) -> int:

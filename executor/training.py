@@ -79,8 +79,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     device = device or torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     check_plan(plan, model, world)
-    training = plan.inputs.get("training", {})
-    epochs = cfg.epochs or int(training.get("epochs", 1))
+    training = plan.inputs.training
+    epochs = cfg.epochs or training.epochs
     N = len(dataset)
     smallest = min(ph.global_batch for ph in plan.phases)
     if cfg.steps_per_epoch and cfg.steps_per_epoch * smallest > N:
@@ -99,7 +99,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     fs = FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
     everyone = frozenset(range(world))
     log = RunLog(cfg.log if rank == 0 else None, append=cfg.resume)
-    fingerprint = plan.inputs.get("profile", {}).get("fingerprint")
+    fingerprint = plan.inputs.profile.fingerprint
     pos = Position(norm_sum=[0.0] * model.num_blocks)
     t_start = time.perf_counter()
     if cfg.resume:
@@ -113,7 +113,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                   have_weights=[everyone if same else frozenset({0})] * rt.n, have_state=None)
         log.header(plan_fingerprint=fingerprint, model=model.name, world_size=world, backend=backend,
                    optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
-                   freeze_every=fs.every, batch_policy=training.get("batch_policy"), epochs=epochs,
+                   freeze_every=fs.every, batch_policy=training.batch_policy, epochs=epochs,
                    steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=N, plan=cfg.plan,
                    phases=[dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size,
                                 schedule=p.schedule) for p in plan.phases])
@@ -244,7 +244,7 @@ def _save(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, pos: Position) -> None
     dist.all_gather_object(rng, _rng_state())
     if rt.rank == 0:
         ckpt.save_checkpoint(cfg.checkpoint_dir, {
-            "plan_fingerprint": plan.inputs.get("profile", {}).get("fingerprint"), "model_name": rt.model.name,
+            "plan_fingerprint": plan.inputs.profile.fingerprint, "model_name": rt.model.name,
             "optimizer": cfg.optimizer, "world_size": rt.world, "model": weights, "optim": state,
             "position": asdict(pos), "rng": rng})
     dist.barrier()

@@ -32,21 +32,13 @@ def frozen_boundary(model: nn.Module, frozen_blocks: int) -> int:
     return max(i for i, s in enumerate(model.specs) if s.block is not None) + 1
 
 
-def global_batch_of(plan: Plan) -> int | None:
-    """The plan's training batch: global under constant-global, per pipeline under constant-pipeline.
-
-    ``ptplan plan`` records it as ``training.batch``; ``training.global_batch`` is read as a fallback.
-    None when the plan does not say.
-    """
-    t = plan.inputs.get("training", {})
-    for key in ("batch", "global_batch"):
-        if isinstance(t.get(key), int) and not isinstance(t.get(key), bool):
-            return t[key]
-    return None
+def global_batch_of(plan: Plan) -> int:
+    """The plan's training batch: global under constant-global, per pipeline under constant-pipeline."""
+    return plan.inputs.training.batch
 
 
 def batch_policy_of(plan: Plan) -> str:
-    return plan.inputs.get("training", {}).get("batch_policy", "constant-global")
+    return plan.inputs.training.batch_policy
 
 
 def check_world(plan: Plan, world_size: int) -> None:
@@ -60,18 +52,18 @@ def check_world(plan: Plan, world_size: int) -> None:
 
 
 def check_model(plan: Plan, model: nn.Module) -> None:
-    prof: dict[str, Any] = plan.inputs.get("profile", {})
+    prof = plan.inputs.profile
     have = dict(model=model.name, num_layers=len(model.layers), num_blocks=model.num_blocks,
                 granularity=model.granularity)
     desc = (f"{model.name} ({model.num_blocks} blocks, {len(model.layers)} layers at {model.granularity} "
             f"granularity)")
-    fix = f"pass --model {prof.get('model')} or make a plan for {model.name} (`ptplan profile` then `ptplan plan`)"
+    fix = f"pass --model {prof.model} or make a plan for {model.name} (`ptplan profile` then `ptplan plan`)"
     for key, value in have.items():
-        if key in prof and prof[key] != value:
-            raise PtplanError(f"the plan is for {prof.get('model')} ({prof.get('num_blocks')} blocks, "
-                              f"{prof.get('num_layers')} layers at {prof.get('granularity')} granularity) but the "
-                              f"model is {desc}: {key} {prof[key]!r} != {value!r}; {fix}")
-    fp = prof.get("fingerprint")
+        if getattr(prof, key) != value:
+            raise PtplanError(f"the plan is for {prof.model} ({prof.num_blocks} blocks, {prof.num_layers} layers at "
+                              f"{prof.granularity} granularity) but the model is {desc}: {key} "
+                              f"{getattr(prof, key)!r} != {value!r}; {fix}")
+    fp = prof.fingerprint
     if fp and fp != model_fingerprint(model):
         raise PtplanError(f"the plan's profile fingerprint {fp} does not match {desc} (fingerprint "
                           f"{model_fingerprint(model)}: layer names, kinds or parameter counts differ, e.g. another "
@@ -90,6 +82,7 @@ def check_model(plan: Plan, model: nn.Module) -> None:
 
 
 def check_phase(i: int, ph: Phase, global_batch: int | None, policy: str) -> None:
+    """The phase's schedule limits and batch split."""
     if ph.schedule == "1f1b" and ph.M < ph.K:
         raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) uses 1F1B with M={ph.M} micro-batches "
                           f"on K={ph.K} stages; 1F1B needs M >= K: re-plan with more micro-batches (e.g. "
@@ -112,12 +105,12 @@ def check_phase(i: int, ph: Phase, global_batch: int | None, policy: str) -> Non
 
 
 def check_trajectory(plan: Plan) -> None:
-    """Every frozen count the plan's trajectory visits has a phase."""
+    """Every frozen count the plan's freeze steps reach has a phase (the plan reader checks it too)."""
     have = sorted(p.frozen_blocks for p in plan.phases)
-    for t in plan.trajectory:
-        if t.frozen_blocks not in have:
-            raise PtplanError(f"the plan's trajectory reaches {t.frozen_blocks} frozen blocks at epoch {t.epoch} but "
-                              f"the plan has phases only for {have}; re-run `ptplan plan`")
+    for T, f in enumerate(plan.freeze_steps):
+        if f not in have:
+            raise PtplanError(f"the plan's freeze step {T} reaches {f} frozen blocks but the plan has phases only "
+                              f"for {have}; re-run `ptplan plan`")
 
 
 def check_plan(plan: Plan, model: nn.Module, world_size: int) -> None:

@@ -9,6 +9,9 @@ from typing import Any
 
 from .errors import PtplanError
 from .plan import Plan
+from .runlog import RunLog, Step, read_run_log
+
+__all__ = ["Comparison", "PhaseComparison", "compare", "format_comparison", "read_run_log"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,57 +52,34 @@ class Comparison:
     transitions: tuple[dict[str, Any], ...]
     median_abs_iteration_error: float
     median_abs_memory_error: float | None
+    warnings: tuple[str, ...] = ()
+    """What the reader left out of the log (e.g. a torn last line)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def read_run_log(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Parse run.jsonl; each line one JSON object with a ``type``. Errors name the line."""
-    try:
-        lines = open(path).read().splitlines()
-    except OSError as e:
-        raise PtplanError(f"cannot read run log {path}: {e.strerror}") from None
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PtplanError(f"run log {path} line {i} is not JSON ({e.msg})") from None
-        if not isinstance(rec, dict) or "type" not in rec:
-            raise PtplanError(f"run log {path} line {i}: expected an object with a 'type' field")
-        out.append(rec)
-    if not any(r["type"] == "step" for r in out):
-        raise PtplanError(f"run log {path} has no step records; was the run started with --log?")
-    return out
-
-
-def _check_same_plan(plan: Plan, records: list[dict[str, Any]]) -> None:
+def _check_same_plan(plan: Plan, log: RunLog) -> None:
     """Refuse a run log written for another plan: profile fingerprint and phase shapes must agree."""
-    header = next((r for r in records if r["type"] == "header"), None)
+    header = log.header
     if header is None:
         return
-    fp = header.get("plan_fingerprint") or header.get("fingerprint")
-    want = plan.inputs.get("profile", {}).get("fingerprint")
+    fp, want = header.plan_fingerprint, plan.inputs.profile.fingerprint
     if fp and want and fp != want:
         raise PtplanError(f"the run log was made with a plan for profile fingerprint {fp}, but this plan's is "
                           f"{want}; compare the run with the plan it ran")
-    shapes = header.get("phases")
-    if isinstance(shapes, list):
-        ours = [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]
-        theirs = [{k: s.get(k) for k in ("frozen_blocks", "K", "D", "M")} for s in shapes if isinstance(s, dict)]
-        if theirs != ours:
-            diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-            got = theirs[diff] if diff < len(theirs) else "none"
-            exp = ours[diff] if diff < len(ours) else "none"
-            raise PtplanError(f"the run log's plan has {len(theirs)} phases and this plan {len(ours)}; phase {diff} "
-                              f"is {got} in the run and {exp} in this plan; compare the run with the plan it ran")
+    ours = [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]
+    theirs = [{k: s.get(k) for k in ("frozen_blocks", "K", "D", "M")} for s in header.phases if isinstance(s, dict)]
+    if theirs != ours:
+        diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+        got = theirs[diff] if diff < len(theirs) else "none"
+        exp = ours[diff] if diff < len(ours) else "none"
+        raise PtplanError(f"the run log's plan has {len(theirs)} phases and this plan {len(ours)}; phase {diff} "
+                          f"is {got} in the run and {exp} in this plan; compare the run with the plan it ran")
 
 
-def _stage_memory(phase, rec: dict[str, Any]) -> tuple[int, ...]:
-    rows = (rec.get("memory") or {}).get("per_rank")
+def _stage_memory(phase, rec: Step) -> tuple[int, ...]:
+    rows = (rec.memory or {}).get("per_rank")
     if not isinstance(rows, list):
         return ()
     out = []
@@ -111,7 +91,7 @@ def _stage_memory(phase, rec: dict[str, Any]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Comparison:
+def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     """Median measured step time and the sampled peak memory per phase, against the plan's prediction.
 
     Timing: the median over the phase's steps, leaving out the first ``warmup`` steps of each visit
@@ -121,28 +101,22 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
     """
     if warmup < 0:
         raise PtplanError(f"warmup must be 0 or more, got {warmup}")
-    _check_same_plan(plan, records)
-    timed: dict[int, list[dict]] = {}
-    hooked: dict[int, list[dict]] = {}
-    sampled: dict[int, list[dict]] = {}
+    _check_same_plan(plan, log)
+    timed: dict[int, list[Step]] = {}
+    hooked: dict[int, list[Step]] = {}
+    sampled: dict[int, list[Step]] = {}
     seen_in_visit: dict[int, int] = {}
     last_phase = None
-    for r in records:
-        if r["type"] != "step":
-            continue
-        try:
-            ph = int(r["phase"])
-            float(r["seconds"])
-        except (KeyError, TypeError, ValueError):
-            raise PtplanError(f"run log step record without numeric 'phase' and 'seconds': {r}") from None
+    for r in log.steps:
+        ph = r.phase
         if not 0 <= ph < len(plan.phases):
             raise PtplanError(f"run log refers to phase {ph} but the plan has {len(plan.phases)} phases; "
                               f"compare the run with the plan it ran")
         p = plan.phases[ph]
-        if ("K" in r and r["K"] != p.K) or ("D" in r and r["D"] != p.D):
-            raise PtplanError(f"run log step {r.get('step')} ran phase {ph} with K={r.get('K')}, D={r.get('D')} but "
-                              f"the plan's phase {ph} has K={p.K}, D={p.D}; compare the run with the plan it ran")
-        if r.get("peak_memory_bytes") is not None:
+        if r.K != p.K or r.D != p.D:
+            raise PtplanError(f"run log step {r.step} ran phase {ph} with K={r.K}, D={r.D} but the plan's phase "
+                              f"{ph} has K={p.K}, D={p.D}; compare the run with the plan it ran")
+        if r.peak_memory_bytes is not None:
             sampled.setdefault(ph, []).append(r)
         if ph != last_phase:
             seen_in_visit[ph] = 0
@@ -150,17 +124,17 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
         seen_in_visit[ph] += 1
         if seen_in_visit[ph] <= warmup:
             continue
-        (hooked if r.get("memory_sampled") else timed).setdefault(ph, []).append(r)
+        (hooked if r.memory_sampled else timed).setdefault(ph, []).append(r)
     rows = []
     for ph in sorted(set(timed) | set(hooked)):
         p = plan.phases[ph]
         recs = timed.get(ph) or hooked[ph]  # only a memory-sampled step after the warm-up: time it anyway
-        meas = statistics.median(float(r["seconds"]) for r in recs)
-        samples = statistics.median(float(r.get("samples", p.global_batch)) for r in recs)
-        ar = [float(r["allreduce_seconds"]) for r in recs if r.get("allreduce_seconds") is not None]
+        meas = statistics.median(r.seconds for r in recs)
+        samples = statistics.median(float(r.samples) for r in recs)
+        ar = [r.allreduce_seconds for r in recs if r.allreduce_seconds is not None]
         mem_recs = sampled.get(ph, [])
         pred_mem = max(p.predicted.stage_peak_memory_bytes)
-        meas_mem = max(int(r["peak_memory_bytes"]) for r in mem_recs) if mem_recs else None
+        meas_mem = max(int(r.peak_memory_bytes or 0) for r in mem_recs) if mem_recs else None
         stage_mem: tuple[int, ...] = ()
         for r in mem_recs:
             got = _stage_memory(p, r)
@@ -182,7 +156,7 @@ def compare(plan: Plan, records: list[dict[str, Any]], *, warmup: int = 1) -> Co
                           f"run more steps per phase (e.g. --steps-per-epoch 6)")
     mem_errs = [abs(r.memory_error) for r in rows if r.memory_error is not None]
     return Comparison(
-        phases=tuple(rows), transitions=tuple(r for r in records if r["type"] == "transition"),
+        phases=tuple(rows), transitions=tuple(r.to_json() for r in log.transitions), warnings=log.warnings,
         median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in rows),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
 
@@ -199,6 +173,7 @@ def format_comparison(c: Comparison) -> str:
                      f"{r.predicted_samples_per_s:>10.1f} {r.measured_samples_per_s:>10.1f} "
                      f"{r.predicted_peak_memory_bytes / 2**20:>9.1f} {mm} {me}"
                      + ("  (timed on the memory-sampled step)" if r.timed_with_memory_hooks else ""))
+    lines.extend(f"note: {w}" for w in c.warnings)
     lines.append(f"median |error|: iteration time {c.median_abs_iteration_error:.1%}"
                  + (f", peak memory {c.median_abs_memory_error:.1%}" if c.median_abs_memory_error is not None else
                     ", peak memory not measured"))

@@ -111,7 +111,7 @@ def walk(phases: list[Phase], index: dict[int, int], table: list[int], training:
             if freeze.every != "epoch":
                 run = min(run, (T + 1) * int(freeze.every) - step)
             if ph.cache and f not in fill_left:
-                fill_left[f] = math.ceil(N / B)
+                fill_left[f] = N // B  # one pass over the data: every sample missed once
             fill = min(run, fill_left.get(f, 0))
             if fill:
                 fill_left[f] -= fill

@@ -90,7 +90,7 @@ def _seconds_per_sample(c: Candidate, steady: float, fill: float, visit: Visit, 
     """Expected seconds per sample of the phase: one fill pass over the data, then steady iterations."""
     if not c.cache:
         return steady / c.B
-    fill_samples = min(visit.samples, float(N))
+    fill_samples = min(visit.samples, float(N // c.B * c.B))
     return (fill * fill_samples + steady * max(visit.samples - fill_samples, 0.0)) / (max(visit.samples, 1.0) * c.B)
 
 

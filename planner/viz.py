@@ -6,6 +6,7 @@ data-parallel width (pipelines); M micro-batches per pipeline per iteration; b m
 """
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 import os
@@ -105,8 +106,7 @@ def _base_layout(fig: go.Figure, title: str, height: int, legend_right: bool = T
 
 
 def _cluster_info(plan: Plan) -> dict[str, Any]:
-    c = plan.inputs.get("cluster") or {}
-    return c if isinstance(c, dict) else {}
+    return dataclasses.asdict(plan.inputs.cluster)
 
 
 def _cluster_shape(plan: Plan) -> tuple[int, int]:
@@ -160,7 +160,7 @@ def _phase_labels(plan: Plan) -> list[str]:
 # ---- 1. freeze trajectory with K and D --------------------------------------------------------
 def trajectory_figure(plan: Plan) -> go.Figure:
     """Frozen blocks per epoch (top) and K, D per epoch (bottom) on one shared epoch axis."""
-    L = int(plan.inputs.get("profile", {}).get("num_blocks", max(p.frozen_blocks for p in plan.phases)))
+    L = plan.inputs.profile.num_blocks
     traj = plan.trajectory
     ep = np.array([t.epoch for t in traj], dtype=float)
     frozen = np.array([t.frozen_blocks for t in traj], dtype=float)
@@ -175,7 +175,7 @@ def trajectory_figure(plan: Plan) -> go.Figure:
         hovertemplate="Epoch %{x}<br>%{y} of " + str(L) + " blocks frozen<br>Phase %{customdata[0]}: "
                       "K=%{customdata[1]} × D=%{customdata[2]}<br>%{customdata[3]:.1f} s this epoch<extra></extra>"),
         row=1, col=1)
-    alpha = plan.inputs.get("freeze", {}).get("alpha")
+    alpha = plan.inputs.freeze.alpha if plan.inputs.freeze.policy == "geometric" else None
     if isinstance(alpha, (int, float)) and 0 < alpha < 1 and len(ep):
         xs = np.linspace(ep.min(), ep.max(), 60)
         fig.add_trace(go.Scatter(
@@ -374,7 +374,7 @@ def timeline_figure(plan: Plan) -> go.Figure:
 def throughput_figure(plan: Plan) -> go.Figure:
     """Samples/s per epoch and cumulative training time, elastic plan versus the static baseline."""
     traj = plan.trajectory
-    spe = plan.inputs.get("training", {}).get("samples_per_epoch")
+    spe = plan.inputs.training.samples_per_epoch
     ep = np.array([t.epoch for t in traj], dtype=float)
     thr = []
     for t in traj:
@@ -389,8 +389,8 @@ def throughput_figure(plan: Plan) -> go.Figure:
     base_epoch_s = plan.baseline.seconds / n
     cum = np.cumsum([t.seconds for t in traj])
     base_cum = base_epoch_s * np.arange(1, len(traj) + 1)
-    total = float(plan.totals.get("seconds", cum[-1] if len(cum) else 0.0))
-    speedup = plan.totals.get("speedup") or (plan.baseline.seconds / total if total else float("nan"))
+    total = plan.totals.seconds
+    speedup = plan.totals.speedup
     unit, div = _time_unit(max(plan.baseline.seconds, total))
     bph = plan.baseline.phase
     base_name = f"Baseline: no freezing, static K={bph.K} × D={bph.D}"
@@ -603,12 +603,12 @@ def _esc(x: Any) -> str:
 
 def _header(plan: Plan) -> str:
     inp = plan.inputs
-    prof, tr, fr = inp.get("profile", {}), inp.get("training", {}), inp.get("freeze", {})
+    prof, tr, fr = dataclasses.asdict(inp.profile), inp.training.to_json(), dataclasses.asdict(inp.freeze)
     c = _cluster_info(plan)
     nodes, gpn = _cluster_shape(plan)
     cap = _capacity(plan)
-    total = plan.totals.get("seconds", sum(t.seconds for t in plan.trajectory))
-    speedup = plan.totals.get("speedup") or (plan.baseline.seconds / total if total else float("nan"))
+    total = plan.totals.seconds
+    speedup = plan.totals.speedup
     unit, div = _time_unit(max(total, plan.baseline.seconds))
     ph0, policy = plan.phases[0], tr.get("batch_policy", "?")
     alpha = fr.get("alpha")
@@ -698,7 +698,7 @@ def report_html(plan: Plan, figures: dict[str, go.Figure] | None = None,
             parts.append('<section id="phases"><h2>Phases</h2><p class="note">One phase per frozen-block count '
                          "that can occur; predictions per iteration of one global batch.</p>"
                          f"{_phase_table(plan)}</section>")
-    model = plan.inputs.get("profile", {}).get("model", "plan")
+    model = plan.inputs.profile.model
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width, initial-scale=1'>"
             f"<title>ptplan report — {_esc(model)}</title><style>{_CSS % {'font': FONT}}</style>"

@@ -1,0 +1,187 @@
+"""The run-log contract (``run.jsonl``, ``ptplan.runlog/1``): typed records, one reader, used by the writer too.
+
+One JSON object per line, each with a ``type``. ``ptplan run`` (rank 0) writes them through
+``executor/runlog.py``, which passes every record through ``parse_record`` first, so a record that
+this reader would refuse is never written; ``ptplan compare`` and ``ptplan show --run`` read them
+with ``read_run_log``. Every field is checked by name (unknown keys are refused); a torn last line
+(a run killed while writing) is left out with a warning instead of refusing the whole log.
+
+Record types and their fields are in ``FIELDS``; the three that comparisons use have typed classes:
+``Header``, ``Step`` and ``Transition``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PtplanError, SchemaError
+from .jsonio import Fields
+
+SCHEMA = "ptplan.runlog/1"
+
+# field -> kind; a trailing "?" marks an optional field. kinds: int, float, str, bool, num (int or
+# float), obj (a JSON object), list, any
+FIELDS: dict[str, dict[str, str]] = {
+    "header": {"schema": "str", "plan_fingerprint": "str?", "model": "str", "world_size": "int",
+               "backend": "str?", "optimizer": "str?", "lr": "float?", "seed": "int?", "freeze": "str?",
+               "freeze_every": "int?", "batch_policy": "str?", "epochs": "int?", "steps_per_epoch": "int?",
+               "data": "str?", "samples": "int?", "plan": "str?", "phases": "list"},
+    "step": {"epoch": "int", "step": "int", "phase": "int", "frozen_blocks": "int", "K": "int", "D": "int",
+             "seconds": "float", "samples": "int", "loss": "float", "allreduce_seconds": "float?",
+             "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?"},
+    "transition": {"step": "int", "from_phase": "int?", "to_phase": "int", "seconds": "float", "parts": "obj",
+                   "bytes": "obj?", "from": "obj?", "to": "obj?"},
+    "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?"},
+    "freeze_decision": {"step": "int", "T": "int", "from_frozen": "int", "to_frozen": "int", "alpha": "float",
+                        "grad_norms": "list?", "steps_measured": "int"},
+    "epoch_end": {"epoch": "int", "steps": "int", "reason": "str"},
+    "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
+                    "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
+                    "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",
+                    "allow_nondeterministic": "bool", "notes": "list"},
+    "cache": {"epoch": "int", "step": "int", "frozen_layers": "int", "phase_caches": "bool", "hits": "int",
+              "refreshes": "int", "misses": "int", "rows_written": "int", "rows_not_cached": "int",
+              "slabs_evicted": "int", "bytes_evicted": "int", "slabs_promoted": "int", "ram_bytes": "int",
+              "disk_bytes": "int", "ram_slabs": "int", "disk_slabs": "int", "totals": "obj"},
+}
+
+
+def _check(f: Fields, key: str, kind: str) -> Any:
+    optional = kind.endswith("?")
+    kind = kind.rstrip("?")
+    if optional and f.obj.get(key) is None:
+        return None
+    if kind == "int":
+        return f.int(key)
+    if kind == "float":
+        v = f.raw(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SchemaError(f.what, f"{f.path}.{key}", f"expected a number, got {v!r}")
+        if isinstance(v, float) and math.isnan(v):
+            return v  # a diverged loss is recorded as NaN; readers decide what to do with it
+        return f.float(key) if math.isfinite(v) else v
+    if kind == "str":
+        return f.str(key)
+    if kind == "bool":
+        return f.bool(key)
+    if kind == "obj":
+        v = f.raw(key)
+        if not isinstance(v, dict):
+            raise SchemaError(f.what, f"{f.path}.{key}", f"expected an object, got {v!r}")
+        return v
+    if kind == "list":
+        return f.list(key)
+    return f.raw(key)  # pragma: no cover - every kind is listed above
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One line of a run log: its type and its checked fields."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    line: int = 0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, **{k: v for k, v in self.fields.items()}}
+
+
+def parse_record(obj: Any, what: str = "run log record", line: int = 0) -> Record:
+    """Check one decoded record against ``FIELDS``; SchemaError names the field."""
+    top = Fields(obj, what, f"line {line}" if line else "")
+    kind = top.str("type", choices=FIELDS)
+    spec = FIELDS[kind]
+    Fields(obj, what, top.path, allowed=("type", *spec))
+    out = {}
+    for key, k in spec.items():
+        if key in obj or not k.endswith("?"):
+            v = _check(top, key, k)
+            if key in obj:
+                out[key] = v
+    if kind == "header" and out["schema"] != SCHEMA:
+        raise SchemaError(what, f"{top.path}.schema", f"is {out['schema']!r}, expected {SCHEMA!r}",
+                          "The log was written by another version of ptplan run")
+    return Record(type=kind, fields=out, line=line)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Header:
+    plan_fingerprint: str | None
+    model: str
+    world_size: int
+    phases: tuple[dict[str, Any], ...]
+    """Per plan phase: frozen_blocks, K, D, M, b, schedule (as the run read the plan)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    epoch: int
+    step: int
+    phase: int
+    frozen_blocks: int
+    K: int
+    D: int
+    seconds: float
+    samples: int
+    loss: float
+    allreduce_seconds: float | None = None
+    memory_sampled: bool = False
+    peak_memory_bytes: int | None = None
+    memory: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunLog:
+    """A run log read and checked: the header (if any), every step, every transition, all records."""
+
+    path: str
+    header: Header | None
+    steps: tuple[Step, ...]
+    transitions: tuple[Record, ...]
+    records: tuple[Record, ...]
+    warnings: tuple[str, ...] = ()
+
+
+def read_run_log(path: str | os.PathLike) -> RunLog:
+    """Read and check ``run.jsonl``; errors name the line and the field. A torn last line is left out
+    (with a warning in ``RunLog.warnings``); replayed steps after a resume replace the first run's."""
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8", errors="replace") as fh:
+            lines = fh.read().split("\n")
+    except OSError as e:
+        raise PtplanError(f"cannot read run log {p}: {e.strerror}") from None
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records: list[Record] = []
+    warnings: list[str] = []
+    for i, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                warnings.append(f"run log {p}: line {i} is cut off (the run stopped while writing it); left out")
+                break
+            raise PtplanError(f"run log {p} line {i} is not JSON ({e.msg})") from None
+        records.append(parse_record(obj, what=f"run log {p}", line=i))
+    steps: dict[int, Step] = {}
+    for r in records:
+        if r.type == "step":
+            f = r.fields
+            steps[f["step"]] = Step(**f)  # a step replayed after a resume replaces the first run's record
+    if not steps:
+        raise PtplanError(f"run log {p} has no step records; was it written by `ptplan run --log`?")
+    h = next((r for r in records if r.type == "header"), None)
+    header = None if h is None else Header(plan_fingerprint=h.get("plan_fingerprint"), model=h.get("model"),
+                                           world_size=h.get("world_size"), phases=tuple(h.get("phases") or ()))
+    return RunLog(path=p, header=header, steps=tuple(steps[k] for k in sorted(steps)),
+                  transitions=tuple(r for r in records if r.type == "transition"), records=tuple(records),
+                  warnings=tuple(warnings))
