@@ -2,6 +2,13 @@
 
 Legend: K pipeline length, M micro-batches per pipeline per iteration, b micro-batch size, B global
 batch, D data-parallel width.
+
+Batch policies:
+
+- ``constant-global`` (default): B stays fixed as D changes, so optimisation matches the baseline;
+  each pipeline gets B / D samples, split into M micro-batches of b = B / (D * M). Both must divide.
+- ``constant-pipeline`` (the paper's): each pipeline keeps its batch P, so B = D * P grows as
+  freezing frees GPUs; b = P / M must divide.
 """
 from __future__ import annotations
 

@@ -239,12 +239,12 @@ class PhaseSearch:
         pipe = max(pipe, setup + (F + Bw) / -math.expm1(K * math.log1p(-1.0 / M)) if M > 1 else 0.0)
         fb = fwd + bwd
         big = M * (float(fb.max()) + 2 * ovh)
-        x = M * (fb + 2 * ovh) + self.t.optimizer_s[n0:]
+        x = M * fb + self.t.optimizer_s[n0:]  # per layer; the per-action overheads are per stage
         lat = 0.0
         if c.D > 1:
             x = x + self.t.grad_bytes[n0:] * float(L.ar_per_byte.min())
             lat = float(L.ar_lat.min())
-        tail = max((float(x.sum()) + M * prefix + setup) / K, float(x.max())) + lat
+        tail = max((float(x.sum()) + M * (prefix + 2 * ovh * K) + setup) / K, float(x.max()) + 2 * M * ovh) + lat
         stage0 = setup + M * (prefix + float(fb[0]) + 2 * ovh)  # stage 0 runs the prefix and its first layer
         last0 = float(self.t.optimizer_s[n0])
         if c.D > 1:

@@ -52,6 +52,7 @@ import numpy as np
 from .cluster import Cluster
 from .costs import CostTable
 from .errors import PtplanError
+from .plan import MemoryBreakdown
 from .replicate import layout
 from .simulate import StageCost, peak_bytes
 
@@ -140,23 +141,6 @@ class Band:
     """b · output bytes of layer I-1 (what the stage receives), 0 at I = 0."""
     out_bytes: np.ndarray
     """b · output bytes of layer J-1 (what the stage sends)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryBreakdown:
-    """One stage's peak memory, term by term (bytes); ``total`` is the peak."""
-
-    weights: int
-    gradients: int
-    optimizer: int
-    buffers: int
-    """Receive buffers, and on stage 0 with the AutoCache the shard's prefix outputs."""
-    activations: int
-    """inflight · per-micro-batch bytes, at the peak of the pipeline."""
-    transient: int
-    """The largest after-pipeline transient (all-reduce buffer, optimizer temporaries, cache fill)."""
-    inflight: int
-    total: int
 
 
 class StageModel:

@@ -151,5 +151,5 @@ def test_framework_overheads_are_optional_checked_and_round_trip():
         cluster_from_json({**obj, "action_overhead_s": -1})
     with pytest.raises(PtplanError, match="concurrency_slowdown.*below the minimum 1"):
         cluster_from_json({**obj, "concurrency_slowdown": 0.5})
-    with pytest.raises(PtplanError, match="concurrency_slowdown is 0.9; it must be a number >= 1"):
+    with pytest.raises(PtplanError, match="concurrency_slowdown is 0.9; it must be a number in 1..100"):
         Cluster(**{**{k: v for k, v in obj.items() if k != "schema"}, "concurrency_slowdown": 0.9})

@@ -1,10 +1,11 @@
-"""Plan assembly (planner/planner.py) and `ptplan plan`: structure, errors, and what the plan decides."""
+"""Plan assembly (planner/planner.py) and `ptplan plan`: structure, totals, the audit's reproductions, errors."""
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -14,21 +15,21 @@ from ptplan.planner.costs import CostTable
 from ptplan.planner.errors import InfeasibleError, PtplanError
 from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.partition import greedy_param_partition, optimal_partition, stage_cost
-from ptplan.planner.plan import load_plan, plan_from_json, save_plan
+from ptplan.planner.plan import load_plan, plan_from_json
 from ptplan.planner.planner import TrainingConfig, make_plan
 from ptplan.planner.profile import load_profile, save_profile
-from ptplan.planner.schedule import build_schedule
-from ptplan.planner.simulate import simulate
 from ptplan.planner.synthetic import synthetic_profile
 
-PROFILES = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.json"))
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = sorted((ROOT / "profiles").glob("*.json"))
 GEOM = FreezePolicy(policy="geometric", alpha=1 / 3)
+GiB = 2**30
 
 
 @pytest.fixture(scope="module")
 def small_plan():
     prof = synthetic_profile(num_blocks=12)
-    cfg = TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512)
+    cfg = TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512, allow_extrapolation=True)
     return prof, make_plan(prof, get_preset("paper"), cfg, GEOM)
 
 
@@ -41,21 +42,54 @@ def test_plan_has_a_valid_phase_for_every_frozen_count(small_plan):
         assert ph.partition[-1][1] == prof.num_layers
         assert ph.global_batch == 512  # constant-global batch policy
         assert max(ph.predicted.stage_peak_memory_bytes) <= 0.9 * get_preset("paper").gpu_memory_bytes
-    # the JSON contract round-trips exactly
+        assert tuple(m.total for m in ph.predicted.stage_memory) == ph.predicted.stage_peak_memory_bytes
     again = plan_from_json(json.loads(json.dumps(plan.to_json())))
-    assert again == plan
+    assert again == plan  # the JSON contract round-trips exactly, typed inputs included
+    assert plan.warnings and {w.code for w in plan.warnings} >= {"synthetic-profile"}
 
 
-def test_trajectory_follows_the_geometric_bound_and_totals_add_up(small_plan):
+def test_trajectory_and_totals_add_up_with_cache_fills(small_plan):
     _, plan = small_plan
     assert [t.frozen_blocks for t in plan.trajectory] == [0, 4, 7, 9, 10, 11, 11, 12, 12, 12]
-    assert plan.totals["seconds"] == pytest.approx(sum(t.seconds for t in plan.trajectory))
+    assert plan.freeze_steps == (0, 4, 7, 9, 10, 11, 11, 12)  # cut where the count settles
+    assert [plan.frozen_at(T) for T in range(12)] == [0, 4, 7, 9, 10, 11, 11, 12, 12, 12, 12, 12]
+    fills = 0.0
     for t in plan.trajectory:
         ph = plan.phases[t.phase]
         assert ph.frozen_blocks == t.frozen_blocks
-        assert t.seconds == pytest.approx(t.iterations * ph.predicted.iteration_s)
-    assert plan.totals["speedup"] == pytest.approx(plan.baseline.seconds / plan.totals["seconds"])
-    assert plan.totals["speedup"] > 1.2  # freezing removes backward work and all-reduce bytes
+        pr = ph.predicted
+        assert t.seconds == pytest.approx(t.fill_iterations * pr.fill_iteration_s
+                                          + (t.iterations - t.fill_iterations) * pr.iteration_s)
+        assert t.fill_iterations == 0 or ph.cache
+        fills += t.fill_iterations * (pr.fill_iteration_s - pr.iteration_s)
+    assert plan.totals.seconds == pytest.approx(sum(t.seconds for t in plan.trajectory))
+    assert plan.totals.fill_seconds == pytest.approx(fills)
+    assert plan.totals.speedup == pytest.approx(plan.baseline.seconds / plan.totals.seconds)
+    assert plan.totals.speedup > 1.2
+
+
+def test_cached_phase_fills_once_then_reads():
+    """A cached phase pays its fill on its first pass over the data only (the audit: fills were never charged)."""
+    plan = make_plan(load_profile(ROOT / "profiles/vit-base_cpu_fp32.json"), get_preset("paper"),
+                     TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512, start_K=8, cache="on"), GEOM)
+    iters = 50_000 // 512
+    for f in {t.frozen_blocks for t in plan.trajectory} - {0}:
+        runs = [t for t in plan.trajectory if t.frozen_blocks == f]
+        assert sum(t.fill_iterations for t in runs) == iters  # one pass, however many epochs the phase lasts
+        ph = plan.phase_for(f)
+        assert ph.cache and ph.predicted.fill_iteration_s > ph.predicted.iteration_s
+    assert plan.totals.fill_seconds > 0
+
+
+def test_auto_cache_is_never_slower_than_on_or_off():
+    prof = load_profile(ROOT / "profiles/vit-base_cpu_fp32.json")
+    seconds = {}
+    for mode in ("off", "on", "auto"):
+        plan = make_plan(prof, get_preset("paper"),
+                         TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512, start_K=8, cache=mode), GEOM)
+        seconds[mode] = plan.totals.seconds
+    assert seconds["auto"] <= min(seconds["on"], seconds["off"]) * (1 + 1e-9)
+    assert seconds["auto"] < seconds["off"]  # on this profile caching pays
 
 
 def test_no_freezing_means_no_speedup():
@@ -63,23 +97,23 @@ def test_no_freezing_means_no_speedup():
     plan = make_plan(prof, get_preset("paper"), TrainingConfig(epochs=3, samples_per_epoch=4096, batch=256),
                      FreezePolicy(policy="none"))
     assert [t.frozen_blocks for t in plan.trajectory] == [0, 0, 0]
-    assert plan.totals["speedup"] == pytest.approx(1.0)
+    assert plan.totals.speedup == pytest.approx(1.0)
 
 
-def test_prediction_is_the_simulation_of_the_chosen_configuration(small_plan):
-    """The phase's predicted iteration time is at least the closed-form bound for its stages."""
-    prof, plan = small_plan
-    t = CostTable(prof)
-    for ph in plan.phases:
-        fwd, bwd, nog = t.at(ph.micro_batch_size)
-        stage = [float((fwd + bwd)[lo:hi].sum()) for lo, hi in ph.partition]
-        stage[0] += float(nog[:ph.frozen_layers].sum())
-        lower = sum(stage) + (ph.M - 1) * max(stage)
-        assert ph.predicted.iteration_s >= lower * (1 - 1e-9)
+def test_step_based_freezing_is_planned_run_by_run():
+    """A freeze decision every N optimizer steps: runs inside epochs, and the table a run replays."""
+    prof = synthetic_profile(num_blocks=8)
+    cfg = TrainingConfig(epochs=3, samples_per_epoch=4096, batch=256)  # 16 steps per epoch
+    plan = make_plan(prof, get_preset("paper"), cfg, FreezePolicy(alpha=0.5, every=5))
+    assert plan.freeze_steps[:4] == (0, 4, 6, 7)
+    assert sum(t.iterations for t in plan.trajectory) == 48
+    for t in plan.trajectory:
+        assert plan.frozen_at(t.step // 5) == t.frozen_blocks
+        assert t.step // 5 == (t.step + t.iterations - 1) // 5  # a run never crosses a freeze step
+    assert len([t for t in plan.trajectory if t.epoch == 0]) == 4  # steps 0-4, 5-9, 10-14, 15
 
 
 def test_memory_bound_model_pipelines_first_and_compresses_as_blocks_freeze():
-    """A model too big for one GPU needs K > 1 at first; frozen blocks keep only weights, so K shrinks."""
     prof = synthetic_profile(num_blocks=24, hidden=4096, batch_sizes=(1, 2, 4))
     cluster = Cluster.uniform(nodes=2, like="dgx-h100")  # 16 x 80 GB
     plan = make_plan(prof, cluster, TrainingConfig(epochs=10, samples_per_epoch=8192, batch=64), GEOM)
@@ -87,14 +121,60 @@ def test_memory_bound_model_pipelines_first_and_compresses_as_blocks_freeze():
     Ds = [plan.phases[t.phase].D for t in plan.trajectory]
     assert Ks[0] > 1
     assert Ks[-1] < Ks[0] and Ds[-1] > Ds[0]
-    assert all(a >= b for a, b in zip(Ks, Ks[1:]))
 
 
-def test_pinned_K_and_M_are_obeyed():
+def test_a_19_7B_model_plans_because_cached_phases_hold_no_frozen_weights():
+    """The audit's case: frozen weights were charged to stage 0 in cached phases, where the executor holds
+    none. With all 61 blocks frozen the prefix alone (77.8 GB fp32) exceeds an 80 GiB GPU's usable
+    90 %, so only a cached phase fits there."""
+    prof = synthetic_profile(num_blocks=61, hidden=5120, batch_sizes=(1, 2, 4))
+    params = sum(r.params for r in prof.layers)
+    assert 19.6e9 < params < 19.8e9
+    cluster = Cluster.uniform(nodes=4, like="dgx-h100")
+    n0 = prof.frozen_boundary(61)
+    assert sum(r.param_bytes for r in prof.layers[:n0]) > 0.9 * cluster.gpu_memory_bytes
+    cfg = TrainingConfig(epochs=12, samples_per_epoch=4096, batch=128)
+    plan = make_plan(prof, cluster, cfg, GEOM)
+    assert plan.trajectory[-1].frozen_blocks == 61
+    last = plan.phase_for(61)
+    assert last.cache and last.predicted.stage_memory[0].weights < GiB
+    with pytest.raises(InfeasibleError, match=r"(?s)(59|6[01]) frozen blocks.*frozen prefix holds 7\d\.\d+ GiB"):
+        make_plan(prof, cluster, replace(cfg, cache="off"), GEOM)
+
+
+def test_pinned_K_applies_where_it_fits_and_says_where_not():
+    """The audit: -K was not "when it fits"; a pinned K=8 on ViT-B failed once fewer than 8 layers remained."""
+    plan = make_plan(load_profile(ROOT / "profiles/vit-base_cpu_fp32.json"), get_preset("paper"),
+                     TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512, pin_K=8), GEOM)
+    assert [p.frozen_blocks for p in plan.phases] == list(range(13))
+    pinned = [p for p in plan.phases if p.K == 8]
+    free = [p for p in plan.phases if p.K != 8]
+    assert pinned and free
+    assert all(not p.notes for p in pinned) and all(any("pinned K=8" in n for n in p.notes) for p in free)
+    assert "pinned-not-possible" in {w.code for w in plan.warnings}
+
+
+def test_pinned_M_is_obeyed_where_it_splits_the_batch():
     prof = synthetic_profile(num_blocks=8)
     cfg = TrainingConfig(epochs=4, samples_per_epoch=4096, batch=256, pin_K=4, pin_M=8)
     plan = make_plan(prof, get_preset("paper"), cfg, GEOM)
-    assert {(p.K, p.M) for p in plan.phases} == {(4, 8)}
+    assert all(p.M == 8 for p in plan.phases if p.K == 4)
+
+
+def test_more_micro_batches_than_8K_when_memory_needs_them():
+    """The audit: M was capped at 8 K. A batch of 256 per pipeline whose activations fit only at b = 1
+    needs M = 256 = 64 K on K = 4."""
+    prof = synthetic_profile(num_blocks=8, hidden=1024, seq_len=512, batch_sizes=(1, 2, 4, 8))
+    t = CostTable(prof)
+    per_sample = float(t.saved_per_sample.sum())
+    state = float(t.param_bytes.sum()) * 4
+    gpu = int((state / 4 + 2.5 * per_sample) / 0.9)  # a quarter of the state and ~2 samples' activations
+    cluster = Cluster(name="small", nodes=1, gpus_per_node=4, gpu_memory_bytes=gpu, gpu_name="toy",
+                      intra_bandwidth=1e11, intra_latency_s=1e-5, inter_bandwidth=1e10, inter_latency_s=1e-5)
+    plan = make_plan(prof, cluster, TrainingConfig(epochs=1, samples_per_epoch=1024, batch=256),
+                     FreezePolicy(policy="none"))
+    ph = plan.phases[0]
+    assert ph.K == 4 and ph.M > 8 * ph.K
 
 
 def test_infeasible_memory_names_the_numbers():
@@ -112,26 +192,76 @@ def test_batch_that_does_not_split_is_refused():
         make_plan(prof, get_preset("paper"), TrainingConfig(epochs=2, samples_per_epoch=1000, batch=7), GEOM)
 
 
-@pytest.mark.parametrize("bad", [dict(epochs=0), dict(batch=0), dict(batch_policy="grow"), dict(schedule="zb"),
-                                 dict(memory_fraction=1.5), dict(cache="maybe")])
+def test_micro_batch_sizes_stay_in_the_measured_range_unless_allowed():
+    """The audit: b = 256 was extrapolated from sizes 1, 2, 4 without a word (predicted -55 %)."""
+    prof = synthetic_profile(num_blocks=4, batch_sizes=(1, 2, 4))
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=4096, batch=512)
+    cpu1 = get_preset("cpu:1")
+    plan = make_plan(prof, cpu1, cfg, FreezePolicy(policy="none"))
+    assert all(p.micro_batch_size <= 4 for p in plan.phases)
+    assert "extrapolated-micro-batch" not in {w.code for w in plan.warnings}
+    wide = make_plan(prof, cpu1, replace(cfg, allow_extrapolation=True), FreezePolicy(policy="none"))
+    if any(p.micro_batch_size > 4 for p in wide.phases):
+        assert "extrapolated-micro-batch" in {w.code for w in wide.warnings}
+        assert any("outside the profile's measured 1..4" in n for p in wide.phases for n in p.notes)
+    with pytest.raises(InfeasibleError, match="measured 8..16"):  # 7 samples: b = 7 or 1, both unmeasured
+        make_plan(synthetic_profile(num_blocks=4, batch_sizes=(8, 16)), cpu1, replace(cfg, batch=7),
+                  FreezePolicy(policy="none"))
+
+
+def test_cpu_profile_for_a_gpu_cluster_warns_in_the_plan_itself():
+    prof = load_profile(ROOT / "profiles/bert-tiny_cpu_fp32.json")
+    plan = make_plan(prof, get_preset("dgx-h100"), TrainingConfig(epochs=2, samples_per_epoch=1024, batch=64), GEOM)
+    assert "cpu-profile-for-gpu-cluster" in {w.code for w in plan.warnings}
+    on_cpu = make_plan(prof, get_preset("cpu:2"), TrainingConfig(epochs=2, samples_per_epoch=1024, batch=64), GEOM)
+    assert "cpu-profile-for-gpu-cluster" not in {w.code for w in on_cpu.warnings}
+
+
+def test_cache_beyond_host_memory_is_refused_or_turned_off():
+    """The audit: a 2,818 GiB cache was planned against 2,048 GiB of host RAM."""
+    prof = synthetic_profile(num_blocks=12, hidden=2048, seq_len=2048, batch_sizes=(1, 2, 4, 8))
+    cluster = get_preset("dgx-h100")  # 2 TiB host RAM
+    out = prof.layers[3].output_bytes_per_sample
+    n = int(2818 * GiB / out)
+    cfg = TrainingConfig(epochs=3, samples_per_epoch=n // 64 * 64, batch=64, cache="on")
+    with pytest.raises(InfeasibleError, match=r"host memory per node"):
+        make_plan(prof, cluster, cfg, GEOM)
+    plan = make_plan(prof, cluster, replace(cfg, cache="auto"), GEOM)
+    assert not any(p.cache for p in plan.phases)
+
+
+@pytest.mark.parametrize("bad", [dict(epochs=0), dict(epochs=10**9), dict(samples_per_epoch=10**15), dict(batch=0),
+                                 dict(batch_policy="grow"), dict(schedule="zb"), dict(memory_fraction=1.5),
+                                 dict(cache="maybe"), dict(optimizer="lamb"), dict(host_read_bandwidth=1e-300)])
 def test_training_config_checks(bad):
     args = dict(epochs=2, samples_per_epoch=100, batch=8)
     args.update(bad)
+    t0 = time.perf_counter()
     with pytest.raises(PtplanError):
         TrainingConfig(**args)
+    assert time.perf_counter() - t0 < 1  # refused up front, not after planning
+
+
+def test_extreme_but_finite_numbers_are_refused_with_the_field():
+    """The audit: times of 1e300 and a bandwidth of 1e-300 reached an AssertionError in the partitioner."""
+    prof = synthetic_profile(num_blocks=4)
+    huge = replace(prof, layers=tuple(replace(r, forward_s=tuple(1e300 for _ in r.forward_s)) for r in prof.layers))
+    with pytest.raises(PtplanError, match=r"forward_s\[0\].*maximum"):
+        make_plan(huge, get_preset("paper"), TrainingConfig(epochs=1, samples_per_epoch=512, batch=64), GEOM)
+    with pytest.raises(PtplanError, match="intra_bandwidth"):
+        replace(get_preset("paper"), intra_bandwidth=1e-300)
 
 
 @pytest.mark.parametrize("path", PROFILES, ids=[p.stem for p in PROFILES])
 def test_autopipe_never_worse_than_the_papers_greedy_balancer(path):
     """On every shipped profile, for K in 2..8 and several frozen counts, slowest stage <= greedy's."""
     prof = load_profile(path)
-    t = CostTable(prof)
-    fwd, bwd, nog = t.at(prof.batch_sizes[-1])
+    tm = CostTable(prof).at(prof.batch_sizes[-1])
     compared = 0
     for f in sorted({0, prof.num_blocks // 2, prof.num_blocks - 1}):
         n0 = prof.frozen_boundary(f)
-        costs = (fwd + bwd)[n0:]
-        extra = float(nog[:n0].sum())
+        costs = (tm.fwd + tm.bwd)[n0:]
+        extra = float(tm.cum_nograd[n0])
         params = [r.params for r in prof.layers[n0:]]
         for K in (2, 4, 8):
             if K > len(costs):
@@ -148,11 +278,24 @@ def test_autopipe_never_worse_than_the_papers_greedy_balancer(path):
     assert compared > 0
 
 
+def test_start_K_pins_the_first_phase_and_only_compresses():
+    prof = synthetic_profile(num_blocks=12)
+    cfg = TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512, start_K=8, allow_extrapolation=True)
+    plan = make_plan(prof, get_preset("paper"), cfg, GEOM)
+    assert plan.phases[0].K == 8 and plan.baseline.phase.K == 8
+    Ks = [plan.phases[t.phase].K for t in plan.trajectory]
+    assert all(k <= 8 for k in Ks) and Ks[-1] < Ks[0]
+    assert plan.totals.best_static_seconds <= plan.baseline.seconds
+    assert plan.totals.speedup >= plan.totals.speedup_vs_best_static
+    with pytest.raises(PtplanError, match="not both"):
+        TrainingConfig(epochs=1, samples_per_epoch=8, batch=8, start_K=2, pin_K=2)
+
+
 # ---- CLI -------------------------------------------------------------------------------------
 @pytest.fixture()
 def prof_file(tmp_path):
     path = tmp_path / "syn.json"
-    save_profile(synthetic_profile(num_blocks=6), path)
+    save_profile(synthetic_profile(num_blocks=6, batch_sizes=(1, 2, 4, 8, 16, 32)), path)
     return path
 
 
@@ -161,9 +304,40 @@ def test_cli_plan_writes_plan_and_prints_table(prof_file, tmp_path):
     r = CliRunner().invoke(cli, ["plan", str(prof_file), "--cluster", "paper", "--epochs", "4",
                                  "--samples-per-epoch", "4096", "--batch", "256", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert "predicted speedup" in r.output and "layers per stage" in r.output
+    assert "predicted speedup" in r.output and "layers per stage" in r.output and "iteration" in r.output
     plan = load_plan(out)
     assert len(plan.phases) == 7 and len(plan.trajectory) == 4
+
+
+def test_cli_cache_auto_and_on_work(prof_file, tmp_path):
+    """The audit: `ptplan plan --cache auto` crashed on every input (a numpy bool reached json.dumps)."""
+    for mode in ("auto", "on", "off"):
+        out = tmp_path / f"plan-{mode}.json"
+        r = CliRunner().invoke(cli, ["plan", str(prof_file), "--cache", mode, "--epochs", "4",
+                                     "--samples-per-epoch", "4096", "--batch", "256", "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        assert load_plan(out).inputs.training.cache == mode
+
+
+def test_cli_warnings_survive_quiet(tmp_path):
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--cluster", "dgx-h100", "--batch", "64", "--epochs", "2",
+                                 "--samples-per-epoch", "1024", "--quiet", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "warning:" in r.output and "CPU" in r.output and "layers per stage" not in r.output
+
+
+def test_cli_finds_a_shipped_profile_by_model_name(tmp_path):
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--cluster", "cpu:2", "--batch", "8", "--epochs", "2",
+                                 "--samples-per-epoch", "64", "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    assert load_plan(tmp_path / "p.json").inputs.profile.model == "bert-tiny"
+    assert "CPU process" in r.output and "GPUs" not in r.output.split("\n")[0]
+
+
+def test_cli_help_lists_presets_and_profiles():
+    r = CliRunner().invoke(cli, ["plan", "--help"])
+    assert r.exit_code == 0 and "dgx-h100" in r.output and "cpu:N" in r.output and "vit-base_cpu_fp32" in r.output
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -173,6 +347,8 @@ def test_cli_plan_writes_plan_and_prints_table(prof_file, tmp_path):
     (["--cluster", "nosuch"], "unknown cluster preset"),
     (["--freeze", "manual"], "--manual"),
     (["--freeze", "manual", "--manual", "0,3,2"], "non-decreasing"),
+    (["--epochs", "1000000000"], "epochs"),
+    (["--freeze-every", "0"], "every"),
 ])
 def test_cli_plan_bad_input_exits_2_and_writes_nothing(prof_file, tmp_path, args, needle):
     out = tmp_path / "plan.json"
@@ -180,8 +356,18 @@ def test_cli_plan_bad_input_exits_2_and_writes_nothing(prof_file, tmp_path, args
                                  "--samples-per-epoch", "4096", "--batch", "256", *args])
     assert r.exit_code == 2, r.output
     assert needle in r.output
-    assert not out.exists()
     assert list(tmp_path.iterdir()) == [prof_file]
+
+
+def test_cli_outputs_never_overwrite_inputs_and_come_all_or_none(prof_file, tmp_path):
+    before = prof_file.read_bytes()
+    r = CliRunner().invoke(cli, ["plan", str(prof_file), "--out", str(prof_file)])
+    assert r.exit_code == 2 and "also an input" in r.output
+    assert prof_file.read_bytes() == before
+    r = CliRunner().invoke(cli, ["plan", str(prof_file), "--out", str(tmp_path / "p.json"), "--report",
+                                 str(tmp_path / "nosuchdir" / "r.html")])
+    assert r.exit_code == 2 and "does not exist" in r.output
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_cli_cluster_file_with_unknown_key_exits_2(prof_file, tmp_path):
@@ -194,81 +380,17 @@ def test_cli_cluster_file_with_unknown_key_exits_2(prof_file, tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_cli_extreme_cluster_numbers_exit_2(prof_file, tmp_path):
+    cl = get_preset("paper").to_json()
+    cl["inter_bandwidth"] = 1e-300
+    cpath = tmp_path / "cluster.json"
+    cpath.write_text(json.dumps(cl))
+    r = CliRunner().invoke(cli, ["plan", str(prof_file), "--cluster", str(cpath), "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 2 and "inter_bandwidth" in r.output and "Traceback" not in r.output
+
+
 def test_cli_corrupt_profile_exits_2(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": "ptplan.profile/1", "model": ')
     r = CliRunner().invoke(cli, ["plan", str(bad), "--out", str(tmp_path / "p.json")])
     assert r.exit_code == 2 and "not valid JSON" in r.output
-
-
-def test_start_K_pins_the_first_phase_and_only_compresses():
-    """The paper's mode: start with one pipeline per node (K=8) and compress as blocks freeze."""
-    prof = synthetic_profile(num_blocks=12)
-    cfg = TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=512, start_K=8)
-    plan = make_plan(prof, get_preset("paper"), cfg, GEOM)
-    assert plan.phases[0].K == 8 and plan.baseline.phase.K == 8
-    Ks = [plan.phases[t.phase].K for t in plan.trajectory]
-    assert all(k <= 8 for k in Ks) and Ks[-1] < Ks[0]
-    assert plan.totals["best_static_seconds"] <= plan.baseline.seconds
-    assert plan.totals["speedup"] >= plan.totals["speedup_vs_best_static"]
-    with pytest.raises(PtplanError, match="not both"):
-        TrainingConfig(epochs=1, samples_per_epoch=8, batch=8, start_K=2, pin_K=2)
-
-
-# ---- cost-model terms measured on this machine (bench/calibrate.py) ------------------------------
-def _cpu_plan(prof, cluster, K: int, M: int):
-    return make_plan(prof, cluster, TrainingConfig(epochs=1, samples_per_epoch=256, batch=16, pin_K=K, pin_M=M),
-                     FreezePolicy(policy="none")).phases[0]
-
-
-def test_receive_buffers_count_once_per_micro_batch_on_each_pipelined_stage():
-    """torch.distributed.pipelining keeps one activation and one gradient receive buffer per micro-batch."""
-    from dataclasses import replace
-
-    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
-    cluster = replace(get_preset("cpu:2"), action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0)
-    t = CostTable(prof)
-    for M in (2, 8):
-        ph = _cpu_plan(prof, cluster, 2, M)
-        b = ph.micro_batch_size
-        (lo0, hi0), (lo1, hi1) = ph.partition
-        boundary = t.out_per_sample[hi0 - 1] * b
-        fixed0 = (t.train_state_bytes[lo0:hi0].sum() + M * boundary
-                  + min(2, M) * (t.saved_per_sample[lo0:hi0].sum() * b + boundary))
-        fixed1 = t.train_state_bytes[lo1:hi1].sum() + M * boundary + (t.saved_per_sample[lo1:hi1].sum()
-                                                                      + t.out_per_sample[hi1 - 1]) * b
-        assert ph.predicted.stage_peak_memory_bytes == pytest.approx((fixed0, fixed1), abs=4)
-
-
-def test_optimizer_step_and_framework_overheads_lengthen_the_iteration():
-    from dataclasses import replace
-
-    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
-    prof_opt = replace(prof, layers=tuple(replace(r, optimizer_s=1e-3) for r in prof.layers))
-    bare = replace(get_preset("cpu:2"), action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0)
-    base = _cpu_plan(prof, bare, 2, 4)
-    # the optimizer steps after the last backward: the slower stage's step extends the iteration
-    with_opt = _cpu_plan(prof_opt, bare, 2, 4)
-    assert with_opt.partition == base.partition
-    slow = max(hi - lo for lo, hi in base.partition)
-    assert with_opt.predicted.iteration_s - base.predicted.iteration_s == pytest.approx(slow * 1e-3, rel=0.35)
-    # the step overhead is paid once per step; the action overhead on every F and B of a K>1 pipeline
-    step = _cpu_plan(prof, replace(bare, step_overhead_s=0.01), 2, 4)
-    assert step.predicted.iteration_s == pytest.approx(base.predicted.iteration_s + 0.01)
-    act = _cpu_plan(prof, replace(bare, action_overhead_s=0.01), 2, 4)
-    assert act.predicted.iteration_s >= base.predicted.iteration_s + (4 + 1) * 2 * 0.01 - 1e-9  # (M+K-1)(f+b)
-    one = _cpu_plan(prof, replace(bare, action_overhead_s=0.01), 1, 4)  # K=1: the runtime's own loop
-    assert one.predicted.iteration_s == pytest.approx(_cpu_plan(prof, bare, 1, 4).predicted.iteration_s)
-
-
-def test_concurrency_slowdown_scales_every_compute_time_not_communication():
-    from dataclasses import replace
-
-    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
-    bare = replace(get_preset("cpu:2"), action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0,
-                   intra_latency_s=0.0, intra_bandwidth=1e18, inter_latency_s=0.0, inter_bandwidth=1e18)
-    base = _cpu_plan(prof, bare, 2, 4)
-    slow = _cpu_plan(prof, replace(bare, concurrency_slowdown=1.25), 2, 4)
-    assert slow.predicted.iteration_s == pytest.approx(1.25 * base.predicted.iteration_s)
-    assert slow.predicted.stage_peak_memory_bytes == base.predicted.stage_peak_memory_bytes
-    assert get_preset("cpu:1").concurrency_slowdown == 1.0 < get_preset("cpu:2").concurrency_slowdown

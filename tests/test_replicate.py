@@ -1,12 +1,16 @@
-"""AutoDP: rank layouts, data-parallel groups, valid K, and the batch split policies."""
+"""AutoDP: rank layouts and the data-parallel groups they imply."""
 from __future__ import annotations
 
 import pytest
 
 from ptplan.planner.cluster import Cluster, get_preset
 from ptplan.planner.errors import InfeasibleError, PtplanError
-from ptplan.planner.replicate import (BatchSplit, check_layout, divisors, dp_groups, layout,
-                                      micro_batch_candidates, pipeline_batch, pipeline_of, split_batch, valid_K)
+from ptplan.planner.replicate import check_layout, divisors, layout
+
+
+def dp_groups(ranks):
+    """For each stage, the ranks holding it across pipelines (what ``Phase.dp_groups`` returns)."""
+    return tuple(tuple(row[s] for row in ranks) for s in range(len(ranks[0])))
 
 
 def nodes_of(cluster: Cluster, row) -> set[int]:
@@ -74,54 +78,3 @@ def test_check_layout_catches_errors():
         check_layout(((0, 1), (2, 2)), 4)
     with pytest.raises(PtplanError, match="pipeline 1 has 1 ranks"):
         check_layout(((0, 1), (2,)), 3)
-
-
-def test_dp_groups_and_pipeline_of():
-    ranks = layout(8, 2)
-    groups = dp_groups(ranks)
-    assert groups == ((0, 2, 4, 6), (1, 3, 5, 7))
-    assert pipeline_of(ranks, 5) == (2, 1)
-    # every rank is in exactly one DP group
-    assert sorted(r for g in groups for r in g) == list(range(8))
-
-
-def test_valid_k():
-    c = get_preset("paper")
-    assert valid_K(c, 27) == [1, 2, 4, 8, 16]
-    assert valid_K(c, 5) == [1, 2, 4]
-    assert valid_K(1024, 195) == [1, 2, 4, 8, 16, 32, 64, 128]
-
-
-def test_constant_global_split():
-    s = split_batch("constant-global", 512, 4, 8)
-    assert s == BatchSplit(policy="constant-global", B=512, D=4, pipeline_batch=128, M=8, b=16)
-    # more pipelines, same global batch
-    assert split_batch("constant-global", 512, 16, 8).b == 4
-
-
-def test_constant_pipeline_split_grows_global_batch():
-    s = split_batch("constant-pipeline", 64, 4, 8)
-    assert (s.B, s.pipeline_batch, s.b) == (256, 64, 8)
-    assert split_batch("constant-pipeline", 64, 16, 8).B == 1024
-
-
-def test_split_errors_name_numbers_and_fixes():
-    with pytest.raises(InfeasibleError, match=r"global batch 400 does not split over D=3 pipelines.*399, 402"):
-        split_batch("constant-global", 400, 3, 4)
-    with pytest.raises(InfeasibleError, match=r"100 samples per pipeline.*M=3.*\[1, 2, 4, 5, 10, 20\].*396 or 408"):
-        split_batch("constant-global", 400, 4, 3)
-    with pytest.raises(InfeasibleError, match=r"per-pipeline batch 64.*M=5.*60 or 65"):
-        split_batch("constant-pipeline", 64, 4, 5)
-    with pytest.raises(PtplanError, match="batch policy 'bogus'"):
-        split_batch("bogus", 64, 4, 4)
-    with pytest.raises(PtplanError, match="M is 0"):
-        split_batch("constant-global", 64, 4, 0)
-
-
-def test_micro_batch_candidates():
-    assert micro_batch_candidates("constant-global", 512, 4) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert micro_batch_candidates("constant-global", 512, 4, max_M=10) == [1, 2, 4, 8]
-    assert micro_batch_candidates("constant-pipeline", 12, 8) == [1, 2, 3, 4, 6, 12]
-    assert pipeline_batch("constant-pipeline", 12, 8) == 12
-    with pytest.raises(InfeasibleError):
-        micro_batch_candidates("constant-global", 10, 4)

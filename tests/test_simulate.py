@@ -150,13 +150,26 @@ def test_bubble_excludes_allreduce_tail():
 # ---- memory ------------------------------------------------------------------------------
 @pytest.mark.parametrize("K, M", [(1, 3), (2, 2), (3, 7), (4, 4), (6, 13)])
 def test_peak_inflight_and_memory(K, M):
-    costs = uniform(K, 1, 1, fixed_bytes=1000, activation_bytes_per_mb=10, output_bytes_per_mb=1)
+    costs = uniform(K, 1, 1, fixed_bytes=1000, activation_bytes_per_mb=11)
     r1 = simulate(one_f_one_b(K, M), costs)
     assert r1.peak_inflight == tuple(min(K - s, M) for s in range(K))
     assert r1.stage_peak_memory_bytes == tuple(1000 + 11 * min(K - s, M) for s in range(K))
     rg = simulate(gpipe(K, M), costs)
     assert rg.peak_inflight == (M,) * K
     assert rg.stage_peak_memory_bytes == (1000 + 11 * M,) * K
+    # the after-pipeline transient (all-reduce buffer) counts only where it beats the activations
+    big = simulate(gpipe(K, M), uniform(K, 1, 1, fixed_bytes=1000, activation_bytes_per_mb=11, after_bytes=11 * M + 5))
+    assert big.stage_peak_memory_bytes == (1000 + 11 * M + 5,) * K
+
+
+def test_setup_delays_stage0_and_shows_as_a_cache_event():
+    costs = [StageCost(forward_s=1, backward_s=2, setup_s=0.5), StageCost(forward_s=1, backward_s=2)]
+    base = simulate(gpipe(2, 2), [StageCost(forward_s=1, backward_s=2)] * 2)
+    r = simulate(gpipe(2, 2), costs, events=True)
+    assert r.makespan_s == pytest.approx(base.makespan_s + 0.5)
+    assert [(e.rank, e.start, e.end) for e in r.events if e.kind == "CACHE"] == [(0, 0.0, 0.5)]
+    with pytest.raises(PtplanError, match="setup_s=0.5.*only stage 0"):
+        simulate(gpipe(2, 2), list(reversed(costs)))
 
 
 # ---- prefix, inputs ----------------------------------------------------------------------

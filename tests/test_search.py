@@ -1,0 +1,90 @@
+"""The phase search (planner/search.py): bounds that hold, and the same choice as exhaustive simulation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ptplan.planner.cluster import Cluster, get_preset
+from ptplan.planner.config import TrainingConfig
+from ptplan.planner.errors import InfeasibleError
+from ptplan.planner.search import Choice, PhaseSearch, Visit, exhaustive
+from ptplan.planner.synthetic import synthetic_profile
+from tests.test_stage import random_profile
+
+
+def random_case(rng: random.Random):
+    prof = random_profile(rng, rng.randint(2, 5))
+    cluster = rng.choice([get_preset("paper"), Cluster.uniform(nodes=2, gpus_per_node=4),
+                          Cluster.uniform(nodes=1, gpus_per_node=8), get_preset("cpu:4"), get_preset("cpu:2")])
+    W = cluster.world_size
+    batch = rng.choice([W, 2 * W, 4 * W, 8 * W, 3 * W])
+    cfg = TrainingConfig(epochs=2, samples_per_epoch=batch * rng.randint(2, 8), batch=batch,
+                         schedule=rng.choice(["gpipe", "1f1b"]), optimizer=rng.choice(["adamw", "sgd"]),
+                         cache=rng.choice(["off", "on", "auto"]), allow_extrapolation=rng.random() < 0.5,
+                         batch_policy=rng.choice(["constant-global", "constant-pipeline"]))
+    if rng.random() < 0.3:  # squeeze memory so that some candidates do not fit
+        small = Cluster(name="small", nodes=1, gpus_per_node=4, gpu_memory_bytes=rng.choice([8, 16, 64]) << 20,
+                        gpu_name="toy", intra_bandwidth=1e9, intra_latency_s=1e-5, inter_bandwidth=1e9,
+                        inter_latency_s=1e-5, host_memory_bytes=64 << 30)
+        cluster = small
+        cfg = TrainingConfig(epochs=2, samples_per_epoch=64, batch=16, schedule=cfg.schedule, cache=cfg.cache,
+                             allow_extrapolation=True)
+    return prof, cluster, cfg
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_picks_what_exhaustive_simulation_picks(seed):
+    """Split and simulate every candidate (K, M, cache), keep the best: the bounded search must agree."""
+    rng = random.Random(seed)
+    compared = 0
+    for _ in range(12):
+        prof, cluster, cfg = random_case(rng)
+        for f in sorted({0, rng.randint(0, prof.num_blocks), prof.num_blocks}):
+            visit = Visit(samples=rng.choice([1.0, float(cfg.samples_per_epoch), 5.0 * cfg.samples_per_epoch]),
+                          fill_from=0)
+            ref = exhaustive(PhaseSearch(prof, cluster, cfg), f, visit)
+            s = PhaseSearch(prof, cluster, cfg)
+            if ref is None:
+                with pytest.raises(InfeasibleError):
+                    s.search(f, visit)
+                continue
+            got = s.search(f, visit)
+            assert (got.cand, got.ranges) == (ref.cand, ref.ranges), (seed, f, cfg)
+            assert got.objective == pytest.approx(ref.objective, rel=1e-12)
+            compared += 1
+    assert compared >= 15
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounds_never_exceed_the_simulated_iteration(seed):
+    rng = random.Random(50 + seed)
+    checked = 0
+    for _ in range(10):
+        prof, cluster, cfg = random_case(rng)
+        s = PhaseSearch(prof, cluster, cfg)
+        f = rng.randint(0, prof.num_blocks)
+        n0 = prof.frozen_boundary(f)
+        cands, _, _ = s.candidates(f, n0)
+        for c in cands:
+            got = s.evaluate(c, n0, Visit(samples=1.0))
+            if not isinstance(got, Choice):
+                continue
+            sim = got.sim.iteration_s
+            assert s.lower_bound(c, n0) <= sim * (1 + 1e-9), (c, cfg)
+            assert s.split_bound(got.costs, c.M) <= sim * (1 + 1e-9), (c, cfg)
+            checked += 1
+    assert checked >= 30
+
+
+def test_large_case_uses_few_evaluations():
+    """The bounds prune: on 96 blocks and 1,024 GPUs most candidates are never split or simulated."""
+    prof = synthetic_profile(num_blocks=96, hidden=1024, batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+    s = PhaseSearch(prof, Cluster.uniform(nodes=128, like="dgx-h100"),
+                    TrainingConfig(epochs=10, samples_per_epoch=10_000_000, batch=8192))
+    total = 0
+    for f in range(0, 97, 8):
+        cands, _, _ = s.candidates(f, prof.frozen_boundary(f))
+        total += len(cands)
+        s.search(f, Visit(samples=1e7))
+    assert s.evaluated < total / 2

@@ -1,0 +1,223 @@
+"""The one stage model (planner/stage.py): one formula for the partitioner, the search and the simulator."""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from ptplan.planner.cluster import Cluster, get_preset
+from ptplan.planner.costs import CostTable
+from ptplan.planner.errors import InfeasibleError, PtplanError
+from ptplan.planner.partition import split_stages
+from ptplan.planner.profile import Profile
+from ptplan.planner.schedule import build_schedule, peak_inflight
+from ptplan.planner.simulate import simulate
+from ptplan.planner.stage import OPTIMIZER_STATE_FACTOR, PhaseShape, StageModel, links_for
+from ptplan.planner.synthetic import synthetic_profile
+
+
+def random_profile(rng: random.Random, blocks: int) -> Profile:
+    """A small synthetic profile with every layer's times and bytes scaled at random (non-uniform layers)."""
+    prof = synthetic_profile(num_blocks=blocks, hidden=rng.choice([64, 128]), seq_len=rng.choice([16, 32]),
+                             vocab=rng.choice([256, 1024]), batch_sizes=(1, 2, 4, 8))
+    layers = []
+    for r in prof.layers:
+        k = rng.uniform(0.2, 3.0)
+        layers.append(replace(r, forward_s=tuple(k * x for x in r.forward_s),
+                              backward_s=tuple(k * rng.uniform(1.5, 2.5) * x for x in r.forward_s),
+                              saved_bytes_per_sample=int(r.saved_bytes_per_sample * rng.uniform(0.5, 2)),
+                              optimizer_s=rng.uniform(0, 1e-4)))
+    return replace(prof, layers=tuple(layers))
+
+
+def model_for(prof: Profile, cluster: Cluster, *, K: int, M: int, b: int, f: int, cache: bool = False,
+              schedule: str = "1f1b", optimizer: str = "adamw", fill_from: int = 0) -> StageModel:
+    n0 = prof.frozen_boundary(f)
+    shape = PhaseShape(K=K, M=M, b=b, D=cluster.world_size // K, frozen=n0, cache=cache,
+                       inflight=peak_inflight(schedule, K, M), optimizer=optimizer,
+                       device_is_host=cluster.device_is_host, action_overhead_s=cluster.action_overhead_s)
+    return StageModel(CostTable(prof), shape, links_for(cluster, K), fill_from=fill_from)
+
+
+def random_split(rng: random.Random, lo: int, hi: int, K: int) -> list[tuple[int, int]]:
+    cuts = sorted(rng.sample(range(lo + 1, hi), K - 1))
+    b = [lo, *cuts, hi]
+    return list(zip(b[:-1], b[1:]))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_closed_form_inflight_is_what_the_generated_schedule_holds(name):
+    """The memory model uses peak_inflight before any schedule exists; the simulator counts the real lists."""
+    for K, M in itertools.product(range(1, 9), range(1, 17)):
+        if name == "1f1b" and M < K:
+            continue
+        sched = build_schedule(name, K, M)
+        r = simulate(sched, [replace_cost() for _ in range(K)])
+        assert r.peak_inflight == peak_inflight(name, K, M), (K, M)
+
+
+def replace_cost():
+    from ptplan.planner.simulate import StageCost
+
+    return StageCost(forward_s=1.0, backward_s=2.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partitioner_search_and_simulator_see_one_stage_model(seed):
+    """For random phases and splits: the partitioner's per-stage evaluation, the whole-split evaluation, the
+    simulator's memory and the break-down's totals are the same numbers."""
+    rng = random.Random(seed)
+    for _ in range(25):
+        prof = random_profile(rng, rng.randint(2, 5))
+        cluster = rng.choice([get_preset("paper"), Cluster.uniform(nodes=2, gpus_per_node=4), get_preset("cpu:4")])
+        f = rng.randint(0, prof.num_blocks)
+        n0 = prof.frozen_boundary(f)
+        n_active = prof.num_layers - n0
+        K = rng.choice([k for k in (1, 2, 4) if k <= n_active and cluster.world_size % k == 0])
+        schedule = rng.choice(["gpipe", "1f1b"])
+        M = rng.choice([m for m in (1, 2, 4, 8) if schedule == "gpipe" or m >= K])
+        cache = f > 0 and rng.random() < 0.5
+        m = model_for(prof, cluster, K=K, M=M, b=rng.choice([1, 2, 4]), f=f, cache=cache, schedule=schedule,
+                      optimizer=rng.choice(["adamw", "sgd"]))
+        ranges = random_split(rng, n0, prof.num_layers, K)
+        lo, hi = np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
+        t_all, mem_all = m.evaluate_split(m.prepare(lo, hi))
+        for s in range(K):
+            t_s, mem_s = m.evaluate(s, m.prepare(lo, hi), slice(s, s + 1))
+            assert t_s[0] == pytest.approx(t_all[s]) and mem_s[0] == pytest.approx(mem_all[s])
+        costs = m.stage_costs(ranges)
+        sim = simulate(build_schedule(schedule, K, M), costs)
+        breakdown = m.stage_memory(ranges)
+        assert tuple(x.total for x in breakdown) == sim.stage_peak_memory_bytes
+        assert [x.total for x in breakdown] == pytest.approx(list(mem_all), abs=2)
+        for x in breakdown:
+            assert x.total == x.weights + x.gradients + x.optimizer + x.buffers + max(x.activations, x.transient)
+        # busy = forward + backward + both sends (+ the prefix or the cache read on stage 0)
+        for s, c in enumerate(costs):
+            extra = c.prefix_s + c.setup_s / M
+            assert t_all[s] == pytest.approx(c.forward_s + c.backward_s + c.send_forward_s + c.send_backward_s + extra)
+
+
+def test_what_each_stage_holds():
+    prof = synthetic_profile(num_blocks=6, hidden=128, seq_len=32)
+    t = CostTable(prof)
+    f = 3
+    n0 = prof.frozen_boundary(f)
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=4)
+    ranges = [(n0, n0 + 3), (n0 + 3, prof.num_layers)]
+    plain = model_for(prof, gpu, K=2, M=4, b=2, f=f).stage_memory(ranges)
+    cached = model_for(prof, gpu, K=2, M=4, b=2, f=f, cache=True).stage_memory(ranges)
+    w0 = float(t.cum_param[n0 + 3] - t.cum_param[n0])
+    prefix = float(t.cum_param[n0])
+    assert plain[0].weights == int(w0 + prefix)  # recomputing: the frozen weights sit on stage 0
+    assert cached[0].weights == int(w0)  # cached: they stay in host memory
+    assert cached[0].buffers - plain[0].buffers == int(4 * 2 * t.out_per_sample[n0 - 1])  # the shard's rows
+    assert plain[1].weights == cached[1].weights  # other stages do not care
+    boundary = 2 * t.out_per_sample[n0 + 2]
+    assert plain[0].buffers == int(4 * boundary) and plain[1].buffers == int(4 * boundary)  # M receive buffers
+    assert plain[0].inflight == 2 and plain[1].inflight == 1  # 1F1B on K=2
+    # D > 1: the flat all-reduce buffer; AdamW on a GPU: its foreach temporary (one weight-sized buffer)
+    assert plain[1].transient == max(plain[1].gradients, plain[1].weights)
+    one = model_for(prof, Cluster.uniform(nodes=1, gpus_per_node=2), K=2, M=4, b=2, f=f).stage_memory(ranges)
+    assert one[1].transient == one[1].weights  # D = 1: no all-reduce buffer, the optimizer temporary remains
+    cpu = model_for(prof, get_preset("cpu:2"), K=2, M=4, b=2, f=f).stage_memory(ranges)
+    assert cpu[1].transient == 0  # CPU torch steps tensor by tensor; D = 1
+    sgd = model_for(prof, gpu, K=2, M=4, b=2, f=f, optimizer="sgd").stage_memory(ranges)
+    assert sgd[1].optimizer * OPTIMIZER_STATE_FACTOR["adamw"] == plain[1].optimizer * OPTIMIZER_STATE_FACTOR["sgd"]
+
+
+def test_fill_iterations_cost_more_and_refresh_from_a_cached_count_costs_less():
+    prof = synthetic_profile(num_blocks=6, hidden=128, seq_len=32)
+    f = 4
+    n0 = prof.frozen_boundary(f)
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=4)
+    ranges = [(n0, prof.num_layers)]
+    full = model_for(prof, gpu, K=1, M=2, b=2, f=f, cache=True, fill_from=0).stage_costs(ranges, fill=True)
+    part = model_for(prof, gpu, K=1, M=2, b=2, f=f, cache=True,
+                     fill_from=prof.frozen_boundary(2)).stage_costs(ranges, fill=True)
+    steady = model_for(prof, gpu, K=1, M=2, b=2, f=f, cache=True).stage_costs(ranges)
+    assert full[0].setup_s > part[0].setup_s > steady[0].setup_s > 0
+
+
+def test_bad_splits_are_refused():
+    prof = synthetic_profile(num_blocks=2)
+    m = model_for(prof, get_preset("cpu:2"), K=2, M=2, b=1, f=0)
+    with pytest.raises(PtplanError, match="contiguous"):
+        m.stage_costs([(0, 3), (4, prof.num_layers)])
+    with pytest.raises(PtplanError, match="has no prefix"):
+        model_for(prof, get_preset("cpu:2"), K=1, M=1, b=1, f=0, cache=True)
+
+
+def brute(m: StageModel, K: int, limit: float):
+    """Every split as (bottleneck, sum of squares, ranges) that fits ``limit``, by the model's own numbers."""
+    out = []
+    a, n = m.start, m.n
+    for cuts in itertools.combinations(range(a + 1, n), K - 1):
+        b = (a, *cuts, n)
+        lo, hi = np.array(b[:-1]), np.array(b[1:])
+        t, mem = m.evaluate_split(m.prepare(lo, hi))
+        if mem.max() <= limit:
+            out.append((float(t.max()), float((t * t).sum()), tuple(zip(b[:-1], b[1:]))))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_split_under_the_stage_models_memory_is_exact(seed):
+    """The audit: three memory formulas missed feasible splits. The split is exact under the one model."""
+    rng = random.Random(100 + seed)
+    checked = 0
+    for _ in range(40):
+        prof = random_profile(rng, rng.randint(2, 4))
+        cluster = rng.choice([Cluster.uniform(nodes=1, gpus_per_node=4), get_preset("cpu:4")])
+        f = rng.randint(0, prof.num_blocks - 1)
+        n_active = prof.num_layers - prof.frozen_boundary(f)
+        K = rng.choice([k for k in (1, 2, 4) if k <= n_active])
+        M = rng.choice([m for m in (4, 8) if m >= K])
+        m = model_for(prof, cluster, K=K, M=M, b=rng.choice([1, 4]), f=f, cache=f > 0 and rng.random() < 0.5)
+        splits_any = brute(m, K, float("inf"))
+        peaks = sorted(
+            float(m.evaluate_split(m.prepare(np.array([r[0] for r in sp[2]]), np.array([r[1] for r in sp[2]])))[1].max())
+            for sp in splits_any)
+        limit = rng.choice(peaks) * rng.choice([1.0, 0.999, 1.001])
+        splits = brute(m, K, limit)
+        if not splits:
+            with pytest.raises(InfeasibleError):
+                split_stages(m, K, limit)
+            continue
+        p = split_stages(m, K, limit)
+        best = min(s[0] for s in splits)
+        assert p.bottleneck == pytest.approx(best, rel=1e-12)
+        assert max(p.stage_memory) <= limit * (1 + 1e-9)
+        tied = [s for s in splits if s[0] <= best * (1 + 1e-12)]
+        assert sum(c * c for c in p.stage_costs) == pytest.approx(min(s[1] for s in tied), rel=1e-9)
+        checked += 1
+    assert checked >= 20
+
+
+def test_a_split_that_fits_only_by_each_stage_own_in_flight_count_is_found():
+    """The audit's 6-9 GiB case: a conservative bound (the worst stage's in-flight count for every stage)
+    refused a K=2 split that fits; the exact per-stage model finds it."""
+    prof = synthetic_profile(num_blocks=8, hidden=1024, seq_len=512, batch_sizes=(1, 2, 4, 8))
+    for gib in (6, 7, 8, 9):
+        cluster = Cluster(name=f"{gib}g", nodes=1, gpus_per_node=2, gpu_memory_bytes=gib << 30, gpu_name="toy",
+                          intra_bandwidth=1e10, intra_latency_s=1e-5, inter_bandwidth=1e10, inter_latency_s=1e-5)
+        limit = 0.9 * cluster.gpu_memory_bytes
+        for b in (1, 2, 4, 8):
+            m = model_for(prof, cluster, K=2, M=8, b=b, f=0)
+            conservative = replace(m.shape, inflight=(2, 2))
+            cons = StageModel(m.t, conservative, m.links)
+            try:
+                split_stages(cons, 2, limit)
+                continue
+            except InfeasibleError:
+                pass
+            try:
+                p = split_stages(m, 2, limit)
+            except InfeasibleError:
+                continue
+            assert max(p.stage_memory) <= limit
+            return
+    pytest.fail("no 6-9 GiB case where only the exact per-stage memory fits")
