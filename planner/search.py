@@ -40,7 +40,7 @@ from .profile import Profile
 from .replicate import divisors
 from .schedule import Schedule, build_schedule, peak_inflight
 from .simulate import SimResult, StageCost, simulate
-from .stage import Links, PhaseShape, StageModel, links_for
+from .stage import Links, PhaseShape, StageModel, cache_setup_s, links_for
 
 GiB = float(1 << 30)
 
@@ -105,6 +105,7 @@ class PhaseSearch:
         self.limit = cluster.gpu_memory_bytes * cfg.memory_fraction
         self._links: dict[int, Links] = {}
         self._stage0: dict[int, int] = {}
+        self._fbmax: dict[int, np.ndarray] = {}
         self._hint: dict[bool | None, tuple[int, int, bool]] = {}
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
@@ -197,8 +198,19 @@ class PhaseSearch:
         return out, reasons, notes
 
     # ---- 2. bounds -----------------------------------------------------------------------------
-    def lower_bound(self, c: Candidate, n0: int) -> float:
-        """Seconds that the simulated iteration of any split of this candidate is at least.
+    def objective_bound(self, c: Candidate, n0: int, visit: Visit) -> float:
+        """Seconds per sample that this candidate's objective is at least, whatever its split: the
+        iteration bound below for steady iterations, and with the AutoCache also for fill iterations
+        (the fill's set-up is the same for every split), weighted as the objective weighs them."""
+        steady = self.lower_bound(c, n0)
+        if not c.cache:
+            return steady / c.B
+        fill = self.lower_bound(c, n0, fill_from=visit.fill_from)
+        return _seconds_per_sample(c, steady, fill, visit, self.cfg.samples_per_epoch)
+
+    def lower_bound(self, c: Candidate, n0: int, *, fill_from: int | None = None) -> float:
+        """Seconds that the simulated iteration of any split of this candidate is at least (a fill
+        iteration's with ``fill_from``, a steady one's without).
 
         With f_s, b_s a stage's forward and backward per micro-batch (overheads and the stage-0
         prefix included), F = Σ f_s, B = Σ b_s, and T = F + B + the cache set-up + every link's
@@ -215,8 +227,7 @@ class PhaseSearch:
           c = 1 / (1 - (1 - 1/M)^K) (exact for K = 1 and for M = 1);
         - the largest layer: its stage runs it M times;
         - the tail: every stage finishes its compute, then its all-reduce and optimizer step, and
-          the slowest of those is at least their average over the K stages (and at least the
-          largest single layer's share);
+          the slowest of those is at least their average over the K stages;
         - stage 0's last backward is the last compute of the iteration, so its all-reduce and
           optimizer step (at least those of the first active layer, which it always holds) follow
           the makespan bounds above;
@@ -225,31 +236,44 @@ class PhaseSearch:
         tm = self.t.at(c.b)
         K, M = c.K, c.M
         ovh = self.c.action_overhead_s if K > 1 else 0.0
-        fwd, bwd = tm.fwd[n0:], tm.bwd[n0:]
+        n, t = self.n, self.t
         prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
-        setup = M * c.b * float(self.t.out_per_sample[n0 - 1]) / self.cfg.host_read_bandwidth if c.cache else 0.0
+        setup = cache_setup_s(t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
+                              fill_from=fill_from) if c.cache else 0.0
         L = self.links(K)
-        F = float(fwd.sum()) + K * ovh + prefix
-        Bw = float(bwd.sum()) + K * ovh
+        sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
+        sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])
+        F = sf + K * ovh + prefix
+        Bw = sb + K * ovh
         T = F + Bw + setup + 2.0 * float(L.send_lat.sum())
         if self.cfg.schedule == "gpipe":
             pipe = T + (M - 1) * (F + Bw) / K
         else:
             pipe = T + (M - 1) * F / K + max(0, M - K) * Bw / K
-        pipe = max(pipe, setup + (F + Bw) / -math.expm1(K * math.log1p(-1.0 / M)) if M > 1 else 0.0)
-        fb = fwd + bwd
-        big = M * (float(fb.max()) + 2 * ovh)
-        x = M * fb + self.t.optimizer_s[n0:]  # per layer; the per-action overheads are per stage
+        if M > 1:
+            pipe = max(pipe, setup + (F + Bw) / -math.expm1(K * math.log1p(-1.0 / M)))
+        fb_max = float(self._fb_suffix_max(c.b)[n0])
+        big = M * (fb_max + 2 * ovh)
+        x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
         lat = 0.0
         if c.D > 1:
-            x = x + self.t.grad_bytes[n0:] * float(L.ar_per_byte.min())
+            x_sum += float(t.cum_grad[n] - t.cum_grad[n0]) * float(L.ar_per_byte.min())
             lat = float(L.ar_lat.min())
-        tail = max((float(x.sum()) + M * (prefix + 2 * ovh * K) + setup) / K, float(x.max()) + 2 * M * ovh) + lat
-        stage0 = setup + M * (prefix + float(fb[0]) + 2 * ovh)  # stage 0 runs the prefix and its first layer
-        last0 = float(self.t.optimizer_s[n0])
+        tail = max((x_sum + M * (prefix + 2 * ovh * K) + setup) / K, big) + lat
+        stage0 = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh)  # the prefix and its first layer
+        last0 = float(t.optimizer_s[n0])
         if c.D > 1:
-            last0 += float(L.ar_lat[0] + self.t.grad_bytes[n0] * L.ar_per_byte[0])
+            last0 += float(L.ar_lat[0] + t.grad_bytes[n0] * L.ar_per_byte[0])
         return max(max(pipe, big, stage0) + last0, tail) + self.c.step_overhead_s
+
+    def _fb_suffix_max(self, b: int) -> np.ndarray:
+        """``[i]``: the largest forward + backward of one layer among layers [i, n) at micro-batch size b."""
+        got = self._fbmax.get(b)
+        if got is None:
+            tm = self.t.at(b)
+            got = np.maximum.accumulate((tm.fwd + tm.bwd)[::-1])[::-1]
+            self._fbmax[b] = got
+        return got
 
     def split_bound(self, costs: Sequence[StageCost], M: int) -> float:
         """A lower bound on the simulated iteration once the split is known (the same arguments as
@@ -355,7 +379,7 @@ class PhaseSearch:
                 fits.append(c)
             elif not any(isinstance(r, str) and r.endswith(why) for r in reasons[-1:]):
                 reasons.append(f"K={c.K}, cache on: {why}")
-        heap = [(self.lower_bound(c, n0) / c.B, i, c) for i, c in enumerate(fits)]
+        heap = [(self.objective_bound(c, n0, visit), i, c) for i, c in enumerate(fits)]
         # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
         hint = self._hint.get(cache)
         first = [c for c in fits if hint is not None and (c.K, c.M, c.cache) == hint]

@@ -97,6 +97,23 @@ def links_for(cluster: Cluster, K: int) -> Links:
                  ar_per_byte=np.array(per, dtype=float))
 
 
+def cache_setup_s(table: CostTable, n0: int, M: int, b: int, bandwidth: float, *, device_is_host: bool,
+                  fill_from: int | None = None) -> float:
+    """Stage 0's once-per-iteration AutoCache work for a shard of M·b samples (the module docstring's
+    ``setup``): reading the rows at n0 (``fill_from`` None: a steady iteration), or filling them: run
+    layers [fill_from, n0) on rows cached at fill_from (or on the inputs when it is 0), write the rows
+    at n0, and stream those layers' weights from host memory when the device is not the host."""
+    out = table.out_per_sample
+    rows = M * b * float(out[n0 - 1]) / bandwidth
+    if fill_from is None:
+        return rows
+    c = fill_from
+    read_c = M * b * float(out[c - 1]) / bandwidth if c > 0 else 0.0
+    stream = 0.0 if device_is_host else float(table.cum_param[n0] - table.cum_param[c]) / bandwidth
+    tm = table.at(b)
+    return M * float(tm.cum_nograd[n0] - tm.cum_nograd[c]) + read_c + rows + stream
+
+
 @dataclass(frozen=True, kw_only=True)
 class PhaseShape:
     """What a phase fixes for all of its stages."""
@@ -180,12 +197,9 @@ class StageModel:
             shard = M * b * out[n0 - 1]
             self.stage0_static = float(shard)
             self.prefix_s = 0.0
-            self.read_setup_s = float(shard / bw)
-            c = fill_from
-            stream = 0.0 if sh.device_is_host else float(table.cum_param[n0] - table.cum_param[c]) / bw
-            read_c = float(M * b * out[c - 1] / bw) if c > 0 else 0.0
-            self.fill_setup_s = float(M * (self.times.cum_nograd[n0] - self.times.cum_nograd[c])) + read_c \
-                + float(shard / bw) + stream
+            self.read_setup_s = cache_setup_s(table, n0, M, b, bw, device_is_host=sh.device_is_host)
+            self.fill_setup_s = cache_setup_s(table, n0, M, b, bw, device_is_host=sh.device_is_host,
+                                              fill_from=fill_from)
             streamed = 0.0 if sh.device_is_host else float(table.max_param_upto[n0])
             self.stage0_after = streamed + float(M * b * out[:n0].max())
         else:
@@ -224,15 +238,29 @@ class StageModel:
     def _combine(self, terms: tuple[np.ndarray, ...], s: int | np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(busy, static, per_mb, after, inflight) of prepared stages at stage index s (a number, or an
-        array broadcasting against the terms): the module docstring's formulas, in one place."""
+        array broadcasting against the terms): the module docstring's formulas, in one place. (The
+        number case branches instead of multiplying by 0/1 flags: it runs once per stage index in
+        every split search.)"""
         sh = self.shape
         base, inb, outb, state, per_mb, after = terms
+        if isinstance(s, (int, np.integer)):
+            t, static = base, state
+            if s > 0:
+                t = t + (self._lat_in[s] + inb * self._inv_in[s])
+                static = static + sh.M * inb
+            if s < sh.K - 1:
+                t = t + (self._lat_out[s] + outb * self._inv_out[s])
+                static = static + sh.M * outb
+            if s == 0:
+                t = t + (self.prefix_s + self.read_setup_s / sh.M)
+                static = static + self.stage0_static
+                if self.stage0_after:
+                    after = np.maximum(after, self.stage0_after)
+            return t, static, per_mb, after, self._inflight[s]
         si = np.asarray(s)
         has_in, has_out, is0 = si > 0, si < sh.K - 1, si == 0
-        lat_in, inv_in = self._lat_in[si], self._inv_in[si]
-        lat_out, inv_out = self._lat_out[si], self._inv_out[si]
-        t = base + has_in * (lat_in + inb * inv_in) + has_out * (lat_out + outb * inv_out) \
-            + is0 * (self.prefix_s + self.read_setup_s / sh.M)
+        t = base + has_in * (self._lat_in[si] + inb * self._inv_in[si]) \
+            + has_out * (self._lat_out[si] + outb * self._inv_out[si]) + is0 * (self.prefix_s + self.read_setup_s / sh.M)
         static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
         if self.stage0_after:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)

@@ -66,13 +66,18 @@ def test_bounds_never_exceed_the_simulated_iteration(seed):
         f = rng.randint(0, prof.num_blocks)
         n0 = prof.frozen_boundary(f)
         cands, _, _ = s.candidates(f, n0)
+        visit = Visit(samples=rng.choice([1.0, 3.0 * cfg.samples_per_epoch]),
+                      fill_from=rng.randint(0, n0) if n0 else 0)
         for c in cands:
-            got = s.evaluate(c, n0, Visit(samples=1.0))
+            got = s.evaluate(c, n0, visit)
             if not isinstance(got, Choice):
                 continue
             sim = got.sim.iteration_s
             assert s.lower_bound(c, n0) <= sim * (1 + 1e-9), (c, cfg)
             assert s.split_bound(got.costs, c.M) <= sim * (1 + 1e-9), (c, cfg)
+            if got.fill_sim is not None:
+                assert s.lower_bound(c, n0, fill_from=visit.fill_from) <= got.fill_sim.iteration_s * (1 + 1e-9)
+            assert s.objective_bound(c, n0, visit) <= got.objective * (1 + 1e-9)
             checked += 1
     assert checked >= 30
 
