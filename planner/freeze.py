@@ -89,7 +89,7 @@ class FreezePolicy:
     """When a freeze step happens: ``"epoch"`` (at the start of each epoch) or every N optimizer steps."""
     adaptive: bool = False
     """For ``geometric``: at run time the executor calls ``next_frozen`` with measured gradient norms, so
-    any count up to the bound may occur (the plan then holds a phase for each ``reachable_counts``)."""
+    any count up to the bound may occur (the plan holds a phase for every count 0..L)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -151,16 +151,6 @@ def _count_at(policy: FreezePolicy, L: int, T: int) -> int:
     return c
 
 
-def _steps_at_epoch(policy: FreezePolicy, epoch: int, steps_per_epoch: int | None) -> int:
-    """Index T of the freeze step in force at the start of ``epoch``."""
-    if policy.every == "epoch":
-        return epoch
-    if steps_per_epoch is None or steps_per_epoch < 1:
-        raise PtplanError(f"freezing every {policy.every} steps needs steps_per_epoch (>= 1), "
-                          f"got {steps_per_epoch!r}")
-    return (epoch * steps_per_epoch) // int(policy.every)
-
-
 def freeze_table(policy: FreezePolicy, L: int, last_T: int) -> list[int]:
     """The frozen count at freeze steps T = 0..last_T, cut where it stops changing (the last entry
     then holds for every later T): what a plan stores and a run replays."""
@@ -174,81 +164,3 @@ def freeze_table(policy: FreezePolicy, L: int, last_T: int) -> list[int]:
         T += 1
         out.append(_count_at(policy, L, T))
     return out
-
-
-def trajectory(policy: FreezePolicy, L: int, epochs: int, *, steps_per_epoch: int | None = None) -> list[int]:
-    """Frozen block count at the start of each epoch 0..epochs-1.
-
-    For ``every`` = N steps, the count at the start of the epoch (changes inside an epoch are in
-    ``segments``). Manual lists longer than needed are cut; shorter ones hold their last value.
-    """
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise PtplanError(f"epochs is {epochs!r}; it must be an integer >= 1")
-    _check_L_alpha(L, policy.alpha)
-    return [_count_at(policy, L, _steps_at_epoch(policy, e, steps_per_epoch)) for e in range(epochs)]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Segment:
-    """A run of optimizer steps with one frozen count, inside one epoch."""
-
-    epoch: int
-    """Epoch index."""
-    frozen_blocks: int
-    """f during this run."""
-    steps: int
-    """Number of optimizer steps (iterations) in this run."""
-
-
-def segments(policy: FreezePolicy, L: int, epochs: int, steps_per_epoch: int) -> list[Segment]:
-    """The predicted trajectory as runs of (epoch, frozen count, steps); what a plan's trajectory lists."""
-    if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int) or steps_per_epoch < 1:
-        raise PtplanError(f"steps_per_epoch is {steps_per_epoch!r}; it must be an integer >= 1")
-    counts = trajectory(policy, L, epochs, steps_per_epoch=steps_per_epoch)
-    if policy.every == "epoch":
-        return [Segment(epoch=e, frozen_blocks=c, steps=steps_per_epoch) for e, c in enumerate(counts)]
-    N = int(policy.every)
-    out: list[Segment] = []
-    for e in range(epochs):
-        s, end = e * steps_per_epoch, (e + 1) * steps_per_epoch
-        while s < end:
-            T = s // N
-            stop = min(end, (T + 1) * N)
-            c = _count_at(policy, L, T)
-            if out and out[-1].epoch == e and out[-1].frozen_blocks == c:
-                out[-1] = Segment(epoch=e, frozen_blocks=c, steps=out[-1].steps + stop - s)
-            else:
-                out.append(Segment(epoch=e, frozen_blocks=c, steps=stop - s))
-            s = stop
-    return out
-
-
-def freeze_decisions(policy: FreezePolicy, epochs: int, steps_per_epoch: int | None = None) -> int:
-    """Number of freeze steps T >= 1 that happen during training (decisions after the start)."""
-    if policy.every == "epoch":
-        return epochs - 1
-    if steps_per_epoch is None or steps_per_epoch < 1:
-        raise PtplanError(f"freezing every {policy.every} steps needs steps_per_epoch (>= 1)")
-    return (epochs * steps_per_epoch - 1) // int(policy.every)
-
-
-def reachable_counts(policy: FreezePolicy, L: int, epochs: int, *, steps_per_epoch: int | None = None) -> list[int]:
-    """Every frozen count that can occur, ascending; the planner makes one phase per count.
-
-    Non-adaptive: the counts of the trajectory (plus those inside epochs for step-based freezing).
-    Adaptive: from f, one step can reach any count in f+1..ceil(f + α(L-f)), and that bound grows with
-    f, so after n decisions every count 0..(integer recursion applied n times) is reachable.
-    """
-    if not policy.adaptive:
-        if policy.every == "epoch":
-            return sorted(set(trajectory(policy, L, epochs)))
-        if steps_per_epoch is None:
-            raise PtplanError(f"freezing every {policy.every} steps needs steps_per_epoch (>= 1)")
-        return sorted({s.frozen_blocks for s in segments(policy, L, epochs, steps_per_epoch)})
-    n = freeze_decisions(policy, epochs, steps_per_epoch)
-    top = 0
-    for _ in range(n):
-        if top == L:
-            break
-        top = next_frozen(top, L, policy.alpha)
-    return list(range(top + 1))

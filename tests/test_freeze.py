@@ -6,8 +6,13 @@ import math
 import pytest
 
 from ptplan.planner.errors import PtplanError
-from ptplan.planner.freeze import (FreezePolicy, Segment, freeze_decisions, geometric_count, next_frozen,
-                                   reachable_counts, segments, trajectory)
+from ptplan.planner.freeze import FreezePolicy, freeze_table, geometric_count, next_frozen
+
+
+def trajectory(pol: FreezePolicy, L: int, steps: int) -> list[int]:
+    """The frozen count at freeze steps 0..steps-1, read from the (cut) table as a run reads it."""
+    table = freeze_table(pol, L, steps - 1)
+    return [table[min(T, len(table) - 1)] for T in range(steps)]
 
 # research/pipetransformer.md §1.3: ceil(L(1-(1-α)^T)) for L=12, T=0..9
 PAPER_TABLE = {
@@ -108,43 +113,22 @@ def test_manual_and_none():
     assert pol.manual == (0, 2, 5)
     assert trajectory(pol, 12, 5) == [0, 2, 5, 5, 5]        # holds the last value
     assert trajectory(pol, 12, 2) == [0, 2]                 # longer lists are cut
+    assert freeze_table(pol, 12, 10) == [0, 2, 5]           # the table stops where the count settles
     with pytest.raises(PtplanError, match="asks for 5 frozen blocks but the model has L=4"):
         trajectory(pol, 4, 3)
     assert trajectory(FreezePolicy(policy="none"), 12, 4) == [0, 0, 0, 0]
-    assert reachable_counts(FreezePolicy(policy="none"), 12, 4) == [0]
+    assert freeze_table(FreezePolicy(policy="none"), 12, 4) == [0]
 
 
-def test_every_n_steps_segments():
-    pol = FreezePolicy(alpha=1 / 3, every=50)
-    # 100 steps per epoch: decisions at steps 50, 100, 150, ... -> two counts per epoch
-    segs = segments(pol, 12, 2, 100)
-    assert segs == [Segment(epoch=0, frozen_blocks=0, steps=50), Segment(epoch=0, frozen_blocks=4, steps=50),
-                    Segment(epoch=1, frozen_blocks=7, steps=50), Segment(epoch=1, frozen_blocks=9, steps=50)]
-    assert trajectory(pol, 12, 2, steps_per_epoch=100) == [0, 7]
-    assert sum(s.steps for s in segs) == 200
-    assert freeze_decisions(pol, 2, 100) == 3
-    assert reachable_counts(pol, 12, 2, steps_per_epoch=100) == [0, 4, 7, 9]
-    with pytest.raises(PtplanError, match="needs steps_per_epoch"):
-        trajectory(pol, 12, 2)
+def test_table_is_cut_where_the_geometric_count_settles():
+    assert freeze_table(FreezePolicy(alpha=1 / 3), 12, 100) == [0, 4, 7, 9, 10, 11, 11, 12]
+    assert freeze_table(FreezePolicy(alpha=1 / 3), 12, 3) == [0, 4, 7, 9]
+    # every N steps: the table is per freeze step, the cadence lives in the policy
+    assert freeze_table(FreezePolicy(alpha=1 / 3, every=50), 12, 3) == [0, 4, 7, 9]
 
 
-def test_epoch_segments_are_one_per_epoch():
-    segs = segments(FreezePolicy(), 12, 3, 10)
-    assert [(s.epoch, s.frozen_blocks, s.steps) for s in segs] == [(0, 0, 10), (1, 4, 10), (2, 7, 10)]
-
-
-def test_reachable_counts():
-    pol = FreezePolicy(alpha=1 / 3)
-    assert reachable_counts(pol, 12, 10) == [0, 4, 7, 9, 10, 11, 12]
-    adaptive = FreezePolicy(alpha=1 / 3, adaptive=True)
-    assert reachable_counts(adaptive, 12, 10) == list(range(13))
-    # BERT-large, 3 epochs: two decisions reach at most ceil(8 + 16/3) = 14
-    assert reachable_counts(adaptive, 24, 3) == list(range(15))
-    assert reachable_counts(adaptive, 24, 1) == [0]
-
-
-def test_trajectory_errors():
-    with pytest.raises(PtplanError, match="epochs is 0"):
-        trajectory(FreezePolicy(), 12, 0)
+def test_table_errors():
+    with pytest.raises(PtplanError, match="last freeze step is -1"):
+        freeze_table(FreezePolicy(), 12, -1)
     with pytest.raises(PtplanError, match="L is 0"):
-        trajectory(FreezePolicy(), 0, 3)
+        freeze_table(FreezePolicy(), 0, 3)
