@@ -8,14 +8,28 @@ import click
 from ptplan.planner.errors import PtplanError
 
 
-class PtplanGroup(click.Group):
-    """A click group that turns PtplanError into one clear message and exit code 2."""
+NEEDS_EXECUTOR = {"torch", "transformers"}
+"""Packages only ``profile`` and ``run`` need (``pip install -e ".[executor]"``); planning never imports them."""
 
-    def invoke(self, ctx: click.Context):
+
+class PtplanGroup(click.Group):
+    """A click group that turns PtplanError (and a missing executor dependency) into one clear message
+    and exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except PtplanError as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except ModuleNotFoundError as e:
+            top = (e.name or "").split(".")[0]
+            if top not in NEEDS_EXECUTOR:
+                raise
+            cmd = ctx.invoked_subcommand or "this command"
+            click.echo(f"error: `ptplan {cmd}` needs {top}, which is not installed. Install the executor's "
+                       f"dependencies: pip install torch==2.13.0 transformers (or the torch build for your GPU), "
+                       f'or pip install -e ".[executor]" from a checkout', err=True)
             sys.exit(2)
 
 

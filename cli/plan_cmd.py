@@ -5,6 +5,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -163,10 +164,12 @@ def _check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
               show_default=True, help="Freeze trajectory: the paper's geometric bound, a manual list, or none.")
 @click.option("--alpha", type=float, default=1 / 3, show_default="1/3",
               help="Freeze rate α in (0,1): each freeze step freezes at most α of the active blocks.")
-@click.option("--manual", "manual", default=None, help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual).")
+@click.option("--manual", "manual", default=None,
+              help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual).")
 @click.option("--freeze-every", type=int, default=None,
               help="A freeze step every N optimizer steps instead of once per epoch.")
-@click.option("--adaptive", is_flag=True, help="The run will decide from gradient norms (ptplan run --freeze adaptive).")
+@click.option("--adaptive", is_flag=True,
+              help="The run will decide from gradient norms (ptplan run --freeze adaptive).")
 @click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
               help="Sets the optimizer-state memory (AdamW two moments, SGD one momentum buffer per parameter).")
@@ -247,7 +250,7 @@ class _Progress:
     """A progress bar on stderr for long plans (phases searched out of all)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.bar = None
+        self.bar: Any = None
         self.enabled = enabled
 
     def update(self, done: int, total: int) -> None:

@@ -6,9 +6,18 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeAlias
 
 from .errors import PtplanError, SchemaError
+
+
+# The accessors below are named after the JSON types they return (``f.str("name")``), which shadows
+# the builtins inside the class body; annotations use these aliases instead.
+_Str: TypeAlias = str
+_Int: TypeAlias = int
+_Float: TypeAlias = float
+_List: TypeAlias = list
+_Bool: TypeAlias = bool
 
 
 class Fields:
@@ -18,7 +27,8 @@ class Fields:
     ``SchemaError("plan", "phases[2].K", ...)`` if K is missing, not an int, or < 1.
     """
 
-    def __init__(self, obj: Any, what: str, path: str = "", allowed: Iterable[str] | None = None) -> None:
+    def __init__(self, obj: Any, what: _Str, path: _Str = "", allowed: Iterable[_Str] | None = None
+                 ) -> None:
         self.what, self.path = what, path
         if not isinstance(obj, dict):
             raise SchemaError(what, path or "<root>", f"expected an object, got {type(obj).__name__}")
@@ -29,20 +39,20 @@ class Fields:
                 raise SchemaError(what, self._p(unknown[0]), "unknown key",
                                   f"allowed keys: {', '.join(sorted(allowed))}")
 
-    def _p(self, key: str) -> str:
+    def _p(self, key: _Str) -> _Str:
         return f"{self.path}.{key}" if self.path else key
 
-    def _get(self, key: str, default: Any = ...) -> Any:
+    def _get(self, key: _Str, default: Any = ...) -> Any:
         if key not in self.obj:
             if default is ...:
                 raise SchemaError(self.what, self._p(key), "missing")
             return default
         return self.obj[key]
 
-    def raw(self, key: str, default: Any = ...) -> Any:
+    def raw(self, key: _Str, default: Any = ...) -> Any:
         return self._get(key, default)
 
-    def str(self, key: str, default: Any = ..., choices: Iterable[str] | None = None) -> str:
+    def str(self, key: _Str, default: Any = ..., choices: Iterable[_Str] | None = None) -> _Str:
         v = self._get(key, default)
         if v is default and default is not ...:
             return v
@@ -52,7 +62,8 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"{v!r} is not one of {sorted(choices)}")
         return v
 
-    def int(self, key: str, default: Any = ..., min: int | None = None, max: int | None = None) -> int:
+    def int(self, key: _Str, default: Any = ..., min: _Int | None = None, max: _Int | None = None
+            ) -> _Int:
         v = self._get(key, default)
         if v is default and default is not ...:
             return v
@@ -64,7 +75,8 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"{v:,} is above the maximum {max:,}")
         return v
 
-    def float(self, key: str, default: Any = ..., min: float | None = None, max: float | None = None) -> float:
+    def float(self, key: _Str, default: Any = ..., min: _Float | None = None, max: _Float | None = None
+              ) -> _Float:
         v = self._get(key, default)
         if v is default and default is not ...:
             return v
@@ -76,13 +88,13 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"{v} is above the maximum {max}")
         return float(v)
 
-    def bool(self, key: str, default: Any = ...) -> bool:
+    def bool(self, key: _Str, default: Any = ...) -> _Bool:
         v = self._get(key, default)
         if not isinstance(v, bool):
             raise SchemaError(self.what, self._p(key), f"expected true/false, got {v!r}")
         return v
 
-    def list(self, key: str, default: Any = ..., length: int | None = None) -> list:
+    def list(self, key: _Str, default: Any = ..., length: _Int | None = None) -> _List:
         v = self._get(key, default)
         if v is default and default is not ...:
             return v
@@ -92,8 +104,8 @@ class Fields:
             raise SchemaError(self.what, self._p(key), f"expected {length} entries, got {len(v)}")
         return v
 
-    def floats(self, key: str, length: int | None = None, min: float | None = 0.0,
-               max: float | None = None) -> list[float]:
+    def floats(self, key: _Str, length: _Int | None = None, min: _Float | None = 0.0,
+               max: _Float | None = None) -> _List[_Float]:
         out = []
         for i, x in enumerate(self.list(key, length=length)):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
@@ -105,8 +117,8 @@ class Fields:
             out.append(float(x))
         return out
 
-    def ints(self, key: str, length: int | None = None, min: int | None = None,
-             max: int | None = None) -> list[int]:
+    def ints(self, key: _Str, length: _Int | None = None, min: _Int | None = None,
+             max: _Int | None = None) -> _List[_Int]:
         out = []
         for i, x in enumerate(self.list(key, length=length)):
             if isinstance(x, bool) or not isinstance(x, int):
@@ -118,11 +130,11 @@ class Fields:
             out.append(x)
         return out
 
-    def obj_(self, key: str, allowed: Iterable[str] | None = None, default: Any = ...) -> "Fields":
+    def obj_(self, key: _Str, allowed: Iterable[_Str] | None = None, default: Any = ...) -> "Fields":
         v = self._get(key, default)
         return Fields(v, self.what, self._p(key), allowed)
 
-    def objs(self, key: str) -> list["Fields"]:
+    def objs(self, key: _Str) -> _List["Fields"]:
         return [Fields(x, self.what, f"{self._p(key)}[{i}]") for i, x in enumerate(self.list(key))]
 
 

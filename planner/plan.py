@@ -345,9 +345,13 @@ def _inputs(f: Fields) -> PlanInputs:
 
 def _totals(f: Fields) -> Totals:
     Fields(f.obj, f.what, f.path, allowed=_names(Totals))
-    ints = {"best_static_K", "best_static_M"}
-    return Totals(**{k: (f.int(k, min=1) if k in ints else f.float(k, 0.0 if k == "fill_seconds" else ..., min=0))
-                     for k in _names(Totals)})
+    def num(k: str) -> float:
+        return f.float(k, 0.0 if k == "fill_seconds" else ..., min=0)
+
+    return Totals(seconds=num("seconds"), samples=num("samples"), fill_seconds=num("fill_seconds"),
+                  baseline_seconds=num("baseline_seconds"), speedup=num("speedup"),
+                  best_static_seconds=num("best_static_seconds"), best_static_K=f.int("best_static_K", min=1),
+                  best_static_M=f.int("best_static_M", min=1), speedup_vs_best_static=num("speedup_vs_best_static"))
 
 
 def plan_from_json(obj: Any, source: str = "plan") -> Plan:
@@ -376,7 +380,7 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
     counts = [p.frozen_blocks for p in phases]
     if len(set(counts)) != len(counts):
         raise SchemaError(source, "phases", f"frozen_blocks values repeat: {counts}")
-    steps = top.ints("freeze_steps", min=0, max=num_blocks)
+    steps: list[int] = top.ints("freeze_steps", min=0, max=num_blocks)
     if not steps:
         raise SchemaError(source, "freeze_steps", "is empty", "Re-run `ptplan plan`")
     for T, c in enumerate(steps):

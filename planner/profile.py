@@ -268,7 +268,8 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
         layers.append(LayerRecord(
             index=idx, name=lf.str("name"), kind=lf.str("kind", choices=LAYER_KINDS), block=block,
             params=lf.int("params", min=0, max=MAX_BYTES), param_bytes=lf.int("param_bytes", min=0, max=MAX_BYTES),
-            grad_bytes=lf.int("grad_bytes", min=0, max=MAX_BYTES), optimizer_bytes=lf.int("optimizer_bytes", min=0, max=MAX_BYTES),
+            grad_bytes=lf.int("grad_bytes", min=0, max=MAX_BYTES),
+            optimizer_bytes=lf.int("optimizer_bytes", min=0, max=MAX_BYTES),
             output_bytes_per_sample=lf.int("output_bytes_per_sample", min=0, max=MAX_BYTES),
             saved_bytes_per_sample=lf.int("saved_bytes_per_sample", min=0, max=MAX_BYTES),
             forward_s=tuple(lf.floats("forward_s", length=n, max=MAX_SECONDS)),
@@ -292,7 +293,8 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     w = top.obj_("whole_model", allowed=("forward_s", "forward_backward_s", "peak_memory_bytes"))
     whole = WholeModel(forward_s=tuple(w.floats("forward_s", length=n, max=MAX_SECONDS * 1e3)),
                        forward_backward_s=tuple(w.floats("forward_backward_s", length=n, max=MAX_SECONDS * 1e3)),
-                       peak_memory_bytes=tuple(w.ints("peak_memory_bytes", min=0) if "peak_memory_bytes" in w.obj else ()))
+                       peak_memory_bytes=tuple(w.ints("peak_memory_bytes", min=0)
+                                               if "peak_memory_bytes" in w.obj else ()))
     meas = top.raw("measurement", {})
     if not isinstance(meas, dict):
         raise SchemaError(source, "measurement", "expected an object")

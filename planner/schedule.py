@@ -181,7 +181,7 @@ def _backward(s: int, m: int, K: int) -> list[Action]:
 
 def _sizes(name: str, K: int, M: int) -> tuple[int, int]:
     """K and M as plain ints >= 1 (numpy integers accepted)."""
-    out = []
+    out: list[int] = []
     for sym, v in (("K", K), ("M", M)):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
             raise ScheduleError(f"{name}: {sym} must be an integer >= 1, got {v!r}")
@@ -491,7 +491,9 @@ def _run_unit_time(schedule: Schedule, wait: list[list[tuple[int, int] | None]]
 
 def _blocked(schedule: Schedule, wait: list[list[tuple[int, int] | None]], ptr: list[int], r: int) -> str:
     a = schedule.actions[r][ptr[r]]
-    pr, pi = wait[r][ptr[r]]  # a blocked action is always a receive
+    w = wait[r][ptr[r]]
+    assert w is not None, "a blocked action is always a receive"
+    pr, pi = w
     behind = (f"which is behind {schedule.actions[pr][ptr[pr]]}" if ptr[pr] < len(schedule.actions[pr])
               else "which never runs")
     return f"rank {r} waits at {a} for {schedule.actions[pr][pi]} (rank {pr} position {pi}), {behind}"

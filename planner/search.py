@@ -321,7 +321,8 @@ class PhaseSearch:
                        f"node has {max(usable, 0) / GiB:,.1f} GiB to spare")
 
     # ---- 3. evaluation and search --------------------------------------------------------------
-    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf) -> "Choice | str | _Reason | None":
+    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf
+                 ) -> "Choice | str | _Reason | None":
         """Split and simulate one candidate; a reason when it does not fit; None when its split's bound
         per sample is no better than ``cutoff`` (it cannot win)."""
         self.evaluated += 1

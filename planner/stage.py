@@ -260,7 +260,8 @@ class StageModel:
         si = np.asarray(s)
         has_in, has_out, is0 = si > 0, si < sh.K - 1, si == 0
         t = base + has_in * (self._lat_in[si] + inb * self._inv_in[si]) \
-            + has_out * (self._lat_out[si] + outb * self._inv_out[si]) + is0 * (self.prefix_s + self.read_setup_s / sh.M)
+            + has_out * (self._lat_out[si] + outb * self._inv_out[si]) \
+            + is0 * (self.prefix_s + self.read_setup_s / sh.M)
         static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
         if self.stage0_after:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)

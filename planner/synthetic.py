@@ -40,6 +40,7 @@ def synthetic_profile(*, num_blocks: int = 12, hidden: int = 768, seq_len: int =
                         seq_len=seq_len, dtype="float32" if dtype_bytes == 4 else "bfloat16", granularity="half",
                         config={"n_layer": num_blocks, "n_embd": hidden, "n_positions": seq_len, "vocab_size": vocab}),
         device=DeviceInfo(kind="cpu", name="synthetic", memory_bytes=0, torch_version="none", date="1970-01-01"),
-        batch_sizes=tuple(batch_sizes), layers=tuple(layers), whole_model=WholeModel(forward_s=fwd, forward_backward_s=fb),
+        batch_sizes=tuple(batch_sizes), layers=tuple(layers),
+        whole_model=WholeModel(forward_s=fwd, forward_backward_s=fb),
         measurement={"synthetic": True, "flops_per_s": flops_per_s, "overhead_s": overhead_s},
         provenance=Provenance(source="synthetic", command="ptplan.planner.synthetic.synthetic_profile"))
