@@ -15,6 +15,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.plan import save_plan
 from ptplan.planner.planner import TrainingConfig, make_plan
+from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA, RunLog
 from ptplan.planner.synthetic import synthetic_profile
 from ptplan.planner.viz import COMPARISON, FIGURES, build_figures, report_html
 
@@ -26,10 +27,11 @@ def plan():
                      FreezePolicy(policy="manual", manual=(0, 2)))
 
 
-def _log(plan, secs: dict[int, list[float]], mem: dict[int, int] | None = None, fingerprint=None) -> list[dict]:
-    """A run log: header, then per phase the given step seconds; step 2 of each phase samples memory."""
-    fp = fingerprint or plan.inputs["profile"]["fingerprint"]
-    recs = [{"type": "header", "plan_fingerprint": fp,
+def _records(plan, secs: dict[int, list[float]], mem: dict[int, int] | None = None, fingerprint=None) -> list[dict]:
+    """Run-log records: header, then per phase the given step seconds; step 2 of each phase samples memory."""
+    fp = fingerprint or plan.inputs.profile.fingerprint
+    recs = [{"type": "header", "schema": RUNLOG_SCHEMA, "plan_fingerprint": fp, "model": plan.inputs.profile.model,
+             "world_size": plan.world_size,
              "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]}]
     step, prev = 0, None
     for ph, ss in secs.items():
@@ -39,8 +41,8 @@ def _log(plan, secs: dict[int, list[float]], mem: dict[int, int] | None = None, 
                          "parts": {"weights": 0.004, "rebuild": 0.006}})
         prev = ph
         for i, s in enumerate(ss):
-            r = {"type": "step", "step": step, "phase": ph, "K": p.K, "D": p.D, "seconds": s,
-                 "samples": p.global_batch, "allreduce_seconds": 0.0}
+            r = {"type": "step", "epoch": 0, "step": step, "phase": ph, "frozen_blocks": p.frozen_blocks, "K": p.K,
+                 "D": p.D, "seconds": s, "samples": p.global_batch, "loss": 1.0, "allreduce_seconds": 0.0}
             if i == 1 and mem is not None:
                 per_rank = [{"total": mem[ph] - 1000 * k} for k in range(p.K * p.D)]
                 r.update(memory_sampled=True, peak_memory_bytes=mem[ph], memory={"per_rank": per_rank})
@@ -49,12 +51,22 @@ def _log(plan, secs: dict[int, list[float]], mem: dict[int, int] | None = None, 
     return recs
 
 
-def test_medians_errors_and_left_out_steps(plan):
+def _write(path, recs) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def _log(tmp_path, recs) -> RunLog:
+    """The records through the run-log reader, as ``ptplan compare`` reads them."""
+    return read_run_log(_write(tmp_path / "run.jsonl", recs))
+
+
+def test_medians_errors_and_left_out_steps(plan, tmp_path):
     pred = [p.predicted.iteration_s for p in plan.phases]
     # first step (warm-up) and the memory-sampled second step are slow outliers and must be left out
     secs = {0: [9.0, 9.0, pred[0] * 2, pred[0] * 2, pred[0] * 4], 2: [9.0, 9.0, pred[2], pred[2] * 0.5, pred[2]]}
     mem = {0: plan.phases[0].predicted.stage_peak_memory_bytes[0] // 2, 2: max(plan.phases[2].predicted.stage_peak_memory_bytes)}
-    c = compare(plan, _log(plan, secs, mem))
+    c = compare(plan, _log(tmp_path, _records(plan, secs, mem)))
     r0, r2 = c.phases
     assert (r0.phase, r0.steps, r2.phase, r2.steps) == (0, 3, 2, 3)
     assert r0.measured_iteration_s == pytest.approx(pred[0] * 2)
@@ -71,66 +83,64 @@ def test_medians_errors_and_left_out_steps(plan):
     assert "median |error|: iteration time 25.0%" in text and "-50.0%" in text and "0 -> 2" in text
 
 
-def test_a_phase_with_only_the_memory_sampled_step_is_timed_on_it(plan):
-    c = compare(plan, _log(plan, {0: [9.0, 2.0]}, {0: 1 << 20}))
+def test_a_phase_with_only_the_memory_sampled_step_is_timed_on_it(plan, tmp_path):
+    c = compare(plan, _log(tmp_path, _records(plan, {0: [9.0, 2.0]}, {0: 1 << 20})))
     r = c.phases[0]
     assert r.steps == 1 and r.measured_iteration_s == 2.0 and r.timed_with_memory_hooks
     assert "timed on the memory-sampled step" in format_comparison(c)
-    assert not compare(plan, _log(plan, {0: [9.0, 2.0, 1.0]}, {0: 1 << 20})).phases[0].timed_with_memory_hooks
+    again = _log(tmp_path, _records(plan, {0: [9.0, 2.0, 1.0]}, {0: 1 << 20}))
+    assert not compare(plan, again).phases[0].timed_with_memory_hooks
 
 
-def test_warmup_zero_and_missing_memory(plan):
-    c = compare(plan, _log(plan, {0: [1.0, 3.0]}), warmup=0)
+def test_warmup_zero_and_missing_memory(plan, tmp_path):
+    c = compare(plan, _log(tmp_path, _records(plan, {0: [1.0, 3.0]})), warmup=0)
     assert c.phases[0].steps == 2 and c.phases[0].measured_iteration_s == 2.0
     assert c.phases[0].measured_peak_memory_bytes is None and c.median_abs_memory_error is None
     assert "peak memory not measured" in format_comparison(c)
 
 
-def test_mismatched_run_log_is_refused(plan):
+def test_mismatched_run_log_is_refused(plan, tmp_path):
     with pytest.raises(PtplanError, match="fingerprint"):
-        compare(plan, _log(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="0123456789abcdef"))
-    bad = _log(plan, {0: [1.0, 1.0, 1.0]})
+        compare(plan, _log(tmp_path, _records(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="0123456789abcdef")))
+    bad = _records(plan, {0: [1.0, 1.0, 1.0]})
     bad[0]["phases"][0]["K"] = 7
     with pytest.raises(PtplanError, match="phase 0 is"):
-        compare(plan, bad)
-    recs = _log(plan, {0: [1.0, 1.0, 1.0]})
+        compare(plan, _log(tmp_path, bad))
+    recs = _records(plan, {0: [1.0, 1.0, 1.0]})
     recs[2]["phase"] = 99
     with pytest.raises(PtplanError, match="phase 99 but the plan has"):
-        compare(plan, recs)
-    recs = _log(plan, {0: [1.0, 1.0, 1.0]})
+        compare(plan, _log(tmp_path, recs))
+    recs = _records(plan, {0: [1.0, 1.0, 1.0]})
     recs[2]["D"] = 5
     with pytest.raises(PtplanError, match="K=2, D=5"):
-        compare(plan, recs)
+        compare(plan, _log(tmp_path, recs))
     with pytest.raises(PtplanError, match="run more steps"):
-        compare(plan, _log(plan, {0: [1.0]}))
-
-
-def _write(path, recs) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return str(path)
+        compare(plan, _log(tmp_path, _records(plan, {0: [1.0]})))
 
 
 def test_cli_table_json_and_errors(plan, tmp_path):
     pp = tmp_path / "plan.json"
     save_plan(plan, pp)
     pred = plan.phases[0].predicted.iteration_s
-    log = _write(tmp_path / "run.jsonl", _log(plan, {0: [1.0, 1.0, pred, pred]}, {0: 1 << 20}))
+    log = _write(tmp_path / "run.jsonl", _records(plan, {0: [1.0, 1.0, pred, pred]}, {0: 1 << 20}))
     out = tmp_path / "cmp.json"
     r = CliRunner().invoke(cli, ["compare", str(pp), log, "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "pred s/it" in r.output and "median |error|: iteration time 0.0%" in r.output
     data = json.loads(out.read_text())
     assert data["phases"][0]["measured_peak_memory_bytes"] == 1 << 20 and data["median_abs_iteration_error"] == 0
-    bad = _write(tmp_path / "bad.jsonl", _log(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="ffffffffffffffff"))
+    bad = _write(tmp_path / "bad.jsonl", _records(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="ffffffffffffffff"))
     r = CliRunner().invoke(cli, ["compare", str(pp), bad])
     assert r.exit_code == 2 and "fingerprint" in r.output
-    (tmp_path / "junk.jsonl").write_text("{not json\n")
+    # a broken line inside the log is refused (only a torn last line is left out, with a warning)
+    (tmp_path / "junk.jsonl").write_text("{not json\n" + (tmp_path / "run.jsonl").read_text())
     r = CliRunner().invoke(cli, ["compare", str(pp), str(tmp_path / "junk.jsonl")])
     assert r.exit_code == 2 and "line 1 is not JSON" in r.output
 
 
 def test_report_figure_and_show_run(plan, tmp_path):
-    c = compare(plan, _log(plan, {0: [1.0, 1.0, 0.5, 0.5], 2: [1.0, 1.0, 0.2]}, {0: 1 << 20, 2: 1 << 19}))
+    c = compare(plan, _log(tmp_path, _records(plan, {0: [1.0, 1.0, 0.5, 0.5], 2: [1.0, 1.0, 0.2]},
+                                              {0: 1 << 20, 2: 1 << 19})))
     figs = build_figures(plan, c)
     assert list(figs) == [*FIGURES, COMPARISON]
     fig = figs[COMPARISON]
@@ -141,7 +151,7 @@ def test_report_figure_and_show_run(plan, tmp_path):
     assert html.count('class="plotly-graph-div"') == len(FIGURES) + 1 and 'id="fig-comparison"' in html
     pp = tmp_path / "plan.json"
     save_plan(plan, pp)
-    log = _write(tmp_path / "run.jsonl", _log(plan, {0: [1.0, 1.0, 0.5]}))
+    log = _write(tmp_path / "run.jsonl", _records(plan, {0: [1.0, 1.0, 0.5]}))
     r = CliRunner().invoke(cli, ["show", str(pp), "--run", log, "--out", str(tmp_path / "r.html")])
     assert r.exit_code == 0, r.output
     assert 'id="fig-comparison"' in (tmp_path / "r.html").read_text()
