@@ -1,0 +1,86 @@
+"""Projected profiles (executor/project.py): exact operation counts on the meta device, a device model's roofline."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ptplan.executor import profiler
+from ptplan.executor.models import build_model
+from ptplan.executor.project import Op, op_seconds, project_profile, record_layers
+from ptplan.planner.cluster import get_preset
+from ptplan.planner.config import TrainingConfig
+from ptplan.planner.devices import DEVICES, get_device
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.freeze import FreezePolicy
+from ptplan.planner.planner import make_plan
+from ptplan.planner.profile import load_profile, save_profile
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    yield
+
+
+def test_projected_profile_is_valid_marked_and_has_the_measured_memory(tmp_path):
+    prof = project_profile(build_model("bert-tiny", seq_len=16), get_device("h100"), batch_sizes=[1, 2, 4],
+                           command="ptplan profile bert-tiny --project h100")
+    save_profile(prof, tmp_path / "p.json")
+    again = load_profile(tmp_path / "p.json")
+    assert again == prof
+    assert prof.provenance.source == "projected" and prof.provenance.device_model == "h100"
+    assert prof.device.kind == "cuda" and prof.device.name == DEVICES["h100"].name
+    # memory fields are the measuring profiler's, not projected
+    m = build_model("bert-tiny", seq_len=16)
+    x, labels, mask = m.make_batch(4)
+    out_b, saved_b = profiler._memory_pass(m, x, labels, mask, 4)
+    assert [r.output_bytes_per_sample for r in prof.layers] == out_b
+    assert [r.saved_bytes_per_sample for r in prof.layers] == saved_b
+    assert [r.param_bytes for r in prof.layers] == [sum(p.numel() * 4 for p in layer.parameters())
+                                                   for layer in m.layers]
+    for r in prof.layers:  # times grow with the micro-batch size and are positive
+        assert 0 < r.forward_s[0] <= r.forward_s[-1] and 0 < r.backward_s[0] <= r.backward_s[-1]
+        assert r.optimizer_s is not None and r.optimizer_s > 0
+    assert prof.whole_model.forward_backward_s[-1] == pytest.approx(
+        sum(r.forward_s[-1] + r.backward_s[-1] for r in prof.layers))
+
+
+def test_matmul_flops_are_counted_exactly():
+    """BERT's MLP half at b samples of s tokens, hidden h, intermediate 4h: two matmuls of 2*b*s*h*4h FLOPs
+    forward, twice that backward (input and weight gradients)."""
+    b, s, h = 4, 16, 64
+    m = build_model("bert-tiny", seq_len=s).to("meta")
+    ops = record_layers(m, b)
+    mlp = ops[2]
+    assert sum(o.flops for o in mlp.forward) == 2 * (2 * b * s * h * 4 * h)
+    assert sum(o.flops for o in mlp.backward) == 2 * 2 * (2 * b * s * h * 4 * h)
+    assert all(o.bytes > 0 for o in mlp.forward)
+
+
+def test_roofline_of_one_operation():
+    dev = get_device("a100")
+    e = dev.efficiency
+    big = Op(name="mm", flops=1e12, bytes=1e6)
+    t = op_seconds(big, dev, "bfloat16")
+    peak = dev.matmul_peak("bfloat16")
+    expect = e.launch_s + 1e12 / (peak * e.matmul_max * 1e12 / (1e12 + peak * e.matmul_half_s))
+    assert t == pytest.approx(expect)
+    copy = Op(name="add", flops=0.0, bytes=8e9)
+    assert op_seconds(copy, dev, "bfloat16") == pytest.approx(e.launch_s + 8e9 / (dev.memory_bandwidth * e.memory))
+    assert op_seconds(big, dev, "float32") > t  # fp32 matmuls run on the CUDA cores
+
+
+def test_a_dtype_the_device_lacks_is_refused():
+    with pytest.raises(PtplanError, match="no bfloat16"):
+        project_profile(build_model("bert-tiny", seq_len=16, dtype=torch.bfloat16), get_device("rtx5000"),
+                        batch_sizes=[1])
+    with pytest.raises(PtplanError, match="unknown device model 'tpu'"):
+        get_device("tpu")
+
+
+def test_plans_from_projected_profiles_say_so():
+    prof = project_profile(build_model("bert-tiny", seq_len=16), get_device("h100"), batch_sizes=[1, 2, 4, 8])
+    plan = make_plan(prof, get_preset("dgx-h100"), TrainingConfig(epochs=2, samples_per_epoch=512, batch=64),
+                     FreezePolicy())
+    codes = {w.code for w in plan.warnings}
+    assert "projected-profile" in codes and "cpu-profile-for-gpu-cluster" not in codes
+    assert plan.inputs.profile.source == "projected"
