@@ -44,6 +44,7 @@ def cli() -> None:
     show     interactive offline HTML report of a plan
     run      replay a plan as real elastic training (torchrun)
     compare  predicted versus measured, phase by phase
+    ablate   the paper's ablation (freeze, AutoPipe, AutoDP, AutoCache) for a model and cluster
     """
 
 
@@ -52,7 +53,7 @@ def _register() -> None:
     import importlib
 
     for mod, name in (("profile_cmd", "profile"), ("plan_cmd", "plan"), ("show_cmd", "show"),
-                      ("run_cmd", "run"), ("compare_cmd", "compare")):
+                      ("run_cmd", "run"), ("compare_cmd", "compare"), ("ablate_cmd", "ablate")):
         try:
             m = importlib.import_module(f"ptplan.cli.{mod}")
         except ModuleNotFoundError as e:

@@ -597,7 +597,7 @@ def ablate(profile: Profile, cluster: Cluster, training: TrainingConfig, freeze:
                                                                           cfg, freeze)))):
         try:
             priced[key] = make()
-        except InfeasibleError as e:
+        except PtplanError as e:  # this row's restriction fits nowhere, or its batch does not fit an epoch
             priced[key] = str(e)
 
     p2, p3 = priced["freeze-only"], priced["autopipe"]
