@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from ptplan.planner.errors import PtplanError
 
@@ -34,7 +36,12 @@ def parse_batch_sizes(text: str) -> list[int]:
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
 @click.option("--seq-len", type=int, default=None, help="Tokens per sample (BERT/GPT-2; default 128).")
 @click.option("--image-size", type=int, default=None, help="ViT image side in pixels (default 224; tiny 32).")
-@click.option("--batch-sizes", default="1,2,4", show_default=True, help="Micro-batch sizes, comma-separated.")
+@click.option("--batch-sizes", default=None,
+              help="Micro-batch sizes, comma-separated [default: 1, 2, 4, ... up to 64, stopping at the memory "
+                   "limit (CUDA: the device's memory; CPU: the available RAM), estimated after each size].")
+@click.option("--num-labels", type=int, default=None,
+              help="Classes of the classification head (bert, vit) [default: bert 2, vit 1000 (ImageNet-1k)]; "
+                   "gpt2 has an LM head and takes none.")
 @click.option("--granularity", type=click.Choice(("half", "block")), default="half", show_default=True,
               help="half: attention and MLP halves of each block; block: one layer per block.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed repeats per batch size.")
@@ -50,16 +57,17 @@ def parse_batch_sizes(text: str) -> list[int]:
               help="Output file [default: MODEL_DEVICE_DTYPE.json, e.g. bert-base_cpu_fp32.json].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
-            batch_sizes: str, granularity: str, warmup: int, repeats: int, threads: int | None, timer: str,
-            dropout: float | None, weights: str | None, out: str | None, quiet: bool) -> None:
+            batch_sizes: str | None, num_labels: int | None, granularity: str, warmup: int, repeats: int,
+            threads: int | None, timer: str, dropout: float | None, weights: str | None, out: str | None,
+            quiet: bool) -> None:
     """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
 
     \b
     MODEL: bert-tiny bert-small bert-base bert-large vit-tiny vit-small vit-base vit-large
            gpt2-tiny gpt2 gpt2-medium
-    Example: ptplan profile bert-base --device cpu --batch-sizes 1,2,4 --out p.json
+    Example: ptplan profile bert-base --device cpu --out p.json   (sizes 1, 2, 4, ... 64 as memory allows)
     """
-    sizes = parse_batch_sizes(batch_sizes)
+    sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
     if warmup < 0:
         raise PtplanError(f"--warmup must be >= 0, got {warmup}")
     if repeats < 1:
@@ -74,23 +82,47 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     import torch  # torch only when profiling: the other commands stay fast
 
     from ptplan.executor.models import build_model
-    from ptplan.executor.profiler import agreement, check_batch_sizes, profile_model, resolve_device
+    from ptplan.executor.profiler import agreement, check_batch_sizes, head_num_labels, profile_model, resolve_device
     from ptplan.planner.profile import save_profile
 
+    labels = head_num_labels(model_name, num_labels)
     resolve_device(device)  # fail on a missing GPU before building a large model
-    check_batch_sizes(sizes)
+    if sizes is not None:
+        check_batch_sizes(sizes)
     if threads is None and dev_kind == "cpu":
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
     _warn_if_busy(dev_kind, timer)
+    head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
-                        dtype=getattr(torch, dtype), dropout=dropout, weights=weights)
+                        dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
-                         progress=not quiet, timer=timer)
+                         progress=not quiet, timer=timer, command=command_line(click.get_current_context()))
     save_profile(prof, path)
     _print_summary(prof, agreement(prof))
+    if prof.measurement.get("skipped_reason"):
+        click.echo(f"note: {prof.measurement['skipped_reason']}")
     click.echo(f"wrote {path}")
+
+
+def command_line(ctx: click.Context) -> str:
+    """``ptplan profile ...`` with the argument and every option given, from click's parse (so it is the
+    same whether ptplan ran as a script, with ``python -m`` or inside a test), for the profile's provenance."""
+    parts = ["ptplan", ctx.info_name or "profile"]
+    for param in ctx.command.params:
+        name = param.name or ""
+        if ctx.get_parameter_source(name) not in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            continue
+        value = ctx.params[name]
+        if isinstance(param, click.Argument):
+            parts.append(str(value))
+        elif isinstance(param, click.Option) and param.is_flag:
+            if value:
+                parts.append(param.opts[0])
+        else:
+            parts += [param.opts[0], str(value)]
+    return shlex.join(parts)
 
 
 def _warn_if_busy(dev_kind: str, timer: str) -> None:

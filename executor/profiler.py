@@ -20,7 +20,16 @@ How it measures (per micro-batch size b, after ``warmup`` untimed repeats, media
 - **Memory**: parameter and gradient bytes (the model dtype), optimizer bytes (AdamW: two fp32
   moments per parameter; no fp32 master copy counted), output bytes per sample, and bytes saved for
   backward per sample, measured with ``torch.autograd.graph.saved_tensors_hooks`` during one forward
-  at the largest b (storages counted once, parameters excluded, divided by b).
+  at each b (storages counted once, parameters excluded, divided by b); the profile records the
+  largest b's.
+
+Micro-batch sizes: the ones given, or by default powers of two 1, 2, 4, ... up to 64, stopping at
+the memory limit (CUDA: the device's memory; CPU: the host's available RAM plus the model's own
+parameters, which are resident already): after each size, the next size's peak is estimated from
+what was measured (``estimate_peak_bytes``) and it and every larger size are skipped when it would
+not fit (``default_batch_sizes``; the profile's ``measurement`` says which and why).
+
+Provenance: ``source="measured"`` and the command that asked for the profile (``command``).
 
 Gradients are set to None before every step (as ``zero_grad(set_to_none=True)`` does). Timer: CUDA
 events with ``torch.cuda.synchronize`` on CUDA; on CPU ``time.perf_counter`` (wall, the default) or,
@@ -39,15 +48,16 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from ptplan.planner.errors import PtplanError
-from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, WholeModel
+from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
-from .models import LayeredModel, config_summary
+from .models import FAMILIES, LayeredModel, config_summary
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ADAMW_STATE_BYTES_PER_PARAM = 8
@@ -314,13 +324,224 @@ def check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(sorted(set(bs)))
 
 
+# ---- classification heads ----------------------------------------------------------------------
+
+DEFAULT_NUM_LABELS = {"bert": 2, "vit": 1000}
+"""The usual classification head per family: BERT a 2-class sequence classifier (as
+``BertForSequenceClassification``), ViT ImageNet-1k's 1000 classes (as the published ViT
+checkpoints). GPT-2 has a language-model head instead (one logit per vocabulary token)."""
+
+
+def model_family(name: str) -> str | None:
+    """``bert-base`` -> ``bert``, ``gpt2-medium`` -> ``gpt2``; None when the name is of no known family."""
+    family = name.split("-", 1)[0]
+    return family if family in FAMILIES else None
+
+
+def head_num_labels(name: str, num_labels: int | None) -> int | None:
+    """The classifier size for model ``name``: ``num_labels`` when given, else the family's usual head.
+
+    None for GPT-2 (and for unknown names, which ``build_model`` refuses); GPT-2 with ``num_labels``
+    is an error, since its head is the language-model head.
+    """
+    family = model_family(name)
+    if family == "gpt2":
+        if num_labels is not None:
+            raise PtplanError(f"{name} has a language-model head (one logit per vocabulary token), not a "
+                              f"classifier, so --num-labels does not apply; leave it out (it is for bert and vit "
+                              f"models)")
+        return None
+    if num_labels is not None and (isinstance(num_labels, bool) or num_labels < 1):
+        raise PtplanError(f"--num-labels must be at least 1, got {num_labels}")
+    if num_labels is None:
+        return DEFAULT_NUM_LABELS.get(family or "")
+    return num_labels
+
+
+def profile_num_labels(profile: Profile) -> int | None:
+    """The classifier size a profile was measured with (None for an LM head or when it cannot be told).
+
+    From ``model.config["num_labels"]``; for files written before the profiler recorded it, from the
+    head's parameter count (a linear layer ``hidden_size -> n`` with bias has ``n * (hidden_size + 1)``).
+    """
+    if profile.model.family not in DEFAULT_NUM_LABELS:
+        return None
+    n = profile.model.config.get("num_labels")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+        return n
+    hidden = profile.model.config.get("hidden_size")
+    heads = [r for r in profile.layers if r.kind == "head"]
+    if not isinstance(hidden, int) or len(heads) != 1 or heads[0].params % (hidden + 1):
+        return None
+    return heads[0].params // (hidden + 1) or None
+
+
+# ---- default micro-batch sizes -----------------------------------------------------------------
+
+DEFAULT_MAX_BATCH = 64
+"""Default micro-batch sizes are the powers of two up to this."""
+MEMORY_MARGIN = 1.25
+"""An estimated peak is multiplied by this before it is compared with the memory limit: the estimate
+leaves out the input gradients in flight, the batch itself and the allocator's slack."""
+
+
+def powers_of_two(max_batch: int = DEFAULT_MAX_BATCH) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_batch``."""
+    if max_batch < 1:
+        raise PtplanError(f"the largest default micro-batch size must be >= 1, got {max_batch}")
+    return tuple(1 << k for k in range(max_batch.bit_length()) if 1 << k <= max_batch)
+
+
+def static_bytes(model: LayeredModel) -> int:
+    """Parameters + gradients (model dtype) + AdamW state (two fp32 moments) of the whole model."""
+    return sum(p.numel() * (2 * p.element_size() + ADAMW_STATE_BYTES_PER_PARAM) for p in model.parameters())
+
+
+def estimate_peak_bytes(*, static: int, saved_per_sample: int, batch_size: int,
+                        margin: float = MEMORY_MARGIN) -> int:
+    """(parameters + gradients + optimizer state + saved-for-backward bytes per sample x b) x margin."""
+    return int(margin * (static + saved_per_sample * batch_size) + 0.5)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DefaultSizes:
+    """Which default micro-batch sizes fit a memory limit, by the estimate."""
+
+    sizes: tuple[int, ...]
+    """The powers of two measured or still to measure (ascending)."""
+    skipped: tuple[int, ...]
+    """The larger ones that would not fit."""
+    reason: str = ""
+    """One line saying which sizes were skipped and why (empty when none was)."""
+
+
+def default_batch_sizes(*, static: int, saved_per_sample: int, memory_limit_bytes: int | None, measured: int = 1,
+                        limit_name: str = "the memory limit", max_batch: int = DEFAULT_MAX_BATCH,
+                        margin: float = MEMORY_MARGIN) -> DefaultSizes:
+    """Powers of two 1..``max_batch`` split into those to measure and those skipped for memory.
+
+    Called after measuring size ``measured``: ``static`` is the parameter + gradient + optimizer-state
+    bytes and ``saved_per_sample`` the bytes saved for backward per sample measured there. Sizes up
+    to ``measured`` are kept (they ran); each larger one is kept while its estimated peak
+    (``estimate_peak_bytes``) fits ``memory_limit_bytes``, and the first that does not fit is skipped
+    with every larger one. None as the limit: no limit is known and nothing is skipped.
+    """
+    cands = powers_of_two(max_batch)
+    if memory_limit_bytes is None:
+        return DefaultSizes(sizes=cands, skipped=())
+
+    def fits(b: int) -> bool:
+        return b <= measured or estimate_peak_bytes(static=static, saved_per_sample=saved_per_sample,
+                                                    batch_size=b, margin=margin) <= memory_limit_bytes
+
+    stop = next((i for i, b in enumerate(cands) if not fits(b)), len(cands))
+    sizes, skipped = cands[:stop], cands[stop:]
+    if not skipped:
+        return DefaultSizes(sizes=sizes, skipped=())
+    first = estimate_peak_bytes(static=static, saved_per_sample=saved_per_sample, batch_size=skipped[0], margin=margin)
+    plural = "s" if len(skipped) > 1 else ""
+    reason = (f"skipped micro-batch size{plural} {', '.join(map(str, skipped))}: at {skipped[0]} the estimated "
+              f"peak {_gib(first)} exceeds {limit_name} ({_gib(memory_limit_bytes)}); estimate = (parameters + "
+              f"gradients + optimizer state {_gib(static)} + {_gib(saved_per_sample)} saved for backward per "
+              f"sample x b) x {margin:g}; pass --batch-sizes to choose the sizes yourself")
+    return DefaultSizes(sizes=sizes, skipped=skipped, reason=reason)
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else free physical pages; None when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_limit(device: torch.device, model: LayeredModel) -> tuple[int | None, str]:
+    """(bytes, what it is) a profile's micro-batch sizes must fit: the CUDA device's memory, or on CPU
+    the host's available RAM plus the model's parameter bytes (already resident, yet counted by the
+    estimate)."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(props.total_memory), f"the memory of {props.name}"
+    avail = _available_host_bytes()
+    if avail is None:
+        return None, "unknown host memory"
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    return avail + resident, "the host's available RAM plus the model's resident parameters"
+
+
 # ---- the profiler ------------------------------------------------------------------------------
 
-def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int], warmup: int, repeats: int,
-                  progress: bool, timer: str = "wall") -> Profile:
+@dataclass
+class _SizeResult:
+    """Everything measured at one micro-batch size."""
+
+    forward: list[float]
+    backward: list[float]
+    nograd: list[float]
+    whole_forward: float
+    whole_forward_backward: float
+    peak: int | None
+    out_bytes: list[int]
+    saved_bytes: list[int]
+
+
+def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int, gen: torch.Generator,
+                  warmup: int, repeats: int, bar: Any) -> _SizeResult:
+    """Layered and whole steps alternating, then no-grad forwards, then one memory pass, at size b."""
+    n = len(model.layers)
+    x, labels, mask = model.make_batch(b, gen)
+    model.train()
+    lf, lb, wf, wfb = [], [], [], []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for r in range(warmup + repeats):
+        f_i, b_i = _layered_step(model, clock, x, labels, mask)
+        w_f, w_fb = _whole_step(model, clock, x, labels, mask)
+        if r >= warmup:
+            lf.append(f_i)
+            lb.append(b_i)
+            wf.append(w_f)
+            wfb.append(w_fb)
+        bar.update(1)
+    peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
+    _clear_grads(model)
+    model.eval()
+    ln = []
+    for r in range(warmup + repeats):
+        t = _nograd_pass(model, clock, x, labels, mask)
+        if r >= warmup:
+            ln.append(t)
+        bar.update(1)
+    model.train()
+    out_bytes, saved_bytes = _memory_pass(model, x, labels, mask, b)
+    _clear_grads(model)
+    return _SizeResult(forward=[statistics.median(s[i] for s in lf) for i in range(n)],
+                       backward=[statistics.median(s[i] for s in lb) for i in range(n)],
+                       nograd=[statistics.median(s[i] for s in ln) for i in range(n)],
+                       whole_forward=statistics.median(wf), whole_forward_backward=statistics.median(wfb),
+                       peak=peak, out_bytes=out_bytes, saved_bytes=saved_bytes)
+
+
+def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int] | None = None, warmup: int,
+                  repeats: int, progress: bool, timer: str = "wall", command: str = "",
+                  memory_limit_bytes: int | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> Profile:
     """Measure every layer of ``model`` at each micro-batch size; the model is left unchanged.
 
+    ``batch_sizes``: the sizes to measure; None: powers of two up to ``max_batch``, stopping at the
+    memory limit (``memory_limit_bytes``, or when None the device's: see ``memory_limit``).
     ``timer``: ``wall`` (default) or ``cpu`` (process CPU time; CPU device with one thread only).
+    ``command``: the command line that asked for this profile, recorded in its provenance.
     """
     from tqdm import tqdm
 
@@ -332,7 +553,8 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     if timer == "cpu" and torch.get_num_threads() != 1:
         raise PtplanError(f"the cpu timer needs one torch thread (now {torch.get_num_threads()}); "
                           "pass --threads 1 or use --timer wall")
-    bs = check_batch_sizes(batch_sizes)
+    auto = batch_sizes is None
+    todo = list(powers_of_two(max_batch) if batch_sizes is None else check_batch_sizes(batch_sizes))
     if warmup < 0:
         raise PtplanError(f"warmup must be >= 0, got {warmup}")
     if repeats < 1:
@@ -343,58 +565,38 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     dtype = params[0].dtype
     if dtype not in DTYPE_NAMES:
         raise PtplanError(f"unsupported model dtype {dtype}; use float32, bfloat16 or float16")
-    n = len(model.layers)
+    limit, limit_name = memory_limit_bytes, "the memory limit given"
+    if auto and limit is None:
+        limit, limit_name = memory_limit(dev, model)
+    static = static_bytes(model)
     clock = _Clock(dev, timer)
-    fwd = [[0.0] * len(bs) for _ in range(n)]
-    bwd = [[0.0] * len(bs) for _ in range(n)]
-    nog = [[0.0] * len(bs) for _ in range(n)]
-    whole_f, whole_fb, peaks = [], [], []
-    out_bytes: list[int] = []
-    saved_bytes: list[int] = []
-    bar = tqdm(total=len(bs) * (warmup + repeats) * 2, desc=f"profile {model.name}", unit="step",
+    per_size = 2 * (warmup + repeats)
+    results: list[_SizeResult] = []
+    measured: list[int] = []
+    skipped: DefaultSizes | None = None
+    bar = tqdm(total=len(todo) * per_size, desc=f"profile {model.name}", unit="step",
                file=sys.stderr, disable=not progress, leave=False)
     gen = torch.Generator().manual_seed(0)
     try:
         with _preserved(model, dev):
-            for j, b in enumerate(bs):
-                x, labels, mask = model.make_batch(b, gen)
-                model.train()
-                lf, lb, wf, wfb = [], [], [], []
-                if dev.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(dev)
-                for r in range(warmup + repeats):
-                    f_i, b_i = _layered_step(model, clock, x, labels, mask)
-                    w_f, w_fb = _whole_step(model, clock, x, labels, mask)
-                    if r >= warmup:
-                        lf.append(f_i)
-                        lb.append(b_i)
-                        wf.append(w_f)
-                        wfb.append(w_fb)
-                    bar.update(1)
-                if dev.type == "cuda":
-                    peaks.append(int(torch.cuda.max_memory_allocated(dev)))
-                _clear_grads(model)
-                model.eval()
-                ln = []
-                for r in range(warmup + repeats):
-                    t = _nograd_pass(model, clock, x, labels, mask)
-                    if r >= warmup:
-                        ln.append(t)
-                    bar.update(1)
-                for i in range(n):
-                    fwd[i][j] = statistics.median(s[i] for s in lf)
-                    bwd[i][j] = statistics.median(s[i] for s in lb)
-                    nog[i][j] = statistics.median(s[i] for s in ln)
-                whole_f.append(statistics.median(wf))
-                whole_fb.append(statistics.median(wfb))
-                if j == len(bs) - 1:
-                    model.train()
-                    out_bytes, saved_bytes = _memory_pass(model, x, labels, mask, b)
-                    _clear_grads(model)
+            while todo:
+                b = todo.pop(0)
+                results.append(_measure_size(model, clock, dev, b, gen, warmup, repeats, bar))
+                measured.append(b)
+                if auto:
+                    choice = default_batch_sizes(static=static, saved_per_sample=sum(results[-1].saved_bytes),
+                                                 memory_limit_bytes=limit, measured=b, limit_name=limit_name,
+                                                 max_batch=max_batch)
+                    todo = [c for c in choice.sizes if c > b]
+                    skipped = choice if choice.skipped else None
+                    bar.total = (len(measured) + len(todo)) * per_size
+                    bar.refresh()
             opt_s = _optimizer_steps(model, clock, warmup, repeats)
     finally:
         bar.close()
 
+    bs = tuple(measured)
+    last = results[-1]
     records = []
     for i, (layer, spec) in enumerate(zip(model.layers, model.specs)):
         ps = list(layer.parameters())
@@ -403,12 +605,15 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
         records.append(LayerRecord(
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
             grad_bytes=nbytes, optimizer_bytes=ADAMW_STATE_BYTES_PER_PARAM * count,
-            output_bytes_per_sample=out_bytes[i], saved_bytes_per_sample=saved_bytes[i],
-            forward_s=tuple(fwd[i]), backward_s=tuple(bwd[i]), nograd_forward_s=tuple(nog[i]),
-            optimizer_s=opt_s[i]))
+            output_bytes_per_sample=last.out_bytes[i], saved_bytes_per_sample=last.saved_bytes[i],
+            forward_s=tuple(r.forward[i] for r in results), backward_s=tuple(r.backward[i] for r in results),
+            nograd_forward_s=tuple(r.nograd[i] for r in results), optimizer_s=opt_s[i]))
+    config = config_summary(model)
+    if model.family in DEFAULT_NUM_LABELS:
+        config["num_labels"] = model.num_labels  # the classifier's size, so a run rebuilds the same head
     info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
-                     dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config_summary(model))
-    measurement = {
+                     dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config)
+    measurement: dict[str, Any] = {
         "warmup": warmup, "repeats": repeats, "statistic": "median",
         "timer": "cuda_events" if dev.type == "cuda" else
                  ("process_time (CPU time, 1 thread)" if timer == "cpu" else "perf_counter (wall)"),
@@ -419,10 +624,19 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
         "memory_batch_size": bs[-1], "optimizer": "AdamW (2 fp32 moments per parameter)",
         "optimizer_step": "AdamW step over each layer's parameters alone, timed per layer",
     }
+    if auto:
+        measurement["batch_sizes"] = (f"default: powers of two up to {max_batch}, stopping where the estimated "
+                                      f"peak exceeds the memory limit")
+        measurement["memory_limit_bytes"] = limit
+        measurement["skipped_batch_sizes"] = list(skipped.skipped) if skipped else []
+        if skipped:
+            measurement["skipped_reason"] = skipped.reason
+    peaks = tuple(r.peak for r in results if r.peak is not None)
     return Profile(model=info, device=_device_info(dev), batch_sizes=bs, layers=tuple(records),
-                   whole_model=WholeModel(forward_s=tuple(whole_f), forward_backward_s=tuple(whole_fb),
-                                          peak_memory_bytes=tuple(peaks)),
-                   measurement=measurement)
+                   whole_model=WholeModel(forward_s=tuple(r.whole_forward for r in results),
+                                          forward_backward_s=tuple(r.whole_forward_backward for r in results),
+                                          peak_memory_bytes=peaks),
+                   measurement=measurement, provenance=Provenance(source="measured", command=command))
 
 
 def agreement(profile: Profile) -> list[tuple[int, float, float, float]]:

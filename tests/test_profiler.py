@@ -1,14 +1,23 @@
 """The profiler: sane measurements, a valid profile, and the model left exactly as it was found."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 
+from ptplan.cli.main import cli
+from ptplan.executor.config import RunConfig
+from ptplan.executor.job import build_for_plan, plan_num_labels, with_plan_num_labels
 from ptplan.executor.models import build_model
-from ptplan.executor.profiler import agreement, profile_model
+from ptplan.executor.profiler import (DefaultSizes, agreement, default_batch_sizes, estimate_peak_bytes,
+                                     head_num_labels, powers_of_two, profile_model, profile_num_labels,
+                                     static_bytes)
+from ptplan.executor.testing import make_plan, spec
 from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import save_plan
 from ptplan.planner.profile import load_profile, profile_from_json, save_profile
 
 SEQ = 16
@@ -168,3 +177,174 @@ def test_cuda_profile_with_events():
     assert all(t > 0 for r in prof.layers for t in r.forward_s + r.backward_s)
     assert len(prof.whole_model.peak_memory_bytes) == 2 and all(b > 0 for b in prof.whole_model.peak_memory_bytes)
     assert next(m.parameters()).device.type == "cpu"  # moved back
+
+
+# ---- default micro-batch sizes (pure) ------------------------------------------------------------
+
+def test_powers_of_two():
+    assert powers_of_two() == (1, 2, 4, 8, 16, 32, 64)
+    assert powers_of_two(1) == (1,) and powers_of_two(40) == (1, 2, 4, 8, 16, 32)
+    with pytest.raises(PtplanError, match=">= 1"):
+        powers_of_two(0)
+
+
+def test_estimate_is_static_plus_saved_times_b_with_margin():
+    assert estimate_peak_bytes(static=1000, saved_per_sample=100, batch_size=8, margin=1.0) == 1800
+    assert estimate_peak_bytes(static=1000, saved_per_sample=100, batch_size=8) == 2250  # x 1.25
+
+
+def test_default_sizes_stop_at_the_memory_limit():
+    # (1000 + 100 b) x 1.25 <= 3000  <=>  b <= 14: 1..8 fit, 16 does not, so 16, 32, 64 are skipped
+    d = default_batch_sizes(static=1000, saved_per_sample=100, memory_limit_bytes=3000, limit_name="the test limit")
+    assert d.sizes == (1, 2, 4, 8) and d.skipped == (16, 32, 64)
+    assert d.reason.startswith("skipped micro-batch sizes 16, 32, 64: at 16 the estimated peak")
+    assert "the test limit" in d.reason and "\n" not in d.reason
+    # the limit exactly at the estimate of 8 keeps 8
+    lim = estimate_peak_bytes(static=1000, saved_per_sample=100, batch_size=8)
+    assert default_batch_sizes(static=1000, saved_per_sample=100, memory_limit_bytes=lim).sizes[-1] == 8
+    assert default_batch_sizes(static=1000, saved_per_sample=100, memory_limit_bytes=lim - 1).sizes[-1] == 4
+    # everything fits; no limit known; a smaller largest size
+    assert default_batch_sizes(static=1, saved_per_sample=1, memory_limit_bytes=10**9) == DefaultSizes(
+        sizes=(1, 2, 4, 8, 16, 32, 64), skipped=())
+    assert default_batch_sizes(static=10**12, saved_per_sample=1, memory_limit_bytes=None).skipped == ()
+    assert default_batch_sizes(static=1, saved_per_sample=1, memory_limit_bytes=10**9, max_batch=16).sizes[-1] == 16
+
+
+def test_default_sizes_keep_what_was_measured():
+    # nothing fits beyond 1 by the estimate, yet size 1 (and anything measured already) stays
+    assert default_batch_sizes(static=10**6, saved_per_sample=10, memory_limit_bytes=1).sizes == (1,)
+    d = default_batch_sizes(static=10**6, saved_per_sample=10, memory_limit_bytes=1, measured=4)
+    assert d.sizes == (1, 2, 4) and d.skipped == (8, 16, 32, 64) and "sizes 8, 16, 32, 64" in d.reason
+
+
+# ---- default sizes, provenance and heads on the real profiler ----------------------------------------
+
+def _saved_per_sample(model, b):
+    prof = _profile(model, batch_sizes=[b], warmup=0, repeats=1)
+    return sum(r.saved_bytes_per_sample for r in prof.layers)
+
+
+def test_profiler_default_sizes_stop_at_the_limit_given():
+    m = build_model("bert-tiny", seq_len=SEQ)
+    static = static_bytes(m)
+    assert static == sum(p.numel() * (4 + 4 + 8) for p in m.parameters())
+    # a limit that holds size 2 by the estimate made after measuring 1, but not 4
+    limit = estimate_peak_bytes(static=static, saved_per_sample=_saved_per_sample(m, 1), batch_size=2)
+    prof = _profile(m, batch_sizes=None, warmup=0, repeats=1, memory_limit_bytes=limit, max_batch=8)
+    assert prof.batch_sizes == (1, 2)
+    assert prof.measurement["skipped_batch_sizes"] == [4, 8] and prof.measurement["memory_limit_bytes"] == limit
+    assert prof.measurement["skipped_reason"].startswith("skipped micro-batch sizes 4, 8: at 4")
+    assert all(len(r.forward_s) == 2 and r.optimizer_s is not None and r.optimizer_s > 0 for r in prof.layers)
+    assert len(prof.whole_model.forward_backward_s) == 2
+    # a generous limit: every power of two up to the largest
+    prof = _profile(m, batch_sizes=None, warmup=0, repeats=1, memory_limit_bytes=2**40, max_batch=4)
+    assert prof.batch_sizes == (1, 2, 4) and prof.measurement["skipped_batch_sizes"] == []
+    assert "skipped_reason" not in prof.measurement
+
+
+def test_host_limit_is_used_by_default():
+    m = build_model("bert-tiny", seq_len=SEQ)
+    prof = _profile(m, batch_sizes=None, warmup=0, repeats=1, max_batch=2)  # bert-tiny fits any host
+    assert prof.batch_sizes == (1, 2) and prof.measurement["memory_limit_bytes"] > static_bytes(m)
+
+
+def test_provenance_command_recorded(bert, tmp_path):
+    _, prof = bert
+    assert prof.provenance.source == "measured" and prof.provenance.command == ""
+    m = build_model("bert-tiny", seq_len=SEQ)
+    prof = _profile(m, batch_sizes=[1], warmup=0, repeats=1, command="ptplan profile bert-tiny --seq-len 16")
+    assert prof.provenance.command == "ptplan profile bert-tiny --seq-len 16"
+    save_profile(prof, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").provenance == prof.provenance
+
+
+def test_head_num_labels():
+    assert head_num_labels("bert-base", None) == 2 and head_num_labels("vit-base", None) == 1000
+    assert head_num_labels("vit-tiny", 10) == 10 and head_num_labels("gpt2", None) is None
+    with pytest.raises(PtplanError, match="gpt2-medium has a language-model head"):
+        head_num_labels("gpt2-medium", 10)
+    with pytest.raises(PtplanError, match="at least 1"):
+        head_num_labels("bert-tiny", 0)
+
+
+def _cli_profile(tmp_path, *args):
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli, ["profile", *args, "--batch-sizes", "1", "--warmup", "0", "--repeats", "1",
+                                 "--out", str(out), "--quiet"])
+    return r, out
+
+
+def test_cli_records_command_and_num_labels(tmp_path):
+    r, out = _cli_profile(tmp_path, "bert-tiny", "--seq-len", "8", "--num-labels", "5")
+    assert r.exit_code == 0, r.output
+    prof = load_profile(out)
+    assert prof.provenance.source == "measured"
+    assert prof.provenance.command == (f"ptplan profile bert-tiny --seq-len 8 --batch-sizes 1 --num-labels 5 "
+                                       f"--warmup 0 --repeats 1 --out {out} --quiet")
+    H = prof.model.config["hidden_size"]
+    assert prof.model.config["num_labels"] == 5 and profile_num_labels(prof) == 5
+    assert prof.layers[-1].params == 5 * (H + 1) and prof.layers[-1].output_bytes_per_sample == 5 * 4
+
+
+def test_cli_vit_head_is_imagenet_by_default(tmp_path):
+    r, out = _cli_profile(tmp_path, "vit-tiny")
+    assert r.exit_code == 0, r.output
+    prof = load_profile(out)
+    H = prof.model.config["hidden_size"]
+    assert prof.model.config["num_labels"] == 1000 and prof.layers[-1].params == 1000 * (H + 1)
+    # a file written before num_labels was recorded: told from the head's parameter count
+    old = dataclasses.replace(prof, model=dataclasses.replace(
+        prof.model, config={k: v for k, v in prof.model.config.items() if k != "num_labels"}))
+    assert profile_num_labels(old) == 1000
+
+
+def test_cli_gpt2_refuses_num_labels(tmp_path):
+    r, out = _cli_profile(tmp_path, "gpt2-tiny", "--seq-len", "8", "--num-labels", "3")
+    assert r.exit_code == 2
+    assert "gpt2-tiny has a language-model head" in r.output and not out.exists()
+    r, out = _cli_profile(tmp_path, "gpt2-tiny", "--seq-len", "8")
+    assert r.exit_code == 0, r.output
+    assert "num_labels" not in load_profile(out).model.config and profile_num_labels(load_profile(out)) is None
+
+
+# ---- a run builds the head its plan's profile measured ----------------------------------------------
+
+def _plan_with_profile(tmp_path, model, prof_path, name="plan.json"):
+    plan = make_plan(model, [spec(0, K=1, D=1, M=1, b=2)], samples_per_epoch=4)
+    ref = dataclasses.replace(plan.inputs.profile, path=str(prof_path))
+    plan = dataclasses.replace(plan, inputs=dataclasses.replace(plan.inputs, profile=ref))
+    path = tmp_path / name
+    save_plan(plan, path)
+    return plan, path
+
+
+def test_run_uses_the_profiles_num_labels(tmp_path):
+    model = build_model("vit-tiny", num_labels=7)
+    prof = _profile(model, batch_sizes=[1], warmup=0, repeats=1)
+    save_profile(prof, tmp_path / "prof.json")
+    plan, path = _plan_with_profile(tmp_path, model, tmp_path / "prof.json")
+    assert plan_num_labels(plan, "vit-tiny", str(path)) == 7
+    cfg = with_plan_num_labels(RunConfig(plan=str(path), model="vit-tiny"))
+    assert cfg.num_labels == 7
+    assert build_for_plan(plan, RunConfig(plan=str(path), model="vit-tiny")).layers[-1].classifier.out_features == 7
+    # the recorded path relative to the plan's folder also works; no profile file: the family's usual head
+    plan2, path2 = _plan_with_profile(tmp_path, model, "prof.json", "plan2.json")
+    assert plan_num_labels(plan2, "vit-tiny", str(path2)) == 7
+    plan3, _ = _plan_with_profile(tmp_path, model, tmp_path / "missing.json", "plan3.json")
+    assert plan_num_labels(plan3, "vit-tiny", None) == 1000
+    r = CliRunner().invoke(cli, ["run", str(path), "--model", "vit-tiny", "--nproc-per-node", "1", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    # an explicit other head is refused by the fingerprint check, before launching
+    r = CliRunner().invoke(cli, ["run", str(path), "--model", "vit-tiny", "--nproc-per-node", "1", "--dry-run",
+                                 "--num-labels", "3"])
+    assert r.exit_code == 2 and "fingerprint" in r.output
+
+
+def test_run_refuses_num_labels_for_gpt2(tmp_path):
+    model = build_model("gpt2-tiny", seq_len=8)
+    _, path = _plan_with_profile(tmp_path, model, tmp_path / "none.json")
+    r = CliRunner().invoke(cli, ["run", str(path), "--model", "gpt2-tiny", "--nproc-per-node", "1", "--dry-run",
+                                 "--num-labels", "3"])
+    assert r.exit_code == 2 and "language-model head" in r.output
+    r = CliRunner().invoke(cli, ["run", str(path), "--model", "gpt2-tiny", "--nproc-per-node", "1", "--dry-run"])
+    assert r.exit_code == 0, r.output
