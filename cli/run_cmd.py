@@ -49,6 +49,8 @@ from ptplan.planner.errors import PtplanError
               help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask.")
 @click.option("--no-shuffle", is_flag=True, help="Visit samples in id order.")
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model.")
+@click.option("--num-labels", type=int, default=None,
+              help="Classes of the classification head (bert, vit) [default: the plan's profile's].")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
               help="Seconds a collective may wait before the job fails (a dead rank).")
@@ -75,9 +77,10 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
         master_port: int | None, max_restarts: int, epochs: int | None, steps_per_epoch: int | None,
         optimizer: str, lr: float, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
-        resume: bool, log_path: str, data: str, no_shuffle: bool, dropout: float | None, device: str,
-        timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None, cache_budget: str | None,
-        cache_spill_dir: str | None, cache_allow_nondeterministic: bool, dry_run: bool) -> None:
+        resume: bool, log_path: str, data: str, no_shuffle: bool, dropout: float | None, num_labels: int | None,
+        device: str, timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None,
+        cache_budget: str | None, cache_spill_dir: str | None, cache_allow_nondeterministic: bool,
+        dry_run: bool) -> None:
     """Replay PLAN as real elastic pipelined data-parallel training (torchrun; gloo on CPU, NCCL on GPU).
 
     \b
@@ -86,6 +89,7 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                   --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1   (on each node)
     """
     from ptplan.executor.config import RunConfig
+    from ptplan.executor.job import with_plan_num_labels
     from ptplan.executor.launch import Rendezvous, command, launch
 
     if nproc_per_node < 1:
@@ -96,11 +100,13 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                     checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume,
                     log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
-                    dropout=dropout, device=device, timeout_s=timeout_s, progress=not no_progress,
-                    cache=cache_mode, cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
+                    dropout=dropout, num_labels=num_labels, device=device, timeout_s=timeout_s,
+                    progress=not no_progress, cache=cache_mode,
+                    cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
                     cache_budget=None if cache_budget is None else parse_size(cache_budget, "--cache-budget"),
                     cache_spill_dir=os.path.abspath(cache_spill_dir) if cache_spill_dir else None,
                     cache_allow_nondeterministic=cache_allow_nondeterministic)
+    cfg = with_plan_num_labels(cfg)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)

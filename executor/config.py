@@ -61,7 +61,9 @@ class RunConfig:
     """Set every dropout of the model (None: keep the config's)."""
     image_size: int | None = None
     """ViT only: pixels per side (None: from the plan's sequence length)."""
-    num_labels: int = 2
+    num_labels: int | None = None
+    """Classes of the classification head (bert, vit; None: the plan's profile's, see
+    ``job.plan_num_labels``). GPT-2's head is its LM head: leave None."""
     dtype: str = "float32"
     device: str = "auto"
     """``auto`` (CUDA from LOCAL_RANK when available, else CPU), ``cpu`` or ``cuda``."""
@@ -107,6 +109,8 @@ class RunConfig:
             raise PtplanError(f"--timeout must be positive, got {self.timeout_s}")
         if self.cache not in CACHE_MODES:
             raise PtplanError(f"unknown cache mode {self.cache!r}; use one of {', '.join(CACHE_MODES)}")
+        if self.num_labels is not None and self.num_labels < 1:
+            raise PtplanError(f"--num-labels must be at least 1, got {self.num_labels}")
         if self.cache_budget is not None and self.cache_budget < 0:
             raise PtplanError(f"--cache-budget must be >= 0 bytes, got {self.cache_budget}")
 

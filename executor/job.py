@@ -1,28 +1,79 @@
 """What a run builds from the plan and its config: the model (shaped as the plan's profile), the data, the device."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from pathlib import Path
 
 import torch
 
 from ptplan.planner.errors import PtplanError
-from ptplan.planner.plan import Plan
+from ptplan.planner.plan import Plan, load_plan
 
 from .config import RunConfig
 from .data import Dataset, SyntheticDataset, load_dataset
 
 
+def _profile_file(plan: Plan, plan_path: str | None) -> Path | None:
+    """The plan's profile file when it can be found: its recorded path as is, or relative to the plan."""
+    ref = plan.inputs.profile.path
+    if not ref:
+        return None
+    p = Path(ref)
+    cands = [p] if p.is_absolute() else [p] + ([Path(plan_path).parent / p] if plan_path else [])
+    return next((c for c in cands if c.is_file()), None)
+
+
+def plan_num_labels(plan: Plan, model: str, plan_path: str | None = None) -> int | None:
+    """The classifier size the plan's profile was measured with, so the run builds the same head.
+
+    From the profile file the plan names (``profile_num_labels``), when it is found and is of the
+    plan's model; else the family's usual head (bert 2, vit 1000; ``head_num_labels``). None for
+    GPT-2 (an LM head). A head of another size fails the fingerprint check before launching.
+    """
+    from ptplan.planner.profile import load_profile
+
+    from .profiler import head_num_labels, profile_num_labels
+
+    default = head_num_labels(model, None)
+    path = _profile_file(plan, plan_path)
+    if default is None or path is None:
+        return default
+    try:
+        prof = load_profile(path)
+    except PtplanError:
+        return default
+    if prof.fingerprint() != plan.inputs.profile.fingerprint:
+        return default
+    return profile_num_labels(prof) or default
+
+
+def with_plan_num_labels(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``num_labels`` fixed (the plan's profile's when not given), so every worker builds the
+    same head without looking for the profile file; an explicit value is checked against the model."""
+    from .profiler import head_num_labels
+
+    if cfg.num_labels is not None:
+        head_num_labels(cfg.model, cfg.num_labels)  # refuses labels for GPT-2
+        return cfg
+    return dataclasses.replace(cfg, num_labels=plan_num_labels(load_plan(cfg.plan), cfg.model, cfg.plan))
+
+
 def build_for_plan(plan: Plan, cfg: RunConfig):
-    """The model adapter ``cfg.model`` at the plan's granularity and sequence length."""
+    """The model adapter ``cfg.model`` at the plan's granularity and sequence length, with the classifier
+    size ``cfg.num_labels`` (None: the plan's profile's, see ``plan_num_labels``)."""
     from .models import build_model
+    from .profiler import head_num_labels
 
     prof = plan.inputs.profile
     gran = prof.granularity
     seq = prof.seq_len
     dtype = getattr(torch, cfg.dtype)
-    common = dict(granularity=gran, num_labels=cfg.num_labels, dtype=dtype, dropout=cfg.dropout,
-                  weights=cfg.weights, seed=cfg.seed)
+    labels = (head_num_labels(cfg.model, cfg.num_labels) if cfg.num_labels is not None
+              else plan_num_labels(plan, cfg.model, cfg.plan))
+    common = dict(granularity=gran, dtype=dtype, dropout=cfg.dropout, weights=cfg.weights, seed=cfg.seed,
+                  **({} if labels is None else {"num_labels": labels}))
     if cfg.model.startswith("vit"):
         model = build_model(cfg.model, image_size=cfg.image_size, **common)
         if cfg.image_size is None and isinstance(seq, int) and seq != model.seq_len and seq > 1:
