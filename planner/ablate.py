@@ -55,7 +55,7 @@ from .errors import InfeasibleError, PtplanError
 from .freeze import FreezePolicy
 from .partition import greedy_param_partition
 from .plan import Phase, Plan, TrajectoryPoint
-from .planner import _phase, make_plan, trajectory_phases, visits, walk
+from .planner import make_plan, phase_from_choice, trajectory_phases, visits, walk
 from .profile import Profile
 from .replicate import divisors
 from .schedule import build_schedule
@@ -403,7 +403,7 @@ def _assemble(search: PhaseSearch, table: list[int], training: TrainingConfig, f
     expected = visits(table, training, freeze, search.W)
     counts = sorted(expected)
     chosen = trajectory_phases(search, counts, expected)
-    phases = [_phase(search, f, chosen[f], keep_timeline=False) for f in counts]
+    phases = [phase_from_choice(search, f, chosen[f], keep_timeline=False) for f in counts]
     return phases, walk(phases, {f: i for i, f in enumerate(counts)}, table, training, freeze)
 
 

@@ -40,7 +40,7 @@ from .profile import Profile, profile_from_json
 from .search import Choice, PhaseSearch, Visit
 from .simulate import simulate
 
-__all__ = ["TrainingConfig", "make_plan"]
+__all__ = ["TrainingConfig", "make_plan", "phase_from_choice"]
 
 MAX_TIMELINE_EVENTS = 6000
 """Timelines with more events than this are not stored in the plan (the report says so)."""
@@ -164,7 +164,8 @@ def trajectory_phases(search: PhaseSearch, counts: list[int], samples: dict[int,
     return min(states.values(), key=lambda v: v[0])[1]
 
 
-def _phase(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bool) -> Phase:
+def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bool) -> Phase:
+    """The plan's Phase for a searched choice (its timeline when ``keep_timeline`` and short enough)."""
     c, sim = ch.cand, ch.sim
     n0 = search.p.frozen_boundary(f)
     timeline: tuple[TimelineEvent, ...] = ()
@@ -255,7 +256,7 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
     done = len(visited)
     for f in range(L + 1):
         if f in chosen:
-            phases.append(_phase(search, f, chosen[f], keep_timeline=True))
+            phases.append(phase_from_choice(search, f, chosen[f], keep_timeline=True))
             continue
         try:
             ch = search.search(f, Visit(samples=float(training.samples_per_epoch)))
@@ -264,7 +265,7 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
                 raise
             ch = None  # unreachable by the planned trajectory and infeasible: left out
         if ch is not None:
-            phases.append(_phase(search, f, ch, keep_timeline=False))
+            phases.append(phase_from_choice(search, f, ch, keep_timeline=False))
         done += 1
         if progress is not None:
             progress(done, L + 1)
@@ -281,7 +282,7 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
     base_phase = phases[index[0]]
     base_s = static_seconds(base_phase)
     asked = training.start_K is not None or training.pin_K is not None or training.pin_M is not None
-    best_static = (_phase(search, 0, search.search(0, Visit(samples=1.0), free=True), keep_timeline=False)
+    best_static = (phase_from_choice(search, 0, search.search(0, Visit(samples=1.0), free=True), keep_timeline=False)
                    if asked else base_phase)
     best_s = min(static_seconds(best_static), base_s)
     if best_s == base_s:
