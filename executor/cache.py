@@ -19,7 +19,8 @@ Lifecycle, per node::
     cache = ActivationCache(job_id=job, create=False)
     cache.check_dataset(dataset)             # refuses random augmentation
     ...
-    h = prefix_forward(model, x, mask, ids, phase.frozen_layers, cache)   # stage 0, every step
+    h = prefix_forward(model, x, mask, ids, phase.frozen_layers, cache,   # stage 0, every step
+                       micro_batch_size=phase.micro_batch_size)
     ...
     cache.evict_below(phase.frozen_layers)   # after each epoch (any rank; idempotent)
     ...
@@ -30,7 +31,10 @@ Lifecycle, per node::
 ``prefix_forward`` is the whole hot path: it looks up each sample's best cached count c <= f, serves
 c == f from the cache, runs only ``layers[c:f]`` on cached rows for 0 < c < f (incremental refresh)
 and the whole prefix for misses, writes what it computed under f, and returns the batch's prefix
-output. Once every row of a shard is cached at f, that shard's slabs at smaller counts are deleted
+output. The runtime calls it with the phase's micro-batch size, so that it computes on the same
+shapes as a stage that recomputes the prefix (bit-identical rows; see ``prefix_forward``). On a GPU
+the frozen layers stay in host memory on stage 0 (the runtime's ``transition.holdings``) and
+``LayeredModel.run_layers`` streams each through the device for its forward. Once every row of a shard is cached at f, that shard's slabs at smaller counts are deleted
 (their rows are superseded); ``evict_below`` deletes the rest at the end of an epoch.
 
 Determinism (``cache_guard``): on first use at each f, the prefix is checked for active dropout and
@@ -378,7 +382,7 @@ class ActivationCache:
         self._stats.notes.extend(check_dataset(dataset, allow_nondeterministic=self.allow_nondeterministic))
 
     def prefix_forward(self, model: nn.Module, inputs: Tensor, attention_mask: Tensor | None, sample_ids: Tensor,
-                       frozen_layers: int) -> Tensor:
+                       frozen_layers: int, *, micro_batch_size: int | None = None) -> Tensor:
         """``layers[0:frozen_layers]``'s output for the batch, from the cache where possible (see ``prefix_forward``)."""
         self._check_open()
         if frozen_layers == 0:
@@ -387,9 +391,49 @@ class ActivationCache:
         ids = self._ids(sample_ids)
         if ids.size != inputs.shape[0]:
             raise PtplanError(f"{ids.size} sample ids for a batch of {inputs.shape[0]} samples")
-        dev = inputs.device
         tag = self.tag_for(model, frozen_layers)
-        best = self.lookup_rows(ids, frozen_layers).numpy()
+        if micro_batch_size is None:
+            return self._per_sample(model, inputs, attention_mask, ids, frozen_layers, tag)
+        b = micro_batch_size
+        if b < 1 or ids.size % b:
+            raise PtplanError(f"a batch of {ids.size} samples does not split into micro-batches of {b}")
+        if ids.size == b:
+            return self._micro_batch(model, inputs, attention_mask, ids, frozen_layers, tag)
+        out = torch.empty((ids.size, *self.sample_shape), dtype=self.dtype, device=inputs.device)
+        for a in range(0, ids.size, b):
+            m = None if attention_mask is None else attention_mask[a:a + b]
+            out[a:a + b] = self._micro_batch(model, inputs[a:a + b], m, ids[a:a + b], frozen_layers, tag)
+        return out
+
+    def _run(self, model: nn.Module, x: Tensor, lo: int, hi: int, mask: Tensor | None) -> Tensor:
+        with torch.no_grad(), eval_mode(model.layers[:hi]):
+            return model.run_layers(x, lo, hi, mask)
+
+    def _micro_batch(self, model: nn.Module, x: Tensor, mask: Tensor | None, ids: np.ndarray, f: int,
+                     tag: str) -> Tensor:
+        """One micro-batch, served or computed whole: read at f if every row is there, else run layers
+        [c, f) on the rows cached at the largest c < f that has all of them (or [0, f) on the inputs)."""
+        dev = x.device
+        h = self.get(ids, f, tag=tag)
+        if h is not None:
+            self._stats.hits += ids.size
+            return h.to(dev)
+        c = self.lookup_partial(ids, f - 1)
+        h = self.get(ids, c, tag=self.tag_for(model, c)) if c else None
+        if h is not None:
+            self._stats.refreshes += ids.size
+            h = self._run(model, h.to(dev), c, f, mask)
+        else:  # a miss, or the rows were evicted since the lookup
+            self._stats.misses += ids.size
+            h = self._run(model, x, 0, f, mask)
+        self.put(ids, f, h, tag=tag)
+        return h
+
+    def _per_sample(self, model: nn.Module, inputs: Tensor, attention_mask: Tensor | None, ids: np.ndarray, f: int,
+                    tag: str) -> Tensor:
+        """The batch split by each sample's best cached count: hits read, the rest computed per group."""
+        dev = inputs.device
+        best = self.lookup_rows(ids, f).numpy()
         groups = sorted(set(best.tolist()), reverse=True)
         parts: list[tuple[np.ndarray, Tensor]] = []
         for c in groups:
@@ -398,18 +442,17 @@ class ActivationCache:
             x = inputs if whole else inputs[torch.from_numpy(sel).to(dev)]
             mask = attention_mask if whole or attention_mask is None else attention_mask[torch.from_numpy(sel).to(dev)]
             h = self.get(ids[sel], c, tag=self.tag_for(model, c)) if c > 0 else None
-            if h is not None and c == frozen_layers:
+            if h is not None and c == f:
                 self._stats.hits += sel.size
                 parts.append((sel, h.to(dev)))
                 continue
-            with torch.no_grad(), eval_mode(model.layers[:frozen_layers]):
-                if h is not None:
-                    self._stats.refreshes += sel.size
-                    h = model.run_layers(h.to(dev), c, frozen_layers, mask)
-                else:  # a miss, or the rows were evicted since the lookup
-                    self._stats.misses += sel.size
-                    h = model.run_layers(x, 0, frozen_layers, mask)
-            self.put(ids[sel], frozen_layers, h, tag=tag)
+            if h is not None:
+                self._stats.refreshes += sel.size
+                h = self._run(model, h.to(dev), c, f, mask)
+            else:  # a miss, or the rows were evicted since the lookup
+                self._stats.misses += sel.size
+                h = self._run(model, x, 0, f, mask)
+            self.put(ids[sel], f, h, tag=tag)
             parts.append((sel, h))
         if len(parts) == 1:
             return parts[0][1]
@@ -462,17 +505,36 @@ class _Declared:
 
 
 def prefix_forward(model: nn.Module, inputs: Tensor, attention_mask: Tensor | None, sample_ids: Tensor,
-                   frozen_layers: int, cache: ActivationCache | None = None) -> Tensor:
+                   frozen_layers: int, cache: ActivationCache | None = None, *,
+                   micro_batch_size: int | None = None) -> Tensor:
     """The frozen prefix ``layers[0:frozen_layers]``'s output for a batch, under no_grad and eval mode.
 
     With a cache, per sample: cached at ``frozen_layers`` -> read it; cached at a smaller count c ->
     run only ``layers[c:frozen_layers]`` on it (incremental refresh) and store the result; not
     cached -> run the whole prefix and store it. Without a cache: plain recomputation (identical
     results). ``frozen_layers == 0`` returns ``inputs`` unchanged.
+
+    ``micro_batch_size`` b (what the runtime passes: the phase's): the batch is served b consecutive
+    samples at a time, and a micro-batch that is not all cached at ``frozen_layers`` is computed
+    whole, from the largest count all its rows share. The prefix then runs on exactly the shapes a
+    stage that recomputes it runs (one micro-batch), so its rows are bit-identical to recomputation:
+    torch's kernels do not promise the same bits for a sample in batches of different sizes (a GEMM
+    may block 8 rows differently from 16), and they differ on CPUs for BERT at b = 1 versus b >= 2.
+    One case stays apart: a row refreshed from count c was computed up to c in the micro-batches of
+    the phase that cached it; when that phase's b differs, the refreshed row equals recomputation
+    only up to that rounding (of the order of 1e-7 relative in float32).
+
+    Layers kept in host memory while ``inputs`` is on a GPU (the cached phases' prefix on stage 0)
+    are streamed through the device one layer at a time (``models.streamed``).
     """
     if cache is not None:
-        return cache.prefix_forward(model, inputs, attention_mask, sample_ids, frozen_layers)
+        return cache.prefix_forward(model, inputs, attention_mask, sample_ids, frozen_layers,
+                                    micro_batch_size=micro_batch_size)
     if frozen_layers == 0:
         return inputs
+    b = micro_batch_size or inputs.shape[0]
     with torch.no_grad(), eval_mode(model.layers[:frozen_layers]):
-        return model.run_layers(inputs, 0, frozen_layers, attention_mask)
+        parts = [model.run_layers(inputs[a:a + b], 0, frozen_layers,
+                                  None if attention_mask is None else attention_mask[a:a + b])
+                 for a in range(0, inputs.shape[0], b)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -46,7 +46,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -324,6 +324,38 @@ class LMHead(nn.Module):
 
 # ---- the adapter -------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def streamed(module: nn.Module, device: torch.device, *, what: str = "module") -> Iterator[None]:
+    """Run ``module`` on ``device`` for the duration of the block, one module's weights at a time.
+
+    Parameters and buffers stored elsewhere (host memory, while ``device`` is a GPU) get a copy on
+    ``device`` for the block and their own storage back after it, so the copy is freed as soon as
+    the block ends: how the AutoCache's fill streams a frozen prefix kept in host memory through a
+    GPU one layer at a time. Nothing to do (the common case, and always on a CPU) when every
+    tensor is on ``device`` already. Only under ``torch.no_grad()``: autograd would keep the copies
+    and send gradients to them. A parameter without storage (a layer another rank holds; see
+    ``executor/runtime.py``) is an error that names the layer.
+    """
+    tensors = [*module.parameters(), *module.buffers()]
+    if any(p.numel() == 0 for p in module.parameters()):
+        raise RuntimeError(f"{what} has no weights on this process (another rank's stage holds it)")
+    away = [t for t in tensors if t.device != device]
+    if not away:
+        yield
+        return
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} lives on {away[0].device}, not {device}; streaming it is only for no-grad "
+                           f"forwards (the frozen prefix)")
+    kept = [t.data for t in away]
+    try:
+        for t, home in zip(away, kept):
+            t.data = home.to(device, non_blocking=True)
+        yield
+    finally:
+        for t, home in zip(away, kept):
+            t.data = home
+
+
 class LayeredModel(nn.Module):
     """A Transformer as a flat, execution-ordered ``layers`` list with a loss and synthetic batches."""
 
@@ -345,11 +377,16 @@ class LayeredModel(nn.Module):
         return self.run_layers(inputs, 0, len(self.layers), attention_mask)
 
     def run_layers(self, x: Tensor, lo: int, hi: int, attention_mask: Tensor | None = None) -> Tensor:
-        """Run ``layers[lo:hi]`` on x (raw inputs when lo == 0, else the output of layer lo-1)."""
+        """Run ``layers[lo:hi]`` on x (raw inputs when lo == 0, else the output of layer lo-1).
+
+        A layer whose tensors live on another device than x (a frozen prefix kept in host memory
+        while x is on a GPU) is streamed: see ``streamed``.
+        """
         if not 0 <= lo <= hi <= len(self.layers):
             raise ValueError(f"layer range [{lo}, {hi}) is outside [0, {len(self.layers)}]")
-        for layer in self.layers[lo:hi]:
-            x = layer(x, attention_mask=attention_mask)
+        for i in range(lo, hi):
+            with streamed(self.layers[i], x.device, what=f"layer {i}"):
+                x = self.layers[i](x, attention_mask=attention_mask)
         return x
 
     def loss(self, output: Tensor, labels: Tensor) -> Tensor:

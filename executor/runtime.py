@@ -9,7 +9,8 @@ group by one flat all-reduce after the schedule's step (never DDP around a stage
 (``transition``), destroys the old groups and creates the new ones in the same order on every
 rank (``groups``), and rebuilds the stage and its schedule. The training loop is in ``training``.
 In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by ``cache_run``),
-stage 0 holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s output for the shard.
+stage 0 holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s output for the shard,
+computed micro-batch by micro-batch as recomputation would.
 """
 from __future__ import annotations
 
@@ -170,9 +171,10 @@ class ElasticRuntime:
         """
         ph, place = self.phase, self.groups.place
         x, y, mask = (None if t is None else t.to(self.device) for t in batch)
-        if place.stage == 0 and self._caches(ph):  # the whole shard at once, before the micro-batch split
+        if place.stage == 0 and self._caches(ph):  # the shard's prefix output, micro-batch by micro-batch
             assert ids is not None, "a caching phase needs the shard's sample ids"
-            x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache)
+            x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache,
+                               micro_batch_size=ph.micro_batch_size)
         kw = {} if mask is None else {"attention_mask": mask}
         self.opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
