@@ -5,14 +5,17 @@ Legend: f = a phase's frozen *layers*; N = samples in the data set; a node's *cr
 Every rank calls, in this order (each call is collective)::
 
     rc = setup_cache(cfg, plan, model, dataset, device)  # None: --cache off, or no phase caches
-    runtime.cache = rc.cache                             # stage 0 of a caching phase: prefix_forward
+    runtime.set_cache(rc.cache)                          # stage 0 of a caching phase: prefix_forward
     record = rc.epoch_end(phase, epoch, step)            # after each epoch: evict below f, sum the stats
     rc.finish(ok=True)                                   # close everywhere, barrier, creators remove files
 
 Setup: each node's creator makes the cache (``<cache_dir>/ptplan-<job>-node<n>``, RAM budget
 below), the others attach after a barrier; then every rank checks the data set (no random
 augmentation) and, for every frozen count a phase caches, that the prefix gives the same output
-twice in eval mode, as the runtime runs it. A problem on any rank raises the same PtplanError on
+twice in eval mode, as the runtime runs it. Setup runs before the runtime's first phase switch,
+while every rank still holds the whole model as built (afterwards only stage-0 ranks hold the
+prefix); on a GPU the check streams the host-memory layers through the device one at a time, as
+the fill does (``LayeredModel.run_layers``). A problem on any rank raises the same PtplanError on
 every rank before the first step, unless ``cache_allow_nondeterministic`` (then it is a note in the
 ``cache_setup`` record). Dropout in the model is no reason to refuse: ptplan runs the frozen prefix
 in eval mode whether it caches it or not, so a cached row is exactly what recomputation gives.

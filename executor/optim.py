@@ -1,9 +1,10 @@
 """The optimizer: one torch optimizer over the whole canonical model, with state only for owned params.
 
-Every rank keeps the full model and a single optimizer over all its parameters. A parameter that
-has no gradient (frozen, or held by another stage) is skipped by ``step()``, so the optimizer never
-has to be rebuilt; at a phase change only the state of the parameters that move is sent, and the
-state of parameters a rank no longer owns is dropped. State tensors are created eagerly with the
+Every rank keeps every ``nn.Parameter`` object of the model (those of layers it does not hold have
+no storage: ``stage.LayerStore``) and a single optimizer over all of them. A parameter that has no
+gradient (frozen, or held by another stage) is skipped by ``step()``, so the optimizer never has to
+be rebuilt; at a phase change only the state of the parameters that move is sent, and the state of
+parameters a rank no longer owns is dropped (freed). State tensors are created eagerly with the
 values torch's lazy initialisation would give (zeros; AdamW ``step`` = 0), which is exact: SGD's
 first update ``0 * momentum + grad`` equals its lazy ``clone(grad)`` bit for bit.
 """

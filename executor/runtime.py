@@ -1,22 +1,34 @@
-"""One rank's elastic runtime: the canonical model, the optimizer, the current phase, its groups and stage.
+"""One rank's elastic runtime: its stage's layers, the optimizer, the current phase, its groups and stage.
 
 Legend: K stages per pipeline, D pipelines, M micro-batches per pipeline.
 
-Every rank keeps the full canonical model and one optimizer over all of it (``optim``); a phase
-gives each rank one stage (``stage``), whose gradients are averaged over the stage's data-parallel
-group by one flat all-reduce after the schedule's step (never DDP around a stage). Entering a phase
-(``ElasticRuntime.switch``) moves weights and optimizer state to their new owners
-(``transition``), destroys the old groups and creates the new ones in the same order on every
-rank (``groups``), and rebuilds the stage and its schedule. The training loop is in ``training``.
-In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by ``cache_run``),
-stage 0 holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s output for the shard,
-computed micro-batch by micro-batch as recomputation would.
+A rank holds exactly what ``planner/stage.py`` says its stage holds (``transition.holdings``): the
+active layers of its stage on the device, plus on stage 0 the frozen prefix -- on the device when
+it recomputes it, in host memory when the AutoCache serves it. Every other layer of the canonical
+model keeps its ``nn.Parameter`` objects without storage (``stage.LayerStore``), so one optimizer
+over all parameters stays valid (``optim``: it keeps state only for this rank's active layers). A
+phase gives each rank one stage (``stage``), whose gradients are averaged over the stage's
+data-parallel group by one flat all-reduce after the schedule's step (never DDP around a stage).
+Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
+what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
+frees what it only sent, destroys the old groups and creates the new ones in the same order on
+every rank (``groups``), and rebuilds the stage and its schedule. The training loop is in
+``training``. In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by
+``cache_run``), stage 0's module holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s
+output for the shard, computed micro-batch by micro-batch as recomputation would.
+
+Memory outside the steady state: before the first ``switch`` every rank holds the whole model as
+built (in host memory); during a switch a rank holds what it keeps plus, until sent, what it gives
+away; ``gather`` makes rank 0 hold the whole model (and, for checkpoints, every active layer's
+optimizer state) in host memory until it returns -- one source rank's messages at a time.
 """
+
+
 from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,12 +40,12 @@ from ptplan.planner.plan import Phase, Plan
 from .cache import ActivationCache, prefix_forward
 from .groups import PhaseGroups, build_groups, destroy_groups
 from .optim import drop_state, ensure_state, state_keys
-from .stage import build_schedule, set_trainable, stage_module
-from .transition import current_after, exchange, needs, owned_layers, plan_transfers
+from .stage import LayerStore, build_schedule, set_trainable, stage_module
+from .transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
 
 
 class ElasticRuntime:
-    """One rank's view of the run: canonical model, optimizer, current phase, groups and stage."""
+    """One rank's view of the run: its layers' storage, optimizer, current phase, groups and stage."""
 
     def __init__(self, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  device: torch.device, timeout_s: float, backend: str) -> None:
@@ -42,7 +54,8 @@ class ElasticRuntime:
         self.timeout = _timedelta(timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.n = len(model.layers)
-        self.layer_params = [list(layer.parameters()) for layer in model.layers]
+        self.store = LayerStore(model.layers, device)
+        self.layer_params = self.store.params
         seen: dict[int, int] = {}
         for i, ps in enumerate(self.layer_params):
             for p in ps:
@@ -50,7 +63,8 @@ class ElasticRuntime:
                     raise PtplanError(f"layers {seen[id(p)]} and {i} share a parameter (tied weights); the runtime "
                                       f"needs every parameter in exactly one layer")
                 seen[id(p)] = i
-        self.sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.layer_params]
+        self.layer_of = seen
+        self.sizes = self.store.sizes
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.block_of = [s.block for s in model.specs]
         self.phase_index: int | None = None
@@ -59,12 +73,17 @@ class ElasticRuntime:
         self.module = None
         self.schedule = None
         self.owned: list[int] = []
+        self.held: dict[int, str] = {}
+        """The layers this rank holds in the current phase and where (``transition.holdings``)."""
         self.last_allreduce_s = 0.0
         """Seconds of the last step's data-parallel gradient all-reduce on this rank."""
         self.current: list[frozenset[int]] = [frozenset()] * self.n
-        """Per layer, the ranks whose copy is current (see ``transition``)."""
+        """Per layer, the ranks holding a current copy (in a phase: the ranks that need it; ``transition``)."""
         self.cache: ActivationCache | None = None
         """The node's AutoCache (``cache_run``; set with ``set_cache``). None: always recompute."""
+        self.memory_hook: Callable[[str, Tensor], None] | None = None
+        """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
+        (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
 
     # ---- moving layers ---------------------------------------------------------------------
     def _weights_of(self, layers: tuple[int, ...]) -> list[Tensor]:
@@ -73,34 +92,58 @@ class ElasticRuntime:
     def _state_of(self, layers: tuple[int, ...]) -> list[Tensor]:
         return [t for i in layers for p in self.layer_params[i] for t in ensure_state(self.opt, p)]
 
-    def _exchange(self, have: list[frozenset[int]], need: list[frozenset[int]], state: bool) -> int:
-        sizes = [2 * s for s in self.sizes] if state else self.sizes
-        transfers = plan_transfers(have, need, sizes)
+    def _transfers(self, have: Sequence[frozenset[int]], need: Sequence[frozenset[int]], state: bool
+                   ) -> list[Transfer]:
+        return plan_transfers(have, need, [2 * s for s in self.sizes] if state else self.sizes)
+
+    def _exchange(self, transfers: list[Transfer], state: bool) -> int:
         return exchange(transfers, self.rank, self._state_of if state else self._weights_of, self.device,
                         batched=self.backend == "nccl")
 
+    def _params_of(self, layers) -> set[int]:
+        return {id(p) for i in layers for p in self.layer_params[i]}
+
+    def _settle(self, held: dict[int, str], *, also: set[int], current: Sequence[frozenset[int]] | None) -> None:
+        """Free every layer neither in ``held`` nor in ``also``, then give each held layer storage where
+        it belongs, keeping its values when this rank's copy is current (``current`` None: all are)."""
+        for i in range(self.n):
+            if i not in held and i not in also and self.store.where[i] is not None:
+                self.store.release(i)
+        for i, where in held.items():
+            if self.store.where[i] != where:
+                self.store.place(i, where, keep_values=current is None or self.rank in current[i])
+
     def switch(self, index: int, *, have_weights: list[frozenset[int]],
                have_state: list[frozenset[int]] | None) -> dict[str, Any]:
-        """Enter phase ``index``: move weights and optimizer state, rebuild groups and stage.
+        """Enter phase ``index``: move weights and optimizer state, free and allocate, rebuild groups and stage.
 
-        ``have_weights[i]``: ranks whose copy of layer i is current; ``have_state[i]``: ranks holding
+        ``have_weights[i]``: ranks holding a current copy of layer i; ``have_state[i]``: ranks holding
         layer i's optimizer state (None: no state exists yet). Returns seconds per part (the slowest
         rank's) and bytes sent (all ranks together).
         """
         new = self.plan.phases[index]
         t0 = time.perf_counter()
+        self.module = self.schedule = None  # the old stage and its receive buffers go first
+        self.opt.zero_grad(set_to_none=True)
         need = needs(new, self.n)
-        sent_w = self._exchange(have_weights, need, state=False)
-        self.current = current_after(new, have_weights, need)
-        t1 = time.perf_counter()
-        sent_s = 0
+        held = holdings(new, self.rank, self.n, cached_prefix=self._caches(new))
+        owned = owned_layers(new, self.rank, self.n)
+        weights = self._transfers(have_weights, need, state=False)
+        state: list[Transfer] = []
         if have_state is not None:
             active = [i >= new.frozen_layers for i in range(self.n)]
             have_s = [h if a else frozenset() for h, a in zip(have_state, active)]
-            need_s = [nd if a and h else frozenset() for nd, h, a in zip(need, have_s, active)]
-            sent_s = self._exchange(have_s, need_s, state=True)
-        self.owned = owned_layers(new, self.rank, self.n)
-        drop_state(self.opt, {id(p) for i in self.owned for p in self.layer_params[i]})
+            state = self._transfers(have_s, [nd if a and h else frozenset() for nd, h, a in zip(need, have_s, active)],
+                                    state=True)
+        sent_state = sources(state, self.rank)
+        drop_state(self.opt, self._params_of(set(owned) | sent_state))
+        self._settle(held, also=sources(weights, self.rank) | sent_state, current=have_weights)
+        sent_w = self._exchange(weights, state=False)
+        t1 = time.perf_counter()
+        sent_s = self._exchange(state, state=True)
+        drop_state(self.opt, self._params_of(owned))
+        self._settle(held, also=set(), current=None)
+        self.current, self.owned, self.held = need, owned, held
         t2 = time.perf_counter()
         set_trainable(self.model, new.frozen_layers)
         old = self.phase
@@ -110,7 +153,6 @@ class ElasticRuntime:
             self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
         t3 = time.perf_counter()
         self._build_stage(new)
-        self.opt.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
         self.phase, self.phase_index = new, index
         secs = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0], dtype=torch.float64, device=self.device)
@@ -130,10 +172,13 @@ class ElasticRuntime:
             self.schedule = build_schedule(self.module, ph, stage, self.device, self.groups.pp_group, self.model.loss)
 
     def set_cache(self, cache: ActivationCache | None) -> None:
-        """Read the frozen prefix's output from ``cache`` in caching phases from now on (rebuilds the
-        current stage if its phase caches; call between steps)."""
+        """Read the frozen prefix's output from ``cache`` in caching phases from now on (call before the
+        first ``switch``, or between steps: then the prefix moves between host and device as needed and
+        the current stage is rebuilt)."""
         self.cache = cache
-        if self.phase is not None and self._caches(self.phase):
+        if self.phase is not None:
+            self.held = holdings(self.phase, self.rank, self.n, cached_prefix=self._caches(self.phase))
+            self._settle(self.held, also=set(), current=None)
             self._build_stage(self.phase)
 
     # ---- one optimizer step ----------------------------------------------------------------
@@ -149,13 +194,16 @@ class ElasticRuntime:
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for _, gs in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([g.reshape(-1) for g in gs])
+            flat = torch.cat([g.reshape(-1) for g in gs])  # the stage's one transient (planner/stage.py's "after")
+            if self.memory_hook is not None:
+                self.memory_hook("transient", flat)
             dist.all_reduce(flat, group=self.groups.dp_group)
             flat.div_(ph.D)
             off = 0
             for g in gs:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
+            del flat
 
     def _caches(self, ph: Phase) -> bool:
         """Whether stage 0 of ``ph`` reads the frozen prefix's output from the cache."""
@@ -175,6 +223,8 @@ class ElasticRuntime:
             assert ids is not None, "a caching phase needs the shard's sample ids"
             x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache,
                                micro_batch_size=ph.micro_batch_size)
+            if self.memory_hook is not None:
+                self.memory_hook("buffers", x)
         kw = {} if mask is None else {"attention_mask": mask}
         self.opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
@@ -216,33 +266,53 @@ class ElasticRuntime:
 
     # ---- whole-model views -----------------------------------------------------------------
     def gather(self, with_state: bool = False) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-        """Bring every current layer (and optionally its optimizer state) to rank 0; collective.
+        """Bring every layer (and optionally every active layer's optimizer state) to rank 0; collective.
 
-        Rank 0 gets ({name: weights}, {name: {key: state}}); the others get empty dicts.
+        Rank 0 gets ({name: weights}, {name: {key: state}}), CPU tensors; the others get empty dicts.
+        Rank 0 gives the layers it does not hold host storage for the exchange (one source rank at a
+        time) and frees it again before returning: the returned tensors are then the only copies.
         """
         ph = self.phase
-        have = self.current
-        need = [frozenset({0})] * self.n
-        self._exchange(have, need, state=False)
-        state: dict[str, dict[str, Tensor]] = {}
+        to0 = [frozenset({0})] * self.n
+        weights_t = self._transfers(self.current, to0, state=False)
+        state_t: list[Transfer] = []
         if with_state:
             active = [i >= ph.frozen_layers for i in range(self.n)]
-            self._exchange([h if a else frozenset() for h, a in zip(have, active)],
-                           [nd if a else frozenset() for nd, a in zip(need, active)], state=True)
+            state_t = self._transfers([h if a else frozenset() for h, a in zip(self.current, active)],
+                                      [nd if a else frozenset() for nd, a in zip(to0, active)], state=True)
+        if self.rank == 0:
+            for i in range(self.n):
+                if self.store.where[i] is None:
+                    self.store.place(i, HOST, keep_values=False)
+        for transfers, state in ((weights_t, False), (state_t, True)):
+            for src in sorted({t.src for t in transfers}):
+                self._exchange([t for t in transfers if t.src == src], state=state)
         if self.rank != 0:
             return {}, {}
-        keys = state_keys(self.opt)
-        weights = {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+
+        def out(p: Tensor, t: Tensor) -> Tensor:  # a held layer's tensors stay in use: copy them
+            t = t.detach()
+            return t.to("cpu", copy=True) if self.layer_of[id(p)] in self.held else t.cpu()
+
+        weights = {name: out(p, p) for name, p in self.model.named_parameters()}
+        state: dict[str, dict[str, Tensor]] = {}
         if with_state:
+            keys = state_keys(self.opt)
             for i in range(ph.frozen_layers, self.n):
                 for p in self.layer_params[i]:
-                    tensors = ensure_state(self.opt, p)
-                    state[self.names[id(p)]] = {k: v.detach().cpu().clone() for k, v in zip(keys, tensors)}
-            drop_state(self.opt, {id(p) for i in self.owned for p in self.layer_params[i]})
+                    state[self.names[id(p)]] = {k: out(p, v) for k, v in zip(keys, ensure_state(self.opt, p))}
+        drop_state(self.opt, self._params_of(self.owned))
+        self._settle(self.held, also=set(), current=None)
         return weights, state
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters this rank holds now: ``{"device": ..., "host": ...}``."""
+        return {"device": self.store.held_bytes(DEVICE), "host": self.store.held_bytes(HOST)}
+
     def checksum_agrees(self) -> bool:
-        """Whether every rank built bit-identical weights (cheap: two float64 sums per rank)."""
+        """Whether every rank built bit-identical weights (cheap: two float64 sums per rank). Call before
+        the first ``switch``, while every rank still holds the whole model as built."""
+        assert self.phase is None, "checksum_agrees compares whole models: call it before the first switch"
         with torch.no_grad():
             v = torch.zeros(2, dtype=torch.float64)
             for p in self.model.parameters():
@@ -254,6 +324,7 @@ class ElasticRuntime:
         return all(torch.equal(o, out[0]) for o in out)
 
     def close(self) -> None:
+        """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
         destroy_groups(self.groups)
         self.groups = None
 

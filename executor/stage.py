@@ -1,9 +1,20 @@
-"""One rank's stage of a phase: a module made of views of the canonical model's layers, and its schedule.
+"""One rank's stage of a phase: the layer storage it holds, a module made of those layers, and its schedule.
 
 Stage s runs layers ``partition[s]``; stage 0 first runs the frozen prefix ``[0, frozen_layers)``
 under ``no_grad`` in eval mode, unless the phase caches it (then stage 0's input is the prefix's
 output, from ``cache.prefix_forward``). The layers are the canonical model's own modules (no copies), so
 training a stage trains the canonical model in place.
+
+Storage (``LayerStore``): every rank keeps the canonical model's module tree and every
+``nn.Parameter`` object (so one optimizer over all of them stays valid and a parameter keeps its
+name), but only the layers it holds (``transition.holdings``) have storage; a layer it does not
+hold has each parameter's ``.data`` swapped for an empty tensor, its shape recorded to allocate it
+again. This was chosen over building on the meta device and materialising per stage because a
+layer moves between ranks at every transition anyway (it must be allocated and freed at run time
+whatever the build does), and because it keeps the model's initialisation exactly as
+``build_model`` makes it (bit-identical on every rank, checked once) with no per-layer re-seeding.
+The price is the build: each rank first builds the whole model in host memory (see
+``executor/training.py``), and frees what it does not hold at the first phase switch.
 """
 from __future__ import annotations
 
@@ -13,6 +24,52 @@ import torch
 from torch import Tensor, nn
 
 from ptplan.planner.plan import Phase
+
+from .transition import DEVICE, HOST
+
+
+class LayerStore:
+    """Which layers have storage on this rank, and where: ``DEVICE``, ``HOST`` (CPU memory) or None."""
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device) -> None:
+        self.layers, self.device = layers, device
+        self.params = [list(layer.parameters()) for layer in layers]
+        self.shapes = {id(p): p.shape for ps in self.params for p in ps}
+        """Every parameter's full shape, kept while it has no storage."""
+        self.sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.params]
+        """Bytes of each layer's parameters."""
+        self.where: list[str | None] = [HOST if all(p.device.type == "cpu" for p in ps) else DEVICE
+                                        for ps in self.params]
+        """Per layer: ``DEVICE``, ``HOST`` or None (no storage). ``build_model`` builds on the CPU: HOST."""
+
+    def _home(self, where: str) -> torch.device:
+        return torch.device("cpu") if where == HOST else self.device
+
+    def place(self, i: int, where: str, *, keep_values: bool) -> None:
+        """Give layer i storage at ``where``: its values moved there when ``keep_values`` (and it has
+        storage), else uninitialised (about to be received). Buffers move with it."""
+        dev = self._home(where)
+        with torch.no_grad():
+            for p in self.params[i]:
+                if keep_values and self.where[i] is not None:
+                    p.data = p.data.to(dev)
+                else:
+                    p.grad = None
+                    p.data = torch.empty(self.shapes[id(p)], dtype=p.dtype, device=dev)
+            for b in self.layers[i].buffers():
+                b.data = b.data.to(dev)
+        self.where[i] = where
+
+    def release(self, i: int) -> None:
+        """Free layer i's parameters (an empty tensor each, shape recorded); its buffers stay (tiny)."""
+        for p in self.params[i]:
+            p.grad = None
+            p.data = torch.empty(0, dtype=p.dtype)
+        self.where[i] = None
+
+    def held_bytes(self, where: str) -> int:
+        """Bytes of the parameters of the layers held at ``where``."""
+        return sum(size for size, w in zip(self.sizes, self.where) if w == where)
 
 
 class StageModule(nn.Module):

@@ -74,6 +74,14 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     """Train ``model`` following ``plan`` on an initialised default process group; every rank calls this.
 
     Checks the plan against the job first (PtplanError before any collective), then trains.
+
+    Memory: ``model`` arrives whole, in host memory (``build_model`` builds on the CPU), on every
+    rank: its weights once (plus, with ``--weights``, what transformers holds while loading them).
+    The AutoCache's determinism check and the build checksum run on that copy; then the first phase
+    switch puts this rank's stage on ``device`` and frees every other layer's weights, and from then
+    on the rank holds only its stage (``runtime``). On resume, rank 0 also holds the checkpoint
+    (weights and optimizer state) until it has sent it. After the run ``model`` holds only this
+    rank's last stage.
     """
     hooks = hooks or Hooks()
     device = device or torch.device("cpu")
@@ -91,7 +99,6 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         raise PtplanError(f"the data has {N} samples, fewer than one global batch of "
                           f"{min(ph.global_batch for ph in plan.phases)}")
     backend = dist.get_backend()
-    model.to(device)
     torch.manual_seed(cfg.seed * 1009 + rank)  # dropout streams differ per rank, as in plain data parallelism
     opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
@@ -102,27 +109,36 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     fingerprint = plan.inputs.profile.fingerprint
     pos = Position(norm_sum=[0.0] * model.num_blocks)
     t_start = time.perf_counter()
-    if cfg.resume:
-        pos, info = _resume(cfg, plan, rt, device)
-        log.write({"type": "resume", "step": pos.global_step, "epoch": pos.epoch, "phase": rt.phase_index,
-                   "seconds": info["seconds"], "parts": info["parts"]})
-    else:
-        pos.frozen_blocks = fs.planned(0, 0)
-        same = rt.checksum_agrees()
-        rt.switch(phase_index(plan, pos.frozen_blocks),
-                  have_weights=[everyone if same else frozenset({0})] * rt.n, have_state=None)
+    if not cfg.resume:
         log.header(plan_fingerprint=fingerprint, model=model.name, world_size=world, backend=backend,
                    optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
                    freeze_every=fs.every, batch_policy=training.batch_policy, epochs=epochs,
                    steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=N, plan=cfg.plan,
                    phases=[dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size,
                                 schedule=p.schedule) for p in plan.phases])
-        if hooks.snapshots:
-            _snapshot(rt, hooks, "start", 0)
-    cache = setup_cache(cfg, plan, model, dataset, device)  # collective; refuses a nondeterministic prefix
-    if cache is not None:
-        rt.set_cache(cache.cache)
-        log.write(cache.setup_record)
+    cache = None
+    try:
+        # Collective; refuses a nondeterministic prefix. First, while every rank holds the whole model as built.
+        cache = setup_cache(cfg, plan, model, dataset, device)
+        rt.set_cache(None if cache is None else cache.cache)
+        if cfg.resume:
+            pos, info = _resume(cfg, plan, rt, device)
+            log.write({"type": "resume", "step": pos.global_step, "epoch": pos.epoch, "phase": rt.phase_index,
+                       "seconds": info["seconds"], "parts": info["parts"]})
+        else:
+            pos.frozen_blocks = fs.planned(0, 0)
+            same = rt.checksum_agrees()
+            rt.switch(phase_index(plan, pos.frozen_blocks),  # from here on, each rank holds only its stage
+                      have_weights=[everyone if same else frozenset({0})] * rt.n, have_state=None)
+            if hooks.snapshots:
+                _snapshot(rt, hooks, "start", 0)
+        if cache is not None:
+            log.write(cache.setup_record)
+    except BaseException:
+        if cache is not None:
+            cache.finish(ok=False)
+        log.close()
+        raise
 
     total = None
     if cfg.steps_per_epoch:

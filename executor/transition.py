@@ -1,13 +1,16 @@
 """Moving layers (weights and optimizer state) between ranks: who holds what, who needs what, and the sends.
 
-Every rank keeps a full canonical copy of the model, but a layer's copy is *current* only on some
-ranks. While training in a phase, an active layer must be current on the ranks of its stage's
-data-parallel group, and a frozen layer on the ranks that run stage 0 (they compute the frozen
-prefix). A frozen layer never changes, so every copy made of it stays current; an active layer's
-copies elsewhere go stale at the next step. A transition, a resume and a gather to rank 0 are the
-same operation: for each layer, send it from a current holder to every rank that needs it and
-lacks it, coalesced into one flat buffer per (source, destination, dtype), with sources chosen to
-balance bytes sent.
+A rank holds storage only for the layers of its own stage (``holdings``): the active layers of its
+stage's range on the device, and on stage 0 the frozen prefix -- on the device when stage 0
+recomputes it, in host memory when the AutoCache serves it (``planner/stage.py``). Every other
+layer has no storage on that rank (``executor/stage.py``'s ``LayerStore``). So a layer is needed
+(``needs``) exactly by the ranks of its stage's data-parallel group (frozen layers: by the ranks
+of stage 0), and once a phase starts, the ranks holding a current copy of a layer are exactly the
+ranks that need it. A transition, a resume and a gather to rank 0 are the same operation: for each
+layer, send it from a current holder to every rank that needs it and lacks it, coalesced into one
+flat buffer per (source, destination, dtype), with sources chosen to balance bytes sent; the
+receiver allocates the layer before the exchange and a sender that no longer needs it frees it
+after (``runtime.ElasticRuntime``).
 """
 from __future__ import annotations
 
@@ -50,14 +53,26 @@ def needs(phase: Phase, num_layers: int) -> list[frozenset[int]]:
     return out
 
 
-def current_after(phase: Phase, have: Sequence[frozenset[int]], need: Sequence[frozenset[int]]
-                  ) -> list[frozenset[int]]:
-    """Who holds a current copy of each layer once ``need`` is met and training in ``phase`` starts.
+HOST, DEVICE = "host", "device"
+"""Where a rank keeps a layer it holds: host memory, or the device it computes on."""
 
-    Frozen layers keep every copy (they no longer change); active layers are current only on their
-    stage's data-parallel group.
+
+def holdings(phase: Phase, rank: int, num_layers: int, *, cached_prefix: bool) -> dict[int, str]:
+    """The layers ``rank`` holds in ``phase`` and where (``DEVICE`` or ``HOST``); others it does not hold.
+
+    Its stage's active layers live on the device. Stage 0 also holds the frozen prefix: on the device
+    when it recomputes it, in host memory when ``cached_prefix`` (the AutoCache serves the prefix's
+    output, and a cache fill streams those layers through the device one at a time).
     """
-    return [h | nd if i < phase.frozen_layers else nd for i, (h, nd) in enumerate(zip(have, need))]
+    held = {i: DEVICE for i in owned_layers(phase, rank, num_layers)}
+    if any(row[0] == rank for row in phase.ranks):
+        held.update({i: HOST if cached_prefix else DEVICE for i in range(phase.frozen_layers)})
+    return held
+
+
+def sources(transfers: Sequence[Transfer], rank: int) -> set[int]:
+    """The layers ``rank`` sends in ``transfers``."""
+    return {i for t in transfers if t.src == rank for i in t.layers}
 
 
 def owned_layers(phase: Phase, rank: int, num_layers: int) -> list[int]:

@@ -12,7 +12,7 @@ from ptplan.executor.groups import locate
 from ptplan.executor.models import build_model
 from ptplan.executor.optim import ensure_state, make_optimizer
 from ptplan.executor.testing import even_partition, make_plan, spec
-from ptplan.executor.transition import current_after, needs, owned_layers, plan_transfers
+from ptplan.executor.transition import DEVICE, HOST, holdings, needs, owned_layers, plan_transfers, sources
 from ptplan.executor.validate import check_plan, frozen_boundary, model_fingerprint
 from ptplan.planner.errors import PtplanError
 
@@ -55,10 +55,18 @@ def test_frozen_layers_are_needed_by_stage_0_and_kept_active_ones_by_their_dp_gr
     need = needs(ph, 11)
     assert need[0] == need[2] == need[3] == frozenset({2, 3})
     assert need[10] == frozenset(ph.dp_groups()[1]) == frozenset({0, 1})
-    have = [frozenset({0})] * 11
-    cur = current_after(ph, have, need)
-    assert cur[0] == frozenset({0, 2, 3})  # a frozen copy stays current everywhere it is
-    assert cur[3] == frozenset({2, 3})  # an active layer only on its owners
+
+
+def test_a_rank_holds_its_stage_and_on_stage_0_the_prefix_where_the_phase_keeps_it(plan):
+    ph = plan.phases[1]  # stage 0 = [3, 7) on ranks 2 and 3, stage 1 = [7, 11) on ranks 0 and 1
+    assert holdings(ph, 2, 11, cached_prefix=False) == {i: DEVICE for i in range(7)}
+    assert holdings(ph, 3, 11, cached_prefix=True) == {**{i: HOST for i in range(3)}, **{i: DEVICE for i in range(3, 7)}}
+    assert holdings(ph, 0, 11, cached_prefix=True) == {i: DEVICE for i in range(7, 11)}
+    for rank in range(4):  # holdings and needs say the same thing
+        held = holdings(ph, rank, 11, cached_prefix=False)
+        assert {i for i in range(11) if rank in needs(ph, 11)[i]} == set(held)
+    ts = plan_transfers([frozenset({0})] * 11, needs(ph, 11), [1] * 11)
+    assert sources(ts, 0) == set(range(11)) and sources(ts, 1) == set()
 
 
 def test_plan_transfers_covers_needs_and_spreads_sources():
