@@ -1,36 +1,43 @@
-"""Peak memory of one sampled training step, measured as the plan predicts it: one rank's stage working set.
+"""Peak memory of one sampled training step, measured term by term as ``planner/stage.py`` predicts it.
 
-What the plan predicts per stage (``planner.planner``): weights + gradients + optimizer state of the
-stage's active layers, the frozen prefix's weights on stage 0, the pipelining receive buffers, and
-the activations held for backward by the micro-batches in flight. What is measured, per rank, on a
+A rank holds only its stage (``runtime``), so what it holds is what is measured. Per rank, on a
 sampled step (``MemorySampler``: the second step of every phase visit, so the first step's set-up
 is over and the receive buffers exist; the sampled step's time carries the hooks' overhead, so its
-record says ``memory_sampled`` and ``ptplan compare`` leaves it out of the timing medians):
+record says ``memory_sampled`` and ``ptplan compare`` leaves it out of the timing medians), with
+stage.py's term in brackets:
 
-- **params**: bytes of the stage module's parameters (active layers, and the frozen prefix on
-  stage 0), from the tensors.
-- **grads**: bytes of the ``.grad`` tensors of those parameters after the step.
-- **optimizer**: bytes of the optimizer state tensors of those parameters (AdamW: two moments and
-  a step counter each), from ``optimizer.state``.
-- **buffers**: the ``torch.distributed.pipelining`` stage's receive buffers (one activation buffer
-  and one gradient buffer per micro-batch, allocated for the phase and kept), from the stage's
-  receive infos.
-- **activations**: the peak, over the step, of the bytes saved for backward and still alive,
-  tracked with ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage is
+- **params** [weights]: bytes of the stage module's parameters (its active layers, and the frozen
+  prefix on stage 0 when it recomputes it), from the tensors.
+- **grads** [gradients]: bytes of the ``.grad`` tensors of those parameters after the step.
+- **optimizer** [optimizer]: bytes of the optimizer state tensors of those parameters (AdamW: two
+  moments and a 4-byte step counter per parameter tensor, the counters being what stage.py leaves
+  out), from ``optimizer.state``.
+- **buffers** [buffers]: the ``torch.distributed.pipelining`` stage's receive buffers (one
+  activation buffer and one gradient buffer per micro-batch, allocated for the phase and kept), from
+  the stage's receive infos; on stage 0 of a phase that caches the prefix, also the shard's prefix
+  output (``ElasticRuntime.train_step`` reports it through ``memory_hook``).
+- **activations** [activations]: the peak, over the step, of the bytes saved for backward and still
+  alive, tracked with ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage is
   counted once while at least one saved reference to it is alive (a weakref finalizer on the packed
   holder releases it when autograd frees it after its backward), plus the stage module's outputs
   while they are alive (held by the schedule until their backward). Storages that are parameters,
-  optimizer state or receive buffers are not counted twice.
+  optimizer state or buffers are not counted twice.
+- **transient** [transient]: the flat gradient all-reduce buffer (``ElasticRuntime._allreduce_grads``,
+  D > 1: the stage's gradients in one tensor), tracked in the same live-bytes count as the
+  activations while it exists; it is made after the activations are freed.
+- **host_params** (not in ``total``): the frozen prefix's weights a cached phase's stage 0 keeps in
+  host memory (stage.py leaves them out of the device's memory).
 
-``total = params + grads + optimizer + buffers + activations``. Framework allocations outside
-tensors (the Python heap, gloo's send copies, the allocator's slack) and transient tensors that
-autograd does not keep (temporaries inside one layer) are not counted, on purpose: the plan does
-not model them either. The runtime keeps the whole canonical model on every rank; the other
-stages' weights are not part of a stage's working set and are left out.
+``total = params + grads + optimizer + buffers + peak(activations + transient alive together)``.
+Framework allocations outside tensors (the Python heap, gloo's send copies, the allocator's slack)
+and transient tensors that autograd does not keep (temporaries inside one layer, the AutoCache
+fill's per-micro-batch layer outputs) are not counted, on purpose: the plan does not model them
+either.
 
 On CUDA the allocator's peak (``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats``) minus the bytes of the parameters this rank holds but its stage does
-not use is reported as ``total``; the CPU break-down is reported beside it.
+``reset_peak_memory_stats``) is ``total``, directly: the rank holds nothing but its stage. The
+break-down beside it is read from the tensors as on CPU, except ``activations``, which is what the
+peak leaves after the static terms and the gradients.
 """
 from __future__ import annotations
 
@@ -41,9 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-FIELDS = ("total", "params", "grads", "optimizer", "buffers", "activations")
-METHOD_CPU = "cpu: stage tensors + live saved-for-backward storages (saved_tensors_hooks), deduplicated"
-METHOD_CUDA = "cuda: max_memory_allocated minus other stages' weights"
+FIELDS = ("total", "params", "grads", "optimizer", "buffers", "activations", "transient", "host_params")
+METHOD_CPU = "cpu: stage tensors + live saved-for-backward storages (saved_tensors_hooks) + all-reduce buffer"
+METHOD_CUDA = "cuda: max_memory_allocated (the rank holds only its stage)"
 
 
 def _key(t: Tensor) -> tuple[int, int]:
@@ -92,34 +99,37 @@ class _Holder:
 
 
 class _LiveBytes:
-    """Bytes of storages alive now, each counted once however many saved references point at it."""
+    """Bytes of storages alive now, each counted once however many references point at it, per kind
+    (``activations`` or ``transient``), with the peak of each kind and of all of them together."""
 
     def __init__(self, exclude: set[int]) -> None:
         self.exclude = exclude
-        self.refs: dict[int, int] = {}
-        self.live = 0
+        self.refs: dict[int, tuple[int, str]] = {}
+        self.live = {"activations": 0, "transient": 0}
+        self.peak_of = dict(self.live)
         self.peak = 0
+        """Peak of all kinds alive together."""
 
-    def add(self, t: Tensor) -> int | None:
+    def add(self, t: Tensor, kind: str = "activations") -> int | None:
         ptr, nbytes = _key(t)
         if ptr in self.exclude:
             return None
-        n = self.refs.get(ptr, 0)
-        self.refs[ptr] = n + 1
+        n, kind = self.refs.get(ptr, (0, kind))
+        self.refs[ptr] = (n + 1, kind)
         if n == 0:
-            self.live += nbytes
-            if self.live > self.peak:
-                self.peak = self.live
+            self.live[kind] += nbytes
+            self.peak_of[kind] = max(self.peak_of[kind], self.live[kind])
+            self.peak = max(self.peak, sum(self.live.values()))
         return ptr
 
     def release(self, ptr: int, nbytes: int) -> None:
-        n = self.refs.get(ptr, 0) - 1
-        if n > 0:
-            self.refs[ptr] = n
+        n, kind = self.refs.get(ptr, (0, "activations"))
+        if n > 1:
+            self.refs[ptr] = (n - 1, kind)
             return
-        if n == 0:
+        if n == 1:
             del self.refs[ptr]
-            self.live -= nbytes
+            self.live[kind] -= nbytes
 
 
 class StepMemory:
@@ -133,6 +143,8 @@ class StepMemory:
         self.params = [p for p in self.module.parameters()]
         self._hooks: Any = None
         self._handle = None
+        self._shard_input = 0
+        self._transient = 0
         self.result: dict[str, int] = {}
 
     # -- CPU bookkeeping ------------------------------------------------------------------------
@@ -158,13 +170,28 @@ class StepMemory:
     def _unpack(h: Any) -> Any:
         return h.t if isinstance(h, _Holder) else h
 
+    def _track(self, t: Tensor, kind: str) -> None:
+        ptr = self._live.add(t, kind)
+        if ptr is not None:
+            weakref.finalize(t, self._live.release, ptr, _key(t)[1])
+
     def _on_output(self, _module, _args, out) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for t in outs:
             if isinstance(t, Tensor):
-                ptr = self._live.add(t)
-                if ptr is not None:
-                    weakref.finalize(t, self._live.release, ptr, _key(t)[1])
+                self._track(t, "activations")
+
+    def _on_runtime(self, kind: str, t: Tensor) -> None:
+        """``ElasticRuntime.memory_hook``: the cached stage 0's shard input, or the all-reduce buffer."""
+        nbytes = _key(t)[1]
+        if kind == "buffers":
+            self._shard_input += nbytes
+            if not self.cuda:
+                self._live.exclude.add(_key(t)[0])  # micro-batch views saved for backward: counted here
+        else:
+            self._transient = max(self._transient, nbytes)
+            if not self.cuda:
+                self._track(t, "transient")
 
     def __enter__(self) -> "StepMemory":
         return self.start()
@@ -174,6 +201,7 @@ class StepMemory:
 
     def start(self) -> "StepMemory":
         """Begin measuring (call right before the step)."""
+        self.rt.memory_hook = self._on_runtime
         if self.cuda:
             torch.cuda.synchronize(self.rt.device)
             torch.cuda.reset_peak_memory_stats(self.rt.device)
@@ -187,22 +215,26 @@ class StepMemory:
 
     def stop(self) -> None:
         """End measuring (call right after the step); the result is in ``self.result``."""
+        self.rt.memory_hook = None
         seen: set[int] = set()
         grads = _sum_unique([p.grad for p in self.params], seen)
+        host = self.rt.held_bytes()["host"]
         if self.cuda:
             torch.cuda.synchronize(self.rt.device)
-            stage_ids = {id(p) for p in self.params}
-            others = sum(p.numel() * p.element_size() for p in self.rt.model.parameters() if id(p) not in stage_ids)
             static, _ = self._static()
-            peak = int(torch.cuda.max_memory_allocated(self.rt.device)) - others
-            self.result = {"total": peak, **static, "grads": grads,
-                           "activations": max(peak - sum(static.values()) - grads, 0)}
+            static["buffers"] += self._shard_input
+            peak = int(torch.cuda.max_memory_allocated(self.rt.device))
+            self.result = {"total": peak, **static, "grads": grads, "transient": self._transient,
+                           "activations": max(peak - sum(static.values()) - grads, 0), "host_params": host}
             return
         self._hooks.__exit__(None, None, None)
         self._handle.remove()
-        static = self._static_bytes
-        acts = self._live.peak
-        self.result = {"total": sum(static.values()) + grads + acts, **static, "grads": grads, "activations": acts}
+        static = dict(self._static_bytes)
+        static["buffers"] += self._shard_input
+        live = self._live
+        self.result = {"total": sum(static.values()) + grads + live.peak, **static, "grads": grads,
+                       "activations": live.peak_of["activations"], "transient": live.peak_of["transient"],
+                       "host_params": host}
 
     def record(self) -> dict[str, Any]:
         """Every rank's numbers (an all-gather; every rank must call it) as run-log fields."""
