@@ -1,6 +1,8 @@
-"""The report renders in headless Chromium with no network: every figure drawn, no console errors."""
+"""The report renders in headless Chromium with no network: every figure drawn, no console errors; the
+M = 64 timeline draws a few dozen shapes; a small model's memory labels and a CPU cluster's words as drawn."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plan_fixtures import vit_paper_plan
+from plan_fixtures import cpu_plan, many_microbatch_plan, vit_paper_plan
 from ptplan.planner.viz import FIGURES, write_report
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
@@ -124,21 +126,27 @@ def test_report_with_a_run_draws_the_comparison_figure(driver, tmp_path):
     """``ptplan show --run``: the predicted-against-measured figure is drawn last, with its error labels."""
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from ptplan.planner.compare import compare
+    from ptplan.planner.compare import compare, read_run_log
+    from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA
     from ptplan.planner.viz import COMPARISON
 
     plan = vit_paper_plan()
-    recs = [{"type": "header", "plan_fingerprint": plan.inputs["profile"].get("fingerprint")}]
+    recs = [{"type": "header", "schema": RUNLOG_SCHEMA, "plan_fingerprint": plan.inputs.profile.fingerprint,
+             "model": plan.inputs.profile.model, "world_size": plan.world_size,
+             "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]}]
     step = 0
     for i, ph in enumerate(plan.phases[:3]):
         for k in range(4):
-            r = {"type": "step", "step": step, "phase": i, "K": ph.K, "D": ph.D, "samples": ph.global_batch,
+            r = {"type": "step", "epoch": 0, "step": step, "phase": i, "frozen_blocks": ph.frozen_blocks, "K": ph.K,
+                 "D": ph.D, "samples": ph.global_batch, "loss": 1.0,
                  "seconds": ph.predicted.iteration_s * (1.1 if k else 3.0)}
             if k == 1:
                 r.update(memory_sampled=True, peak_memory_bytes=int(max(ph.predicted.stage_peak_memory_bytes) * 0.8))
             recs.append(r)
             step += 1
-    c = compare(plan, recs)
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    c = compare(plan, read_run_log(log))
     report = tmp_path / "report.html"
     write_report(plan, report, comparison=c)
     driver.get(report.resolve().as_uri())
@@ -151,5 +159,47 @@ def test_report_with_a_run_draws_the_comparison_figure(driver, tmp_path):
     labels = driver.execute_script(f"return Array.from(document.querySelectorAll('#fig-{COMPARISON} .bars text'))"
                                    ".map(t => t.textContent)")
     assert labels.count("-9%") == 3 and labels.count("+25%") == 3, labels  # 1/1.1 - 1 and 1/0.8 - 1
+    severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not severe, f"console errors: {severe}"
+
+
+DRAWN_TEXT_JS = """
+const root = document.querySelector(arguments[0]);
+const svg = Array.from(root.querySelectorAll('svg text')).map(t => t.textContent);
+return [root.innerText, svg];
+"""
+
+
+def test_large_M_timeline_small_memory_and_cpu_words_as_drawn(driver, tmp_path):
+    """What a reader sees: the M = 64 timeline as a few dozen bars spanning the iteration; a small model's
+    memory labels in MiB/KiB, none '0.0'; a cpu:4 plan's page without the word GPU anywhere it is drawn."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    plan = many_microbatch_plan()
+    report = tmp_path / "m64.html"
+    write_report(plan, report)
+    driver.get(report.resolve().as_uri())
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(RENDERED_JS) == [len(FIGURES), len(FIGURES)])
+    ph = next(p for p in plan.phases if p.timeline)
+    bars = driver.execute_script("return document.querySelectorAll('#fig-timeline .bars .point').length")
+    assert 0 < bars < 100 and len(ph.timeline) > 1000, bars  # a few dozen shapes, not one per event
+    xs = driver.execute_script("""
+        const div = document.getElementById('fig-timeline');
+        const ends = div._fullData.filter(t => t.visible === true && t.type === 'bar' && t.base)
+            .flatMap(t => Array.from(t.x, (w, k) => [t.base[k], t.base[k] + w]));
+        return [Math.min(...ends.map(e => e[0])), Math.max(...ends.map(e => e[1]))];""")
+    span = (min(e.start for e in ph.timeline) * 1e3, max(e.end for e in ph.timeline) * 1e3)
+    assert xs[0] == pytest.approx(span[0], abs=1e-6) and xs[1] == pytest.approx(span[1], rel=1e-6)
+
+    plan = cpu_plan()
+    report = tmp_path / "cpu.html"
+    write_report(plan, report)
+    driver.get(report.resolve().as_uri())
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(RENDERED_JS) == [len(FIGURES), len(FIGURES)])
+    text, svg = driver.execute_script(DRAWN_TEXT_JS, "main")
+    assert "gpu" not in (text + " ".join(svg)).lower()
+    assert "CPU process" in text
+    _, labels = driver.execute_script(DRAWN_TEXT_JS, "#fig-memory .scatterlayer")
+    assert labels and all(l.endswith(("KiB", "MiB")) and not l.startswith("0.0") for l in labels), labels
     severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
     assert not severe, f"console errors: {severe}"
