@@ -182,3 +182,37 @@ def test_measured_memory_matches_the_stage_model(run):
             assert got["buffers"] == want.buffers, where
             assert got["transient"] == want.transient, where
             assert got["total"] >= got["params"] + got["grads"] + got["optimizer"] + got["buffers"] + got["transient"]
+
+
+def test_pretrained_weights_reach_their_stages(minilm_dir, tmp_path):
+    """--weights: the loaded MiniLM (6 blocks) arrives bit for bit on rank 0's first gather, and each rank
+    holds only its stage from the first step on (K=2 -> K=1,D=2)."""
+    model = build_model("bert-base", weights=minilm_dir, seq_len=SEQ, granularity="half", dropout=0.0)
+    loaded = {k: p.detach().clone() for k, p in model.named_parameters()}
+    plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=1), spec(3, K=1, D=2, M=1, b=1)], trajectory=[0, 3],
+                     samples_per_epoch=8)
+    cfg = RunConfig(plan="(test)", model="bert-base", optimizer="sgd", lr=0.01, seed=0, progress=False,
+                    freeze_every=1, steps_per_epoch=2, epochs=1, timeout_s=60, log=str(tmp_path / "run.jsonl"))
+    data = TensorDataset(*model.make_batch(8, generator=torch.Generator().manual_seed(1)))
+    tmp = str(tmp_path)
+
+    def worker(rank: int, world: int) -> None:
+        def after(step: int, r: int) -> None:
+            with open(os.path.join(tmp, f"held-{r}-{step}.json"), "w") as f:
+                json.dump(_holdings(model), f)
+
+        def snap(event: str, step: int, weights) -> None:
+            if event == "start":
+                torch.save(weights, os.path.join(tmp, "start.pt"))
+
+        run_training(cfg, plan, model, data, hooks=Hooks(after_step=after, snapshots=True, on_snapshot=snap))
+
+    res = run_world(2, worker, tmpdir=tmp, timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    start = torch.load(os.path.join(tmp, "start.pt"))
+    assert start.keys() == loaded.keys() and all(torch.equal(start[k], loaded[k]) for k in loaded)
+    for step, ph in ((1, plan.phases[0]), (2, plan.phases[1])):
+        for rank in range(2):
+            with open(os.path.join(tmp, f"held-{rank}-{step}.json")) as f:
+                got = {i: n for i, n in enumerate(json.load(f)) if n}
+            assert got == _expected(model, ph, rank)[0], (step, rank)
