@@ -37,7 +37,15 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
     after   = the largest transient once the pipeline has drained: the flat gradient all-reduce
               buffer (Σ grad[lo:hi] when D > 1), on GPUs AdamW's foreach temporaries (one
               weight-sized buffer), and on stage 0 with the AutoCache the fill's transient (one
-              streamed frozen layer's weights on a GPU plus one layer output for the shard)
+              streamed frozen layer's weights on a GPU plus one micro-batch's layer output: the
+              executor fills the cache micro-batch by micro-batch, on the shapes a recomputing
+              stage 0 uses)
+
+Not modelled (each small, or outside a training step): AdamW's step counter (4 bytes per
+parameter tensor); what a rank holds *during* a phase transition (what it keeps, what it has
+received and what it has not sent yet); rank 0 gathering the whole model into host memory for a
+checkpoint; and every rank building the whole model once in host memory at start-up
+(``executor/stage.py``).
 
 What the executor holds is exactly this: a rank materialises only its stage's layers
 (``executor/runtime.py``), and ``executor/memory.py`` measures the same terms.
@@ -201,7 +209,7 @@ class StageModel:
             self.fill_setup_s = cache_setup_s(table, n0, M, b, bw, device_is_host=sh.device_is_host,
                                               fill_from=fill_from)
             streamed = 0.0 if sh.device_is_host else float(table.max_param_upto[n0])
-            self.stage0_after = streamed + float(M * b * out[:n0].max())
+            self.stage0_after = streamed + float(b * out[:n0].max())
         else:
             self.stage0_static = float(table.cum_param[n0])
             self.prefix_s = float(self.times.cum_nograd[n0])
