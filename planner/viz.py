@@ -196,6 +196,21 @@ def _base_layout(fig: go.Figure, title: str, height: int, legend_right: bool = T
     )
 
 
+def _selector_ui(fig: go.Figure, labels: Sequence[str], args: Sequence[list[dict[str, Any]]], prefix: str,
+                 active: int) -> None:
+    """A slider (up to SLIDER_MAX_PHASES steps) or a dropdown whose step i calls Plotly.update(args[i])."""
+    steps: list[dict[str, Any]] = [dict(method="update", label=lab, args=a) for lab, a in zip(labels, args)]
+    if len(steps) <= SLIDER_MAX_PHASES:
+        fig.update_layout(sliders=[dict(
+            active=active, steps=steps, x=0.0, len=1.0, y=0, yanchor="top", pad=dict(t=40, b=0),
+            currentvalue=dict(prefix=prefix, font=dict(size=13), xanchor="left"),
+            font=dict(size=11))])
+    else:
+        fig.update_layout(updatemenus=[dict(
+            type="dropdown", active=active, x=1.0, xanchor="right", y=1.12, yanchor="bottom",
+            buttons=[dict(method=s["method"], label=prefix + s["label"], args=s["args"]) for s in steps])])
+
+
 def _add_selector(fig: go.Figure, labels: Sequence[str], groups: Sequence[Sequence[int]],
                   layouts: Sequence[dict[str, Any]], prefix: str, always: Sequence[int] = (), active: int = 0) -> None:
     """A phase selector: step i shows the traces in groups[i] (plus ``always``) and applies layouts[i];
@@ -211,17 +226,28 @@ def _add_selector(fig: go.Figure, labels: Sequence[str], groups: Sequence[Sequen
         fig.data[t].visible = v
     for key, value in layouts[active].items():  # the initial view (plotly_relayout drops annotations)
         fig.layout[key] = value
-    steps: list[dict[str, Any]] = [dict(method="update", label=lab, args=[{"visible": m}, dict(lay)])
-                                   for lab, m, lay in zip(labels, masks, layouts)]
-    if len(steps) <= SLIDER_MAX_PHASES:
-        fig.update_layout(sliders=[dict(
-            active=active, steps=steps, x=0.0, len=1.0, y=0, yanchor="top", pad=dict(t=40, b=0),
-            currentvalue=dict(prefix=prefix, font=dict(size=13), xanchor="left"),
-            font=dict(size=11))])
-    else:
-        fig.update_layout(updatemenus=[dict(
-            type="dropdown", active=active, x=1.0, xanchor="right", y=1.12, yanchor="bottom",
-            buttons=[dict(method=s["method"], label=prefix + s["label"], args=s["args"]) for s in steps])])
+    _selector_ui(fig, labels, [[{"visible": m}, dict(lay)] for m, lay in zip(masks, layouts)], prefix, active)
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    """'textfont.color', v -> {'textfont': {'color': v}}."""
+    out: Any = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def _add_data_selector(fig: go.Figure, labels: Sequence[str], data: Sequence[dict[str, list[Any]]],
+                       layouts: Sequence[dict[str, Any]], prefix: str, active: int = 0) -> None:
+    """A phase selector over a fixed set of traces: step i restyles them with data[i] (key -> one value per
+    trace, as Plotly.update takes it) and applies layouts[i]. Unlike ``_add_selector`` the figure holds
+    no trace per phase, so its size grows with the phases, not with their square."""
+    for key, values in data[active].items():
+        for t, v in zip(fig.data, values):
+            t.update(_nested(key, v))
+    for key, value in layouts[active].items():
+        fig.layout[key] = value
+    _selector_ui(fig, labels, [[dict(d), dict(lay)] for d, lay in zip(data, layouts)], prefix, active)
 
 
 def _phase_labels(plan: Plan) -> list[str]:
@@ -410,8 +436,12 @@ def cluster_figure(plan: Plan) -> go.Figure:
         span = f" · {_nouns(plan)} {part * cols}–{part * cols + cols - 1}" if rows_per_node > 1 else ""
         ylabels.append(f"Node {node}{span}")
     xlabels = [f"{noun} {x}" for x in range(cols)] if rows_per_node == 1 else [f"+{x}" for x in range(cols)]
-    fig = go.Figure()
-    groups, layouts = [], []
+    fig = go.Figure(go.Heatmap(x=xlabels, y=ylabels, zmin=-0.5, xgap=3, ygap=3,
+                               texttemplate="%{text}" if show_text else None, textfont=dict(size=11),
+                               colorbar=dict(title=dict(side="top"), thickness=14, len=1.0, y=0.5, yanchor="middle",
+                                             outlinewidth=0)))
+    data: list[dict[str, list[Any]]] = []
+    layouts: list[dict[str, Any]] = []
     for i, ph in enumerate(plan.phases):
         where = {}
         for p, pipeline in enumerate(ph.ranks):
@@ -421,23 +451,20 @@ def cluster_figure(plan: Plan) -> go.Figure:
         text = [[""] * cols for _ in range(shown_rows)]
         hover = [[f"no rank (unused {noun})"] * cols for _ in range(shown_rows)]
         mem = ph.predicted.stage_peak_memory_bytes
+        stage_words = []  # short: one per device of the grid, per phase
+        for s in range(ph.K):
+            lo, hi = ph.partition[s]
+            prefix = f" + prefix 0–{ph.frozen_layers - 1}" if s == 0 and ph.frozen_layers else ""
+            stage_words.append(f"{_layers(lo, hi)}{prefix} · peak {_bytes(mem[s])} ({mem[s] / cap:.0%})")
         for r in range(world):
             node, local = divmod(r, gpn)
             row, col = node * rows_per_node + local // cols, local % cols
             if row >= shown_rows:
                 continue
             p, s = where[r]
-            lo, hi = ph.partition[s]
             z[row, col] = ph.K - 1 - s  # reversed, so the colour bar lists stage 0 at the top
             text[row][col] = f"s={s}<br>p={p}"
-            prefix = ""
-            if s == 0 and ph.frozen_layers:
-                how = "read from cache" if ph.cache else "recomputed under no_grad"
-                prefix = f"<br>Frozen prefix {_layers(0, ph.frozen_layers)} ({how})"
-            memtxt = f"{_bytes(mem[s])} of {_bytes(cap)} ({mem[s] / cap:.1%})"
-            hover[row][col] = (f"<b>Rank {r}</b> · node {node}, {noun} {local}<br>Pipeline p={p} of D={ph.D} · "
-                               f"stage s={s} of K={ph.K}<br>Active {_layers(lo, hi)}{prefix}"
-                               f"<br>Predicted peak memory {memtxt}")
+            hover[row][col] = f"<b>Rank {r}</b> · node {node}, {noun} {local}<br>p={p}, s={s}: {stage_words[s]}"
         K = ph.K
         scale = []
         for v in range(K):
@@ -450,13 +477,14 @@ def cluster_figure(plan: Plan) -> go.Figure:
             extra = " + frozen prefix" if s == 0 and ph.frozen_layers else ""
             tickvals.append(K - 1 - s)
             ticktext.append(f"Stage {s}: {_layers(lo, hi)}{extra}")
-        fig.add_trace(go.Heatmap(
-            z=z, x=xlabels, y=ylabels, zmin=-0.5, zmax=K - 0.5, colorscale=scale, xgap=3, ygap=3,
-            text=text, texttemplate="%{text}" if show_text else None, textfont=dict(size=11),
-            hovertext=hover, hovertemplate="%{hovertext}<extra></extra>", name=f"phase {i}",
-            colorbar=dict(title=dict(text=f"Stage (K={K})", side="top"), tickvals=tickvals, ticktext=ticktext,
-                          thickness=14, len=1.0, y=0.5, yanchor="middle", outlinewidth=0)))
-        groups.append([i])
+        how = ""
+        if ph.frozen_layers:
+            how = ("<br>stage 0 reads the frozen prefix from the AutoCache" if ph.cache
+                   else "<br>stage 0 recomputes the frozen prefix under no_grad")
+        data.append({"z": [z], "text": [text], "hovertext": [hover], "zmax": [K - 0.5], "colorscale": [scale],
+                     "hovertemplate": [f"%{{hovertext}}<extra>pipeline p of D={ph.D}, stage s of K={K}{how}</extra>"],
+                     "colorbar.tickvals": [tickvals], "colorbar.ticktext": [ticktext],
+                     "colorbar.title.text": [f"Stage (K={K})"], "name": [f"phase {i}"]})
         note = ""
         if shown_rows < total_rows:
             note = (f"<br><sup>Showing the first {shown_rows * cols} of {_plural(nodes * gpn, noun)}; the other "
@@ -468,7 +496,7 @@ def cluster_figure(plan: Plan) -> go.Figure:
                                   b=40))
     fig.update_xaxes(side="top", showgrid=False)
     fig.update_yaxes(autorange="reversed", showgrid=False, title_text="")
-    _add_selector(fig, _phase_labels(plan), groups, layouts, "Frozen blocks: ")
+    _add_data_selector(fig, _phase_labels(plan), data, layouts, "Frozen blocks: ")
     return fig
 
 
@@ -896,60 +924,74 @@ def _stack(m: MemoryBreakdown) -> dict[str, int]:
     return out
 
 
+def _memory_phase(ph: Phase, cap: float, div: float) -> dict[str, list[Any]]:
+    """One phase's data for the memory figure's fixed traces: the MEMORY_TERMS bars, the single-bar
+    fallback (a plan without the break-down), and the peak labels."""
+    peaks = np.array(ph.predicted.stage_peak_memory_bytes, dtype=float)
+    x = [f"Stage {s}" for s in range(ph.K)]
+    mems = ph.predicted.stage_memory
+    terms = [_stack(m) for m in mems] if mems else []
+    out: dict[str, list[Any]] = {"x": [], "y": [], "customdata": [], "visible": [], "text": [],
+                                 "textfont.color": []}
+
+    def add(y: Any, cd: Any, visible: bool, text: Any = None, colour: Any = None) -> None:
+        out["x"].append(x)
+        out["y"].append(y)
+        out["customdata"].append(cd)
+        out["visible"].append(visible)
+        out["text"].append(text)
+        out["textfont.color"].append(colour)
+
+    for key, _, _ in MEMORY_TERMS:
+        if not terms or not any(getattr(m, key) for m in mems):
+            add([0.0] * ph.K, [""] * ph.K, False)
+            continue
+        ys = np.array([t[key] for t in terms], dtype=float)
+        said = []
+        for s, v in enumerate(ys):
+            raw = int(getattr(mems[s], key))
+            said.append(_bytes(v) if raw == v else f"{_bytes(raw)}, not in the peak (it never coexists with the "
+                                                   f"{'transient' if key == 'activations' else 'activations'})")
+        add(list(ys / div), said, True)
+    add(list(peaks / div), [_bytes(p) for p in peaks], not terms)
+    notes = []
+    for s in range(ph.K):
+        lo, hi = ph.partition[s]
+        words = _layers(lo, hi)
+        if mems:
+            n = mems[s].inflight
+            words += f" · {n} micro-batch{'es' if n != 1 else ''} in flight"
+        notes.append(words)
+    add(list(peaks / div), [[_bytes(p), f"{p / cap:.1%}", n] for p, n in zip(peaks, notes)], True,
+        [_bytes(p) for p in peaks], ["#D62728" if p > cap else "#1f2933" for p in peaks])
+    return out
+
+
 def memory_figure(plan: Plan) -> go.Figure:
     """Each stage's predicted peak memory per phase, stacked term by term (``Prediction.stage_memory``),
-    in the unit that fits the phase, against the device's capacity where it is on the same scale."""
+    in the unit that fits the phase, against the device's capacity where it is on the same scale.
+
+    The figure has one trace per term (plus the peak labels); the phase selector swaps their data."""
     cap = float(plan.inputs.cluster.gpu_memory_bytes)
     noun = _noun(plan)
     fig = go.Figure()
-    groups, layouts = [], []
-    legend_done: set[str] = set()
+    for key, name, colour in MEMORY_TERMS:
+        fig.add_trace(go.Bar(name=name, legendgroup=key, marker=dict(color=colour, line=dict(width=0)),
+                             hovertemplate=f"{name}: %{{customdata}}<extra></extra>"))
+    fig.add_trace(go.Bar(name="Peak memory (no break-down in this plan)", marker=dict(color=PLAN_COLOUR),
+                         hovertemplate="Peak %{customdata}<extra></extra>"))
+    fig.add_trace(go.Scatter(
+        mode="text", textposition="top center", textfont=dict(size=11), showlegend=False, cliponaxis=False,
+        name="Peak", hovertemplate="<b>Peak %{customdata[0]}</b> (%{customdata[1]} of capacity) · %{customdata[2]}"
+                                   "<extra></extra>"))
+    data: list[dict[str, list[Any]]] = []
+    layouts: list[dict[str, Any]] = []
     for i, ph in enumerate(plan.phases):
-        peaks = np.array(ph.predicted.stage_peak_memory_bytes, dtype=float)
-        peak = float(peaks.max()) if len(peaks) else 0.0
+        peaks = ph.predicted.stage_peak_memory_bytes
+        peak = float(max(peaks)) if peaks else 0.0
         show_cap = peak >= CAPACITY_SHOWN_ABOVE * cap
         unit, div = _byte_unit(max(peak, cap) if show_cap else max(peak, 1.0))
-        x = [f"Stage {s}" for s in range(ph.K)]
-        first = len(fig.data)
-        mems = ph.predicted.stage_memory
-        terms = [_stack(m) for m in mems] if mems else []
-        for key, name, colour in MEMORY_TERMS if terms else ():
-            ys = np.array([t[key] for t in terms], dtype=float)
-            if not any(getattr(m, key) for m in mems):
-                continue
-            said = []
-            for s, v in enumerate(ys):
-                raw = int(getattr(mems[s], key))
-                said.append(_bytes(v) if raw == v else
-                            f"{_bytes(raw)}, not in the peak (it never coexists with the "
-                            f"{'transient' if key == 'activations' else 'activations'})")
-            fig.add_trace(go.Bar(
-                x=x, y=ys / div, name=name, legendgroup=key, showlegend=key not in legend_done,
-                marker=dict(color=colour, line=dict(width=0)), customdata=said,
-                hovertemplate=f"{name}: %{{customdata}}<extra></extra>"))
-            legend_done.add(key)
-        if not terms:
-            fig.add_trace(go.Bar(x=x, y=peaks / div, name="Peak memory", legendgroup="peak",
-                                 showlegend="peak" not in legend_done,
-                                 marker=dict(color=[_stage_colour(s) for s in range(ph.K)]), hoverinfo="skip"))
-            legend_done.add("peak")
-        over = [cap > 0 and p > cap for p in peaks]
-        notes = []
-        for s in range(ph.K):
-            a, b = ph.partition[s]
-            words = f"{_layers(a, b)}"
-            if mems:
-                n = mems[s].inflight
-                words += f" · {n} micro-batch{'es' if n != 1 else ''} in flight"
-            notes.append(words)
-        fig.add_trace(go.Scatter(
-            x=x, y=peaks / div, mode="text", text=[_bytes(p) for p in peaks], textposition="top center",
-            textfont=dict(size=11, color=["#D62728" if o else "#1f2933" for o in over]), showlegend=False,
-            cliponaxis=False, customdata=[[_bytes(p), f"{p / cap:.1%}", n] for p, n in zip(peaks, notes)],
-            hovertemplate="<b>Peak %{customdata[0]}</b> (%{customdata[1]} of capacity) · %{customdata[2]}"
-                          "<extra></extra>",
-            name=f"Peak, phase {i}"))
-        groups.append(list(range(first, len(fig.data))))
+        data.append(_memory_phase(ph, cap, div))
         anns, shapes = [], []
         if show_cap:
             shapes.append(dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=cap / div, y1=cap / div,
@@ -961,7 +1003,7 @@ def memory_figure(plan: Plan) -> go.Figure:
             anns.append(dict(text=f"{noun} capacity {_bytes(cap)} is off this scale: the fullest stage uses "
                                   f"{peak / cap:.1%} of it", x=1, xref="paper", xanchor="right", y=1,
                              yref="paper", yanchor="bottom", showarrow=False, font=dict(size=11, color="#6b7280")))
-        nover = sum(over)
+        nover = sum(p > cap for p in peaks)
         if nover:
             anns.append(dict(text=f"{nover} stage(s) over capacity", x=0, xref="paper", xanchor="left", y=1,
                              yref="paper", yanchor="bottom", showarrow=False, font=dict(size=12, color="#D62728")))
@@ -979,7 +1021,7 @@ def memory_figure(plan: Plan) -> go.Figure:
     Kmax = max(ph.K for ph in plan.phases)
     fig.update_xaxes(title_text=f"Pipeline stage (one {noun} each; every pipeline has the same layout)",
                      type="category", categoryorder="array", categoryarray=[f"Stage {s}" for s in range(Kmax)])
-    _add_selector(fig, _phase_labels(plan), groups, layouts, "Frozen blocks: ")
+    _add_data_selector(fig, _phase_labels(plan), data, layouts, "Frozen blocks: ")
     return fig
 
 
