@@ -73,3 +73,10 @@ def wide_node_plan() -> Plan:
     return make_plan(synthetic_profile(num_blocks=12), Cluster.uniform(nodes=1, gpus_per_node=32),
                      TrainingConfig(epochs=2, samples_per_epoch=8192, batch=1024),
                      FreezePolicy(policy="manual", manual=(0, 6)))
+
+
+def deep_plan() -> Plan:
+    """A synthetic 24-block GPT on one DGX H100: 25 phases, more than a slider holds (a dropdown instead)."""
+    return make_plan(synthetic_profile(num_blocks=24), get_preset("dgx-h100"),
+                     TrainingConfig(epochs=2, samples_per_epoch=8192, batch=512),
+                     FreezePolicy(policy="manual", manual=(0, 12)))

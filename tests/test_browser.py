@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plan_fixtures import cpu_plan, many_microbatch_plan, vit_paper_plan
+from plan_fixtures import cpu_plan, deep_plan, many_microbatch_plan, vit_paper_plan
 from ptplan.planner.viz import FIGURES, write_report
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
@@ -73,9 +73,9 @@ const done = arguments[arguments.length - 1];
 (async () => {
   const out = {};
   for (const div of document.querySelectorAll('.js-plotly-plot')) {
-    const sliders = div.layout.sliders || [];
-    if (!sliders.length) continue;
-    const steps = sliders[0].steps;
+    const sliders = div.layout.sliders || [], menus = div.layout.updatemenus || [];
+    const steps = sliders.length ? sliders[0].steps : menus.length ? menus[0].buttons : null;
+    if (!steps) continue;
     for (const s of [...steps, steps[0]]) await Plotly.update(div, s.args[0], s.args[1]);
     out[div.id] = steps.length;
   }
@@ -201,5 +201,23 @@ def test_large_M_timeline_small_memory_and_cpu_words_as_drawn(driver, tmp_path):
     assert "CPU process" in text
     _, labels = driver.execute_script(DRAWN_TEXT_JS, "#fig-memory .scatterlayer")
     assert labels and all(l.endswith(("KiB", "MiB")) and not l.startswith("0.0") for l in labels), labels
+    severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+    assert not severe, f"console errors: {severe}"
+
+
+def test_many_phases_dropdown_applies_every_phase(driver, tmp_path):
+    """More phases than a slider holds: every dropdown entry of every figure applies without an error."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    plan = deep_plan()
+    report = tmp_path / "deep.html"
+    write_report(plan, report)
+    driver.get(report.resolve().as_uri())
+    WebDriverWait(driver, 30).until(lambda d: d.execute_script(RENDERED_JS) == [len(FIGURES), len(FIGURES)])
+    applied = driver.execute_async_script(STEPS_JS)
+    n = len(plan.phases)
+    assert applied == {"fig-cluster": n, "fig-timeline": n, "fig-memory": n}
+    labels = driver.execute_script(DRAWN_TEXT_JS, "#fig-memory .scatterlayer")[1]
+    assert len(labels) == plan.phases[0].K  # back on the first phase after the loop
     severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
     assert not severe, f"console errors: {severe}"

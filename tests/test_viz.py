@@ -11,14 +11,14 @@ import plotly
 import pytest
 from click.testing import CliRunner
 
-from plan_fixtures import (cpu_plan, large_plan, many_microbatch_plan, no_freeze_plan, step_freeze_plan,
-                           vit_paper_plan, wide_node_plan)
+from plan_fixtures import (cpu_plan, deep_plan, large_plan, many_microbatch_plan, no_freeze_plan,
+                           step_freeze_plan, vit_paper_plan, wide_node_plan)
 from ptplan.cli.main import cli
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import save_plan
 from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA
-from ptplan.planner.viz import (FIGURES, MAX_GRID_CELLS, TIMELINE_BARS_PER_LANE, build_figures, report_html,
-                                timeline_blocks, trajectory_runs, write_report)
+from ptplan.planner.viz import (FIGURES, MAX_GRID_CELLS, SLIDER_MAX_PHASES, TIMELINE_BARS_PER_LANE, build_figures,
+                                report_html, timeline_blocks, trajectory_runs, write_report)
 
 UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 READABLE = re.compile(r"^(\d[\d,]*(\.\d+)?) (B|KiB|MiB|GiB|TiB)$")
@@ -124,20 +124,27 @@ def test_trajectory_has_frozen_K_D_and_the_fills(plan, figs):
 
 
 # ---- cluster grid --------------------------------------------------------------------------------
-def test_cluster_grid_one_heatmap_per_phase_covering_every_rank(plan, figs):
+def _step_data(fig, i: int) -> dict:
+    """What phase step i of a data-swapping selector (cluster, memory) puts into the figure's traces."""
+    return fig.layout.sliders[0].steps[i].args[0]
+
+
+def test_cluster_grid_one_view_per_phase_covering_every_rank(plan, figs):
     fig = figs["cluster"]
-    assert len(fig.data) == len(plan.phases)
-    for ph, tr in zip(plan.phases, fig.data):
-        z = np.asarray(tr.z, dtype=float)
+    assert len(fig.data) == 1  # one heatmap; each phase step swaps its data in
+    steps = fig.layout.sliders[0].steps
+    assert len(steps) == len(plan.phases)
+    for i, ph in enumerate(plan.phases):
+        d = _step_data(fig, i)
+        z = np.asarray(d["z"][0], dtype=float)
         assert z.shape == (2, 8)  # 2 nodes x 8 GPUs
         assert np.isfinite(z).sum() == 16
         counts = np.bincount(z.astype(int).ravel(), minlength=ph.K)
         assert counts.tolist() == [ph.D] * ph.K  # every stage appears D times
-        assert "Predicted peak memory" in tr.hovertext[0][0] and "Rank 0" in tr.hovertext[0][0]
-    steps = fig.layout.sliders[0].steps
-    assert len(steps) == len(plan.phases)
-    assert [sum(s.args[0]["visible"]) for s in steps] == [1] * len(plan.phases)
-    assert [tr.visible for tr in fig.data].count(True) == 1
+        hover = d["hovertext"][0]
+        assert "Rank 0" in hover[0][0] and "peak" in hover[0][0]
+        assert f"K={ph.K}" in steps[i].args[1]["title.text"]
+    assert np.asarray(fig.data[0].z, dtype=float).tolist() == np.asarray(_step_data(fig, 0)["z"][0]).tolist()
 
 
 def test_wide_node_wraps():
@@ -242,7 +249,8 @@ def test_throughput_and_cumulative_time_charge_the_fills(plan, figs):
     plan_cum = [tr for tr in fig.data if tr.name == "Elastic plan (freezing)" and tr.xaxis == "x2"][0]
     base_cum = [tr for tr in fig.data if tr.name.startswith("Baseline") and tr.xaxis == "x2"][0]
     assert np.all(np.diff(np.asarray(plan_cum.y)) >= 0)
-    assert plan_cum.y[-1] * div == pytest.approx(t.seconds) and base_cum.y[-1] * div == pytest.approx(t.baseline_seconds)
+    assert plan_cum.y[-1] * div == pytest.approx(t.seconds)
+    assert base_cum.y[-1] * div == pytest.approx(t.baseline_seconds)
     assert plan_cum.x[-1] == pytest.approx(plan.inputs.training.epochs)
     fills = [tr for tr in fig.data if tr.legendgroup == "fill"]
     assert len(fills) == 2  # the fill iterations on both panels
@@ -260,10 +268,10 @@ def test_no_fill_no_fill_traces():
 
 # ---- memory ---------------------------------------------------------------------------------------
 def _memory_phase(fig, i):
-    shown = _shown(fig, i)
-    bars = [t for t in shown if t.type == "bar"]
-    peak = next(t for t in shown if t.type == "scatter")
-    return bars, peak
+    """(name, heights) of the bars phase i shows, and its peak labels (text, heights)."""
+    d = _step_data(fig, i)
+    bars = [(t.name, d["y"][k]) for k, t in enumerate(fig.data) if t.type == "bar" and d["visible"][k]]
+    return bars, (d["text"][-1], d["y"][-1])
 
 
 def test_memory_stacks_the_terms_up_to_each_stage_peak(plan, figs):
@@ -271,10 +279,11 @@ def test_memory_stacks_the_terms_up_to_each_stage_peak(plan, figs):
     for i, ph in enumerate(plan.phases):
         bars, peak = _memory_phase(fig, i)
         unit = fig.layout.sliders[0].steps[i].args[1]["yaxis.title.text"].split("(")[-1].rstrip(")")
-        stacked = np.sum([np.asarray(t.y, dtype=float) for t in bars], axis=0) * UNIT[unit]
+        stacked = np.sum([np.asarray(y, dtype=float) for _, y in bars], axis=0) * UNIT[unit]
         assert stacked == pytest.approx(np.array(ph.predicted.stage_peak_memory_bytes, dtype=float), rel=1e-6)
-        assert {t.name for t in bars} >= {"Weights", "Gradients", "Optimizer state"}
-        assert len(peak.text) == ph.K
+        assert {name for name, _ in bars} >= {"Weights", "Gradients", "Optimizer state"}
+        assert len(peak[0]) == ph.K
+    assert len(fig.data) == 8  # six terms, the no-break-down bar and the labels, whatever the phase count
 
 
 def test_small_model_memory_is_readable_never_zero():
@@ -283,13 +292,13 @@ def test_small_model_memory_is_readable_never_zero():
     fig = build_figures(p)["memory"]
     for i, ph in enumerate(p.phases):
         bars, peak = _memory_phase(fig, i)
-        for label, b in zip(peak.text, ph.predicted.stage_peak_memory_bytes):
+        for label, b in zip(peak[0], ph.predicted.stage_peak_memory_bytes):
             m = READABLE.match(label)
             assert m and float(m.group(1).replace(",", "")) >= 1, label  # e.g. '2.93 MiB', never '0.0 GiB'
             assert float(m.group(1).replace(",", "")) * UNIT[m.group(3)] == pytest.approx(b, rel=0.01)
         layout = fig.layout.sliders[0].steps[i].args[1]
         unit = layout["yaxis.title.text"].split("(")[-1].rstrip(")")
-        assert unit in ("KiB", "MiB") and max(peak.y) >= 1  # the axis unit fits the numbers
+        assert unit in ("KiB", "MiB") and max(peak[1]) >= 1  # the axis unit fits the numbers
         # capacity (GiB of host RAM per process) is far off this scale: said in words, not drawn
         assert not layout["shapes"] and "off this scale" in json.dumps(layout["annotations"])
     assert "0.0 GiB" not in _body(report_html(p))
@@ -353,12 +362,27 @@ def test_gpipe_and_no_freeze_plans():
         report_html(p, figs)
 
 
+def test_many_phases_get_a_dropdown_that_swaps_data():
+    p = deep_plan()
+    assert len(p.phases) > SLIDER_MAX_PHASES
+    figs = build_figures(p)
+    for key in ("cluster", "timeline", "memory"):
+        fig = figs[key]
+        assert not fig.layout.sliders and len(fig.layout.updatemenus[0].buttons) == len(p.phases), key
+    mem = figs["memory"]
+    for k, button in enumerate(mem.layout.updatemenus[0].buttons):
+        ph = p.phases[k]
+        labels = button.args[0]["text"][-1]
+        assert len(labels) == ph.K and all(READABLE.match(t) for t in labels)
+    report_html(p, figs)
+
+
 def test_large_plan_grid_is_capped_and_data_compact():
     p = large_plan()
     assert p.world_size == 1024
     figs = build_figures(p)
-    for tr in figs["cluster"].data:
-        assert np.asarray(tr.z, dtype=float).size <= MAX_GRID_CELLS
+    for step in figs["cluster"].layout.sliders[0].steps:
+        assert np.asarray(step.args[0]["z"][0], dtype=float).size <= MAX_GRID_CELLS
     assert "Showing the first 128 of 1,024 GPUs" in figs["cluster"].layout.title.text
     data_bytes = sum(len(f.to_json()) for f in figs.values())
     assert data_bytes < 1_000_000, data_bytes
