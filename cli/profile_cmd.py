@@ -55,17 +55,22 @@ def parse_batch_sizes(text: str) -> list[int]:
 @click.option("--weights", type=click.Path(), default=None, help="Local Hugging Face model folder to load.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Output file [default: MODEL_DEVICE_DTYPE.json, e.g. bert-base_cpu_fp32.json].")
+@click.option("--project", "project", default=None, metavar="DEVICE",
+              help="Do not measure: project the times for a GPU you do not have from its datasheet (h100, h200, a100, "
+                   "v100, rtx5000, l4) by counting every operation on the meta device; memory fields stay exact. "
+                   "The profile is marked projected and every plan made from it says so.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
             batch_sizes: str | None, num_labels: int | None, granularity: str, warmup: int, repeats: int,
             threads: int | None, timer: str, dropout: float | None, weights: str | None, out: str | None,
-            quiet: bool) -> None:
+            project: str | None, quiet: bool) -> None:
     """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
 
     \b
     MODEL: bert-tiny bert-small bert-base bert-large vit-tiny vit-small vit-base vit-large
            gpt2-tiny gpt2 gpt2-medium
     Example: ptplan profile bert-base --device cpu --out p.json   (sizes 1, 2, 4, ... 64 as memory allows)
+             ptplan profile bert-base --project h100 --dtype bfloat16   (projected, in seconds)
     """
     sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
     if warmup < 0:
@@ -75,6 +80,12 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     if threads is not None and threads < 1:
         raise PtplanError(f"--threads must be >= 1, got {threads}")
     dev_kind = device.split(":")[0]
+    if project is not None:
+        from ptplan.planner.devices import get_device
+
+        dev_model = get_device(project)
+        dev_model.matmul_peak(dtype)  # the dtype exists on that device
+        dev_kind = dev_model.key
     path = Path(out) if out else Path(f"{model_name}_{dev_kind}_{_SHORT[dtype]}.json")
     if not path.parent.is_dir():
         raise PtplanError(f"output folder does not exist: {path.parent}")
@@ -97,6 +108,22 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
+    if project is not None:
+        import datetime
+
+        from ptplan.executor.project import project_profile
+        from ptplan.executor.profiler import powers_of_two
+
+        prof = project_profile(model, dev_model, batch_sizes=sizes or powers_of_two(64),
+                               command=command_line(click.get_current_context()),
+                               date=datetime.date.today().isoformat())
+        save_profile(prof, path)
+        step_ms = prof.whole_model.forward_backward_s[-1] * 1e3
+        click.echo(f"{prof.model.name}: projected for {dev_model.name} ({prof.model.dtype}); whole step at "
+                   f"micro-batch {prof.batch_sizes[-1]}: {step_ms:.2f} ms (datasheet peaks, efficiency ASSUMED: "
+                   f"planner/devices.py)")
+        click.echo(f"wrote {path}")
+        return
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()))
     save_profile(prof, path)

@@ -84,3 +84,20 @@ def test_plans_from_projected_profiles_say_so():
     codes = {w.code for w in plan.warnings}
     assert "projected-profile" in codes and "cpu-profile-for-gpu-cluster" not in codes
     assert plan.inputs.profile.source == "projected"
+
+
+def test_cli_projects_and_refuses_a_dtype_the_device_lacks(tmp_path):
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+
+    out = tmp_path / "bt.json"
+    r = CliRunner().invoke(cli, ["profile", "bert-tiny", "--project", "a100", "--dtype", "bfloat16", "--seq-len", "16",
+                                 "--batch-sizes", "1,2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    prof = load_profile(out)
+    assert prof.provenance.source == "projected" and "--project a100" in prof.provenance.command
+    bad = tmp_path / "no.json"
+    r = CliRunner().invoke(cli, ["profile", "bert-tiny", "--project", "rtx5000", "--dtype", "bfloat16",
+                                 "--out", str(bad)])
+    assert r.exit_code == 2 and "no bfloat16" in r.output and not bad.exists()
