@@ -153,7 +153,7 @@ def run_case(model: str, prof_path: Path, case: Case, args, work: Path) -> dict:
     cluster = get_preset(case.cluster)
     epochs = len(case.manual)
     training = TrainingConfig(epochs=epochs, samples_per_epoch=args.batch * args.steps, batch=args.batch,
-                              pin_K=case.pin_K, start_K=case.start_K)
+                              pin_K=case.pin_K, start_K=case.start_K, cache="off")
     plan = make_plan(prof, cluster, training, FreezePolicy(policy="manual", manual=case.manual),
                      profile_path=str(prof_path))
     tag = f"{model}_{case.name.split()[0]}_{case.cluster.replace(':', '')}_{case.pin_K or case.start_K or 'auto'}"
@@ -190,7 +190,8 @@ def legacy_iteration_s(prof_path: str, cluster_name: str, frozen: int, K: int, M
     prof = replace(prof, layers=tuple(replace(r, optimizer_s=0.0) for r in prof.layers))
     cluster = replace(get_preset(cluster_name), intra_bandwidth=2.5e9, inter_bandwidth=2.5e9, intra_latency_s=30e-6,
                       inter_latency_s=30e-6, action_overhead_s=0.0, step_overhead_s=0.0, concurrency_slowdown=1.0)
-    plan = make_plan(prof, cluster, TrainingConfig(epochs=1, samples_per_epoch=batch * 8, batch=batch, pin_K=K, pin_M=M),
+    plan = make_plan(prof, cluster, TrainingConfig(epochs=1, samples_per_epoch=batch * 8, batch=batch, pin_K=K, pin_M=M,
+                                                   cache="off"),
                      FreezePolicy(policy="manual", manual=(frozen,)))
     return plan.phase_for(frozen).predicted.iteration_s
 
