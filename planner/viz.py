@@ -1148,18 +1148,15 @@ def _sections(plan: Plan) -> dict[str, tuple[str, str]]:
                     f"replica). Stage 0 also runs the frozen prefix. Hover a {noun} for its layers and predicted "
                     f"memory; move the slider to change phase."),
         "timeline": ("Pipeline timeline of one iteration",
-                     f"Pipeline 0 only (the others are identical); a steady iteration (AutoCache fills are "
-                     f"slower: see the title). Each stage's row shows compute on the upper lane (numbers are "
-                     f"micro-batches) and communication on the thin lower lane; light grey is idle (bubbles). "
-                     f"Phases with more than {TIMELINE_BARS_PER_LANE} compute events on a rank are drawn in "
-                     f"blocks so they stay readable at large M: consecutive events of one rank merge where the "
-                     f"idle gap between them is below a threshold (the smallest from 0.1 % of the iteration, "
-                     f"doubling, that leaves at most {TIMELINE_BARS_PER_LANE} blocks per lane; the title gives "
-                     f"it). A striped block interleaves forwards and backwards (1F1B's steady state); a block "
-                     f"is as opaque as the rank was busy in it (its label and hover give the share and the "
-                     f"micro-batches). Gaps longer than the "
-                     f"threshold, the bubbles, stay visible; the all-reduce is never merged. Drag to zoom, "
-                     f"double-click to reset."),
+                     f"Pipeline 0 only (the others are identical), a steady iteration (a fill iteration's time "
+                     f"is in the title). Compute on each stage's upper lane (numbers are micro-batches), "
+                     f"communication on the thin lower lane, idle (bubbles) light grey. At large M (more than "
+                     f"{TIMELINE_BARS_PER_LANE} compute events on a rank) a rank's consecutive events merge into "
+                     f"blocks where the idle gap between them is under a threshold, the smallest from 0.1 % of "
+                     f"the iteration, doubling, that leaves at most {TIMELINE_BARS_PER_LANE} blocks per lane (the "
+                     f"title gives it): a striped block interleaves forwards and backwards (1F1B's steady state), "
+                     f"and a block is as opaque as the rank was busy in it (label and hover give the share). "
+                     f"Longer gaps stay visible; the all-reduce never merges. Drag to zoom (blocks stay merged)."),
         "throughput": ("Throughput and training time",
                        "Predicted by the simulator against the baseline without freezing. AutoCache fill "
                        "iterations (teal) are charged at their own, slower time; phase transitions are not "
