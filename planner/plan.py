@@ -23,7 +23,7 @@ from .jsonio import Fields, read_json, write_json
 from .profile import PROVENANCE_SOURCES
 
 SCHEMA = "ptplan.plan/2"
-EVENT_KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "PREFIX", "CACHE")
+EVENT_KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "PREFIX", "CACHE", "UPDATE")
 
 
 def _names(cls: type) -> list[str]:
@@ -38,7 +38,8 @@ class TimelineEvent:
     """Position in the pipeline (0..K-1), i.e. the stage-holding rank of pipeline 0."""
     stage: int
     kind: str
-    """One of EVENT_KINDS (PREFIX = frozen-prefix no-grad forward; CACHE = reading cached prefix outputs)."""
+    """One of EVENT_KINDS (PREFIX = frozen-prefix no-grad forward; CACHE = reading or filling cached prefix
+    outputs; UPDATE = the optimizer step)."""
     mb: int
     """Micro-batch index, -1 where it does not apply (ALLREDUCE, CACHE)."""
     start: float

@@ -42,8 +42,9 @@ from .simulate import simulate
 
 __all__ = ["TrainingConfig", "make_plan", "phase_from_choice"]
 
-MAX_TIMELINE_EVENTS = 6000
-"""Timelines with more events than this are not stored in the plan (the report says so)."""
+MAX_TIMELINE_EVENTS = 20_000
+"""Timelines with more events than this are not stored in the plan (the report says so); the report
+merges long ones into blocks (``viz.timeline_figure``)."""
 CACHE_DP_MAX = 16
 """Visited counts up to which the AutoCache decision considers every earlier cached count."""
 MAX_FREEZE_STEPS = 1_000_000

@@ -341,16 +341,23 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
                      makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
                      peak_inflight=prog.peak_inflight, update_s=iteration - synced,
-                     events=_events(schedule, prog, costs, dur, start) if events else ())
+                     events=_events(schedule, prog, costs, dur, start, T, D, opt, iteration) if events else ())
 
 
 _COMM_EVENT = {ActionKind.SEND_F: ("SEND_F", "RECV_F"), ActionKind.SEND_B: ("SEND_B", "RECV_B")}
 
 
 def _events(schedule: Schedule, prog: _Program, costs: Sequence[StageCost], dur: list[float],
-            start: list[float]) -> tuple[TimelineEvent, ...]:
+            start: list[float], T: list[float], D: list[float], opt: list[float], iteration: float
+            ) -> tuple[TimelineEvent, ...]:
     s2r = schedule.stage_to_rank
     out: list[TimelineEvent] = []
+    for r in range(len(T)):  # the optimizer step after compute and all-reduce, then the step's fixed overhead
+        t0 = max(T[r], D[r])
+        if iteration > t0:
+            out.append(TimelineEvent(rank=r, stage=schedule.stage_to_rank.index(r), kind="UPDATE", mb=-1,
+                                     start=t0, end=min(t0 + opt[r], iteration) if opt[r] > 0 else t0))
+    out = [e for e in out if e.end > e.start]
     for s, c in enumerate(costs):
         if c.setup_s > 0:
             out.append(TimelineEvent(rank=s2r[s], stage=s, kind="CACHE", mb=-1, start=0.0, end=c.setup_s))

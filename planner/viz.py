@@ -62,6 +62,7 @@ KIND_STYLE: dict[str, tuple[str, str, str]] = {
     "SEND_B": ("Send gradients", "#FFBF79", "comm"),
     "RECV_B": ("Receive gradients", "#B8590B", "comm"),
     "ALLREDUCE": ("Gradient all-reduce (data parallel)", "#B279A2", "comm"),
+    "UPDATE": ("Optimizer step", "#54A24B", "compute"),
 }
 KIND_WORDS = {"PREFIX": "frozen-prefix passes", "CACHE": "cache reads", "F": "forwards", "B": "backwards",
               "W": "weight gradients", "SEND_F": "activation sends", "RECV_F": "activation receives",
