@@ -16,7 +16,8 @@ DEFAULT_PROFILE = "vit-base_cpu_fp32"
 
 def resolve_profile_path(name_or_path: str) -> Path:
     """A profile file path, or a shipped profile by stem (``vit-base_cpu_fp32``) or by model name
-    (``bert-tiny`` finds ``bert-tiny_cpu_fp32`` when exactly one shipped profile is of that model)."""
+    (``bert-tiny`` finds ``bert-tiny_cpu_fp32``: the one measured profile of that model, when several
+    are shipped beside projected ones)."""
     p = Path(name_or_path)
     if p.exists() or p.suffix == ".json" or os.sep in name_or_path:
         if not p.exists():
@@ -29,12 +30,23 @@ def resolve_profile_path(name_or_path: str) -> Path:
         return cand
     names = sorted(x.stem for x in PROFILE_DIR.glob("*.json"))
     by_model = [n for n in names if n.split("_")[0] == name_or_path]
-    if len(by_model) == 1:
-        return shipped(by_model[0])
+    measured = [n for n in by_model if _source(shipped(n)) == "measured"]
+    if len(by_model) == 1 or len(measured) == 1:
+        return shipped((measured or by_model)[0])
     if by_model:
         raise PtplanError(f"several shipped profiles are of model {name_or_path!r}: {', '.join(by_model)}; name one")
     raise PtplanError(f"no profile file {name_or_path!r} and no shipped profile of that name; "
                       f"shipped: {', '.join(names) or '(none)'}")
+
+
+def _source(path: Path) -> str:
+    """A shipped profile's provenance source without validating the whole file."""
+    import json
+
+    try:
+        return str(json.loads(path.read_text()).get("provenance", {}).get("source", "measured"))
+    except (OSError, ValueError):
+        return "unknown"
 
 
 def _parse_int_list(text: str, what: str) -> list[int]:
@@ -131,8 +143,12 @@ class _PlanCommand(click.Command):
             formatter.write_dl([(k, f"{c.nodes} x {c.gpus_per_node} {c.gpu_name}, "
                                     f"{c.gpu_memory_bytes / 2**30:.0f} GiB each") for k, c in PRESETS.items()]
                                + [("cpu:N", "this machine as N CPU processes")])
-        with formatter.section("Shipped profiles"):
-            formatter.write_text(", ".join(sorted(x.stem for x in PROFILE_DIR.glob("*.json"))))
+        by_model: dict[str, list[str]] = {}
+        for x in sorted(PROFILE_DIR.glob("*.json")):
+            model, _, rest = x.stem.partition("_")
+            by_model.setdefault(model, []).append(rest + ("" if _source(x) == "measured" else " (projected)"))
+        with formatter.section("Shipped profiles (MODEL_DEVICE_DTYPE; a model name alone picks its measured one)"):
+            formatter.write_dl([(m, ", ".join(v)) for m, v in by_model.items()])
 
 
 def _check_outputs(inputs: list[Path], outputs: list[Path]) -> None:

@@ -106,9 +106,13 @@ def test_save_refuses_an_invalid_profile(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(PROFILE_DIR.glob("*.json")), ids=lambda p: p.name)
 def test_shipped_profiles_are_valid(path):
+    """Named MODEL_DEVICE_DTYPE: the device kind when measured, the device model when projected."""
     prof = load_profile(path)
-    assert path.name.startswith(prof.model.name + "_" + prof.device.kind)
+    where = prof.provenance.device_model if prof.provenance.source == "projected" else prof.device.kind
+    assert prof.provenance.source in ("measured", "projected")
+    assert path.name.startswith(f"{prof.model.name}_{where}_")
     assert prof.model.granularity == "half"
+    assert prof.provenance.command.startswith("ptplan profile") or prof.provenance.command == ""
 
 
 # ---- the CLI -----------------------------------------------------------------------------------
