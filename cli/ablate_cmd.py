@@ -88,8 +88,10 @@ def format_ablation(ab: Ablation) -> str:
 @click.option("--allow-extrapolation", is_flag=True,
               help="Allow micro-batch sizes outside the profile's measured sizes (their times are extrapolated).")
 @click.option("--json", "json_out", default=None, help="Also write every row's numbers here (JSON).")
+@click.option("--report", default=None, help="Also write the ablation as an offline HTML page (figure and table).")
 def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
-           freeze_every, schedule, optimizer, start_k, memory_fraction, allow_extrapolation, json_out) -> None:
+           freeze_every, schedule, optimizer, start_k, memory_fraction, allow_extrapolation, json_out,
+           report) -> None:
     """The PipeTransformer ablation for PROFILE on a cluster: predicted training time and speedup of no
     freezing, freeze only, + AutoPipe, + AutoCache, + AutoDP, the full system, and the full system with
     the paper's greedy split, K halving only, or its hard-coded micro-batch table.
@@ -104,8 +106,9 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     from ptplan.planner.profile import load_profile
 
     ppath = resolve_profile_path(profile)
-    if json_out is not None:
-        _check_outputs([ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []), [Path(json_out)])
+    outs = [Path(p) for p in (json_out, report) if p is not None]
+    if outs:
+        _check_outputs([ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []), outs)
     prof = load_profile(ppath)
     cluster = resolve_cluster(cluster_name)
     manual_list = _parse_int_list(manual, "--manual") if manual else None
@@ -117,10 +120,21 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
                               batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, start_K=start_k,
                               memory_fraction=memory_fraction, allow_extrapolation=allow_extrapolation)
     result = run_ablation(prof, cluster, training, freeze)
+    table = format_ablation(result)
+    page = None
+    if report is not None:
+        from ptplan.planner.viz import ablation_html
+
+        page = ablation_html(result, table)  # built before anything is written
     if json_out is not None:
         write_json(json_out, result.to_json())
-    click.echo(format_ablation(result))
+    if page is not None:
+        from ptplan.planner.jsonio import write_atomic
+
+        write_atomic(report, page)
+    click.echo(table)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
-    if json_out is not None:
-        click.echo(f"wrote {json_out}")
+    for path in (json_out, report):
+        if path is not None:
+            click.echo(f"wrote {path}")

@@ -242,3 +242,19 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, args, message):
     assert message in res.output
     assert not out.exists() and not (tmp_path / "missing").exists()
     assert VIT.read_bytes() == before
+
+
+def test_cli_writes_the_ablation_report(tmp_path):
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+
+    out = tmp_path / "ablation.html"
+    r = CliRunner().invoke(cli, ["ablate", "vit-base_cpu_fp32", "--cluster", "paper", "--report", str(out)])
+    assert r.exit_code == 0, r.output
+    html = out.read_text()
+    assert "fig-ablation" in html and "freeze only" in html.lower()
+    import plotly
+
+    assert '<script src="http' not in html and "<script src='http" not in html  # works offline
+    assert html.count(plotly.offline.get_plotlyjs()[:200]) == 1  # plotly.js embedded exactly once
