@@ -5,7 +5,8 @@ from pathlib import Path
 
 import click
 
-from ptplan.cli.plan_cmd import DEFAULT_PROFILE, _check_outputs, _parse_int_list, resolve_profile_path
+from ptplan.cli.plan_cmd import (DEFAULT_PROFILE, _check_outputs, freeze_from_options, resolve_profile_path,
+                                 shared_options)
 from ptplan.planner.ablate import Ablation, AblationRow
 from ptplan.planner.errors import PtplanError
 
@@ -62,31 +63,10 @@ def format_ablation(ab: Ablation) -> str:
 
 @click.command("ablate")
 @click.argument("profile", required=False, default=DEFAULT_PROFILE)
-@click.option("--cluster", "cluster_name", default="paper", show_default=True,
-              help="A cluster preset or a cluster JSON file (as for ptplan plan).")
-@click.option("--epochs", type=int, default=10, show_default=True, help="Training epochs.")
-@click.option("--samples-per-epoch", type=int, default=50_000, show_default=True, help="Samples per epoch.")
-@click.option("--batch", type=int, default=512, show_default=True,
-              help="Global batch (constant-global) or per-pipeline batch (constant-pipeline).")
-@click.option("--batch-policy", type=click.Choice(["constant-global", "constant-pipeline"]),
-              default="constant-global", show_default=True)
-@click.option("--freeze", "freeze_policy", type=click.Choice(["geometric", "manual", "none"]), default="geometric",
-              show_default=True, help="Freeze trajectory: the paper's geometric bound, a manual list, or none.")
-@click.option("--alpha", type=float, default=1 / 3, show_default="1/3",
-              help="Freeze rate α in (0,1): each freeze step freezes at most α of the active blocks.")
-@click.option("--manual", "manual", default=None,
-              help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual).")
-@click.option("--freeze-every", type=int, default=None,
-              help="A freeze step every N optimizer steps instead of once per epoch.")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@shared_options
 @click.option("--start-K", "start_k", type=int, default=None,
               help="The baseline's pipeline length, from which every row only compresses "
                    "(default: one pipeline per node, as the paper).")
-@click.option("--memory-fraction", type=float, default=0.9, show_default=True,
-              help="Share of device (and host) memory a plan may use.")
-@click.option("--allow-extrapolation", is_flag=True,
-              help="Allow micro-batch sizes outside the profile's measured sizes (their times are extrapolated).")
 @click.option("--json", "json_out", default=None, help="Also write every row's numbers here (JSON).")
 @click.option("--report", default=None, help="Also write the ablation as an offline HTML page (figure and table).")
 def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
@@ -101,7 +81,6 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     from ptplan.planner.ablate import ablate as run_ablation
     from ptplan.planner.cluster import resolve_cluster
     from ptplan.planner.config import TrainingConfig
-    from ptplan.planner.freeze import FreezePolicy
     from ptplan.planner.jsonio import write_json
     from ptplan.planner.profile import load_profile
 
@@ -111,11 +90,7 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
         _check_outputs([ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []), outs)
     prof = load_profile(ppath)
     cluster = resolve_cluster(cluster_name)
-    manual_list = _parse_int_list(manual, "--manual") if manual else None
-    if freeze_policy == "manual" and manual_list is None:
-        raise PtplanError("--freeze manual needs --manual with the frozen blocks per epoch, e.g. --manual 0,4,7,9")
-    freeze = FreezePolicy(policy=freeze_policy, alpha=alpha, manual=tuple(manual_list or ()),
-                          every=freeze_every if freeze_every is not None else "epoch")
+    freeze = freeze_from_options(freeze_policy, alpha, manual, freeze_every)
     training = TrainingConfig(epochs=epochs, samples_per_epoch=samples_per_epoch, batch=batch,
                               batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, start_K=start_k,
                               memory_fraction=memory_fraction, allow_extrapolation=allow_extrapolation)

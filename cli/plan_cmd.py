@@ -166,29 +166,58 @@ def _check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
         seen[r] = out
 
 
+def shared_options(f: Any) -> Any:
+    """The options ``plan`` and ``ablate`` share: cluster, training, freezing, memory, measured range."""
+    for opt in reversed([
+        click.option("--cluster", "cluster_name", default="paper", show_default=True,
+                     help="A cluster preset (listed in `ptplan plan --help`) or a cluster JSON file."),
+        click.option("--epochs", type=int, default=10, show_default=True, help="Training epochs."),
+        click.option("--samples-per-epoch", type=int, default=50_000, show_default=True, help="Samples per epoch."),
+        click.option("--batch", type=int, default=512, show_default=True,
+                     help="Global batch (constant-global) or per-pipeline batch (constant-pipeline)."),
+        click.option("--batch-policy", type=click.Choice(["constant-global", "constant-pipeline"]),
+                     default="constant-global", show_default=True),
+        click.option("--freeze", "freeze_policy", type=click.Choice(["geometric", "manual", "none"]),
+                     default="geometric", show_default=True,
+                     help="Freeze trajectory: the paper's geometric bound, a manual list, or none."),
+        click.option("--alpha", type=float, default=1 / 3, show_default="1/3",
+                     help="Freeze rate α in (0,1): each freeze step freezes at most α of the active blocks."),
+        click.option("--manual", "manual", default=None,
+                     help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual)."),
+        click.option("--freeze-every", type=int, default=None,
+                     help="A freeze step every N optimizer steps instead of once per epoch."),
+        click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True),
+        click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
+                     help="Sets the optimizer-state memory (AdamW two moments, SGD one momentum buffer per "
+                          "parameter)."),
+        click.option("--memory-fraction", type=float, default=0.9, show_default=True,
+                     help="Share of device (and host) memory a plan may use."),
+        click.option("--allow-extrapolation", is_flag=True,
+                     help="Allow micro-batch sizes outside the profile's measured sizes (their times are "
+                          "extrapolated)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def freeze_from_options(freeze_policy: str, alpha: float, manual: str | None, freeze_every: int | None,
+                        adaptive: bool = False) -> Any:
+    """The FreezePolicy the shared options describe."""
+    from ptplan.planner.freeze import FreezePolicy
+
+    manual_list = _parse_int_list(manual, "--manual") if manual else None
+    if freeze_policy == "manual" and manual_list is None:
+        raise PtplanError("--freeze manual needs --manual with the frozen blocks per freeze step, e.g. "
+                          "--manual 0,4,7,9")
+    return FreezePolicy(policy=freeze_policy, alpha=alpha, manual=tuple(manual_list or ()),
+                        every=freeze_every if freeze_every is not None else "epoch", adaptive=adaptive)
+
+
 @click.command("plan", cls=_PlanCommand)
 @click.argument("profile", required=False, default=DEFAULT_PROFILE)
-@click.option("--cluster", "cluster_name", default="paper", show_default=True,
-              help="A cluster preset (listed below) or a cluster JSON file.")
-@click.option("--epochs", type=int, default=10, show_default=True, help="Training epochs.")
-@click.option("--samples-per-epoch", type=int, default=50_000, show_default=True, help="Samples per epoch.")
-@click.option("--batch", type=int, default=512, show_default=True,
-              help="Global batch (constant-global) or per-pipeline batch (constant-pipeline).")
-@click.option("--batch-policy", type=click.Choice(["constant-global", "constant-pipeline"]),
-              default="constant-global", show_default=True)
-@click.option("--freeze", "freeze_policy", type=click.Choice(["geometric", "manual", "none"]), default="geometric",
-              show_default=True, help="Freeze trajectory: the paper's geometric bound, a manual list, or none.")
-@click.option("--alpha", type=float, default=1 / 3, show_default="1/3",
-              help="Freeze rate α in (0,1): each freeze step freezes at most α of the active blocks.")
-@click.option("--manual", "manual", default=None,
-              help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual).")
-@click.option("--freeze-every", type=int, default=None,
-              help="A freeze step every N optimizer steps instead of once per epoch.")
+@shared_options
 @click.option("--adaptive", is_flag=True,
               help="The run will decide from gradient norms (ptplan run --freeze adaptive).")
-@click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True)
-@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
-              help="Sets the optimizer-state memory (AdamW two moments, SGD one momentum buffer per parameter).")
 @click.option("-K", "--pipeline-length", "pin_k", type=int, default=None,
               help="Use this pipeline length K in every phase where it fits (the table marks the others).")
 @click.option("--start-K", "start_k", type=int, default=None,
@@ -198,10 +227,6 @@ def _check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
               help="Use this micro-batch count in every phase where it fits.")
 @click.option("--cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="AutoCache of the frozen prefix's outputs: auto caches where it saves time (fills included).")
-@click.option("--memory-fraction", type=float, default=0.9, show_default=True,
-              help="Share of device (and host) memory a plan may use.")
-@click.option("--allow-extrapolation", is_flag=True,
-              help="Allow micro-batch sizes outside the profile's measured sizes (their times are extrapolated).")
 @click.option("--out", "out", default="plan.json", show_default=True, help="Where to write the plan.")
 @click.option("--report", default=None, help="Also write the interactive HTML report here.")
 @click.option("--quiet", is_flag=True, help="Do not print the table (warnings are still printed).")
@@ -214,7 +239,6 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     Default: the shipped ViT-B/16 profile on the paper's cluster, α=1/3, 10 epochs.
     """
     from ptplan.planner.cluster import resolve_cluster
-    from ptplan.planner.freeze import FreezePolicy
     from ptplan.planner.plan import save_plan
     from ptplan.planner.planner import TrainingConfig, make_plan
     from ptplan.planner.profile import load_profile
@@ -224,11 +248,7 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     _check_outputs(inputs, [Path(out)] + ([Path(report)] if report else []))
     prof = load_profile(ppath)
     cluster = resolve_cluster(cluster_name)
-    manual_list = _parse_int_list(manual, "--manual") if manual else None
-    if freeze_policy == "manual" and manual_list is None:
-        raise PtplanError("--freeze manual needs --manual with the frozen blocks per epoch, e.g. --manual 0,4,7,9")
-    freeze = FreezePolicy(policy=freeze_policy, alpha=alpha, manual=tuple(manual_list or ()),
-                          every=freeze_every if freeze_every is not None else "epoch", adaptive=adaptive)
+    freeze = freeze_from_options(freeze_policy, alpha, manual, freeze_every, adaptive)
     training = TrainingConfig(epochs=epochs, samples_per_epoch=samples_per_epoch, batch=batch,
                               batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, pin_K=pin_k,
                               start_K=start_k, pin_M=pin_m, cache=cache, memory_fraction=memory_fraction,
