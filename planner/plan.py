@@ -98,7 +98,8 @@ class Phase:
     micro_batch_size: int
     schedule: str
     partition: tuple[tuple[int, int], ...]
-    """K half-open layer ranges, contiguous, covering [frozen_layers, num_layers)."""
+    """K·V half-open layer ranges (model chunks, i.e. pipeline stages), contiguous, covering
+    [frozen_layers, num_layers); chunk c runs on pipeline position ``stage_to_rank[c]``."""
     cache: bool
     """Whether stage 0 reads the frozen prefix's outputs from the AutoCache."""
     ranks: tuple[tuple[int, ...], ...]
@@ -106,6 +107,21 @@ class Phase:
     predicted: Prediction
     timeline: tuple[TimelineEvent, ...] = ()
     notes: tuple[str, ...] = ()
+    V: int = 1
+    """Model chunks (virtual stages) per pipeline position: 1, or more for interleaved schedules."""
+    actions: tuple[str, ...] = ()
+    """The schedule as data: per pipeline position 0..K-1, its actions in order, space-separated in
+    ``planner.schedule``'s text form (``2F0 2SEND_F0 ...``); what the simulator priced and what the
+    executor runs. Empty in plans written before actions were stored."""
+
+    @property
+    def stages(self) -> int:
+        """K·V: model chunks per pipeline."""
+        return self.K * self.V
+
+    def stage_to_rank(self) -> tuple[int, ...]:
+        """Pipeline position of each chunk: loop placement, chunk c on position c % K."""
+        return tuple(c % self.K for c in range(self.K * self.V))
     """Where this phase departs from what was asked (a pinned K or M that did not fit, an
     extrapolated micro-batch size)."""
 
@@ -271,9 +287,10 @@ def _prediction(f: Fields) -> Prediction:
 def _phase(f: Fields, num_layers: int) -> Phase:
     Fields(f.obj, f.what, f.path, allowed=_names(Phase))
     K, D, M = f.int("K", min=1), f.int("D", min=1), f.int("M", min=1)
+    V = f.int("V", 1, min=1)
     frozen_layers = f.int("frozen_layers", min=0)
     parts = []
-    for i, r in enumerate(f.list("partition", length=K)):
+    for i, r in enumerate(f.list("partition", length=K * V)):
         if (not isinstance(r, list) or len(r) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)
                 or r[0] >= r[1]):
             raise SchemaError(f.what, f"{f.path}.partition[{i}]", f"expected [lo, hi) with lo < hi, got {r!r}")
@@ -281,7 +298,7 @@ def _phase(f: Fields, num_layers: int) -> Phase:
     if parts[0][0] != frozen_layers:
         raise SchemaError(f.what, f"{f.path}.partition[0]", f"starts at layer {parts[0][0]} but frozen_layers is "
                           f"{frozen_layers}", "Re-run `ptplan plan`")
-    for i in range(1, K):
+    for i in range(1, K * V):
         if parts[i][0] != parts[i - 1][1]:
             raise SchemaError(f.what, f"{f.path}.partition[{i}]", f"starts at {parts[i][0]} but the previous stage "
                               f"ends at {parts[i - 1][1]} (stages must be contiguous)")
@@ -305,19 +322,24 @@ def _phase(f: Fields, num_layers: int) -> Phase:
                                 start=e.float("start", min=0), end=e.float("end", min=0)))
     pred = _prediction(f.obj_("predicted"))
     for key in ("stage_peak_memory_bytes", "stage_compute_s"):
-        if len(getattr(pred, key)) != K:
-            raise SchemaError(f.what, f"{f.path}.predicted.{key}", f"has {len(getattr(pred, key))} entries for K={K} "
-                              f"stages")
-    if pred.stage_memory and len(pred.stage_memory) != K:
+        if len(getattr(pred, key)) != K * V:
+            raise SchemaError(f.what, f"{f.path}.predicted.{key}", f"has {len(getattr(pred, key))} entries for "
+                              f"K*V={K * V} stages")
+    if pred.stage_memory and len(pred.stage_memory) != K * V:
         raise SchemaError(f.what, f"{f.path}.predicted.stage_memory", f"has {len(pred.stage_memory)} entries for "
-                          f"K={K} stages")
+                          f"K*V={K * V} stages")
+    actions = f.list("actions", [])
+    if actions and (len(actions) != K or not all(isinstance(a, str) for a in actions)):
+        raise SchemaError(f.what, f"{f.path}.actions", f"expected one string of actions per pipeline position "
+                          f"(K={K}), got {len(actions)} entries")
     notes = f.list("notes", [])
     if not all(isinstance(x, str) for x in notes):
         raise SchemaError(f.what, f"{f.path}.notes", "expected a list of strings")
     return Phase(frozen_blocks=f.int("frozen_blocks", min=0), frozen_layers=frozen_layers, K=K, D=D, M=M,
                  micro_batch_size=f.int("micro_batch_size", min=1), schedule=f.str("schedule", choices=SCHEDULES),
                  partition=tuple(parts), cache=f.bool("cache"),
-                 ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes))
+                 ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes),
+                 V=V, actions=tuple(actions))
 
 
 def _profile_ref(f: Fields) -> ProfileRef:

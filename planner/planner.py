@@ -188,9 +188,11 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
         fill_iteration_s=ch.fill_sim.iteration_s if ch.fill_sim is not None else 0.0,
         cache_host_bytes_per_node=int(search.host_bytes_per_node(c, n0, 0)) if c.cache else 0)
     assert ch.links is not None
+    sched = search.schedule(c.K, c.M)
     return Phase(frozen_blocks=f, frozen_layers=n0, K=c.K, D=c.D, M=c.M, micro_batch_size=c.b,
                  schedule=search.cfg.schedule, partition=ch.ranges, cache=c.cache, ranks=ch.links.ranks,
-                 predicted=pred, timeline=timeline, notes=tuple(notes))
+                 predicted=pred, timeline=timeline, notes=tuple(notes),
+                 actions=tuple(" ".join(map(str, acts)) for acts in sched.actions))
 
 
 def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, search: PhaseSearch,
