@@ -80,6 +80,9 @@ class LayerRecord:
     """Backward seconds (input and weight gradients), one per micro-batch size."""
     nograd_forward_s: tuple[float, ...]
     """Forward seconds under no_grad/eval (how a frozen layer runs), one per micro-batch size."""
+    backward_weight_s: tuple[float, ...] | None = None
+    """Of ``backward_s``, the weight-gradient part (zero-bubble schedules run it as a separate W after
+    the input-gradient part B), one per micro-batch size; None where not measured (older profiles)."""
     optimizer_s: float | None = None
     """Seconds of one optimizer (AdamW) step over this layer's parameters; independent of the
     micro-batch size. None in profiles written before the profiler measured it (the planner then
@@ -275,11 +278,18 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
             forward_s=tuple(lf.floats("forward_s", length=n, max=MAX_SECONDS)),
             backward_s=tuple(lf.floats("backward_s", length=n, max=MAX_SECONDS)),
             nograd_forward_s=tuple(lf.floats("nograd_forward_s", length=n, max=MAX_SECONDS)),
+            backward_weight_s=None if lf.raw("backward_weight_s", None) is None else tuple(
+                lf.floats("backward_weight_s", length=n, max=MAX_SECONDS)),
             optimizer_s=None if lf.raw("optimizer_s", None) is None else lf.float("optimizer_s", min=0.0,
                                                                                    max=MAX_SECONDS),
         ))
     if not layers:
         raise SchemaError(source, "layers", "is empty")
+    for r in layers:
+        if r.backward_weight_s is not None and any(w > b * (1 + 1e-6) + 1e-9
+                                                   for w, b in zip(r.backward_weight_s, r.backward_s)):
+            raise SchemaError(source, f"layers[{r.index}].backward_weight_s", f"{list(r.backward_weight_s)} exceeds "
+                              f"the whole backward {list(r.backward_s)}", "Profile the model again")
     blocks = sorted({r.block for r in layers if r.block is not None})
     if blocks != list(range(model.num_blocks)):
         raise SchemaError(source, "layers", f"cover blocks {blocks[:3]}..{blocks[-3:] if blocks else []} "
