@@ -74,35 +74,40 @@ PREFIX_MODES = ("recompute", "cached", "fill")
 
 @dataclass(frozen=True, kw_only=True)
 class Links:
-    """One pipeline length's rank layout and per-stage communication coefficients."""
+    """One pipeline shape's rank layout and per-stage communication coefficients. A pipeline of K
+    positions holds S = K·V stages (chunks), stage c on position c % K (``Phase.stage_to_rank``)."""
 
     ranks: tuple[tuple[int, ...], ...]
-    """ranks[p][s]: the rank holding stage s of pipeline p."""
+    """ranks[p][k]: the rank at position k of pipeline p."""
     send_lat: np.ndarray
-    """K-1 entries: latency of the link from stage s to s+1 (pipeline 0; the others are alike)."""
+    """S-1 entries: latency of the link from stage c's position to stage c+1's (pipeline 0; the others
+    are alike)."""
     send_inv_bw: np.ndarray
-    """K-1 entries: 1 / bandwidth of that link."""
+    """S-1 entries: 1 / bandwidth of that link."""
     ar_lat: np.ndarray
-    """K entries: all-reduce seconds of stage s's data-parallel group = ar_lat[s] + bytes · ar_per_byte[s]."""
+    """S entries: all-reduce seconds of stage c's data-parallel group = ar_lat[c] + bytes · ar_per_byte[c]."""
     ar_per_byte: np.ndarray
 
 
-def links_for(cluster: Cluster, K: int) -> Links:
-    """Layout and coefficients for pipeline length K. The K stage groups all-reduce at about the same
-    time at the end of an iteration, so each is costed as one of K groups sharing the inter-node links."""
+def links_for(cluster: Cluster, K: int, V: int = 1) -> Links:
+    """Layout and coefficients for K positions of V chunks each. The K position groups all-reduce at about
+    the same time at the end of an iteration, so each is costed as one of K groups sharing the
+    inter-node links."""
     ranks = layout(cluster, K)
     row = ranks[0]
-    lk = [cluster.link(row[s], row[s + 1]) for s in range(K - 1)]
+    S = K * V
+    lk = [cluster.link(row[c % K], row[(c + 1) % K]) for c in range(S - 1)]
     D = len(ranks)
     lat, per = [], []
-    for s in range(K):
-        group = [ranks[p][s] for p in range(D)]
+    for k in range(K):
+        group = [ranks[p][k] for p in range(D)]
         a0 = cluster.allreduce_seconds(group, 0.0, concurrent=K)
         lat.append(a0)
         per.append((cluster.allreduce_seconds(group, 1e9, concurrent=K) - a0) / 1e9)
     return Links(ranks=ranks, send_lat=np.array([x[1] for x in lk], dtype=float),
-                 send_inv_bw=np.array([1.0 / x[0] for x in lk], dtype=float), ar_lat=np.array(lat, dtype=float),
-                 ar_per_byte=np.array(per, dtype=float))
+                 send_inv_bw=np.array([1.0 / x[0] for x in lk], dtype=float),
+                 ar_lat=np.array([lat[c % K] for c in range(S)], dtype=float),
+                 ar_per_byte=np.array([per[c % K] for c in range(S)], dtype=float))
 
 
 def cache_setup_s(table: CostTable, n0: int, M: int, b: int, bandwidth: float, *, device_is_host: bool,
@@ -135,16 +140,23 @@ class PhaseShape:
     cache: bool
     """Whether stage 0 reads the prefix's output from the AutoCache instead of recomputing it."""
     inflight: tuple[int, ...]
-    """Per stage, the schedule's most micro-batches in flight (``schedule.peak_inflight``)."""
+    """Per stage (chunk), the schedule's most micro-batches in flight (``schedule.peak_inflight``)."""
+    V: int = 1
+    """Chunks (stages) per pipeline position: S = K·V stages, stage c on position c % K."""
     optimizer: str = "adamw"
     device_is_host: bool = False
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
     action_overhead_s: float = 0.0
     host_read_bandwidth: float = 10e9
 
+    @property
+    def S(self) -> int:
+        """Stages (chunks) per pipeline."""
+        return self.K * self.V
+
     def __post_init__(self) -> None:
-        if len(self.inflight) != self.K:
-            raise PtplanError(f"PhaseShape: {len(self.inflight)} in-flight counts for K={self.K} stages")
+        if len(self.inflight) != self.S:
+            raise PtplanError(f"PhaseShape: {len(self.inflight)} in-flight counts for K*V={self.S} stages")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
 
@@ -256,7 +268,7 @@ class StageModel:
             if s > 0:
                 t = t + (self._lat_in[s] + inb * self._inv_in[s])
                 static = static + sh.M * inb
-            if s < sh.K - 1:
+            if s < sh.S - 1:
                 t = t + (self._lat_out[s] + outb * self._inv_out[s])
                 static = static + sh.M * outb
             if s == 0:
@@ -266,7 +278,7 @@ class StageModel:
                     after = np.maximum(after, self.stage0_after)
             return t, static, per_mb, after, self._inflight[s]
         si = np.asarray(s)
-        has_in, has_out, is0 = si > 0, si < sh.K - 1, si == 0
+        has_in, has_out, is0 = si > 0, si < sh.S - 1, si == 0
         t = base + has_in * (self._lat_in[si] + inb * self._inv_in[si]) \
             + has_out * (self._lat_out[si] + outb * self._inv_out[si]) \
             + is0 * (self.prefix_s + self.read_setup_s / sh.M)
@@ -283,38 +295,38 @@ class StageModel:
 
     def evaluate_split(self, terms: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
         """``evaluate`` for the K prepared stages of one split at once, stage s being entry s."""
-        t, static, per_mb, after, infl = self._combine(terms, np.arange(self.shape.K))
+        t, static, per_mb, after, infl = self._combine(terms, np.arange(self.shape.S))
         return t, peak_bytes(static, per_mb, infl, after)
 
     # ---- one split -------------------------------------------------------------------------
     def check_ranges(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(lo, hi) arrays of a split of the active layers into K contiguous stages; PtplanError if not."""
-        if len(ranges) != self.shape.K or ranges[0][0] != self.start or ranges[-1][1] != self.n or any(
+        if len(ranges) != self.shape.S or ranges[0][0] != self.start or ranges[-1][1] != self.n or any(
                 a[1] != c[0] or a[0] >= a[1] for a, c in zip(ranges, ranges[1:])) or ranges[-1][0] >= ranges[-1][1]:
             raise PtplanError(f"{list(ranges)} is not a split of layers [{self.start}, {self.n}) into "
-                              f"K={self.shape.K} contiguous non-empty stages")
+                              f"K*V={self.shape.S} contiguous non-empty stages")
         return np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
 
     def stage_memory(self, ranges: Sequence[tuple[int, int]]) -> tuple[MemoryBreakdown, ...]:
         """Each stage's peak memory, term by term."""
         lo, hi = self.check_ranges(ranges)
         sh, t = self.shape, self.t
-        _, static, per_mb, after, infl = self._combine(self.prepare(lo, hi), np.arange(sh.K))
+        _, static, per_mb, after, infl = self._combine(self.prepare(lo, hi), np.arange(sh.S))
         weights = t.cum_param[hi] - t.cum_param[lo]
-        w = weights + (np.arange(sh.K) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
+        w = weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
         g = t.cum_grad[hi] - t.cum_grad[lo]
         o = OPTIMIZER_STATE_FACTOR[sh.optimizer] * weights
         total = peak_bytes(static, per_mb, infl, after)
         return tuple(MemoryBreakdown(weights=int(w[s]), gradients=int(g[s]), optimizer=int(o[s]),
                                      buffers=int(static[s] - w[s] - g[s] - o[s]), activations=int(infl[s] * per_mb[s]),
                                      transient=int(after[s]), inflight=int(infl[s]), total=int(total[s]))
-                     for s in range(sh.K))
+                     for s in range(sh.S))
 
     def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
         """The simulator's per-stage costs for a split (``fill``: an iteration that fills the cache)."""
         lo, hi = self.check_ranges(ranges)
         sh, L, tm, t = self.shape, self.links, self.times, self.t
-        K = sh.K
+        K = sh.S
         terms = self.prepare(lo, hi)
         _, static, per_mb, after, _ = self._combine(terms, np.arange(K))
         _, inb, outb = terms[0], terms[1], terms[2]
