@@ -1,7 +1,9 @@
-"""Pipeline schedules as data: typed actions per rank, the GPipe and 1F1B generators, and their checks.
+"""Pipeline schedules as data: typed actions per rank, their generators (GPipe, 1F1B, interleaved 1F1B,
+looped BFS, ZB-H1, ZB-V), and their checks.
 
 Legend: K pipeline stages, M micro-batches per iteration, R ranks (R = K when each rank holds one
-stage). An action prints like torch.distributed.pipelining's IR: ``2F0`` is stage 2's forward of
+stage). The generators take K as the number of *ranks* and V chunks per rank, and return a
+Schedule with K·V stages (``Schedule.K``) on K ranks (``Schedule.num_ranks``). An action prints like torch.distributed.pipelining's IR: ``2F0`` is stage 2's forward of
 micro-batch 0, ``1SEND_F3`` stage 1 sending micro-batch 3's output to stage 2, ``0RECV_B3`` stage 0
 receiving micro-batch 3's input gradient from stage 1, ``3ALLREDUCE`` stage 3's data-parallel
 gradient all-reduce. A non-zero token slice (TeraPipe) prints after a dot: ``2F0.1``.
@@ -107,17 +109,17 @@ def parse_action(text: str) -> Action:
 class Schedule:
     """One training iteration of one pipeline, as per-rank action lists in execution order.
 
-    How later schedules fit (only GPipe and 1F1B are generated today):
-    interleaved / looped / V placements give a rank several stages via ``stage_to_rank``
-    (K > R) and mix their actions in one list; zero-bubble schedules add one W per
-    (stage, micro-batch) after its B; TeraPipe sets ``slices`` > 1 and gives every compute and
-    message action its token ``slice``; PipeDream-2BW keeps 1F1B-shaped lists and will add a
-    weight-version count for the memory model (a field added when a generator needs it).
+    Interleaved, looped and V placements give a rank several stages via ``stage_to_rank`` (K > R)
+    and mix their actions in one list; zero-bubble schedules add one W per (stage, micro-batch)
+    after its B (the B is then only the input gradient). Still to come: TeraPipe sets ``slices``
+    > 1 and gives every compute and message action its token ``slice``; PipeDream-2BW keeps
+    1F1B-shaped lists and will add a weight-version count for the memory model (a field added
+    when a generator needs it).
     """
 
     name: str
     K: int
-    """Number of pipeline stages."""
+    """Number of pipeline stages (K·V for a generator called with K ranks and V chunks per rank)."""
     M: int
     """Number of micro-batches in the iteration."""
     stage_to_rank: tuple[int, ...]
@@ -163,30 +165,57 @@ def _act(stage: int, kind: ActionKind, mb: int) -> Action:
     return Action(stage, kind, mb)
 
 
-def _forward(s: int, m: int, K: int) -> list[Action]:
-    out = [_act(s, ActionKind.RECV_F, m)] if s > 0 else []
-    out.append(_act(s, ActionKind.F, m))
-    if s < K - 1:
-        out.append(_act(s, ActionKind.SEND_F, m))
-    return out
+def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]]) -> Schedule:
+    """A schedule from per-rank compute orders (F, B, W only): each F gets the receive of its input
+    just before it and the send of its output just after it, each B likewise for gradients, where
+    the neighbouring stage lives on another rank (neighbours on the same rank exchange nothing);
+    then each stage's ALLREDUCE, in stage order, at the end of its rank's list (the executor
+    all-reduces after the schedule's step)."""
+    S = len(s2r)
+    ranks = []
+    for r, order in enumerate(compute):
+        acts: list[Action] = []
+        for a in order:
+            s, k, m = a.stage, a.kind, a.mb
+            if k is ActionKind.F:
+                if s > 0 and s2r[s - 1] != r:
+                    acts.append(_act(s, ActionKind.RECV_F, m))
+                acts.append(a)
+                if s < S - 1 and s2r[s + 1] != r:
+                    acts.append(_act(s, ActionKind.SEND_F, m))
+            elif k is ActionKind.B:
+                if s < S - 1 and s2r[s + 1] != r:
+                    acts.append(_act(s, ActionKind.RECV_B, m))
+                acts.append(a)
+                if s > 0 and s2r[s - 1] != r:
+                    acts.append(_act(s, ActionKind.SEND_B, m))
+            else:
+                acts.append(a)
+        acts += [_act(s, ActionKind.ALLREDUCE, -1) for s in range(S) if s2r[s] == r]
+        ranks.append(tuple(acts))
+    return _generated(Schedule(name=name, K=S, M=M, stage_to_rank=s2r, actions=tuple(ranks)))
 
 
-def _backward(s: int, m: int, K: int) -> list[Action]:
-    out = [_act(s, ActionKind.RECV_B, m)] if s < K - 1 else []
-    out.append(_act(s, ActionKind.B, m))
-    if s > 0:
-        out.append(_act(s, ActionKind.SEND_B, m))
-    return out
-
-
-def _sizes(name: str, K: int, M: int) -> tuple[int, int]:
-    """K and M as plain ints >= 1 (numpy integers accepted)."""
+def _sizes(name: str, K: int, M: int, V: int = 1) -> tuple[int, int, int]:
+    """K, M and V as plain ints >= 1 (numpy integers accepted)."""
     out: list[int] = []
-    for sym, v in (("K", K), ("M", M)):
+    for sym, v in (("K", K), ("M", M), ("V", V)):
         if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
             raise ScheduleError(f"{name}: {sym} must be an integer >= 1, got {v!r}")
         out.append(int(v))
-    return out[0], out[1]
+    return out[0], out[1], out[2]
+
+
+def _one_chunk(name: str, V: int) -> None:
+    if V != 1:
+        raise ScheduleError(f"{name} holds one stage per rank: V must be 1, got V={V}; use 'interleaved-1f1b' "
+                            f"or 'looped-bfs' for V > 1 chunks per rank")
+
+
+def _m_at_least_k(name: str, K: int, M: int) -> None:
+    if M < K:
+        raise ScheduleError(f"{name} needs at least as many micro-batches as stages: M={M} < K={K} "
+                            f"(torch's Schedule1F1B has the same rule); use M >= {K} or the 'gpipe' schedule")
 
 
 def gpipe(K: int, M: int, *, reverse_backward: bool = False) -> Schedule:
@@ -195,41 +224,192 @@ def gpipe(K: int, M: int, *, reverse_backward: bool = False) -> Schedule:
     Backwards run in micro-batch order 0..M-1 as torch's ScheduleGPipe does (torch 2.13);
     ``reverse_backward=True`` gives the GPipe paper's / torchgpipe's order M-1..0.
     """
-    K, M = _sizes("gpipe", K, M)
+    K, M, _ = _sizes("gpipe", K, M)
     order = range(M - 1, -1, -1) if reverse_backward else range(M)
-    ranks = []
-    for s in range(K):
-        acts: list[Action] = []
-        for m in range(M):
-            acts += _forward(s, m, K)
-        for m in order:
-            acts += _backward(s, m, K)
-        acts.append(_act(s, ActionKind.ALLREDUCE, -1))
-        ranks.append(tuple(acts))
-    return _generated(Schedule(name="gpipe", K=K, M=M, stage_to_rank=tuple(range(K)), actions=tuple(ranks)))
+    compute = [[_act(s, ActionKind.F, m) for m in range(M)] + [_act(s, ActionKind.B, m) for m in order]
+               for s in range(K)]
+    return _lower("gpipe", M, tuple(range(K)), compute)
+
+
+def _one_f_one_b_order(K: int, M: int, r: int, *, defer_w: int | None = None) -> list[Action]:
+    """Rank r's compute order in 1F1B: K-r-1 warm-up forwards, then one forward and one backward
+    in turn, then the remaining backwards. ``defer_w`` (zero-bubble): each B is followed by a W,
+    the first ``defer_w`` of them held back — the W after the i-th B is then that of backward
+    i - defer_w, and the held-back ones run at the end."""
+    warm = K - r - 1
+    F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
+    out = [_act(r, F, m) for m in range(warm)]
+    w_next = 0
+    for i in range(M):
+        if warm + i < M:
+            out.append(_act(r, F, warm + i))
+        out.append(_act(r, B, i))
+        if defer_w is not None and i >= defer_w:
+            out.append(_act(r, W, w_next))
+            w_next += 1
+    if defer_w is not None:
+        out += [_act(r, W, m) for m in range(w_next, M)]
+    return out
 
 
 def one_f_one_b(K: int, M: int) -> Schedule:
     """1F1B (PipeDream-flush): stage s warms up with K-s-1 forwards, then alternates one forward and
     one backward, then drains the remaining backwards — torch's Schedule1F1B order. Needs M >= K."""
-    K, M = _sizes("1f1b", K, M)
-    if M < K:
-        raise ScheduleError(f"1F1B needs at least as many micro-batches as stages: M={M} < K={K} "
-                            f"(torch's Schedule1F1B has the same rule); use M >= {K} or the 'gpipe' schedule")
-    ranks = []
-    for s in range(K):
-        warm = K - s - 1
-        acts: list[Action] = []
-        for m in range(warm):
-            acts += _forward(s, m, K)
-        for i in range(M - warm):
-            acts += _forward(s, warm + i, K)
-            acts += _backward(s, i, K)
-        for m in range(M - warm, M):
-            acts += _backward(s, m, K)
-        acts.append(_act(s, ActionKind.ALLREDUCE, -1))
-        ranks.append(tuple(acts))
-    return _generated(Schedule(name="1f1b", K=K, M=M, stage_to_rank=tuple(range(K)), actions=tuple(ranks)))
+    K, M, _ = _sizes("1f1b", K, M)
+    _m_at_least_k("1F1B", K, M)
+    return _lower("1f1b", M, tuple(range(K)), [_one_f_one_b_order(K, M, s) for s in range(K)])
+
+
+def zero_bubble_h1(K: int, M: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each backward split
+    into B (input gradient, on the critical path) and W (weight gradient, off it). Stage s runs
+    1F1B's order of F and B; after each B comes a W, except that stage s holds back its first s
+    W's (the last stage K-1 holds back K-1) and runs them at the end, where 1F1B's drain leaves
+    later stages idle. Every stage then keeps at most K micro-batches in flight (until their W
+    ends), 1F1B's peak on stage 0: 1F1B's memory. On uniform stages with forward f, input
+    gradient b and weight gradient w (f = b = w in the paper) the bubble is (K-1)(f+b-w) per rank
+    against 1F1B's (K-1)(f+b+w): a third of it (``simulate.zb_h1_closed_form``).
+
+    The order is torch's ScheduleInterleavedZeroBubble with one stage per rank (torch 2.13), which
+    is the paper's hand-made ZB-H1 (its Figure 3). Needs M >= K, like 1F1B.
+    """
+    K, M, _ = _sizes("zb-h1", K, M)
+    _m_at_least_k("ZB-H1", K, M)
+    return _lower("zb-h1", M, tuple(range(K)), [_one_f_one_b_order(K, M, s, defer_w=s) for s in range(K)])
+
+
+def _interleaved_rules(name: str, K: int, M: int, V: int) -> None:
+    if V < 2:
+        raise ScheduleError(f"{name} needs V >= 2 chunks per rank, got V={V}; with one chunk per rank use "
+                            f"'1f1b' (or 'gpipe')")
+    if M % K:
+        lo = M // K * K
+        near = f"M={lo} or M={lo + K}" if lo else f"M={K}"
+        raise ScheduleError(f"{name} needs M a multiple of K (micro-batches go round the K ranks in groups of K): "
+                            f"M={M}, K={K}; use {near}")
+
+
+def interleaved_1f1b(K: int, M: int, V: int) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al., SC'21, Megatron-LM's virtual pipeline): K ranks hold V
+    chunks each, K·V stages in loop placement (stage c on rank c % K). Micro-batches run in groups
+    of K: rank r first runs (V-1)·K + 2·(K-1-r) warm-up forwards (all V·M when fewer), going through
+    its chunks in order with K micro-batches per chunk (0..K-1 on chunk 0, then 0..K-1 on chunk 1,
+    ..., then K..2K-1 on chunk 0, ...); then one forward and one backward in turn, backwards going
+    through its chunks in reverse order with the same grouping; then the remaining backwards.
+
+    On uniform stages (each chunk f/V forward and b/V backward) and free communication the
+    makespan is (V·M + K-1)·(f+b)/V and the bubble (K-1)/(V·M + K-1): the 1F1B bubble cut by V,
+    for more messages (every micro-batch crosses the K ranks V times) and more activations in
+    flight (``peak_inflight``).
+
+    Rules: V >= 2 (V = 1 is plain 1F1B) and M a multiple of K. The order is torch's
+    ScheduleInterleaved1F1B (torch 2.13) and today's Megatron-LM (microbatch_group_size_per_vp_stage
+    = K, its default). Two departures elsewhere, not followed: Megatron-LM before 2024 ran all
+    forwards first when M == K (one of its special cases, not torch's); torch also accepts an M
+    that is not a multiple of K when it is a multiple of M // K (groups of M // (M // K) micro-
+    batches), which this generator refuses so that the grouping, the bubble and the memory follow
+    one rule.
+    """
+    K, M, V = _sizes("interleaved-1f1b", K, M, V)
+    _interleaved_rules("interleaved-1f1b", K, M, V)
+    F, B = ActionKind.F, ActionKind.B
+    total = V * M
+    compute = []
+    for r in range(K):
+        warm = min((V - 1) * K + 2 * (K - 1 - r), total)
+        nf = [0] * V
+        nb = [0] * V
+        out: list[Action] = []
+
+        def fwd(i: int) -> None:
+            v = (i // K) % V
+            out.append(_act(v * K + r, F, nf[v]))
+            nf[v] += 1
+
+        def bwd(i: int) -> None:
+            v = V - 1 - (i // K) % V
+            out.append(_act(v * K + r, B, nb[v]))
+            nb[v] += 1
+
+        for i in range(warm):
+            fwd(i)
+        for i in range(total - warm):
+            fwd(warm + i)
+            bwd(i)
+        for i in range(total - warm, total):
+            bwd(i)
+        compute.append(out)
+    return _lower("interleaved-1f1b", M, tuple(c % K for c in range(K * V)), compute)
+
+
+def looped_bfs(K: int, M: int, V: int) -> Schedule:
+    """Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", MLSys 2023): K ranks hold V
+    chunks each in loop placement (stage c on rank c % K), like interleaved 1F1B; rank r runs all M
+    forwards of its first chunk, then of its next, ..., then all backwards of its last chunk in
+    micro-batch order M-1..0, then of the chunk before, ... — GPipe per chunk, so every stage keeps
+    all M micro-batches in flight. On uniform stages with M >= K its makespan and bubble equal
+    interleaved 1F1B's. torch's ScheduleLoopedBFS order (torch 2.13). Any M >= 1 and V >= 1 (V = 1
+    is GPipe with backwards in reverse micro-batch order).
+    """
+    K, M, V = _sizes("looped-bfs", K, M, V)
+    F, B = ActionKind.F, ActionKind.B
+    compute = []
+    for r in range(K):
+        chunks = [v * K + r for v in range(V)]
+        compute.append([_act(c, F, m) for c in chunks for m in range(M)]
+                       + [_act(c, B, m) for c in reversed(chunks) for m in range(M - 1, -1, -1)])
+    return _lower("looped-bfs", M, tuple(c % K for c in range(K * V)), compute)
+
+
+def zero_bubble_v(K: int, M: int) -> Schedule:
+    """ZB-V (Qi et al., ICLR 2024, Section 6): K ranks hold 2 chunks each in a "V": stage r and stage
+    2K-1-r on rank r, so the model goes down the ranks and back up (the turn, stages K-1 and K on
+    rank K-1, needs no message). Backwards are split into B and W like ZB-H1. Rank r runs 2(K-r)-1
+    forwards of its first chunk; then r times a forward of each chunk (second chunk first); then
+    K-r times F, B, W of its second chunk; then, while forwards remain, F (first chunk), B, W (first
+    chunk) and F, B, W (second chunk); then r times B of each chunk; then K-r times B and W of the
+    first chunk; then the W's left (second chunk, then first). Micro-batches past M drop out.
+
+    In flight: stage s holds min(2K - s, M) (chunk-sized micro-batches), so a rank holds at most
+    2K half-size ones: 1F1B's memory. On uniform chunks with f = b = w and M >= 2K-1 the bubble
+    is (K-1) chunk-steps of a 6M-step iteration (the paper's "zero" counts each rank from its own
+    first action). The order is torch's ScheduleZBVZeroBubble (torch 2.13). Any M >= 1.
+    """
+    K, M, _ = _sizes("zb-v", K, M)
+    F, B, W = ActionKind.F, ActionKind.B, ActionKind.W
+    compute = []
+    for r in range(K):
+        lo, hi = r, 2 * K - 1 - r
+        n = max(2 * K - 1, M)  # the pattern assumes enough micro-batches; the extra ones are dropped
+        nxt = {(lo, F): 0, (hi, F): 0, (lo, B): 0, (hi, B): 0, (lo, W): 0, (hi, W): 0}
+        out: list[tuple[int, ActionKind, int]] = []
+
+        def run(*steps: tuple[int, ActionKind]) -> None:
+            for st, k in steps:
+                out.append((st, k, nxt[(st, k)]))
+                nxt[(st, k)] += 1
+
+        run(*[(lo, F)] * (2 * (K - r) - 1))
+        for _ in range(r):
+            run((hi, F), (lo, F))
+        for _ in range(K - r):
+            run((hi, F), (hi, B), (hi, W))
+        while nxt[(hi, F)] < nxt[(lo, F)] or nxt[(lo, F)] < n:
+            if nxt[(lo, F)] < n:
+                run((lo, F))
+            run((lo, B), (lo, W), (hi, F), (hi, B), (hi, W))
+        for _ in range(r):
+            run((lo, B), (hi, B))
+        for _ in range(K - r):
+            run((lo, B), (lo, W))
+        run(*[(hi, W)] * (nxt[(hi, B)] - nxt[(hi, W)]))
+        run(*[(lo, W)] * (nxt[(lo, B)] - nxt[(lo, W)]))
+        compute.append([_act(st, k, m) for st, k, m in out if m < M])
+    return _lower("zb-v", M, _v_placement(K), compute)
+
+
+def _v_placement(K: int) -> tuple[int, ...]:
+    return tuple(range(K)) + tuple(range(K - 1, -1, -1))
 
 
 _GENERATED_ATTR = "_ptplan_generated"
@@ -247,38 +427,151 @@ def is_generated(schedule: Schedule) -> bool:
     return bool(schedule.__dict__.get(_GENERATED_ATTR, False))
 
 
-_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def compute_order(schedule: Schedule) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, its compute actions (F, B, W) in list order, without messages or all-reduces."""
+    return tuple(tuple(a for a in acts if a.kind in COMPUTE_KINDS) for acts in schedule.actions)
+
+
+def torch_compute_order(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
+    """``compute_order`` in torch.distributed.pipelining's action text (``_Action.from_str``): F is
+    ``F``; a B whose (stage, micro-batch) also has a W is the input-gradient backward ``I``, any
+    other B the full backward ``B``; W is ``W`` — e.g. ``0F0 0I0 0W0``. Token slices have no torch
+    form and raise."""
+    if schedule.slices != 1:
+        raise ScheduleError(f"schedule {schedule.name!r} uses {schedule.slices} token slices, which torch's "
+                            f"action text cannot express")
+    split = {(a.stage, a.mb) for acts in schedule.actions for a in acts if a.kind is ActionKind.W}
+    out = []
+    for acts in compute_order(schedule):
+        out.append(tuple(f"{a.stage}I{a.mb}" if a.kind is ActionKind.B and (a.stage, a.mb) in split else str(a)
+                         for a in acts))
+    return tuple(out)
+
+
+def _gpipe_v(K: int, M: int, V: int) -> Schedule:
+    _one_chunk("gpipe", V)
+    return gpipe(K, M)
+
+
+def _one_f_one_b_v(K: int, M: int, V: int) -> Schedule:
+    _one_chunk("1f1b", V)
+    return one_f_one_b(K, M)
+
+
+def _zb_h1_v(K: int, M: int, V: int) -> Schedule:
+    _one_chunk("zb-h1", V)
+    return zero_bubble_h1(K, M)
+
+
+def _zb_v_v(K: int, M: int, V: int) -> Schedule:
+    _two_chunks(V)
+    return zero_bubble_v(K, M)
+
+
+def _two_chunks(V: int) -> None:
+    if V != 2:
+        raise ScheduleError(f"zb-v holds exactly 2 chunks per rank (a V: stages r and 2K-1-r on rank r): give V=2, "
+                            f"got V={V}")
+
+
+_GENERATORS = {"gpipe": _gpipe_v, "1f1b": _one_f_one_b_v, "interleaved-1f1b": interleaved_1f1b,
+               "zb-h1": _zb_h1_v, "looped-bfs": looped_bfs, "zb-v": _zb_v_v}
 SCHEDULE_NAMES = tuple(_GENERATORS)
+"""Every schedule ``build_schedule`` makes (``stage_to_rank`` gives each one's placement)."""
+LOOP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs")
+"""The schedules that place chunk c on rank c % K, as ``plan.Phase.stage_to_rank`` and
+``stage.links_for`` assume; "zb-v" places stages in a V and needs them to follow ``stage_to_rank``."""
 
 
-def peak_inflight(name: str, K: int, M: int) -> tuple[int, ...]:
-    """Per stage, the most micro-batches in flight (F started, B not yet ended) in the named schedule:
-    GPipe holds all M; 1F1B holds min(K - s, M) on stage s. The planner's memory model uses this
-    before any schedule is built; ``tests/test_schedule.py`` checks it against the generated lists."""
+def stage_to_rank(name: str, K: int, V: int = 1) -> tuple[int, ...]:
+    """Where the named schedule puts each of its K·V stages: loop placement (stage c on rank c % K)
+    for every schedule but "zb-v", whose rank r holds stages r and 2K-1-r."""
+    key = _key(name)
+    K, _, V = _sizes(key, K, 1, V)
+    if key == "zb-v":
+        _two_chunks(V)
+        return _v_placement(K)
+    return tuple(c % K for c in range(K * V))
+
+
+def _key(name: str) -> str:
     key = name.lower() if isinstance(name, str) else name
     if key not in _GENERATORS:
         raise ScheduleError(f"unknown schedule {name!r}; valid schedules: {', '.join(SCHEDULE_NAMES)}")
-    K, M = _sizes(key, K, M)
-    if key == "gpipe":
-        return (M,) * K
-    return tuple(min(K - s, M) for s in range(K))
+    return key
 
 
-def build_schedule(name: str, K: int, M: int) -> Schedule:
-    """The named schedule ("gpipe", "1f1b"; case-insensitive) for K stages and M micro-batches.
+def check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
+    """Raise ScheduleError (with the numbers and the fix) unless the named schedule exists for K
+    ranks, M micro-batches and V chunks per rank — without building it."""
+    key = _key(name)
+    K, M, V = _sizes(key, K, M, V)
+    if key in ("gpipe", "1f1b", "zb-h1"):
+        _one_chunk(key, V)
+    if key in ("1f1b", "zb-h1"):
+        _m_at_least_k({"1f1b": "1F1B", "zb-h1": "ZB-H1"}[key], K, M)
+    if key == "interleaved-1f1b":
+        _interleaved_rules(key, K, M, V)
+    if key == "zb-v":
+        _two_chunks(V)
 
-    Results are cached: the same (name, K, M) returns the same object, so the simulator's
+
+def peak_inflight(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
+    """Per stage (chunk; K·V of them, chunk c on rank c % K), the most micro-batches in flight (F
+    started, last gradient — B, or W where there is one — not yet ended) in the named schedule:
+
+    - gpipe, looped-bfs: all M on every stage;
+    - 1f1b: min(K - s, M) on stage s;
+    - zb-h1: K on every stage (a micro-batch waits for its W; M >= K);
+    - zb-v: min(2K - s, M) on stage s (V = 2; chunk-sized micro-batches);
+    - interleaved-1f1b: stage c = v·K + r (chunk v of rank r) holds min(M, q·K + min(K, D mod V·K))
+      with D = 2·(V-1-v)·K + 2·(K-1-r) + 1 and q = D // (V·K) (``_interleaved_inflight``); e.g.
+      K=4, V=2: 8 8 7 5 on chunk 0, 4 4 3 1 on chunk 1 when M >= 2K.
+
+    The planner's memory model uses this before any schedule is built; ``tests/test_schedule.py``
+    checks it against the generated lists.
+    """
+    key = _key(name)
+    check_sizes(key, K, M, V)
+    K, M, V = _sizes(key, K, M, V)
+    if key in ("gpipe", "looped-bfs"):
+        return (M,) * (K * V)
+    if key == "1f1b":
+        return tuple(min(K - s, M) for s in range(K))
+    if key == "zb-h1":
+        return (K,) * K
+    if key == "zb-v":
+        return tuple(min(2 * K - s, M) for s in range(2 * K))
+    return tuple(_interleaved_inflight(K, M, V, c) for c in range(K * V))
+
+
+def _interleaved_inflight(K: int, M: int, V: int, c: int) -> int:
+    """Interleaved 1F1B's peak in flight on stage c = v·K + r. Rank r's i-th forward is on chunk
+    (i // K) % V and its j-th backward on chunk V-1 - (j // K) % V; the forwards lead the backwards
+    by its warm-up (V-1)·K + 2·(K-1-r), plus the one forward of each 1F1B step. So chunk v's count
+    in flight is the number of its forwards in a window of D = 2·(V-1-v)·K + 2·(K-1-r) + 1
+    consecutive forward slots, a pattern of K of them in every V·K: at most q·K + min(K, D mod V·K)
+    with q = D // (V·K) — and never more than its M micro-batches."""
+    v, r = divmod(c, K)
+    q, rest = divmod(2 * (V - 1 - v) * K + 2 * (K - 1 - r) + 1, V * K)
+    return min(M, q * K + min(K, rest))
+
+
+def build_schedule(name: str, K: int, M: int, V: int = 1) -> Schedule:
+    """The named schedule (one of SCHEDULE_NAMES; case-insensitive) for K ranks, M micro-batches and
+    V chunks per rank (K·V stages, placed as ``stage_to_rank`` says; V = 1 except for "interleaved-1f1b"
+    (V >= 2), "looped-bfs" (any V) and "zb-v" (V = 2)).
+
+    Results are cached: the same (name, K, M, V) returns the same object, so the simulator's
     compiled form of it is reused across calls.
     """
-    key = name.lower() if isinstance(name, str) else name
-    if key not in _GENERATORS:
-        raise ScheduleError(f"unknown schedule {name!r}; valid schedules: {', '.join(SCHEDULE_NAMES)}")
-    return _build_cached(key, *_sizes(key, K, M))
+    key = _key(name)
+    return _build_cached(key, *_sizes(key, K, M, V))
 
 
 @lru_cache(maxsize=256)
-def _build_cached(name: str, K: int, M: int) -> Schedule:
-    return _GENERATORS[name](K, M)
+def _build_cached(name: str, K: int, M: int, V: int) -> Schedule:
+    return _GENERATORS[name](K, M, V)
 
 
 # ---- checks -------------------------------------------------------------------------------

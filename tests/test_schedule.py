@@ -1,4 +1,5 @@
-"""Schedules as data: action text round-trips, GPipe / 1F1B generators, and check_schedule's rejections."""
+"""Schedules as data: action text round-trips, the generators (GPipe, 1F1B, interleaved 1F1B, looped BFS,
+ZB-H1, ZB-V), their orders against torch.distributed.pipelining's, and check_schedule's rejections."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,19 +11,29 @@ import pytest
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import SCHEDULES
 from ptplan.planner.schedule import (
-    Action,
+    LOOP_SCHEDULES,
     SCHEDULE_NAMES,
+    Action,
     ActionKind,
     Schedule,
     ScheduleError,
     build_schedule,
     check_schedule,
+    check_sizes,
+    compute_order as compute_actions,
     execution_order,
     gpipe,
+    interleaved_1f1b,
     is_generated,
+    looped_bfs,
     one_f_one_b,
     parse_action,
+    peak_inflight,
+    stage_to_rank,
+    torch_compute_order,
     unit_time_steps,
+    zero_bubble_h1,
+    zero_bubble_v,
 )
 
 Kd = ActionKind
@@ -103,14 +114,59 @@ def test_one_f_one_b_needs_m_at_least_k():
 
 
 def test_build_schedule_names():
-    assert SCHEDULE_NAMES == SCHEDULES  # the names a plan file may carry
+    assert set(SCHEDULES) <= set(SCHEDULE_NAMES)  # every name a plan file may carry can be built
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v")
     assert build_schedule("gpipe", np.int64(2), np.int32(3)) is build_schedule("gpipe", 2, 3)
     assert build_schedule("GPipe", 3, 5).name == "gpipe"
     assert build_schedule("1F1B", 3, 5) is build_schedule("1f1b", 3, 5)  # cached
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb'.*gpipe, 1f1b"):
+    assert build_schedule("interleaved-1f1b", 2, 4, np.int64(3)) is build_schedule("Interleaved-1F1B", 2, 4, 3)
+    assert build_schedule("zb-h1", 3, 5, 1) is build_schedule("ZB-H1", 3, 5)
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'.*gpipe, 1f1b, interleaved-1f1b, zb-h1"):
         build_schedule("zb", 3, 5)
     with pytest.raises(ScheduleError, match="K must be an integer >= 1"):
         build_schedule("gpipe", 0, 5)
+    with pytest.raises(ScheduleError, match="V must be an integer >= 1"):
+        build_schedule("looped-bfs", 2, 5, 0)
+
+
+@pytest.mark.parametrize("name, K, M, V, match", [
+    ("gpipe", 2, 4, 2, r"gpipe holds one stage per rank: V must be 1, got V=2; use 'interleaved-1f1b'"),
+    ("1f1b", 2, 4, 3, r"1f1b holds one stage per rank: V must be 1, got V=3"),
+    ("zb-h1", 2, 4, 2, r"zb-h1 holds one stage per rank: V must be 1, got V=2"),
+    ("1f1b", 4, 3, 1, r"M=3 < K=4.*use M >= 4"),
+    ("zb-h1", 4, 3, 1, r"ZB-H1 needs at least as many micro-batches as stages: M=3 < K=4.*M >= 4"),
+    ("interleaved-1f1b", 4, 8, 1, r"needs V >= 2 chunks per rank, got V=1; .*'1f1b'"),
+    ("interleaved-1f1b", 4, 10, 2, r"needs M a multiple of K .*M=10, K=4; use M=8 or M=12"),
+    ("interleaved-1f1b", 4, 3, 2, r"M=3, K=4; use M=4"),
+    ("zb-v", 4, 8, 1, r"zb-v holds exactly 2 chunks per rank .*give V=2, got V=1"),
+])
+def test_schedule_rules_name_the_numbers(name, K, M, V, match):
+    for fn in (build_schedule, check_sizes, peak_inflight):
+        with pytest.raises(ScheduleError, match=match):
+            fn(name, K, M, V)
+
+
+def test_check_sizes_agrees_with_build_schedule():
+    for name, K, M, V in itertools.product(SCHEDULE_NAMES, range(1, 5), range(1, 9), range(1, 4)):
+        try:
+            check_sizes(name, K, M, V)
+        except ScheduleError:
+            with pytest.raises(ScheduleError):
+                build_schedule(name, K, M, V)
+        else:
+            s = build_schedule(name, K, M, V)
+            assert (s.K, s.M, s.num_ranks) == (K * V, M, K)
+            assert s.stage_to_rank == stage_to_rank(name, K, V)
+
+
+def test_placements():
+    assert stage_to_rank("interleaved-1f1b", 3, 2) == (0, 1, 2, 0, 1, 2)  # loop: as plan.Phase.stage_to_rank
+    assert stage_to_rank("zb-v", 3, 2) == (0, 1, 2, 2, 1, 0)
+    assert stage_to_rank("1f1b", 3) == (0, 1, 2)
+    assert "zb-v" not in LOOP_SCHEDULES and set(LOOP_SCHEDULES) | {"zb-v"} == set(SCHEDULE_NAMES)
+    for name in LOOP_SCHEDULES:
+        V = 2 if name in ("interleaved-1f1b", "looped-bfs") else 1
+        assert stage_to_rank(name, 4, V) == tuple(c % 4 for c in range(4 * V))
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 6])
@@ -122,11 +178,155 @@ def test_generated_schedules_pass_check(K):
             check_schedule(one_f_one_b(K, M))
 
 
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 6])
+def test_new_generators_pass_check(K):
+    for M in range(1, 2 * K + 4):
+        for V in (1, 2, 3):
+            check_schedule(looped_bfs(K, M, V))
+        check_schedule(zero_bubble_v(K, M))
+        if M >= K:
+            check_schedule(zero_bubble_h1(K, M))
+    for V in (2, 3, 4):
+        for M in range(K, 4 * K + 1, K):
+            check_schedule(interleaved_1f1b(K, M, V))
+
+
 def test_generated_large_pass_check():
     for s in (gpipe(16, 40), one_f_one_b(16, 40), one_f_one_b(32, 33)):
         check_schedule(s)
         assert is_generated(s)
     assert not is_generated(dataclasses.replace(one_f_one_b(2, 2)))
+
+
+def test_interleaved_literal():
+    # K=2 ranks, V=2 chunks (stages 0, 2 on rank 0; 1, 3 on rank 1), M=4: rank 0 warms up with
+    # (V-1)K + 2(K-1) = 4 forwards, two per chunk; rank 1 with 2; messages cross between the ranks
+    # at every stage boundary, stage 1 -> 2 included (rank 1 back to rank 0)
+    s = interleaved_1f1b(2, 4, 2)
+    assert (s.K, s.num_ranks, s.stage_to_rank) == (4, 2, (0, 1, 0, 1))
+    assert [[str(a) for a in acts] for acts in compute_actions(s)] == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3".split(),
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3".split(),
+    ]
+    assert " ".join(map(str, s.actions[0][:6])) == "0F0 0SEND_F0 0F1 0SEND_F1 2RECV_F0 2F0"
+    assert " ".join(map(str, s.actions[1][:9])) == "1RECV_F0 1F0 1SEND_F0 1RECV_F1 1F1 1SEND_F1 3RECV_F0 3F0 3B0"
+    assert [str(a) for a in s.actions[0][-2:]] == ["0ALLREDUCE", "2ALLREDUCE"]
+
+
+def test_zero_bubble_h1_literal():
+    # stage s holds back its first s W's: the last stage (s = 2) runs F B F B before its first W and
+    # its last two W's at the end; stage 0 runs each W right after its B
+    s = zero_bubble_h1(3, 4)
+    assert [[str(a) for a in acts] for acts in compute_actions(s)] == [
+        "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3".split(),
+        "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3".split(),
+        "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3".split(),
+    ]
+    assert torch_compute_order(s)[2][:3] == ("2F0", "2I0", "2F1")  # torch's name for the input-gradient B
+    assert torch_compute_order(one_f_one_b(2, 2))[0] == ("0F0", "0F1", "0B0", "0B1")  # full backward stays B
+    # W's send nothing: the messages are 1F1B's
+    strip = [[str(a) for a in acts if a.kind is not Kd.W] for acts in s.actions]
+    assert strip == [[str(a) for a in acts] for acts in one_f_one_b(3, 4).actions]
+
+
+def test_zero_bubble_v_literal():
+    # K=2: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; the turn (1 -> 2) stays on rank 1
+    s = zero_bubble_v(2, 4)
+    assert s.stage_to_rank == (0, 1, 1, 0)
+    assert [[str(a) for a in acts] for acts in compute_actions(s)] == [
+        "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 0W2 0B3 0W3".split(),
+        "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 1W2 2W3 1W3".split(),
+    ]
+    turn = {"1SEND_F", "2RECV_F", "2SEND_B", "1RECV_B"}
+    assert not [a for a in s.actions[1] if f"{a.stage}{a.kind.value}" in turn]
+    assert "0SEND_F0" in map(str, s.actions[0]) and "3SEND_B0" in map(str, s.actions[0])
+
+
+def test_looped_bfs_literal():
+    s = looped_bfs(2, 3, 2)
+    assert [[str(a) for a in acts] for acts in compute_actions(s)] == [
+        "0F0 0F1 0F2 2F0 2F1 2F2 2B2 2B1 2B0 0B2 0B1 0B0".split(),
+        "1F0 1F1 1F2 3F0 3F1 3F2 3B2 3B1 3B0 1B2 1B1 1B0".split(),
+    ]
+
+
+# ---- peak in flight: the closed forms against the lists ----------------------------------------
+def count_inflight(s: Schedule) -> tuple[int, ...]:
+    """Per stage, the most micro-batches between F and their last gradient action, from list order."""
+    split = {(a.stage, a.mb) for acts in s.actions for a in acts if a.kind is Kd.W}
+    live, peak = [0] * s.K, [0] * s.K
+    for acts in s.actions:
+        for a in acts:
+            if a.kind is Kd.F:
+                live[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], live[a.stage])
+            elif a.kind is Kd.W or (a.kind is Kd.B and (a.stage, a.mb) not in split):
+                live[a.stage] -= 1
+    return tuple(peak)
+
+
+def test_peak_inflight_closed_forms_match_the_lists():
+    """Every schedule, on a grid of K, M, V (``tests/test_simulate.py`` checks the simulator's count too)."""
+    n = 0
+    for name, K, M, V in itertools.product(SCHEDULE_NAMES, range(1, 7), range(1, 25), range(1, 5)):
+        try:
+            check_sizes(name, K, M, V)
+        except ScheduleError:
+            continue
+        assert peak_inflight(name, K, M, V) == count_inflight(build_schedule(name, K, M, V)), (name, K, M, V)
+        n += 1
+    assert n > 900
+    assert peak_inflight("interleaved-1f1b", 4, 8, 2) == (8, 8, 7, 5, 4, 4, 3, 1)
+    assert peak_inflight("interleaved-1f1b", 4, 4, 2) == (4, 4, 4, 4, 4, 4, 3, 1)
+    assert peak_inflight("zb-h1", 4, 8) == (4, 4, 4, 4)  # 1F1B's stage-0 peak, on every stage
+    assert peak_inflight("zb-v", 3, 9, 2) == (6, 5, 4, 3, 2, 1)
+
+
+# ---- torch.distributed.pipelining's own orders ----------------------------------------------------
+class _MockStage:
+    """What torch's multi-stage schedule constructors read from a stage (no process group needed)."""
+
+    def __init__(self, index: int, num_stages: int, group_size: int) -> None:
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, num_stages, group_size, 0
+        self.is_first, self.is_last, self.submod = index == 0, index == num_stages - 1, None
+
+
+def _torch_order(cls_name: str, stage_indices: list[int], K: int, M: int) -> tuple[tuple[str, ...], ...]:
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    S = {"ScheduleZBVZeroBubble": 2 * K}.get(cls_name, K * len(stage_indices))
+    sched = getattr(schedules, cls_name)([_MockStage(i, S, K) for i in stage_indices], M, loss_fn=lambda y, t: y)
+    return tuple(tuple(str(a) for a in sched.pipeline_order[r] if a is not None) for r in range(K))
+
+
+def test_interleaved_and_looped_bfs_equal_torch():
+    """torch's ScheduleInterleaved1F1B and ScheduleLoopedBFS compute orders (rank r, loop placement), as
+    the installed torch generates them."""
+    for K, V in itertools.product(range(1, 6), range(2, 5)):
+        for M in range(K, 4 * K + 1, K):
+            mine = torch_compute_order(interleaved_1f1b(K, M, V))
+            assert mine == _torch_order("ScheduleInterleaved1F1B", [v * K for v in range(V)], K, M), (K, M, V)
+            bfs = torch_compute_order(looped_bfs(K, M, V))
+            assert bfs == _torch_order("ScheduleLoopedBFS", [v * K for v in range(V)], K, M), (K, M, V)
+
+
+def test_zero_bubble_h1_equals_torch_zero_bubble_with_one_stage_per_rank():
+    """torch's ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1 (torch names our split B
+    ``I``). torch refuses some M (a multiple of M // K must divide M: a rule of its V > 1 grouping that
+    a single chunk does not need), and those are skipped here; we accept every M >= K."""
+    n = 0
+    for K in range(1, 7):
+        for M in range(K, 3 * K + 2):
+            if M % max(1, M // K):
+                continue
+            assert torch_compute_order(zero_bubble_h1(K, M)) == _torch_order("ScheduleInterleavedZeroBubble", [0], K, M)
+            n += 1
+    assert n >= 35
+
+
+def test_zero_bubble_v_equals_torch():
+    for K in range(1, 6):
+        for M in range(1, 3 * K + 2):
+            assert torch_compute_order(zero_bubble_v(K, M)) == _torch_order("ScheduleZBVZeroBubble", [0, 2 * K - 1], K, M)
 
 
 def test_unit_time_steps_and_order():
