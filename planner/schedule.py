@@ -3,7 +3,9 @@ looped BFS, ZB-H1, ZB-V), and their checks.
 
 Legend: K pipeline stages, M micro-batches per iteration, R ranks (R = K when each rank holds one
 stage). The generators take K as the number of *ranks* and V chunks per rank, and return a
-Schedule with K·V stages (``Schedule.K``) on K ranks (``Schedule.num_ranks``). An action prints like torch.distributed.pipelining's IR: ``2F0`` is stage 2's forward of
+Schedule with K·V stages (``Schedule.K``) on K ranks (``Schedule.num_ranks``).
+
+An action prints like torch.distributed.pipelining's IR: ``2F0`` is stage 2's forward of
 micro-batch 0, ``1SEND_F3`` stage 1 sending micro-batch 3's output to stage 2, ``0RECV_B3`` stage 0
 receiving micro-batch 3's input gradient from stage 1, ``3ALLREDUCE`` stage 3's data-parallel
 gradient all-reduce. A non-zero token slice (TeraPipe) prints after a dot: ``2F0.1``.

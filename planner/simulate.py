@@ -1,14 +1,17 @@
 """Discrete-event simulation of one training iteration of one pipeline, for a schedule given as data.
 
-Legend: K stages, M micro-batches, R ranks (R = K for GPipe and 1F1B), f / b forward / backward
-seconds of one micro-batch on a stage.
+Legend: K stages, M micro-batches, R ranks (R = K for GPipe, 1F1B and ZB-H1; a rank holds V = K / R
+stages in interleaved and looped schedules), f / b / w forward / backward / weight-gradient
+seconds of one micro-batch on a stage (w is the part of b that a zero-bubble schedule runs as W).
 
 Model (what the numbers mean):
 
 - Each rank runs its action list in order, one compute action at a time, starting after its
   stages' ``setup_s`` (stage 0 reading or filling the AutoCache for the whole shard: a CACHE event).
   F costs ``forward_s`` (plus ``prefix_s`` on stage 0: the frozen prefix runs just before each
-  forward and shows as a PREFIX event), B costs ``backward_s``.
+  forward and shows as a PREFIX event), B costs ``backward_s``. Where the schedule also has a W
+  for the (stage, micro-batch) (zero-bubble schedules), B is only the input gradient and costs
+  ``backward_s - backward_weight_s``, and W costs ``backward_weight_s``.
 - Point-to-point messages do not block the sender's compute: a SEND occupies the directed link
   (sending rank → receiving rank) for ``send_forward_s`` / ``send_backward_s`` of the *sending*
   stage, starting when the sender reaches it in its list and the link is free (sends on one link
@@ -27,9 +30,16 @@ Model (what the numbers mean):
   CPU step of bert-small, was missing from every prediction.
 - Memory on stage s: ``peak_bytes(fixed_bytes, activation_bytes_per_mb, p, after_bytes)`` =
   fixed + max(p × per-micro-batch bytes, the after-pipeline transient), where p is the peak number
-  of micro-batches in flight (from its F's start to its B's end). Since one rank computes one action
-  at a time, p follows from list order alone. ``planner/stage.py`` fills these from the one stage
-  model and uses the same ``peak_bytes`` for the partitioner's memory limit.
+  of micro-batches in flight (from its F's start to the end of its last gradient action: its W
+  where it has one, else its B). Since one rank computes one action at a time, p follows from list
+  order alone. ``planner/stage.py`` fills these from the one stage model and uses the same
+  ``peak_bytes`` for the partitioner's memory limit.
+- Memory on rank r (``rank_peak_memory_bytes``): its stages' fixed bytes summed, plus the larger of
+  (a) the most activation bytes its stages hold at once — at each point of its list, Σ over its
+  stages of (micro-batches in flight × that stage's per-micro-batch bytes), the maximum over the
+  list — and (b) its stages' after-pipeline transients summed (the executor all-reduces and steps
+  after the whole schedule, when every stage of the rank has drained). With one stage per rank this
+  is the stage's number.
 """
 from __future__ import annotations
 
@@ -52,7 +62,10 @@ class StageCost:
     forward_s: float
     """One micro-batch forward on this stage (active layers)."""
     backward_s: float
-    """One micro-batch backward on this stage."""
+    """One micro-batch backward on this stage (input and weight gradients)."""
+    backward_weight_s: float = 0.0
+    """The weight-gradient part of ``backward_s``: what a W action costs in a zero-bubble schedule (its
+    B then costs the rest). Ignored by schedules without W."""
     prefix_s: float = 0.0
     """Stage 0 only: frozen-prefix no-grad forward per micro-batch, run before each F."""
     setup_s: float = 0.0
@@ -76,8 +89,8 @@ class StageCost:
     """The largest transient after the pipeline drained (all-reduce buffer, optimizer temporaries)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "prefix_s", "setup_s", "send_forward_s", "send_backward_s",
-                     "allreduce_s", "optimizer_s"):
+        for name in ("forward_s", "backward_s", "backward_weight_s", "prefix_s", "setup_s", "send_forward_s",
+                     "send_backward_s", "allreduce_s", "optimizer_s"):
             v = getattr(self, name)
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be a finite number of seconds >= 0, got {v!r}")
@@ -87,6 +100,9 @@ class StageCost:
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be an integer number of bytes >= 0, got {v!r}")
             object.__setattr__(self, name, int(v))
+        if self.backward_weight_s > self.backward_s * (1 + 1e-6) + 1e-9:
+            raise PtplanError(f"StageCost.backward_weight_s={self.backward_weight_s} exceeds backward_s="
+                              f"{self.backward_s}; it is the weight-gradient part of the backward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +125,9 @@ class SimResult:
     update_s: float = 0.0
     """After the pipeline and the exposed all-reduce: the optimizer step (slowest rank) and the
     per-step overhead; iteration_s = makespan_s + allreduce_s + update_s."""
+    rank_peak_memory_bytes: tuple[int, ...] = ()
+    """Per rank: peak memory of all its stages together (the module docstring's rank rule); equal to
+    ``stage_peak_memory_bytes`` when every rank holds one stage."""
 
 
 def peak_bytes(fixed, per_mb, inflight, after):
@@ -135,10 +154,36 @@ def one_f_one_b_closed_form(K: int, M: int, f: float, b: float) -> ClosedForm:
     return gpipe_closed_form(K, M, f, b)
 
 
+def interleaved_1f1b_closed_form(K: int, M: int, V: int, f: float, b: float) -> ClosedForm:
+    """Interleaved 1F1B on K ranks of V uniform chunks each (a chunk: f/V forward, b/V backward; f and b
+    are one micro-batch's forward and backward on a whole rank), zero communication, M a multiple
+    of K: (V·M + K-1)·(f+b)/V, bubble (K-1)/(V·M + K-1) — 1F1B's warm-up and drain shrink by V.
+    Looped BFS has the same on M >= K."""
+    if M % K:
+        raise ScheduleError(f"interleaved 1F1B needs M a multiple of K, got M={M}, K={K}")
+    return ClosedForm((V * M + K - 1) * (f + b) / V, (K - 1) / (V * M + K - 1))
+
+
+def zb_h1_closed_form(K: int, M: int, f: float, b: float, w: float) -> ClosedForm:
+    """ZB-H1 on K uniform stages, zero communication, M >= K; ``b`` is the whole backward and ``w`` its
+    weight-gradient part (StageCost's terms), so B takes b - w and W takes w. Each rank works
+    M·(f+b) and waits (K-1)·max(f + (b-w) - w, f, b-w): the paper's bubble (p-1)(T_F + T_B - T_W)
+    (Qi et al. 2024, Section 3.1, with T_B = b - w and T_W = w) wherever T_W <= min(T_F, T_B) —
+    a third of 1F1B's (p-1)(T_F + T_B + T_W) at T_F = T_B = T_W; where W is longer, the warm-up's
+    wait for the first forward or backward to cross the pipeline is what remains."""
+    if M < K:
+        raise ScheduleError(f"ZB-H1 needs M >= K, got M={M} < K={K}")
+    bi = b - w
+    idle = (K - 1) * max(f + bi - w, f, bi)
+    work = M * (f + b)
+    return ClosedForm(work + idle, idle / (work + idle) if work + idle > 0 else 0.0)
+
+
 # ---- compiled program ---------------------------------------------------------------------
 _COMPUTE, _SEND, _RECV, _ALLREDUCE = range(4)
-# duration slots per stage in the per-call table: F (+prefix), B, SEND_F, SEND_B, ALLREDUCE
-_NSLOT = 5
+# duration slots per stage in the per-call table: F (+prefix), B (full), B (input gradient only:
+# backward - weight part), W, SEND_F, SEND_B, ALLREDUCE
+_NSLOT = 7
 
 
 @dataclass(frozen=True)
@@ -159,7 +204,17 @@ class _Program:
     num_links: int
     count_f: tuple[int, ...]
     count_b: tuple[int, ...]
+    """Per stage: full backwards (no W for the same micro-batch)."""
+    count_bi: tuple[int, ...]
+    """Per stage: input-gradient backwards (a W follows for the same micro-batch)."""
+    count_w: tuple[int, ...]
     peak_inflight: tuple[int, ...]
+    rank_stages: tuple[tuple[int, ...], ...]
+    """Per rank: the stages it holds, ascending."""
+    rank_live: tuple[tuple[tuple[int, ...], ...], ...]
+    """Per rank: the in-flight counts of its stages (in ``rank_stages`` order) at the points of its
+    list where the activations it holds can peak (just after a forward), only those not dominated
+    by another point."""
 
 
 _PROGRAM_ATTR = "_ptplan_sim_program"
@@ -173,9 +228,6 @@ def _compile(schedule: Schedule) -> _Program:
     if schedule.slices != 1:
         raise ScheduleError(f"schedule {schedule.name!r} uses {schedule.slices} token slices; the simulator does "
                             f"not model token slices yet (StageCost is per micro-batch)")
-    if any(a.kind is ActionKind.W for acts in schedule.actions for a in acts):
-        raise ScheduleError(f"schedule {schedule.name!r} has weight-gradient (W) actions; the simulator does "
-                            f"not model zero-bubble schedules yet (StageCost has no weight-gradient time)")
     if not is_generated(schedule):
         check_schedule(schedule)  # raises ScheduleError on any problem, deadlocks included
     prog = _flatten(schedule)
@@ -189,8 +241,11 @@ def _flatten(schedule: Schedule) -> _Program:
     s2r = schedule.stage_to_rank
     lists = schedule.actions
     R, K = len(lists), schedule.K
-    F, B, SF, SB, RF, RB, AR = (ActionKind.F, ActionKind.B, ActionKind.SEND_F, ActionKind.SEND_B,
-                                ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ALLREDUCE)
+    F, B, W, SF, SB, RF, RB, AR = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.SEND_F, ActionKind.SEND_B,
+                                   ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ALLREDUCE)
+    split = {(a.stage, a.mb, a.slice) for acts in lists for a in acts if a.kind is W}
+    rank_stages = tuple(tuple(s for s in range(K) if s2r[s] == r) for r in range(R))
+    rank_rows: list[set[tuple[int, ...]]] = [set() for _ in range(R)]
     links: dict[tuple[int, int], int] = {}
     sent: dict[tuple[int, bool, int, int], int] = {}  # (receiving stage, forward?, mb, slice) -> message id
     op: list[int] = []
@@ -199,7 +254,7 @@ def _flatten(schedule: Schedule) -> _Program:
     chan: list[int] = []
     msg: list[int] = []
     acts: list = []
-    count_f, count_b = [0] * K, [0] * K
+    count_f, count_b, count_bi, count_w = [0] * K, [0] * K, [0] * K, [0] * K
     live, peak = [0] * K, [0] * K
     ptr = [0] * R
     remaining = sum(map(len, lists))
@@ -231,19 +286,28 @@ def _flatten(schedule: Schedule) -> _Program:
                         live[s] += 1
                         if live[s] > peak[s]:
                             peak[s] = live[s]
+                        rank_rows[r].add(tuple(live[x] for x in rank_stages[r]))
                     elif k is B:
-                        o, sl = _COMPUTE, s * _NSLOT + 1
-                        count_b[s] += 1
+                        if (s, a.mb, a.slice) in split:  # input gradient only; the W releases the activations
+                            o, sl = _COMPUTE, s * _NSLOT + 2
+                            count_bi[s] += 1
+                        else:
+                            o, sl = _COMPUTE, s * _NSLOT + 1
+                            count_b[s] += 1
+                            live[s] -= 1
+                    elif k is W:
+                        o, sl = _COMPUTE, s * _NSLOT + 3
+                        count_w[s] += 1
                         live[s] -= 1
                     elif k is SF or k is SB:
                         fwd = k is SF
                         dst = s + 1 if fwd else s - 1
-                        o, sl = _SEND, s * _NSLOT + (2 if fwd else 3)
+                        o, sl = _SEND, s * _NSLOT + (4 if fwd else 5)
                         c = links.setdefault((r, s2r[dst]), len(links))
                         mid = sent[(dst, fwd, a.mb, a.slice)] = len(sent)
                     elif k is AR:
-                        o, sl = _ALLREDUCE, s * _NSLOT + 4
-                    else:  # pragma: no cover - rejected before (W) or by Action itself
+                        o, sl = _ALLREDUCE, s * _NSLOT + 6
+                    else:  # pragma: no cover - every kind is handled above (Action rejects others)
                         raise ScheduleError(f"the simulator cannot run {a}")
                     op.append(o)
                     slot.append(sl)
@@ -261,7 +325,20 @@ def _flatten(schedule: Schedule) -> _Program:
         sweep += 1
     return _Program(op=tuple(op), rank=tuple(rank), slot=tuple(slot), chan=tuple(chan), msg=tuple(msg),
                     actions=tuple(acts), num_msgs=len(sent), num_links=len(links),
-                    count_f=tuple(count_f), count_b=tuple(count_b), peak_inflight=tuple(peak))
+                    count_f=tuple(count_f), count_b=tuple(count_b), count_bi=tuple(count_bi),
+                    count_w=tuple(count_w), peak_inflight=tuple(peak), rank_stages=rank_stages,
+                    rank_live=tuple(_undominated(rows) for rows in rank_rows))
+
+
+def _undominated(rows: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """The rows no other row beats or equals in every entry (the only candidates for a maximum of a
+    weighted sum with weights >= 0), sorted."""
+    out = sorted(rows, key=lambda x: (-sum(x), x))
+    keep: list[tuple[int, ...]] = []
+    for x in out:
+        if not any(all(a >= b for a, b in zip(y, x)) for y in keep):
+            keep.append(x)
+    return tuple(sorted(keep))
 
 
 # ---- simulation ---------------------------------------------------------------------------
@@ -288,7 +365,9 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     prog = _compile(schedule)
     dur: list[float] = []
     for c in costs:
-        dur += (c.forward_s + c.prefix_s, c.backward_s, c.send_forward_s, c.send_backward_s, c.allreduce_s)
+        w = min(c.backward_weight_s, c.backward_s)
+        dur += (c.forward_s + c.prefix_s, c.backward_s, c.backward_s - w, w, c.send_forward_s, c.send_backward_s,
+                c.allreduce_s)
 
     R = schedule.num_ranks
     s2r = schedule.stage_to_rank
@@ -333,14 +412,21 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     for s, c in enumerate(costs):
         opt[s2r[s]] += c.optimizer_s
     iteration = max(max(t, d) + o for t, d, o in zip(T, D, opt)) + step_overhead_s
-    busy = tuple(costs[s].setup_s + prog.count_f[s] * (costs[s].forward_s + costs[s].prefix_s)
-                 + prog.count_b[s] * costs[s].backward_s for s in range(K))
+    busy = tuple(costs[s].setup_s + prog.count_f[s] * dur[s * _NSLOT] + prog.count_b[s] * dur[s * _NSLOT + 1]
+                 + prog.count_bi[s] * dur[s * _NSLOT + 2] + prog.count_w[s] * dur[s * _NSLOT + 3] for s in range(K))
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
     memory = tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
                    for c, p in zip(costs, prog.peak_inflight))
+    rank_memory = []
+    for stages, rows in zip(prog.rank_stages, prog.rank_live):
+        per_mb = [costs[s].activation_bytes_per_mb for s in stages]
+        held = max((sum(n * b for n, b in zip(row, per_mb)) for row in rows), default=0)
+        rank_memory.append(int(peak_bytes(sum(costs[s].fixed_bytes for s in stages), 1, held,
+                                          sum(costs[s].after_bytes for s in stages))))
     return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
                      makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
                      peak_inflight=prog.peak_inflight, update_s=iteration - synced,
+                     rank_peak_memory_bytes=tuple(rank_memory),
                      events=_events(schedule, prog, costs, dur, start, T, D, opt, iteration) if events else ())
 
 

@@ -1,7 +1,9 @@
-"""The discrete-event simulator: closed forms on uniform stages, literal grids, comm, all-reduce, memory."""
+"""The discrete-event simulator: closed forms on uniform stages (GPipe, 1F1B, interleaved 1F1B, looped BFS,
+ZB-H1, ZB-V), literal grids, comm, all-reduce, W actions, memory per stage and per rank."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 
@@ -9,13 +11,30 @@ import pytest
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import EVENT_KINDS
-from ptplan.planner.schedule import Schedule, ScheduleError, build_schedule, gpipe, one_f_one_b, parse_action
+from ptplan.planner.schedule import (
+    SCHEDULE_NAMES,
+    ActionKind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    check_sizes,
+    gpipe,
+    interleaved_1f1b,
+    looped_bfs,
+    one_f_one_b,
+    parse_action,
+    peak_inflight,
+    zero_bubble_h1,
+    zero_bubble_v,
+)
 from ptplan.planner.simulate import (
     SimResult,
     StageCost,
     gpipe_closed_form,
+    interleaved_1f1b_closed_form,
     one_f_one_b_closed_form,
     simulate,
+    zb_h1_closed_form,
 )
 
 
@@ -47,6 +66,74 @@ def test_uniform_equals_closed_form(K, M, f, b):
         assert r.allreduce_s == 0
         assert r.bubble_fraction == pytest.approx(want.bubble_fraction), s.name
         assert r.stage_busy_s == pytest.approx([M * (f + b)] * K)
+
+
+@pytest.mark.parametrize("K, V", [(1, 2), (2, 2), (2, 3), (3, 2), (4, 2), (4, 4), (6, 3), (8, 2)])
+@pytest.mark.parametrize("f, b", [(1.0, 2.0), (0.3, 0.3), (2.5, 1.0)])
+def test_interleaved_and_looped_bfs_equal_the_closed_form(K, V, f, b):
+    """Chunks of f/V, b/V: (V·M + K-1)(f+b)/V, bubble (K-1)/(V·M + K-1) (Narayanan et al. 2021);
+    e.g. K=4, V=2, M=8: 19/2 (f+b), bubble 3/19 = 15.8 % against 1F1B's 3/11 = 27.3 %."""
+    for M in (K, 2 * K, 5 * K):
+        want = interleaved_1f1b_closed_form(K, M, V, f, b)
+        assert want.makespan_s == pytest.approx((V * M + K - 1) * (f + b) / V)
+        assert want.bubble_fraction == pytest.approx((K - 1) / (V * M + K - 1))
+        for s in (interleaved_1f1b(K, M, V), looped_bfs(K, M, V)):
+            r = simulate(s, uniform(K * V, f / V, b / V))
+            assert r.makespan_s == pytest.approx(want.makespan_s), (s.name, M)
+            assert r.bubble_fraction == pytest.approx(want.bubble_fraction), (s.name, M)
+            assert r.stage_busy_s == pytest.approx([M * (f + b) / V] * (K * V))
+    assert interleaved_1f1b_closed_form(4, 8, 2, 1, 2).bubble_fraction == pytest.approx(3 / 19)
+    assert one_f_one_b_closed_form(4, 8, 1, 2).bubble_fraction == pytest.approx(3 / 11)
+    with pytest.raises(ScheduleError, match="multiple of K"):
+        interleaved_1f1b_closed_form(4, 6, 2, 1, 2)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 6, 8])
+def test_zb_h1_has_the_published_bubble(K):
+    """ZB-H1's bubble (p-1)(T_F + T_B - T_W) (Qi et al. 2024, Section 3.1) with T_B the input gradient
+    and T_W the weight gradient: at T_F = T_B = T_W = t a third of 1F1B's (p-1)(T_F + T_B + T_W), at
+    the same peak in flight (K on every stage, 1F1B's stage-0 peak)."""
+    for M in (K, K + 1, 2 * K, 4 * K):
+        t = 0.5
+        r = simulate(zero_bubble_h1(K, M), uniform(K, t, 2 * t, backward_weight_s=t))
+        assert r.makespan_s == pytest.approx(3 * M * t + (K - 1) * t)
+        one = simulate(one_f_one_b(K, M), uniform(K, t, 2 * t))
+        assert one.makespan_s == pytest.approx(3 * M * t + (K - 1) * 3 * t)
+        assert r.makespan_s - 3 * M * t == pytest.approx((one.makespan_s - 3 * M * t) / 3)
+        assert r.bubble_fraction == pytest.approx(zb_h1_closed_form(K, M, t, 2 * t, t).bubble_fraction)
+        assert r.bubble_fraction == pytest.approx((K - 1) / (3 * M + K - 1))
+        assert max(r.peak_inflight) == max(one.peak_inflight) == K
+        # T_W <= min(T_F, T_B): the paper's formula holds for unequal times too
+        for f, bi, w in ((1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.5, 1.0, 0.25)):
+            r = simulate(zero_bubble_h1(K, M), uniform(K, f, bi + w, backward_weight_s=w))
+            assert r.makespan_s == pytest.approx(M * (f + bi + w) + (K - 1) * (f + bi - w)), (f, bi, w)
+
+
+def test_zb_h1_closed_form_beyond_the_papers_regime():
+    """Where W is longer than F or B the warm-up's wait, (K-1)·max(T_F, T_B), is what remains."""
+    rng = random.Random(7)
+    for _ in range(300):
+        K = rng.randint(1, 7)
+        M = rng.randint(K, 3 * K)
+        f, bi, w = (rng.choice([0.25, 0.5, 1.0, 1.5, 2.0, 3.0]) for _ in range(3))
+        r = simulate(zero_bubble_h1(K, M), uniform(K, f, bi + w, backward_weight_s=w))
+        want = zb_h1_closed_form(K, M, f, bi + w, w)
+        assert r.makespan_s == pytest.approx(want.makespan_s), (K, M, f, bi, w)
+        assert r.bubble_fraction == pytest.approx(want.bubble_fraction)
+    with pytest.raises(ScheduleError, match="M >= K"):
+        zb_h1_closed_form(4, 3, 1, 2, 1)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 5])
+def test_zb_v_uniform(K):
+    """ZB-V, chunks with f = b = w = t, M >= 2K-1: each rank works 6·M·t and the makespan adds (K-1)·t,
+    the forward's first trip down the V (the paper's "zero" bubble counts each rank from its own first
+    action); every rank holds at most 2K chunk-sized micro-batches, i.e. K whole ones: 1F1B's peak."""
+    t = 0.5
+    for M in (2 * K - 1, 2 * K, 4 * K):
+        r = simulate(zero_bubble_v(K, M), uniform(2 * K, t, 2 * t, backward_weight_s=t, activation_bytes_per_mb=10))
+        assert r.makespan_s == pytest.approx(6 * M * t + (K - 1) * t)
+        assert r.rank_peak_memory_bytes == (2 * K * 10,) * K
 
 
 def test_gpipe_with_fewer_microbatches_than_stages():
@@ -196,8 +283,6 @@ def test_input_errors():
 
 
 def test_unsupported_actions_raise():
-    with pytest.raises(ScheduleError, match="weight-gradient \\(W\\).*zero-bubble"):
-        simulate(sched(["0F0 0B0 0W0 0ALLREDUCE"], K=1, M=1), uniform(1, 1, 1))
     sliced = Schedule(name="s", K=1, M=1, stage_to_rank=(0,), slices=2, actions=((
         parse_action("0F0"), parse_action("0F0.1"), parse_action("0B0.1"), parse_action("0B0"),
         parse_action("0ALLREDUCE")),))
@@ -222,28 +307,154 @@ def test_hand_built_schedules_are_checked_and_simulated():
     assert simulate(dataclasses.replace(g), uniform(3, 1, 2)) == simulate(g, uniform(3, 1, 2))
 
 
+# ---- weight-gradient (W) actions --------------------------------------------------------
+def test_w_splits_the_backward():
+    # one stage, M=2, f=1, b=3 of which w=1: F0 [0,1] B0 [1,3] W0 [3,4] F1 [4,5] B1 [5,7] W1 [7,8]
+    s = sched(["0F0 0B0 0W0 0F1 0B1 0W1 0ALLREDUCE"], K=1, M=2)
+    r = simulate(s, [StageCost(forward_s=1, backward_s=3, backward_weight_s=1)], events=True)
+    assert spans(r, "B") == [(0, 0, 1, 3), (0, 1, 5, 7)]
+    assert spans(r, "W") == [(0, 0, 3, 4), (0, 1, 7, 8)]
+    assert r.makespan_s == 8 and r.stage_busy_s == (8,) and r.bubble_fraction == 0
+    # a micro-batch holds its activations until its W: deferring both W's keeps two in flight
+    late = sched(["0F0 0B0 0F1 0B1 0W0 0W1 0ALLREDUCE"], K=1, M=2)
+    assert simulate(late, [StageCost(forward_s=1, backward_s=3, backward_weight_s=1)]).peak_inflight == (2,)
+    assert simulate(s, [StageCost(forward_s=1, backward_s=3, backward_weight_s=1)]).peak_inflight == (1,)
+
+
+def test_w_only_where_the_schedule_has_one():
+    # without W actions the whole backward runs as B, backward_weight_s or not
+    costs = uniform(3, 1, 2, backward_weight_s=0.5)
+    assert simulate(one_f_one_b(3, 5), costs) == simulate(one_f_one_b(3, 5), uniform(3, 1, 2))
+    # a B with a W for its own (stage, micro-batch) is the input gradient only; the others stay full
+    mixed = sched(["0F0 0B0 0F1 0B1 0W1 0ALLREDUCE"], K=1, M=2)
+    r = simulate(mixed, [StageCost(forward_s=1, backward_s=3, backward_weight_s=1)], events=True)
+    assert spans(r, "B") == [(0, 0, 1, 4), (0, 1, 5, 7)] and spans(r, "W") == [(0, 1, 7, 8)]
+    with pytest.raises(PtplanError, match="backward_weight_s=2.5 exceeds backward_s=2"):
+        StageCost(forward_s=1, backward_s=2, backward_weight_s=2.5)
+    with pytest.raises(PtplanError, match="backward_weight_s must be a finite number"):
+        StageCost(forward_s=1, backward_s=2, backward_weight_s=-1)
+
+
+def test_zb_h1_nonuniform_k2_m2():
+    # f = (1, 2), b = (3, 3), w = (1, 2); lists: s0 F0 F1 B0 W0 B1 W1, s1 F0 B0 F1 B1 W0 W1
+    # s0: F0 [0,1] F1 [1,2]            s1: F0 [1,3] B0 [3,4] F1 [4,6] B1 [6,7] W0 [7,9] W1 [9,11]
+    # s0: B0 [4,6] W0 [6,7] B1 [7,9] W1 [9,10]
+    costs = [StageCost(forward_s=1, backward_s=3, backward_weight_s=1),
+             StageCost(forward_s=2, backward_s=3, backward_weight_s=2)]
+    r = simulate(zero_bubble_h1(2, 2), costs, events=True)
+    assert spans(r, "B") == [(1, 0, 3, 4), (0, 0, 4, 6), (1, 1, 6, 7), (0, 1, 7, 9)]
+    assert spans(r, "W") == [(0, 0, 6, 7), (1, 0, 7, 9), (0, 1, 9, 10), (1, 1, 9, 11)]
+    assert r.makespan_s == 11 and r.stage_busy_s == (8, 10)
+
+
+# ---- peak in flight and memory per rank ------------------------------------------------------
+def test_peak_inflight_closed_form_is_what_the_simulator_counts():
+    """For every schedule on a grid of K, M, V: ``peak_inflight`` (used before any schedule exists) equals
+    the simulator's count from the lists, W's included."""
+    n = 0
+    for name, K, M, V in itertools.product(SCHEDULE_NAMES, range(1, 6), range(1, 13), range(1, 4)):
+        try:
+            check_sizes(name, K, M, V)
+        except ScheduleError:
+            continue
+        r = simulate(build_schedule(name, K, M, V), uniform(K * V, 1.0, 2.0, backward_weight_s=0.5))
+        assert r.peak_inflight == peak_inflight(name, K, M, V), (name, K, M, V)
+        n += 1
+    assert n > 300
+
+
+def rank_peak_by_hand(s: Schedule, costs: list[StageCost]) -> list[int]:
+    """The rank rule written out: walk each rank's list, Σ live × per-micro-batch bytes at every point."""
+    split = {(a.stage, a.mb) for acts in s.actions for a in acts if a.kind is ActionKind.W}
+    out = []
+    for r, acts in enumerate(s.actions):
+        mine = [c for c in range(s.K) if s.stage_to_rank[c] == r]
+        live = dict.fromkeys(mine, 0)
+        held = 0
+        for a in acts:
+            if a.kind is ActionKind.F:
+                live[a.stage] += 1
+            elif a.kind is ActionKind.W or (a.kind is ActionKind.B and (a.stage, a.mb) not in split):
+                live[a.stage] -= 1
+            held = max(held, sum(live[c] * costs[c].activation_bytes_per_mb for c in mine))
+        out.append(sum(costs[c].fixed_bytes for c in mine) + max(held, sum(costs[c].after_bytes for c in mine)))
+    return out
+
+
+@pytest.mark.parametrize("name, K, M, V", [
+    ("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("zb-h1", 4, 6, 1), ("1f1b", 1, 3, 1),
+    ("interleaved-1f1b", 2, 4, 2), ("interleaved-1f1b", 4, 8, 2), ("interleaved-1f1b", 3, 6, 3),
+    ("looped-bfs", 3, 4, 2), ("zb-v", 3, 7, 2), ("zb-v", 2, 2, 2),
+])
+def test_rank_peak_memory(name, K, M, V):
+    rng = random.Random(K * 1000 + M * 10 + V)
+    S = K * V
+    for after in (0, 1):
+        costs = [StageCost(forward_s=1, backward_s=2, backward_weight_s=0.5, fixed_bytes=rng.randint(100, 999),
+                           activation_bytes_per_mb=rng.randint(1, 50),
+                           after_bytes=rng.randint(0, 400) * after) for _ in range(S)]
+        sc = build_schedule(name, K, M, V)
+        r = simulate(sc, costs)
+        assert list(r.rank_peak_memory_bytes) == rank_peak_by_hand(sc, costs)
+        if V == 1:  # one stage per rank: the rank's number is the stage's
+            assert r.rank_peak_memory_bytes == r.stage_peak_memory_bytes
+        else:  # several chunks peak at different times: never more than the sum of their own peaks
+            for rank in range(K):
+                mine = [c for c in range(S) if sc.stage_to_rank[c] == rank]
+                assert r.rank_peak_memory_bytes[rank] <= sum(r.stage_peak_memory_bytes[c] for c in mine)
+
+
+def test_interleaved_rank_memory_is_below_the_sum_of_its_chunks():
+    # K=4, V=2, M=8, every chunk 10 bytes per micro-batch: chunk peaks 8 8 7 5 | 4 4 3 1, yet rank 0 never
+    # holds 12 at once: its warm-up is (V-1)K + 2(K-1) = 10 forwards, then one more before the first backward
+    r = simulate(interleaved_1f1b(4, 8, 2), uniform(8, 1, 2, activation_bytes_per_mb=10))
+    assert r.peak_inflight == (8, 8, 7, 5, 4, 4, 3, 1)
+    assert r.rank_peak_memory_bytes == (110, 90, 70, 50)
+    # 1F1B on the same 4 ranks with whole-rank stages (20 bytes per micro-batch): 4·20 = 80 on rank 0
+    assert simulate(one_f_one_b(4, 8), uniform(4, 1, 2, activation_bytes_per_mb=20)).rank_peak_memory_bytes[0] == 80
+
+
 # ---- event consistency -------------------------------------------------------------------
-@pytest.mark.parametrize("name, K, M", [("gpipe", 3, 5), ("1f1b", 4, 6), ("1f1b", 5, 5), ("gpipe", 4, 2)])
-def test_events_are_consistent(name, K, M):
+@pytest.mark.parametrize("name, K, M, V", [
+    ("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("1f1b", 5, 5, 1), ("gpipe", 4, 2, 1), ("zb-h1", 4, 6, 1),
+    ("interleaved-1f1b", 3, 6, 2), ("interleaved-1f1b", 1, 3, 3), ("looped-bfs", 3, 4, 2), ("zb-v", 3, 7, 2),
+])
+def test_events_are_consistent(name, K, M, V):
     rng = random.Random(K * 100 + M)
-    costs = [StageCost(forward_s=rng.uniform(0.1, 2), backward_s=rng.uniform(0.1, 3),
-                       prefix_s=rng.uniform(0, 1) if s == 0 else 0.0,
-                       send_forward_s=rng.uniform(0, 1), send_backward_s=rng.uniform(0, 1),
-                       allreduce_s=rng.uniform(0, 2)) for s in range(K)]
-    r = simulate(build_schedule(name, K, M), costs, events=True)
+    S = K * V
+    costs = []
+    for s in range(S):
+        b = rng.uniform(0.1, 3)
+        costs.append(StageCost(forward_s=rng.uniform(0.1, 2), backward_s=b, backward_weight_s=rng.uniform(0, b),
+                               prefix_s=rng.uniform(0, 1) if s == 0 else 0.0,
+                               send_forward_s=rng.uniform(0, 1), send_backward_s=rng.uniform(0, 1),
+                               allreduce_s=rng.uniform(0, 2)))
+    sc = build_schedule(name, K, M, V)
+    s2r = sc.stage_to_rank
+    r = simulate(sc, costs, events=True)
     assert all(e.kind in EVENT_KINDS and e.end >= e.start >= 0 for e in r.events)
-    compute = {"F", "B", "PREFIX"}
+    assert all(e.rank == s2r[e.stage] for e in r.events if e.kind != "RECV_F" and e.kind != "RECV_B")
+    compute = {"F", "B", "W", "PREFIX"}
     for rank in range(K):
         iv = sorted((e.start, e.end) for e in r.events if e.rank == rank and e.kind in compute)
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(iv, iv[1:])), f"overlapping compute on rank {rank}"
     at = {(e.kind, e.stage, e.mb): e for e in r.events}
-    assert sum(e.kind == "F" for e in r.events) == K * M == sum(e.kind == "B" for e in r.events)
-    for s in range(K):
+    n_w = sum(e.kind == "W" for e in r.events)
+    assert sum(e.kind == "F" for e in r.events) == S * M == sum(e.kind == "B" for e in r.events)
+    assert n_w == (S * M if name.startswith("zb") else 0)
+    for s in range(S):
         for m in range(M):
             assert at["F", s, m].end <= at["B", s, m].start
-            if s + 1 < K:
-                assert at["F", s, m].end + costs[s].send_forward_s <= at["F", s + 1, m].start + 1e-12
-                assert at["B", s + 1, m].end + costs[s + 1].send_backward_s <= at["B", s, m].start + 1e-12
+            if n_w:
+                assert at["B", s, m].end <= at["W", s, m].start + 1e-12
+                assert at["W", s, m].end - at["W", s, m].start == pytest.approx(costs[s].backward_weight_s)
+                assert at["B", s, m].end - at["B", s, m].start == pytest.approx(
+                    costs[s].backward_s - costs[s].backward_weight_s)
+            if s + 1 < S:
+                hop_f = costs[s].send_forward_s if s2r[s] != s2r[s + 1] else 0.0
+                hop_b = costs[s + 1].send_backward_s if s2r[s] != s2r[s + 1] else 0.0
+                assert at["F", s, m].end + hop_f <= at["F", s + 1, m].start + 1e-12
+                assert at["B", s + 1, m].end + hop_b <= at["B", s, m].start + 1e-12
     busy = sum(e.end - e.start for e in r.events if e.kind in compute)
     assert busy == pytest.approx(sum(r.stage_busy_s))
     assert r.bubble_fraction == pytest.approx(1 - busy / (K * r.makespan_s))
