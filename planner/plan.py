@@ -120,8 +120,15 @@ class Phase:
         return self.K * self.V
 
     def stage_to_rank(self) -> tuple[int, ...]:
-        """Pipeline position of each chunk: loop placement, chunk c on position c % K."""
-        return tuple(c % self.K for c in range(self.K * self.V))
+        """Pipeline position of each stage (chunk): read from the actions (interleaved schedules loop,
+        chunk c on position c % K; V-shaped ones fold back), one stage per position without them."""
+        if not self.actions:
+            return tuple(c % self.K for c in range(self.K * self.V))
+        where = [0] * (self.K * self.V)
+        for pos, text in enumerate(self.actions):
+            for tok in text.split():
+                where[int(tok[:len(tok) - len(tok.lstrip("0123456789"))])] = pos
+        return tuple(where)
     """Where this phase departs from what was asked (a pinned K or M that did not fit, an
     extrapolated micro-batch size)."""
 

@@ -52,6 +52,7 @@ What the executor holds is exactly this: a rank materialises only its stage's la
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -75,13 +76,13 @@ PREFIX_MODES = ("recompute", "cached", "fill")
 @dataclass(frozen=True, kw_only=True)
 class Links:
     """One pipeline shape's rank layout and per-stage communication coefficients. A pipeline of K
-    positions holds S = K·V stages (chunks), stage c on position c % K (``Phase.stage_to_rank``)."""
+    positions holds S = K·V stages (chunks), placed by the schedule (``schedule.stage_to_rank``)."""
 
     ranks: tuple[tuple[int, ...], ...]
     """ranks[p][k]: the rank at position k of pipeline p."""
     send_lat: np.ndarray
     """S-1 entries: latency of the link from stage c's position to stage c+1's (pipeline 0; the others
-    are alike)."""
+    are alike; 0 where both stages share a position)."""
     send_inv_bw: np.ndarray
     """S-1 entries: 1 / bandwidth of that link."""
     ar_lat: np.ndarray
@@ -89,14 +90,16 @@ class Links:
     ar_per_byte: np.ndarray
 
 
-def links_for(cluster: Cluster, K: int, V: int = 1) -> Links:
-    """Layout and coefficients for K positions of V chunks each. The K position groups all-reduce at about
-    the same time at the end of an iteration, so each is costed as one of K groups sharing the
-    inter-node links."""
+def links_for(cluster: Cluster, K: int, placement: tuple[int, ...] | None = None) -> Links:
+    """Layout and coefficients for K positions holding the stages at ``placement`` (stage c on position
+    placement[c]; default one stage per position). The K position groups all-reduce at about the same
+    time at the end of an iteration, so each is costed as one of K groups sharing the inter-node
+    links."""
     ranks = layout(cluster, K)
     row = ranks[0]
-    S = K * V
-    lk = [cluster.link(row[c % K], row[(c + 1) % K]) for c in range(S - 1)]
+    s2r = tuple(range(K)) if placement is None else tuple(placement)
+    lk = [cluster.link(row[s2r[c]], row[s2r[c + 1]]) if s2r[c] != s2r[c + 1] else (math.inf, 0.0)
+          for c in range(len(s2r) - 1)]
     D = len(ranks)
     lat, per = [], []
     for k in range(K):
@@ -106,8 +109,8 @@ def links_for(cluster: Cluster, K: int, V: int = 1) -> Links:
         per.append((cluster.allreduce_seconds(group, 1e9, concurrent=K) - a0) / 1e9)
     return Links(ranks=ranks, send_lat=np.array([x[1] for x in lk], dtype=float),
                  send_inv_bw=np.array([1.0 / x[0] for x in lk], dtype=float),
-                 ar_lat=np.array([lat[c % K] for c in range(S)], dtype=float),
-                 ar_per_byte=np.array([per[c % K] for c in range(S)], dtype=float))
+                 ar_lat=np.array([lat[k] for k in s2r], dtype=float),
+                 ar_per_byte=np.array([per[k] for k in s2r], dtype=float))
 
 
 def cache_setup_s(table: CostTable, n0: int, M: int, b: int, bandwidth: float, *, device_is_host: bool,
@@ -142,7 +145,7 @@ class PhaseShape:
     inflight: tuple[int, ...]
     """Per stage (chunk), the schedule's most micro-batches in flight (``schedule.peak_inflight``)."""
     V: int = 1
-    """Chunks (stages) per pipeline position: S = K·V stages, stage c on position c % K."""
+    """Chunks (stages) per pipeline position: S = K·V stages, placed by the schedule."""
     optimizer: str = "adamw"
     device_is_host: bool = False
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
