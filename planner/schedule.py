@@ -269,11 +269,14 @@ def zero_bubble_h1(K: int, M: int) -> Schedule:
     W's (the last stage K-1 holds back K-1) and runs them at the end, where 1F1B's drain leaves
     later stages idle. Every stage then keeps at most K micro-batches in flight (until their W
     ends), 1F1B's peak on stage 0: 1F1B's memory. On uniform stages with forward f, input
-    gradient b and weight gradient w (f = b = w in the paper) the bubble is (K-1)(f+b-w) per rank
-    against 1F1B's (K-1)(f+b+w): a third of it (``simulate.zb_h1_closed_form``).
+    gradient b and weight gradient w the idle time per rank is (K-1)(f+b-w) where w <= min(f, b)
+    (the paper's (p-1)(T_F+T_B-T_W); at f = b = w a third of 1F1B's (K-1)(f+b+w), bubble rate
+    (K-1)/3M against (K-1)/M), and (K-1)·max(f, b) beyond (``simulate.zb_h1_closed_form``).
 
-    The order is torch's ScheduleInterleavedZeroBubble with one stage per rank (torch 2.13), which
-    is the paper's hand-made ZB-H1 (its Figure 3). Needs M >= K, like 1F1B.
+    The order is torch's ScheduleInterleavedZeroBubble with one stage per rank (torch 2.13; torch's
+    docstring calls the class the paper's ZB1P), which defers W's as the paper's handcrafted ZB-H1
+    does: by the warm-up, so that every stage holds the same number in flight. Needs M >= K, like
+    1F1B (torch also refuses some M >= K that this generator accepts: see the tests).
     """
     K, M, _ = _sizes("zb-h1", K, M)
     _m_at_least_k("ZB-H1", K, M)
@@ -305,12 +308,12 @@ def interleaved_1f1b(K: int, M: int, V: int) -> Schedule:
     flight (``peak_inflight``).
 
     Rules: V >= 2 (V = 1 is plain 1F1B) and M a multiple of K. The order is torch's
-    ScheduleInterleaved1F1B (torch 2.13) and today's Megatron-LM (microbatch_group_size_per_vp_stage
-    = K, its default). Two departures elsewhere, not followed: Megatron-LM before 2024 ran all
-    forwards first when M == K (one of its special cases, not torch's); torch also accepts an M
-    that is not a multiple of K when it is a multiple of M // K (groups of M // (M // K) micro-
-    batches), which this generator refuses so that the grouping, the bubble and the memory follow
-    one rule.
+    ScheduleInterleaved1F1B (torch 2.13) and current Megatron-LM's (microbatch_group_size_per_vp_stage
+    = K, its default). Not followed: older Megatron-LM releases ran all forwards first when M == K
+    (a special case torch does not make; it holds more in flight for no shorter makespan); and
+    torch also accepts an M that is not a multiple of K when M // K divides it (groups of
+    M / (M // K) micro-batches), which this generator refuses so that the grouping, the bubble
+    and the memory follow one rule.
     """
     K, M, V = _sizes("interleaved-1f1b", K, M, V)
     _interleaved_rules("interleaved-1f1b", K, M, V)
@@ -519,7 +522,7 @@ def check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
 
 
 def peak_inflight(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
-    """Per stage (chunk; K·V of them, chunk c on rank c % K), the most micro-batches in flight (F
+    """Per stage (K·V of them, placed as ``stage_to_rank`` says), the most micro-batches in flight (F
     started, last gradient — B, or W where there is one — not yet ended) in the named schedule:
 
     - gpipe, looped-bfs: all M on every stage;

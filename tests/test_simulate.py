@@ -102,6 +102,9 @@ def test_zb_h1_has_the_published_bubble(K):
         assert r.makespan_s - 3 * M * t == pytest.approx((one.makespan_s - 3 * M * t) / 3)
         assert r.bubble_fraction == pytest.approx(zb_h1_closed_form(K, M, t, 2 * t, t).bubble_fraction)
         assert r.bubble_fraction == pytest.approx((K - 1) / (3 * M + K - 1))
+        # the paper's bubble rate (idle / work): (p-1)/3m against 1F1B's (p-1)/m
+        assert (r.makespan_s - 3 * M * t) / (3 * M * t) == pytest.approx((K - 1) / (3 * M))
+        assert (one.makespan_s - 3 * M * t) / (3 * M * t) == pytest.approx((K - 1) / M)
         assert max(r.peak_inflight) == max(one.peak_inflight) == K
         # T_W <= min(T_F, T_B): the paper's formula holds for unequal times too
         for f, bi, w in ((1.0, 2.0, 1.0), (2.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.5, 1.0, 0.25)):
