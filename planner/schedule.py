@@ -484,8 +484,9 @@ _GENERATORS = {"gpipe": _gpipe_v, "1f1b": _one_f_one_b_v, "interleaved-1f1b": in
 SCHEDULE_NAMES = tuple(_GENERATORS)
 """Every schedule ``build_schedule`` makes (``stage_to_rank`` gives each one's placement)."""
 LOOP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs")
-"""The schedules that place chunk c on rank c % K, as ``plan.Phase.stage_to_rank`` and
-``stage.links_for`` assume; "zb-v" places stages in a V and needs them to follow ``stage_to_rank``."""
+"""The schedules that place chunk c on rank c % K; "zb-v" folds back (rank r holds stages r and 2K-1-r).
+``stage.links_for`` and ``plan.Phase.stage_to_rank`` take the placement from ``stage_to_rank`` / the
+actions, not from this list."""
 
 
 def stage_to_rank(name: str, K: int, V: int = 1) -> tuple[int, ...]:
