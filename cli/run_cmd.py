@@ -90,14 +90,15 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     """
     from ptplan.executor.config import RunConfig
     from ptplan.executor.job import with_plan_num_labels
-    from ptplan.executor.launch import Rendezvous, command, launch
+    from ptplan.executor.launch import Rendezvous, command, launch, worker_log_path
 
-    if nproc_per_node < 1:
-        raise PtplanError(f"--nproc-per-node must be at least 1, got {nproc_per_node}")
+    rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                      rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
+                      max_restarts=max_restarts)
     cfg = RunConfig(plan=os.path.abspath(plan_path), model=model, weights=weights, epochs=epochs,
                     steps_per_epoch=steps_per_epoch, optimizer=optimizer, lr=lr, momentum=momentum,
-                    weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every, alpha=alpha,
-                    checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
+                    weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every,
+                    alpha=alpha, checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume,
                     log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
                     dropout=dropout, num_labels=num_labels, device=device, timeout_s=timeout_s,
@@ -107,38 +108,85 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                     cache_spill_dir=os.path.abspath(cache_spill_dir) if cache_spill_dir else None,
                     cache_allow_nondeterministic=cache_allow_nondeterministic)
     cfg = with_plan_num_labels(cfg)
-    rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                      rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
-                      max_restarts=max_restarts)
-    check_before_launch(cfg, rdzv)
+    wlog = worker_log_path(cfg.log, rdzv)
+    check_before_launch(cfg, rdzv, worker_log=wlog)
     if dry_run:
         click.echo(shlex.join(command(cfg, rdzv)))
         return
-    rc = launch(cfg, rdzv)
-    if rc:
-        click.echo(f"error: the run failed (torchrun exit code {rc}); see the messages above", err=True)
-        sys.exit(rc)
+    outcome = launch(cfg, rdzv, worker_log=wlog)
+    if outcome.code:
+        click.echo(f"error: {outcome.message}", err=True)
+        sys.exit(outcome.code)
 
 
-def check_before_launch(cfg, rdzv) -> None:
-    """Refuse a job that cannot work before starting any process: world size, model, batch, schedule."""
-    from ptplan.executor.job import build_for_plan
-    from ptplan.executor.validate import check_model, check_phase, check_world, batch_policy_of, global_batch_of
+def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
+    """Refuse a job that cannot work before starting any process: world size, model, batch, schedule, the
+    outputs (never an input, folders writable), the data file (dtype, ids, labels, sequence length, size)
+    and, on one node, the checkpoint a --resume would read (readable, of this plan and run)."""
+    from ptplan.cli.main import check_outputs
+    from ptplan.executor.data import check_data, load_dataset
+    from ptplan.executor.freezing import FreezeSchedule
+    from ptplan.executor.job import build_for_plan, samples_needed
+    from ptplan.executor.validate import (batch_policy_of, check_model, check_phase, check_trajectory, check_world,
+                                          global_batch_of)
     from ptplan.planner.plan import load_plan
 
     plan = load_plan(cfg.plan)
     world = rdzv.fixed_world()
-    if world is not None:
-        check_world(plan, world)
+    check_world(plan, world)
+    rdzv.check_nodes()
     gb, policy = global_batch_of(plan), batch_policy_of(plan)
     for i, ph in enumerate(plan.phases):
         check_phase(i, ph, gb, policy)
-    check_model(plan, build_for_plan(plan, cfg))
-    if cfg.data != "synthetic" and not os.path.exists(cfg.data):
-        raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
+    check_trajectory(plan)
+    ckpt_file = os.path.join(cfg.checkpoint_dir, "checkpoint.pt") if cfg.checkpoint_dir else None
+    if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
+        raise PtplanError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a folder")
+    data_file = None if cfg.data == "synthetic" else os.path.abspath(cfg.data)
+    check_outputs([("plan", cfg.plan), ("--data file", data_file)],
+                  [("--log", cfg.log), ("worker log", worker_log),
+                   ("checkpoint", ckpt_file)], make_folders=True)
     if cfg.cache_dir is not None and not os.path.isdir(cfg.cache_dir):
         raise PtplanError(f"--cache-dir {cfg.cache_dir}: no such directory; create it or leave the option out "
                           f"(/dev/shm)")
+    if data_file is not None and not os.path.exists(data_file):
+        raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
+    model = build_for_plan(plan, cfg)
+    check_model(plan, model)
+    FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
+    if data_file is not None:
+        ds = load_dataset(data_file)
+        check_data(ds, model, what=f"--data {cfg.data}")
+        n = len(ds)
+        smallest = min(ph.global_batch for ph in plan.phases)
+        if n < max(ph.global_batch for ph in plan.phases):
+            raise PtplanError(f"--data {cfg.data} has {n} samples, fewer than one global batch of "
+                              f"{max(ph.global_batch for ph in plan.phases)}")
+        if cfg.steps_per_epoch and cfg.steps_per_epoch * smallest > n:
+            raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs at least {cfg.steps_per_epoch}*"
+                              f"{smallest} = {cfg.steps_per_epoch * smallest} samples per epoch but --data "
+                              f"{cfg.data} has {n}; lower --steps-per-epoch or use more data")
+        del ds
+    else:
+        n = samples_needed(plan, cfg)
+    if cfg.resume and rdzv.nodes == 1:
+        _check_resumable(cfg, plan, model.name, world, n)
+
+
+def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> None:
+    """On one node, the checkpoint --resume reads: present, readable and of this plan and run (several nodes:
+    the workers look for it on every node, see ``executor.training``)."""
+    from ptplan.executor import checkpoint as ckpt
+
+    data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
+    run_id = {"samples": samples, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
+              "freeze_every": cfg.freeze_every}
+    problems = ckpt.mismatches(data, plan=plan, model_name=model_name, optimizer=cfg.optimizer, world_size=world,
+                               run=run_id)
+    if problems:
+        raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: " + "; ".join(problems)
+                          + "; resume with the plan and settings it was written with, or start without --resume "
+                            "(and another --checkpoint-dir)")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -5,28 +5,8 @@ import os
 
 import click
 
-from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import load_plan
 from ptplan.planner.viz import write_report
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether two paths name one file (after links and relative parts), existing or not."""
-    try:
-        if os.path.exists(a) and os.path.exists(b):
-            return os.path.samefile(a, b)
-    except OSError:
-        pass
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def check_out(out: str, plan: str, runlog: str | None) -> None:
-    """Refuse an --out that would overwrite the plan or the run log the report is made from."""
-    for what, path in (("plan", plan), ("run log", runlog)):
-        if path is not None and _same_file(out, path):
-            stem = os.path.splitext(os.path.basename(path))[0] or "report"
-            raise PtplanError(f"--out {out} is the {what} itself; writing the report there would destroy the "
-                              f"{what}. Give another file, e.g. --out {stem}.html")
 
 
 @click.command("show")
@@ -39,13 +19,18 @@ def check_out(out: str, plan: str, runlog: str | None) -> None:
               help="With --run: steps left out at the start of each phase visit.")
 def show(plan: str, out: str, runlog: str | None, warmup: int) -> None:
     """Write PLAN (a plan.json from `ptplan plan`) as one interactive HTML report."""
-    check_out(out, plan, runlog)
+    from ptplan.cli.main import check_outputs
+
+    check_outputs([("plan", plan), ("run log", runlog)], [("--out", out)])
     p = load_plan(plan)
     comparison = None
     if runlog is not None:
         from ptplan.planner.compare import compare, read_run_log
 
-        comparison = compare(p, read_run_log(runlog), warmup=warmup)
+        log = read_run_log(runlog)
+        comparison = compare(p, log, warmup=warmup)
+        for note in log.warnings:
+            click.echo(f"warning: {note}", err=True)
     write_report(p, out, comparison=comparison)
     for w in p.warnings:
         click.echo(f"warning: {w.message}", err=True)

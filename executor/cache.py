@@ -93,6 +93,8 @@ class CacheStats:
     rows_written: int = 0
     rows_not_cached: int = 0
     """Rows not stored: RAM budget full and no spill directory (or the disk full too)."""
+    disk_full: int = 0
+    """Slabs this process could not create because a tier's file system was full (not the budget)."""
     slabs_evicted: int = 0
     bytes_evicted: int = 0
     slabs_promoted: int = 0
@@ -465,6 +467,7 @@ class ActivationCache:
     def stats(self) -> CacheStats:
         """This process's counters plus the node-wide bytes and slabs on each tier now."""
         s = CacheStats(**{**self._stats.as_dict(), "notes": list(self._stats.notes)})
+        s.disk_full = sum(self.store.full.values())
         if not self._closed and os.path.isdir(self.dir):
             for k, v in self.store.usage().items():
                 setattr(s, k, v)

@@ -9,7 +9,8 @@ Every rank calls, in this order (each call is collective)::
     record = rc.epoch_end(phase, epoch, step)            # after each epoch: evict below f, sum the stats
     rc.finish(ok=True)                                   # close everywhere, barrier, creators remove files
 
-Setup: each node's creator makes the cache (``<cache_dir>/ptplan-<job>-node<n>``, RAM budget
+Setup: each node's creator makes the cache (``<cache_dir>/ptplan-<job>-node<n>``, ``<job>`` the node's
+launcher tag, see ``launch``; RAM budget
 below), the others attach after a barrier; then every rank checks the data set (no random
 augmentation) and, for every frozen count a phase caches, that the prefix gives the same output
 twice in eval mode, as the runtime runs it. Setup runs before the runtime's first phase switch,
@@ -47,7 +48,7 @@ from .config import RunConfig
 from .data import Dataset
 
 COUNTERS = ("hits", "refreshes", "misses", "rows_written", "rows_not_cached", "slabs_evicted", "bytes_evicted",
-            "slabs_promoted")
+            "slabs_promoted", "disk_full")
 """Per-process counters (``CacheStats``), summed over the ranks; logged per epoch."""
 NODE_USAGE = ("ram_bytes", "disk_bytes", "ram_slabs", "disk_slabs")
 """Node-wide usage after the epoch's eviction, summed over the nodes."""
@@ -88,22 +89,27 @@ def _place() -> tuple[int, int]:
 
 
 def _job_base() -> str:
-    """The same name on every rank: torchrun's run id (stable across restarts, so a restart's creator
-    removes what a killed run left), else a fresh random one."""
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", os.environ.get("TORCHELASTIC_RUN_ID", ""))[:60]
-    obj = [base if base and base != "none" else uuid.uuid4().hex[:16]]
-    dist.broadcast_object_list(obj, src=0)
-    return obj[0]
+    """The node's cache name: the tag of the launcher that started this node's workers (``ptplan run``;
+    stable across torchrun restarts, so a restart's creator replaces what a failed attempt left, and the
+    launcher removes it when the job ends: ``launch``), else one random name for the whole job (rank 0's)."""
+    from .launch import ENV_JOB_TAG
+
+    obj = [uuid.uuid4().hex[:16]]
+    dist.broadcast_object_list(obj, src=0)  # every rank, launcher or not: the same collectives everywhere
+    tag = re.sub(r"[^A-Za-z0-9._-]", "_", os.environ.get(ENV_JOB_TAG, ""))[:80]
+    return tag or obj[0]
 
 
-def _agree(problem: str | None, payload: Any = None) -> list[Any]:
-    """Raise the lowest rank's problem on every rank, else return every rank's payload (collective:
-    no rank is left waiting for a peer that gave up)."""
+def agree(problem: str | None, payload: Any = None) -> list[Any]:
+    """Raise the lowest rank's problem on every rank (a PtplanError whose ``rank`` names it), else return
+    every rank's payload (collective: no rank is left waiting for a peer that gave up)."""
     got: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(got, (problem, payload))
-    first = next((p for p, _ in got if p), None)
+    first = next(((r, p) for r, (p, _) in enumerate(got) if p), None)
     if first:
-        raise PtplanError(first)
+        err = PtplanError(first[1])
+        err.rank = first[0]  # type: ignore[attr-defined]
+        raise err
     return [x for _, x in got]
 
 
@@ -133,15 +139,16 @@ class RunCache:
         return rec
 
     def finish(self, *, ok: bool) -> None:
-        """Close on every rank; creators remove the files (after a barrier when ``ok``; at once after an
-        error, where peers may be gone — unlinked slabs stay readable by whoever still maps them)."""
+        """Close on every rank; creators remove the files after a barrier when ``ok``. After an error every
+        rank removes its node's files at once (peers may be gone, the creator among them; unlinked slabs
+        stay readable by whoever still maps them); what a killed process cannot remove, the launcher does."""
         if self._done:
             return
         self._done = True
         self.cache.close()
         if ok:
             dist.barrier()
-        if self.creator:
+        if self.creator or not ok:
             self.cache.cleanup()
 
 
@@ -188,24 +195,24 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset,
                                         **common)
         except PtplanError as e:
             problem = f"activation cache on node {node}: {e}"
-        _agree(problem)  # also the barrier: every node's cache exists now
+        agree(problem)  # also the barrier: every node's cache exists now
         problem = None
         try:
             if not creator:
                 cache = ActivationCache(cfg.cache_dir, create=False, **common)
         except PtplanError as e:
             problem = f"activation cache on node {node}: {e}"
-        _agree(problem)
+        agree(problem)
         problem = None
         try:
             _check_deterministic(cache, model, dataset, sorted({plan.phases[i].frozen_layers for i in phases}), device)
         except PtplanError as e:
             problem = (f"{e} (ptplan run: --cache-allow-nondeterministic accepts this; --cache off recomputes "
                        f"the prefix instead)")
-        all_notes = _agree(problem, None if problem else cache.stats().notes)
+        all_notes = agree(problem, None if problem else cache.stats().notes)
     except BaseException:
         if cache is not None:
-            cache.cleanup() if creator else cache.close()
+            cache.cleanup()  # any rank: the job is failing on every rank
         raise
     nodes = torch.tensor([int(creator)], dtype=torch.int64, device=device)
     dist.all_reduce(nodes)

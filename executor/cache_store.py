@@ -212,6 +212,8 @@ class SlabStore:
     def __init__(self, ram_dir: str, spill_dir: str | None, budget_bytes: int) -> None:
         self.ram_dir, self.spill_dir, self.budget_bytes = ram_dir, spill_dir, int(budget_bytes)
         self._open: dict[tuple[int, int], Slab] = {}
+        self.full: dict[str, int] = {}
+        """Per directory: slabs this process could not create there because its file system was full."""
 
     # ---- naming and listing ------------------------------------------------------------------
     def _dirs(self) -> list[tuple[str, str]]:
@@ -304,7 +306,12 @@ class SlabStore:
         try:
             Slab.create(os.path.join(d, name), info)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                if d not in self.full:
+                    print(f"ptplan: warning: the activation cache's folder {d} is full ({e.strerror}): rows that "
+                          f"do not fit are recomputed each time (same results, slower); give it room, lower "
+                          f"--cache-budget, or pass --cache-spill-dir", flush=True)
+                self.full[d] = self.full.get(d, 0) + 1
                 return False
             raise
         return True

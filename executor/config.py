@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -99,14 +100,20 @@ class RunConfig:
                 raise PtplanError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
         if self.checkpoint_every < 0:
             raise PtplanError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if not self.lr > 0:
-            raise PtplanError(f"--lr must be positive, got {self.lr}")
+        _number("--lr", self.lr, low=0.0, low_open=True, hint="e.g. --lr 1e-4")
+        _number("--momentum", self.momentum, low=0.0, high=1.0, high_open=True, hint="e.g. --momentum 0.9")
+        _number("--weight-decay", self.weight_decay, low=0.0, hint="e.g. --weight-decay 0.01")
+        _number("--adam-eps", self.adam_eps, low=0.0, low_open=True, hint="e.g. --adam-eps 1e-8")
+        _number("--timeout", self.timeout_s, low=0.0, low_open=True, high=7 * 86400.0,
+                hint="seconds, e.g. --timeout 600")
+        if self.dropout is not None:
+            _number("--dropout", self.dropout, low=0.0, high=1.0, high_open=True, hint="e.g. --dropout 0.1")
+        if not 0 <= self.seed < 2**32:
+            raise PtplanError(f"--seed must lie in 0..{2**32 - 1}, got {self.seed}")
         if self.alpha is not None and not 0 < self.alpha < 1:
             raise PtplanError(f"--alpha must lie strictly between 0 and 1, got {self.alpha}")
         if self.resume and not self.checkpoint_dir:
             raise PtplanError("--resume needs --checkpoint-dir (the folder holding checkpoint.pt)")
-        if self.timeout_s <= 0:
-            raise PtplanError(f"--timeout must be positive, got {self.timeout_s}")
         if self.cache not in CACHE_MODES:
             raise PtplanError(f"unknown cache mode {self.cache!r}; use one of {', '.join(CACHE_MODES)}")
         if self.num_labels is not None and self.num_labels < 1:
@@ -125,3 +132,17 @@ class RunConfig:
         if unknown:
             raise PtplanError(f"run config: unknown keys {unknown}")
         return cls(**d)
+
+
+def _number(option: str, value: float, *, low: float | None = None, high: float | None = None,
+            low_open: bool = False, high_open: bool = False, hint: str = "") -> None:
+    """Refuse a non-finite value or one outside [low, high] (open ends where asked), naming the option."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PtplanError(f"{option} must be a finite number, got {value!r}" + (f" ({hint})" if hint else ""))
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        lo = "" if low is None else f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if high is None else f"{'<' if high_open else '<='} {high:g}"
+        raise PtplanError(f"{option} must be {' and '.join(x for x in (lo, hi) if x)}, got {value!r}"
+                          + (f" ({hint})" if hint else ""))

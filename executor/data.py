@@ -108,6 +108,69 @@ def load_dataset(path: str | os.PathLike) -> TensorDataset:
     return TensorDataset(d["inputs"], d["labels"], d.get("attention_mask"))
 
 
+def check_data(ds: Dataset, model, what: str = "the data") -> None:
+    """Refuse data the model cannot train on, before training: the inputs' shape (sequence length or image
+    size) and dtype against ``model.make_batch``'s, token ids within the vocabulary, labels within the
+    head's classes (GPT-2: next-token ids or -100), a 0/1 attention mask of the inputs' shape.
+
+    A ``TensorDataset`` is checked whole (one pass of min/max); any other data set on sample 0.
+    """
+    if len(ds) == 0:
+        raise PtplanError(f"{what} has no samples")
+    if isinstance(ds, TensorDataset):
+        x, y, m = ds.inputs, ds.labels, ds.attention_mask
+    else:
+        x, y, m = ds.batch(torch.tensor([0]))
+    rx, ry, rm = model.make_batch(1)
+    family = model.family
+    if family == "vit":
+        if tuple(x.shape[1:]) != tuple(rx.shape[1:]):
+            raise PtplanError(f"{what}: images of shape {list(x.shape[1:])} but the plan's {model.name} takes "
+                              f"{list(rx.shape[1:])} (channels, height, width; the plan's sequence length "
+                              f"{model.seq_len}); resize the images or plan for this image size")
+        if not x.is_floating_point():
+            raise PtplanError(f"{what}: inputs are {x.dtype}, ViT takes floating-point pixels")
+        if not bool(torch.isfinite(x).all()):
+            raise PtplanError(f"{what}: the inputs hold NaN or infinite pixel values")
+    else:
+        if x.dim() != 2 or x.shape[1] != model.seq_len:
+            raise PtplanError(f"{what}: inputs of shape {list(x.shape)} but the plan's {model.name} takes "
+                              f"[samples, {model.seq_len}] token ids (the plan's sequence length {model.seq_len}); "
+                              f"pad or cut the sequences to {model.seq_len} tokens, or profile and plan for "
+                              f"{x.shape[-1] if x.dim() == 2 else '?'} tokens")
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise PtplanError(f"{what}: inputs are {x.dtype}; token ids must be an integer tensor (int64)")
+        vocab = int(model.config.vocab_size)
+        lo, hi = int(x.min()), int(x.max())
+        if lo < 0 or hi >= vocab:
+            raise PtplanError(f"{what}: token ids span {lo}..{hi} but {model.name}'s vocabulary has {vocab} "
+                              f"entries (0..{vocab - 1}); tokenize with this model's tokenizer")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise PtplanError(f"{what}: labels are {y.dtype}; they must be an integer tensor (int64)")
+    if tuple(y.shape[1:]) != tuple(ry.shape[1:]):
+        raise PtplanError(f"{what}: labels of shape {list(y.shape)} but {model.name} takes "
+                          f"[samples{''.join(f', {d}' for d in ry.shape[1:])}]")
+    if family == "gpt2":
+        vocab = int(model.config.vocab_size)
+        ok = (y == -100) | ((y >= 0) & (y < vocab))
+        if not bool(ok.all()):
+            raise PtplanError(f"{what}: next-token labels must be token ids in 0..{vocab - 1} or -100 (ignored)")
+    else:
+        classes = int(model.num_labels)
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= classes:
+            raise PtplanError(f"{what}: labels span {lo}..{hi} but the classification head has {classes} classes "
+                              f"(0..{classes - 1}); pass --num-labels {hi + 1} (and plan with a profile measured "
+                              f"with that head) or fix the labels")
+    if m is not None:
+        if rm is None:
+            raise PtplanError(f"{what}: has an attention_mask but {model.name} takes none; drop it")
+        if tuple(m.shape[1:]) != tuple(rm.shape[1:]):
+            raise PtplanError(f"{what}: attention_mask of shape {list(m.shape)}, expected [samples, {model.seq_len}]")
+        if not bool(((m == 0) | (m == 1)).all()):
+            raise PtplanError(f"{what}: attention_mask must hold only 0 and 1")
+
+
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The order in which epoch ``epoch`` visits sample ids 0..n-1."""
     if not shuffle:

@@ -7,6 +7,9 @@ progress bar live here too. Every rank calls ``run_training`` with the same argu
 """
 from __future__ import annotations
 
+import math
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -19,9 +22,9 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Plan
 
 from . import checkpoint as ckpt
-from .cache_run import setup_cache
+from .cache_run import agree, setup_cache
 from .config import RunConfig
-from .data import Dataset, epoch_order, global_batch_ids, shard
+from .data import Dataset, check_data, epoch_order, global_batch_ids, shard
 from .freezing import FreezeSchedule
 from .memory import MemorySampler, StepMemory
 from .optim import ensure_state, make_optimizer, state_keys
@@ -73,14 +76,17 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                  device: torch.device | None = None, hooks: Hooks | None = None) -> RunSummary:
     """Train ``model`` following ``plan`` on an initialised default process group; every rank calls this.
 
-    Checks the plan against the job first (PtplanError before any collective), then trains.
+    Checks the plan and the data against the job first (PtplanError before any collective), then
+    agrees with the other ranks whether to resume and from which rank's checkpoint (``--resume``, or
+    a torchrun restart that finds one: ``_find_checkpoint``), then trains. A non-finite loss stops the
+    run on every rank with a PtplanError naming the step.
 
     Memory: ``model`` arrives whole, in host memory (``build_model`` builds on the CPU), on every
     rank: its weights once (plus, with ``--weights``, what transformers holds while loading them).
     The AutoCache's determinism check and the build checksum run on that copy; then the first phase
     switch puts this rank's stage on ``device`` and frees every other layer's weights, and from then
-    on the rank holds only its stage (``runtime``). On resume, rank 0 also holds the checkpoint
-    (weights and optimizer state) until it has sent it. After the run ``model`` holds only this
+    on the rank holds only its stage (``runtime``). On resume, the rank whose checkpoint is used also
+    holds it (weights and optimizer state) until it has sent it. After the run ``model`` holds only this
     rank's last stage.
     """
     hooks = hooks or Hooks()
@@ -98,6 +104,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     if N < min(ph.global_batch for ph in plan.phases):
         raise PtplanError(f"the data has {N} samples, fewer than one global batch of "
                           f"{min(ph.global_batch for ph in plan.phases)}")
+    check_data(dataset, model)
     backend = dist.get_backend()
     torch.manual_seed(cfg.seed * 1009 + rank)  # dropout streams differ per rank, as in plain data parallelism
     opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
@@ -105,11 +112,15 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     rt = ElasticRuntime(plan, model, opt, device=device, timeout_s=cfg.timeout_s, backend=backend)
     fs = FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
     everyone = frozenset(range(world))
-    log = RunLog(cfg.log if rank == 0 else None, append=cfg.resume)
+    run_id = {"samples": N, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
+              "freeze_every": cfg.freeze_every}
+    source = _find_checkpoint(cfg, plan, model.name, world, run_id)  # collective: (rank, step) or None
+    resuming = source is not None
+    log = RunLog(cfg.log if rank == 0 else None, append=resuming)
     fingerprint = plan.inputs.profile.fingerprint
     pos = Position(norm_sum=[0.0] * model.num_blocks)
     t_start = time.perf_counter()
-    if not cfg.resume:
+    if not resuming:
         log.header(plan_fingerprint=fingerprint, model=model.name, world_size=world, backend=backend,
                    optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
                    freeze_every=fs.every, batch_policy=training.batch_policy, epochs=epochs,
@@ -121,10 +132,11 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         # Collective; refuses a nondeterministic prefix. First, while every rank holds the whole model as built.
         cache = setup_cache(cfg, plan, model, dataset, device)
         rt.set_cache(None if cache is None else cache.cache)
-        if cfg.resume:
-            pos, info = _resume(cfg, plan, rt, device)
+        if source is not None:
+            pos, info = _resume(cfg, plan, rt, source[0], run_id)
             log.write({"type": "resume", "step": pos.global_step, "epoch": pos.epoch, "phase": rt.phase_index,
-                       "seconds": info["seconds"], "parts": info["parts"]})
+                       "seconds": info["seconds"], "parts": info["parts"], "source_rank": source[0],
+                       "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
         else:
             pos.frozen_blocks = fs.planned(0, 0)
             same = rt.checksum_agrees()
@@ -148,7 +160,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     bar = _progress(cfg.progress and rank == 0, total, pos.global_step)
     sampler = MemorySampler()  # peak memory on the 2nd step of each phase visit (executor/memory.py)
     transitions: list[dict[str, Any]] = []
-    last_ckpt = pos.global_step if cfg.resume else -1
+    last_ckpt = pos.global_step if resuming else -1
     loss = None
     try:
         while pos.epoch < epochs:
@@ -161,6 +173,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                     info = _transition(rt, plan, want, pos)
                     transitions.append(info)
                     log.transition(**info)
+                    log.sync()
                     if hooks.snapshots:
                         _snapshot(rt, hooks, "transition", pos.global_step)
                 ph = rt.phase
@@ -183,23 +196,27 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 log.step(epoch=pos.epoch, step=pos.global_step, phase=rt.phase_index, frozen_blocks=ph.frozen_blocks,
                          K=ph.K, D=ph.D, seconds=secs, samples=ph.global_batch, loss=loss,
                          allreduce_seconds=rt.last_allreduce_s, **measured)
+                if not math.isfinite(loss):  # the same all-reduced value on every rank: every rank stops here
+                    raise PtplanError(_diverged(cfg, loss, pos, rt))
                 pos.cursor += ph.global_batch
                 pos.step_in_epoch += 1
                 pos.global_step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", f=ph.frozen_blocks, K=ph.K, D=ph.D, refresh=False)
                 if cfg.checkpoint_dir and cfg.checkpoint_every and pos.global_step % cfg.checkpoint_every == 0:
-                    _save(cfg, plan, rt, pos)
+                    _save(cfg, plan, rt, pos, run_id)
+                    log.sync()
                     last_ckpt = pos.global_step
                 if hooks.after_step is not None:
                     hooks.after_step(pos.global_step, rank)
             if cache is not None:
                 log.write(cache.epoch_end(rt.phase, pos.epoch, pos.global_step))
+            log.sync()
             pos.epoch += 1
             pos.step_in_epoch = 0
             pos.cursor = 0
             if cfg.checkpoint_dir and last_ckpt != pos.global_step:
-                _save(cfg, plan, rt, pos)
+                _save(cfg, plan, rt, pos, run_id)
                 last_ckpt = pos.global_step
         if hooks.snapshots:
             _snapshot(rt, hooks, "final", pos.global_step)
@@ -254,16 +271,32 @@ def _snapshot(rt: ElasticRuntime, hooks: Hooks, event: str, step: int) -> None:
         hooks.on_snapshot(event, step, weights)
 
 
-def _save(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, pos: Position) -> None:
+def _diverged(cfg: RunConfig, loss: float, pos: Position, rt: ElasticRuntime) -> str:
+    ph = rt.phase
+    where = ckpt.checkpoint_path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    hint = (f"; {where} holds the last checkpoint: resume from it with a lower --lr"
+            if where and os.path.exists(where) else "")
+    return (f"the loss is {loss} at step {pos.global_step} (epoch {pos.epoch}, phase {rt.phase_index}: "
+            f"{ph.frozen_blocks} frozen blocks, K={ph.K}, D={ph.D}): training diverged; lower --lr (now "
+            f"{cfg.lr:g}){', raise --adam-eps' if cfg.optimizer == 'adamw' else ''} or check the data{hint}")
+
+
+def _save(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, pos: Position, run_id: dict[str, Any]) -> None:
+    """Gather to rank 0 and write the checkpoint there; every rank raises rank 0's error (a full disk)."""
     weights, state = rt.gather(with_state=True)
     rng = [None] * rt.world
     dist.all_gather_object(rng, _rng_state())
+    problem = None
     if rt.rank == 0:
-        ckpt.save_checkpoint(cfg.checkpoint_dir, {
-            "plan_fingerprint": plan.inputs.profile.fingerprint, "model_name": rt.model.name,
-            "optimizer": cfg.optimizer, "world_size": rt.world, "model": weights, "optim": state,
-            "position": asdict(pos), "rng": rng})
-    dist.barrier()
+        try:
+            ckpt.save_checkpoint(cfg.checkpoint_dir, {
+                "plan_id": ckpt.plan_id(plan), "plan": ckpt.plan_identity(plan), "run": run_id,
+                "model_name": rt.model.name, "optimizer": cfg.optimizer, "world_size": rt.world, "model": weights,
+                "optim": state, "position": asdict(pos), "rng": rng})
+        except PtplanError as e:
+            problem = str(e)
+        del weights, state
+    agree(problem)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -273,33 +306,79 @@ def _rng_state() -> dict[str, Any]:
     return out
 
 
-def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, device: torch.device) -> tuple[Position, dict[str, Any]]:
-    """Load the checkpoint on rank 0, then send every layer and its optimizer state to its owners."""
+def _find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run_id: dict[str, Any]
+                     ) -> tuple[int, int] | None:
+    """Whether to resume and from which rank's checkpoint, agreed by every rank (collective).
+
+    Each rank looks at its own ``--checkpoint-dir`` (its node's disk, or a shared folder) and reports the
+    checkpoint's step, or why it cannot resume this run. When any rank asks to resume (``--resume``, or
+    a torchrun restart: TORCHELASTIC_RESTART_COUNT > 0), the source is the newest usable checkpoint
+    (lowest rank on a tie), whichever node holds it. None: start from scratch (no rank asked, or a
+    restart before the first checkpoint). Raises the same PtplanError on every rank when ``--resume``
+    finds no usable checkpoint on any rank.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    wants = bool(cfg.resume or (restarted and cfg.checkpoint_dir))
+    mine: dict[str, Any] | None = None
+    if wants and cfg.checkpoint_dir and os.path.exists(ckpt.checkpoint_path(cfg.checkpoint_dir)):
+        try:
+            data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
+            problems = ckpt.mismatches(data, plan=plan, model_name=model_name, optimizer=cfg.optimizer,
+                                       world_size=world, run=run_id)
+            if problems:
+                raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: "
+                                  + "; ".join(problems) + "; resume with the plan and settings it was written "
+                                  "with, or start without --resume (and another --checkpoint-dir)")
+            mine = {"step": int(data["position"]["global_step"])}
+            del data
+        except PtplanError as e:
+            mine = {"error": str(e)}
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, (wants, cfg.resume, mine))
+    if not any(w for w, _, _ in got):
+        return None
+    usable = [(-m["step"], r) for r, (_, _, m) in enumerate(got) if m and "step" in m]
+    if usable:
+        step, src = min(usable)
+        return src, -step
+    errors = [(r, m["error"]) for r, (_, _, m) in enumerate(got) if m and "error" in m]
+    if errors:
+        err = PtplanError(errors[0][1])
+        err.rank = errors[0][0]  # type: ignore[attr-defined]
+        raise err
+    if any(explicit for _, explicit, _ in got):
+        dirs = sorted({cfg.checkpoint_dir or "(none)"})
+        raise PtplanError(f"--resume: no checkpoint.pt in --checkpoint-dir {', '.join(dirs)} on any node; run "
+                          f"without --resume to start from scratch")
+    return None
+
+
+def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, src: int, run_id: dict[str, Any]
+            ) -> tuple[Position, dict[str, Any]]:
+    """Load the checkpoint on rank ``src``, then send every layer and its optimizer state to its owners."""
     meta: list[Any] = [None]
     data = None
-    if rt.rank == 0:
+    if rt.rank == src:
         try:
             data = ckpt.load_checkpoint(cfg.checkpoint_dir)
-            problems = []
-            if data["model_name"] != rt.model.name:
-                problems.append(f"it is for model {data['model_name']}, not {rt.model.name}")
-            if data["optimizer"] != cfg.optimizer:
-                problems.append(f"it holds {data['optimizer']} state, not {cfg.optimizer}")
-            if data["world_size"] != rt.world:
-                problems.append(f"it was written by {data['world_size']} processes, not {rt.world}")
+            problems = ckpt.mismatches(data, plan=plan, model_name=rt.model.name, optimizer=cfg.optimizer,
+                                       world_size=rt.world, run=run_id)
             if problems:
                 raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: "
                                   + "; ".join(problems))
+            ckpt.check_state(data, dict(rt.model.named_parameters()), state_keys(rt.opt))
             meta[0] = {"position": data["position"], "rng": data["rng"]}
         except PtplanError as e:
             meta[0] = {"error": str(e)}
-    dist.broadcast_object_list(meta, src=0)
+    dist.broadcast_object_list(meta, src=src)
     if "error" in meta[0]:
-        raise PtplanError(meta[0]["error"])
+        err = PtplanError(meta[0]["error"])
+        err.rank = src  # type: ignore[attr-defined]
+        raise err
     pos = Position(**meta[0]["position"])
     index = phase_index(plan, pos.frozen_blocks)
     new = plan.phases[index]
-    if rt.rank == 0:
+    if rt.rank == src:
         params = dict(rt.model.named_parameters())
         with torch.no_grad():
             for name, t in data["model"].items():
@@ -308,13 +387,14 @@ def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, device: torch.device
                 p = params[name]
                 for k, v in zip(state_keys(rt.opt), ensure_state(rt.opt, p)):
                     v.copy_(st[k])
+        del data
     rng = meta[0]["rng"][rt.rank]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    only0 = [frozenset({0})] * rt.n
-    state_have = [frozenset({0}) if i >= new.frozen_layers else frozenset() for i in range(rt.n)]
-    info = rt.switch(index, have_weights=only0, have_state=state_have)
+    only = [frozenset({src})] * rt.n
+    state_have = [frozenset({src}) if i >= new.frozen_layers else frozenset() for i in range(rt.n)]
+    info = rt.switch(index, have_weights=only, have_state=state_have)
     return pos, info
 
 
@@ -329,4 +409,5 @@ def _progress(enabled: bool, total: int | None, initial: int):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+    # stdout: under ``ptplan run`` the workers' stderr goes to the worker log
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout)

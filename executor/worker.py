@@ -1,72 +1,107 @@
-"""torchrun entry point: one process of ``ptplan run`` (``python -m ptplan.executor.worker --config JSON``)."""
+"""torchrun entry point: one process of ``ptplan run`` (``python -m ptplan.executor.worker --config JSON``).
+
+A worker dies with torchrun (parent-death signal), says when it starts and how it failed in the
+launcher's job folder (``executor/launch.py``: the launcher turns that into one message), and writes
+tracebacks of unexpected failures to stderr, which the launcher sends to the worker log. Started by
+hand (torchrun without ``ptplan run``), it prints ``error: rank R: ...`` to stderr instead.
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
+import time
 import traceback
 from datetime import timedelta
+from typing import Any
+
+
+class Reporter:
+    """This worker's start marker and failure record in the launcher's job folder (none without one)."""
+
+    def __init__(self) -> None:
+        from .launch import ENV_JOB_DIR, _start_ticks
+
+        self.dir = os.environ.get(ENV_JOB_DIR) or None
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.stem = f"a{self.attempt}-r{self.rank}"
+        if self.dir:
+            self._write("start", {"rank": self.rank, "attempt": self.attempt, "pid": os.getpid(),
+                                  "ticks": _start_ticks(os.getpid())})
+
+    def _write(self, ext: str, record: dict[str, Any]) -> None:
+        assert self.dir is not None
+        tmp = os.path.join(self.dir, f".{self.stem}.{ext}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, os.path.join(self.dir, f"{self.stem}.{ext}"))
+        except OSError:
+            pass  # the launcher is gone or its folder too: nothing to tell
+
+    def fail(self, kind: str, exc: BaseException) -> None:
+        """Record a failure: ``kind`` "ptplan" (a PtplanError: the message is for the user) or "crash"."""
+        message = str(exc) or type(exc).__name__
+        if self.dir:
+            self._write("json", {"rank": self.rank, "attempt": self.attempt, "pid": os.getpid(), "kind": kind,
+                                 "type": type(exc).__name__, "message": message, "time": time.time()})
+        else:
+            print(f"error: rank {self.rank}: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .launch import die_with_parent
+
+    die_with_parent(signal.SIGKILL)  # torchrun gone (even by SIGKILL) -> this worker goes too
     ap = argparse.ArgumentParser(prog="ptplan.executor.worker", description=__doc__)
     ap.add_argument("--config", required=True, help="RunConfig as JSON (written by `ptplan run`)")
     args = ap.parse_args(argv)
+    report = Reporter()
 
-    import torch
-    import torch.distributed as dist
-
-    from ptplan.planner.errors import PtplanError
-    from ptplan.planner.plan import load_plan
-
-    from .config import RunConfig
-    from .job import build_for_plan, make_dataset, pick_device
-    from .training import run_training
-
-    rank = int(os.environ.get("RANK", "0"))
     code = 0
     try:
-        cfg = RunConfig.from_json(args.config)
-        cfg = _resume_after_restart(cfg)
-        device, backend = pick_device(cfg)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
-        plan = load_plan(cfg.plan)
-        model = build_for_plan(plan, cfg)
-        data = make_dataset(plan, cfg, model)
-        summary = run_training(cfg, plan, model, data, device=device)
-        if rank == 0:
-            tr = ", ".join(f"{t['from_phase']}->{t['to_phase']} {t['seconds']:.2f} s" for t in summary.transitions)
-            print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, final loss "
-                  f"{summary.final_loss if summary.final_loss is None else round(summary.final_loss, 5)}; "
-                  f"transitions: {tr or 'none'}", flush=True)
-        dist.destroy_process_group()
-    except PtplanError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        code = 2
-    except BaseException:
-        print(f"ptplan run: rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        import torch
+        import torch.distributed as dist
+
+        from ptplan.planner.errors import PtplanError
+        from ptplan.planner.plan import load_plan
+
+        from .config import RunConfig
+        from .job import build_for_plan, make_dataset, pick_device
+        from .training import run_training
+
+        try:
+            cfg = RunConfig.from_json(args.config)
+            device, backend = pick_device(cfg)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
+                                    device_id=device if device.type == "cuda" else None)
+            plan = load_plan(cfg.plan)
+            model = build_for_plan(plan, cfg)
+            data = make_dataset(plan, cfg, model)
+            summary = run_training(cfg, plan, model, data, device=device)
+            if report.rank == 0:
+                tr = ", ".join(f"{t['from_phase']}->{t['to_phase']} {t['seconds']:.2f} s" for t in summary.transitions)
+                print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, final loss "
+                      f"{summary.final_loss if summary.final_loss is None else round(summary.final_loss, 5)}; "
+                      f"transitions: {tr or 'none'}", flush=True)
+            dist.destroy_process_group()
+        except PtplanError as e:
+            report.fail("ptplan", e)
+            code = 2
+    except BaseException as e:
+        print(f"ptplan run: rank {report.rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        report.fail("crash", e)
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     if code:
         os._exit(code)  # do not wait in atexit handlers for peers that may be gone
     return 0
-
-
-def _resume_after_restart(cfg):
-    """After a torchrun restart (--max-restarts), continue from the checkpoint if there is one."""
-    from dataclasses import replace
-
-    from .checkpoint import checkpoint_path
-
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and cfg.checkpoint_dir and os.path.exists(checkpoint_path(cfg.checkpoint_dir)):
-        return replace(cfg, resume=True)
-    return cfg
 
 
 if __name__ == "__main__":

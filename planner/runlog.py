@@ -34,7 +34,8 @@ FIELDS: dict[str, dict[str, str]] = {
              "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?"},
     "transition": {"step": "int", "from_phase": "int?", "to_phase": "int", "seconds": "float", "parts": "obj",
                    "bytes": "obj?", "from": "obj?", "to": "obj?"},
-    "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?"},
+    "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?",
+               "source_rank": "int?", "attempt": "int?"},
     "freeze_decision": {"step": "int", "T": "int", "from_frozen": "int", "to_frozen": "int", "alpha": "float",
                         "grad_norms": "list?", "steps_measured": "int"},
     "epoch_end": {"epoch": "int", "steps": "int", "reason": "str"},
@@ -44,7 +45,8 @@ FIELDS: dict[str, dict[str, str]] = {
                     "allow_nondeterministic": "bool", "notes": "list"},
     "cache": {"epoch": "int", "step": "int", "frozen_layers": "int", "phase_caches": "bool", "hits": "int",
               "refreshes": "int", "misses": "int", "rows_written": "int", "rows_not_cached": "int",
-              "slabs_evicted": "int", "bytes_evicted": "int", "slabs_promoted": "int", "ram_bytes": "int",
+              "slabs_evicted": "int", "bytes_evicted": "int", "slabs_promoted": "int", "disk_full": "int?",
+              "ram_bytes": "int",
               "disk_bytes": "int", "ram_slabs": "int", "disk_slabs": "int", "totals": "obj"},
 }
 
@@ -148,9 +150,14 @@ class RunLog:
     warnings: tuple[str, ...] = ()
 
 
+_REPLAYED = ("step", "transition", "freeze_decision", "cache")
+"""Record types with a ``step`` that a resume from an earlier step writes again."""
+
+
 def read_run_log(path: str | os.PathLike) -> RunLog:
     """Read and check ``run.jsonl``; errors name the line and the field. A torn last line is left out
-    (with a warning in ``RunLog.warnings``); replayed steps after a resume replace the first run's."""
+    (with a warning in ``RunLog.warnings``). A ``resume`` record at step s replaces what the log holds
+    from step s on (steps, transitions, freeze decisions, cache records): the resumed run writes them again."""
     p = os.fspath(path)
     try:
         with open(p, encoding="utf-8", errors="replace") as fh:
@@ -171,12 +178,17 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
                 warnings.append(f"run log {p}: line {i} is cut off (the run stopped while writing it); left out")
                 break
             raise PtplanError(f"run log {p} line {i} is not JSON ({e.msg})") from None
-        records.append(parse_record(obj, what=f"run log {p}", line=i))
+        rec = parse_record(obj, what=f"run log {p}", line=i)
+        if rec.type == "resume":  # the run continues from this step: what the first run logged from it on is replayed
+            at = rec.fields["step"]
+            records = [r for r in records if r.type not in _REPLAYED or r.fields["step"] < at
+                       or (r.type == "cache" and r.fields["step"] == at)]  # an epoch's cache record precedes its checkpoint
+        records.append(rec)
     steps: dict[int, Step] = {}
     for r in records:
         if r.type == "step":
             f = r.fields
-            steps[f["step"]] = Step(**f)  # a step replayed after a resume replaces the first run's record
+            steps[f["step"]] = Step(**f)
     if not steps:
         raise PtplanError(f"run log {p} has no step records; was it written by `ptplan run --log`?")
     h = next((r for r in records if r.type == "header"), None)

@@ -1,11 +1,19 @@
 """Shared pytest fixtures: skip ``gpu`` tests without CUDA, one torch thread for multi-process tests,
-and the bundled pretrained MiniLM folder."""
+the bundled pretrained MiniLM folder, and a session check that ptplan leaves nothing behind."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+SESSION_MARK = "PTPLAN_TEST_SESSION"
+"""Set for the whole session; every process a test starts inherits it (launchers, torchrun, workers)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,3 +51,55 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def session_processes(mark: str) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes carrying ``SESSION_MARK=mark``, this one excepted."""
+    out = []
+    needle = f"{SESSION_MARK}={mark}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{d}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if needle not in env or state == "Z":
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue
+        out.append((int(d), cmd))
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(tmp_path_factory):
+    """After the whole session: no process a test started is still running, and ptplan left no cache
+    folder or job folder in /dev/shm or the temp folder, and no checkpoint temp file under the tests'
+    folders. (Only names that appeared during the session count.)"""
+    mark = uuid.uuid4().hex
+    os.environ[SESSION_MARK] = mark
+    roots = [r for r in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(r)]
+    before = {r: set(os.listdir(r)) for r in roots}
+    yield
+    if not os.path.isdir("/proc"):
+        return
+    deadline = time.monotonic() + 15
+    procs = session_processes(mark)
+    while procs and time.monotonic() < deadline:  # a killed run's processes may still be exiting
+        time.sleep(0.2)
+        procs = session_processes(mark)
+    for pid, _ in procs:  # do not leave them running; the assertion below still fails
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    files = [os.path.join(r, n) for r in roots for n in sorted(set(os.listdir(r)) - before[r])
+             if n.startswith("ptplan-")]
+    base = tmp_path_factory.getbasetemp()
+    files += [str(p) for p in base.rglob("checkpoint.pt.tmp.*")] + [str(p) for p in base.rglob(".tmp-*")]
+    assert not procs, f"processes started by the tests are still running: {procs}"
+    assert not files, f"ptplan left files behind: {files}"
