@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ptplan.planner.config import SCHEDULE_CHOICES
 from ptplan.planner.errors import PtplanError
 
 DEFAULT_PROFILE = "vit-base_cpu_fp32"
@@ -76,8 +77,10 @@ def format_plan_table(plan) -> str:
                  f"{prof.source}) on cluster {cl.name} ({plan.world_size} {unit}); schedule {tr.schedule}, "
                  f"batch policy {tr.batch_policy}, optimizer {tr.optimizer}, cache {tr.cache}")
     used = {t.phase for t in plan.trajectory}
+    mixed = len({(p.schedule, p.V) for p in plan.phases}) > 1 or tr.schedule == "auto"
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<22} "
-           f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}")
+           f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}"
+           + (f" {'schedule':<18}" if mixed else ""))
     lines.append(hdr)
     lines.append("-" * len(hdr))
     noted = []
@@ -91,10 +94,12 @@ def format_plan_table(plan) -> str:
         note = "!" if ph.notes else " "
         if ph.notes:
             noted.append(ph)
+        peak = max(ph.predicted.rank_peak_memory_bytes or ph.predicted.stage_peak_memory_bytes)
+        sched = ph.schedule + (f" V={ph.V}" if ph.V > 1 else "")
         lines.append(f"{i:>4}{mark} {ph.frozen_blocks:>6} {ph.K:>4} {ph.D:>5} {ph.M:>4} {ph.micro_batch_size:>4}  "
                      f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "
-                     f"{ph.predicted.bubble_fraction:>6.1%} {_gib(max(ph.predicted.stage_peak_memory_bytes)):>8} "
-                     f"{'on' if ph.cache else 'off':>5}{note}")
+                     f"{ph.predicted.bubble_fraction:>6.1%} {_gib(peak):>8} {'on' if ph.cache else 'off':>5}{note}"
+                     + (f"{sched:<18}" if mixed else ""))
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
                      f"for adaptive freezing)")
@@ -186,7 +191,10 @@ def shared_options(f: Any) -> Any:
                      help="Frozen blocks per freeze step, e.g. 0,4,7,9 (with --freeze manual)."),
         click.option("--freeze-every", type=int, default=None,
                      help="A freeze step every N optimizer steps instead of once per epoch."),
-        click.option("--schedule", type=click.Choice(["1f1b", "gpipe"]), default="1f1b", show_default=True),
+        click.option("--schedule", type=click.Choice(list(SCHEDULE_CHOICES)), default="1f1b", show_default=True,
+                     help="Pipeline schedule, or auto: the search picks per phase among 1f1b, gpipe, "
+                          "interleaved-1f1b (V chunks per GPU) and zb-h1 (with a profile that split the backward); "
+                          "about 5-10x slower to plan."),
         click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True,
                      help="Sets the optimizer-state memory (AdamW two moments, SGD one momentum buffer per "
                           "parameter)."),

@@ -457,8 +457,9 @@ def _repriced(ph: Phase, iteration_s: float, fill_s: float, **changes: Any) -> P
 
 def _freeze_only(search: PhaseSearch, base: Phase, table: list[int], training: TrainingConfig,
                  freeze: FreezePolicy) -> _Priced:
-    cand = Candidate(K=base.K, D=base.D, M=base.M, b=base.micro_batch_size, cache=False)
-    sched = build_schedule(training.schedule, base.K, base.M)
+    cand = Candidate(K=base.K, D=base.D, M=base.M, b=base.micro_batch_size, cache=False, schedule=base.schedule,
+                     V=base.V)
+    sched = build_schedule(base.schedule, base.K, base.M, base.V)
     counts = sorted(visits(table, training, freeze, search.W))
     phases, rows = [], []
     for f in counts:
@@ -490,9 +491,9 @@ def reprice(search: PhaseSearch, ph: Phase, ranges: Sequence[tuple[int, int]], f
             ) -> tuple[float, float, int]:
     """(iteration seconds, fill iteration seconds or 0, fullest stage's peak bytes) of a phase's K, D, M
     and cache with another split, through the one stage model and the simulator."""
-    cand = Candidate(K=ph.K, D=ph.D, M=ph.M, b=ph.micro_batch_size, cache=ph.cache)
+    cand = Candidate(K=ph.K, D=ph.D, M=ph.M, b=ph.micro_batch_size, cache=ph.cache, schedule=ph.schedule, V=ph.V)
     model = search.model(cand, ph.frozen_layers, fill_from)
-    sched = build_schedule(search.cfg.schedule, ph.K, ph.M)
+    sched = build_schedule(ph.schedule, ph.K, ph.M, ph.V)
     sim = simulate(sched, model.stage_costs(ranges), step_overhead_s=search.c.step_overhead_s)
     fill = 0.0
     if ph.cache:
@@ -537,7 +538,7 @@ def _paper_m_notes(search: PhaseSearch, priced: _Priced) -> _Priced:
             bp = r.M * r.micro_batch_size
             if bp % want:
                 why = f"does not split the {bp} samples per pipeline"
-            elif search.cfg.schedule == "1f1b" and want < r.K:
+            elif search.cfg.schedule in ("1f1b", "zb-h1") and want < r.K:
                 why = f"is below K={r.K} (1F1B needs M >= K)"
             elif not search.cfg.allow_extrapolation and not lo <= bp // want <= hi:
                 why = f"gives micro-batches of {bp // want} samples, outside the profile's measured {lo}..{hi}"

@@ -20,7 +20,15 @@ from .errors import PtplanError
 from .jsonio import Fields
 
 BATCH_POLICIES = ("constant-global", "constant-pipeline")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v")
+"""Schedules a phase may run (``planner/schedule.py`` generates each as data)."""
+SCHEDULE_CHOICES = ("auto", *SCHEDULES)
+"""What a user may ask for: one schedule, or ``auto`` (the search picks per phase among AUTO_SCHEDULES)."""
+AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")
+"""The schedules ``auto`` searches (zero-bubble ones only with a profile that measured the weight-gradient
+part of the backward)."""
+INTERLEAVED_V = (2, 4)
+"""Chunks per position the search tries for interleaved schedules."""
 OPTIMIZERS = ("adamw", "sgd")
 CACHE_MODES = ("off", "on", "auto")
 
@@ -53,7 +61,8 @@ class TrainingConfig:
     batch_policy: str = "constant-global"
     """``constant-global`` (same optimisation as the baseline) or ``constant-pipeline`` (the paper's)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    """Pipeline schedule (``SCHEDULES``), or ``auto``: the search picks one per phase among
+    ``AUTO_SCHEDULES`` (and V for interleaved ones) together with K and M."""
     optimizer: str = "adamw"
     """``adamw`` (two moments per parameter) or ``sgd`` (one momentum buffer); sets the optimizer-state
     bytes of the stage memory model (torch keeps the state in the parameters' dtype)."""
@@ -85,8 +94,8 @@ class TrainingConfig:
         _int_in("batch", self.batch, 1, MAX_BATCH, "Give the global batch in samples, e.g. 512.")
         if self.batch_policy not in BATCH_POLICIES:
             raise PtplanError(f"unknown batch policy {self.batch_policy!r}; use one of {', '.join(BATCH_POLICIES)}")
-        if self.schedule not in SCHEDULES:
-            raise PtplanError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in SCHEDULE_CHOICES:
+            raise PtplanError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULE_CHOICES)}")
         if self.optimizer not in OPTIMIZERS:
             raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
         if self.cache not in CACHE_MODES:
@@ -124,7 +133,7 @@ def training_from_json(f: Fields) -> TrainingConfig:
         return TrainingConfig(
             epochs=f.int("epochs", min=1), samples_per_epoch=f.int("samples_per_epoch", min=1),
             batch=f.int("batch", min=1), batch_policy=f.str("batch_policy", choices=BATCH_POLICIES),
-            schedule=f.str("schedule", choices=SCHEDULES), optimizer=f.str("optimizer", "adamw", choices=OPTIMIZERS),
+            schedule=f.str("schedule", choices=SCHEDULE_CHOICES), optimizer=f.str("optimizer", "adamw", choices=OPTIMIZERS),
             pin_K=opt_int("pin_K"), pin_M=opt_int("pin_M"), start_K=opt_int("start_K"),
             cache=f.str("cache", "off", choices=CACHE_MODES), memory_fraction=f.float("memory_fraction", 0.9),
             host_read_bandwidth=f.float("host_read_bandwidth", 10e9),

@@ -30,6 +30,8 @@ class TimesAt:
     cum_fwd: np.ndarray
     cum_bwd: np.ndarray
     cum_nograd: np.ndarray
+    cum_bwd_weight: np.ndarray
+    """Prefix sums of the backward's weight-gradient part (0 where the profile did not split it)."""
 
 
 @dataclass
@@ -49,6 +51,10 @@ class CostTable:
         self._fwd = k * np.array([r.forward_s for r in p.layers], dtype=float)
         self._bwd = k * np.array([r.backward_s for r in p.layers], dtype=float)
         self._nog = k * np.array([r.nograd_forward_s for r in p.layers], dtype=float)
+        self.backward_split_measured = all(r.backward_weight_s is not None for r in p.layers)
+        """Whether every layer's backward was split into its input- and weight-gradient parts."""
+        self._bww = k * np.array([r.backward_weight_s if r.backward_weight_s is not None
+                                  else (0.0,) * len(r.backward_s) for r in p.layers], dtype=float)
         self.params = np.array([r.params for r in p.layers], dtype=float)
         self.param_bytes = np.array([r.param_bytes for r in p.layers], dtype=float)
         self.grad_bytes = np.array([r.grad_bytes for r in p.layers], dtype=float)
@@ -80,8 +86,9 @@ class CostTable:
         if hit is None:
             bs, x = self.batch_sizes, float(b)
             f, bw, ng = interp_rows(bs, self._fwd, x), interp_rows(bs, self._bwd, x), interp_rows(bs, self._nog, x)
+            bww = np.minimum(interp_rows(bs, self._bww, x), bw)
             hit = TimesAt(b=b, fwd=f, bwd=bw, nograd=ng, cum_fb=_cum(f + bw), cum_fwd=_cum(f), cum_bwd=_cum(bw),
-                          cum_nograd=_cum(ng))
+                          cum_nograd=_cum(ng), cum_bwd_weight=_cum(bww))
             self._cache[b] = hit
         return hit
 

@@ -79,6 +79,9 @@ class Prediction:
     """Per stage: predicted peak device memory (``stage_memory[s].total``)."""
     stage_memory: tuple[MemoryBreakdown, ...] = ()
     """Per stage: the peak, term by term."""
+    rank_peak_memory_bytes: tuple[int, ...] = ()
+    """Per pipeline position: its peak with all its stages (chunks) together; with one stage per position
+    it equals stage_peak_memory_bytes."""
     fill_iteration_s: float = 0.0
     """With the AutoCache: seconds of an iteration that computes and writes the prefix outputs (the
     phase's first pass over the data); 0 when the phase does not cache."""
@@ -287,6 +290,8 @@ def _prediction(f: Fields) -> Prediction:
         stage_compute_s=tuple(f.floats("stage_compute_s")),
         stage_peak_memory_bytes=tuple(f.ints("stage_peak_memory_bytes", min=0)),
         stage_memory=tuple(_memory(m) for m in f.objs("stage_memory")) if "stage_memory" in f.obj else (),
+        rank_peak_memory_bytes=tuple(f.ints("rank_peak_memory_bytes", min=0)) if "rank_peak_memory_bytes" in f.obj
+        else (),
         fill_iteration_s=f.float("fill_iteration_s", 0.0, min=0),
         cache_host_bytes_per_node=f.int("cache_host_bytes_per_node", 0, min=0))
 

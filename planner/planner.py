@@ -170,8 +170,8 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
     c, sim = ch.cand, ch.sim
     n0 = search.p.frozen_boundary(f)
     timeline: tuple[TimelineEvent, ...] = ()
-    if keep_timeline and c.K * c.M * 6 <= MAX_TIMELINE_EVENTS:
-        timeline = simulate(search.schedule(c.K, c.M), ch.costs, events=True,
+    if keep_timeline and c.S * c.M * 6 <= MAX_TIMELINE_EVENTS:
+        timeline = simulate(search.schedule(c), ch.costs, events=True,
                             step_overhead_s=search.c.step_overhead_s).events
     totals = tuple(m.total for m in ch.memory)
     assert totals == tuple(sim.stage_peak_memory_bytes), "simulator and stage model disagree on memory"
@@ -185,13 +185,14 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
         bubble_fraction=min(max(sim.bubble_fraction, 0.0), 1.0), allreduce_s=sim.allreduce_s,
         stage_compute_s=tuple(sc.setup_s + c.M * (sc.forward_s + sc.backward_s + sc.prefix_s) for sc in ch.costs),
         stage_peak_memory_bytes=totals, stage_memory=ch.memory,
+        rank_peak_memory_bytes=tuple(int(x) for x in sim.rank_peak_memory_bytes),
         fill_iteration_s=ch.fill_sim.iteration_s if ch.fill_sim is not None else 0.0,
         cache_host_bytes_per_node=int(search.host_bytes_per_node(c, n0, 0)) if c.cache else 0)
     assert ch.links is not None
-    sched = search.schedule(c.K, c.M)
+    sched = search.schedule(c)
     return Phase(frozen_blocks=f, frozen_layers=n0, K=c.K, D=c.D, M=c.M, micro_batch_size=c.b,
-                 schedule=search.cfg.schedule, partition=ch.ranges, cache=c.cache, ranks=ch.links.ranks,
-                 predicted=pred, timeline=timeline, notes=tuple(notes),
+                 schedule=c.schedule, partition=ch.ranges, cache=c.cache, ranks=ch.links.ranks,
+                 predicted=pred, timeline=timeline, notes=tuple(notes), V=c.V,
                  actions=tuple(" ".join(map(str, acts)) for acts in sched.actions))
 
 

@@ -38,7 +38,8 @@ from .partition import split_stages
 from .plan import MemoryBreakdown
 from .profile import Profile
 from .replicate import divisors
-from .schedule import Schedule, build_schedule, peak_inflight
+from .config import AUTO_SCHEDULES, INTERLEAVED_V
+from .schedule import Schedule, ScheduleError, build_schedule, check_sizes, peak_inflight, stage_to_rank
 from .simulate import SimResult, StageCost, simulate
 from .stage import Links, PhaseShape, StageModel, cache_setup_s, links_for
 
@@ -63,10 +64,17 @@ class Candidate:
     M: int
     b: int
     cache: bool
+    schedule: str = "1f1b"
+    V: int = 1
+    """Stages (chunks) per pipeline position: K·V stages in all."""
 
     @property
     def B(self) -> int:
         return self.D * self.M * self.b
+
+    @property
+    def S(self) -> int:
+        return self.K * self.V
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,21 +111,30 @@ class PhaseSearch:
         self.n = profile.num_layers
         self.W = cluster.world_size
         self.limit = cluster.gpu_memory_bytes * cfg.memory_fraction
-        self._links: dict[int, Links] = {}
+        self._links: dict[tuple[int, str, int], Links] = {}
         self._stage0: dict[int, int] = {}
         self._fbmax: dict[int, np.ndarray] = {}
-        self._hint: dict[bool | None, tuple[int, int, bool]] = {}
+        self._hint: dict[bool | None, tuple[int, int, bool, str, int]] = {}
+        self.schedules = self._schedules()
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
 
     # ---- shared pieces -------------------------------------------------------------------------
-    def links(self, K: int) -> Links:
-        if K not in self._links:
-            self._links[K] = links_for(self.c, K)
-        return self._links[K]
+    def _schedules(self) -> tuple[str, ...]:
+        """The schedules to search: the configured one, or ``auto``'s set (zero-bubble ones only when
+        the profile split the backward into its input- and weight-gradient parts)."""
+        if self.cfg.schedule != "auto":
+            return (self.cfg.schedule,)
+        return tuple(s for s in AUTO_SCHEDULES if not s.startswith("zb") or self.t.backward_split_measured)
 
-    def schedule(self, K: int, M: int) -> Schedule:
-        return build_schedule(self.cfg.schedule, K, M)
+    def links(self, K: int, schedule: str = "1f1b", V: int = 1) -> Links:
+        key = (K, schedule, V)
+        if key not in self._links:
+            self._links[key] = links_for(self.c, K, stage_to_rank(schedule, K, V))
+        return self._links[key]
+
+    def schedule(self, c: Candidate) -> Schedule:
+        return build_schedule(c.schedule, c.K, c.M, c.V)
 
     def pipeline_batch(self, D: int) -> int | None:
         if self.cfg.batch_policy == "constant-global":
@@ -125,11 +142,27 @@ class PhaseSearch:
         return self.cfg.batch
 
     def model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel:
-        shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache,
-                           inflight=peak_inflight(self.cfg.schedule, cand.K, cand.M), optimizer=self.cfg.optimizer,
-                           device_is_host=self.c.device_is_host, action_overhead_s=self.c.action_overhead_s,
+        shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache, V=cand.V,
+                           inflight=peak_inflight(cand.schedule, cand.K, cand.M, cand.V),
+                           optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
+                           action_overhead_s=self.c.action_overhead_s,
                            host_read_bandwidth=self.cfg.host_read_bandwidth)
-        return StageModel(self.t, shape, self.links(cand.K), fill_from=fill_from)
+        return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V), fill_from=fill_from)
+
+    def shapes(self, K: int, M: int, n_active: int) -> list[tuple[str, int]]:
+        """(schedule, V) pairs that exist for K positions and M micro-batches and leave every stage a layer."""
+        out = []
+        for name in (self.schedules if K > 1 else self.schedules[:1]):
+            for V in (INTERLEAVED_V if name in ("interleaved-1f1b", "looped-bfs") else
+                      (2,) if name == "zb-v" else (1,)):
+                if K * V > n_active:
+                    continue
+                try:
+                    check_sizes(name, K, M, V)
+                except ScheduleError:
+                    continue
+                out.append((name, V))
+        return out
 
     # ---- 1. candidates -------------------------------------------------------------------------
     def k_options(self, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:
@@ -173,9 +206,7 @@ class PhaseSearch:
             if bp is None:
                 reasons.append(f"K={K}: global batch {cfg.batch} does not split over D={D} pipelines")
                 continue
-            ms = divisors(bp)
-            if cfg.schedule == "1f1b":
-                ms = [m for m in ms if m >= K]
+            ms = [m for m in divisors(bp) if self.shapes(K, m, n_active)]
             if not cfg.allow_extrapolation:
                 outside = [m for m in ms if not lo_b <= bp // m <= hi_b]
                 ms = [m for m in ms if lo_b <= bp // m <= hi_b]
@@ -187,12 +218,13 @@ class PhaseSearch:
                 pin_m_used = True
             if not ms:
                 if not reasons or not reasons[-1].startswith(f"K={K}:"):
-                    need = f"M >= K={K} for 1F1B" if cfg.schedule == "1f1b" else "a divisor"
-                    reasons.append(f"K={K}: {bp} samples per pipeline have no valid micro-batch count ({need})")
+                    reasons.append(f"K={K}: {bp} samples per pipeline have no micro-batch count that "
+                                   f"{'/'.join(self.schedules)} can run (e.g. 1F1B needs M >= K={K})")
                 continue
             for M in ms:
-                for cache in caches:
-                    out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache))
+                for name, V in self.shapes(K, M, n_active):
+                    for cache in caches:
+                        out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V))
         if not pin_m_used:
             notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
         return out, reasons, notes
@@ -234,24 +266,28 @@ class PhaseSearch:
         plus the per-step overhead.
         """
         tm = self.t.at(c.b)
-        K, M = c.K, c.M
+        K, M, S = c.K, c.M, c.S
+        zb = c.schedule.startswith("zb")
         ovh = self.c.action_overhead_s if K > 1 else 0.0
         n, t = self.n, self.t
         prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
         setup = cache_setup_s(t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
                               fill_from=fill_from) if c.cache else 0.0
-        L = self.links(K)
+        L = self.links(K, c.schedule, c.V)
         sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
         sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])
-        F = sf + K * ovh + prefix
-        Bw = sb + K * ovh
-        T = F + Bw + setup + 2.0 * float(L.send_lat.sum())
-        if self.cfg.schedule == "gpipe":
-            pipe = T + (M - 1) * (F + Bw) / K
-        else:
-            pipe = T + (M - 1) * F / K + max(0, M - K) * Bw / K
-        if M > 1:
-            pipe = max(pipe, setup + (F + Bw) / -math.expm1(K * math.log1p(-1.0 / M)))
+        sw = float(tm.cum_bwd_weight[n] - tm.cum_bwd_weight[n0]) if zb else 0.0
+        F = sf + S * ovh + prefix
+        Bw = sb + S * ovh
+        # one micro-batch's path: forwards, then the backwards that pass the gradient on (not W)
+        T = F + Bw - sw + setup + 2.0 * float(L.send_lat.sum())
+        pipe = max(T, M * (F + Bw) / K + setup / K)  # the path; the ranks' total work over K
+        if c.schedule == "gpipe":
+            pipe = max(pipe, T + (M - 1) * (F + Bw) / K)
+        elif c.schedule == "1f1b":
+            pipe = max(pipe, T + (M - 1) * F / K + max(0, M - K) * Bw / K)
+        if M > 1 and not zb:  # head and tail over the S stages (a W may end a zero-bubble stage's work)
+            pipe = max(pipe, setup + (F + Bw) / -math.expm1(S * math.log1p(-1.0 / M)))
         fb_max = float(self._fb_suffix_max(c.b)[n0])
         big = M * (fb_max + 2 * ovh)
         x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
@@ -259,11 +295,13 @@ class PhaseSearch:
         if c.D > 1:
             x_sum += float(t.cum_grad[n] - t.cum_grad[n0]) * float(L.ar_per_byte.min())
             lat = float(L.ar_lat.min())
-        tail = max((x_sum + M * (prefix + 2 * ovh * K) + setup) / K, big) + lat
+        tail = max((x_sum + M * (prefix + 2 * ovh * S) + setup) / K, big) + lat
         stage0 = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh)  # the prefix and its first layer
         last0 = float(t.optimizer_s[n0])
         if c.D > 1:
             last0 += float(L.ar_lat[0] + t.grad_bytes[n0] * L.ar_per_byte[0])
+        if zb:  # stage 0's all-reduce follows its own work (its last W), not necessarily the makespan
+            return max(pipe, big, stage0 + last0, tail) + self.c.step_overhead_s
         return max(max(pipe, big, stage0) + last0, tail) + self.c.step_overhead_s
 
     def _fb_suffix_max(self, b: int) -> np.ndarray:
@@ -275,18 +313,35 @@ class PhaseSearch:
             self._fbmax[b] = got
         return got
 
-    def split_bound(self, costs: Sequence[StageCost], M: int) -> float:
+    def split_bound(self, c: Candidate, costs: Sequence[StageCost]) -> float:
         """A lower bound on the simulated iteration once the split is known (the same arguments as
         ``lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
-        K = len(costs)
-        f = [c.forward_s + c.prefix_s for c in costs]
-        b = [c.backward_s for c in costs]
-        T = sum(f) + sum(b) + costs[0].setup_s + sum(c.send_forward_s + c.send_backward_s for c in costs)
-        if self.cfg.schedule == "gpipe":
-            pipe = T + (M - 1) * max(x + y for x, y in zip(f, b))
-        else:
-            pipe = T + max((M - 1) * f[s] + max(0, M - K + s) * b[s] for s in range(K))
-        tail = max(c.setup_s + M * (fs + bs) + c.allreduce_s + c.optimizer_s for c, fs, bs in zip(costs, f, b))
+        S, M, K = len(costs), c.M, c.K
+        zb = c.schedule.startswith("zb")
+        f = [x.forward_s + x.prefix_s for x in costs]
+        b = [x.backward_s for x in costs]
+        path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b
+        T = sum(f) + sum(path_b) + costs[0].setup_s + sum(x.send_forward_s + x.send_backward_s for x in costs)
+        s2r = stage_to_rank(c.schedule, K, c.V)
+        load = [0.0] * K
+        done = [0.0] * K
+        for s, x in enumerate(costs):
+            load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
+            done[s2r[s]] += x.allreduce_s + x.optimizer_s
+        pipe = max(T, max(load))
+        if c.schedule == "gpipe":
+            pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))
+        elif c.schedule == "1f1b":
+            pipe = max(pipe, T + max((M - 1) * f[s] + max(0, M - S + s) * b[s] for s in range(S)))
+        if not zb:  # head and tail of every stage
+            head = tail_b = 0.0
+            for s in range(S):
+                pipe = max(pipe, costs[0].setup_s + head + M * (f[s] + b[s]) + tail_b)
+                head += f[s]
+                tail_b += b[s]
+        tail = max(ld + dn for ld, dn in zip(load, done))
+        if zb:
+            return max(pipe, tail) + self.c.step_overhead_s
         return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + self.c.step_overhead_s
 
     def host_bytes_per_node(self, c: Candidate, n0: int, fill_from: int) -> float:
@@ -332,14 +387,15 @@ class PhaseSearch:
             return f"K={c.K}, M={c.M}, cache on: {why}"
         model = self.model(c, n0, fill_from)
         try:
-            part = split_stages(model, c.K, self.limit)
+            # V > 1: each of a position's V chunks within limit / V, so that the position fits
+            part = split_stages(model, c.S, self.limit if c.V == 1 else self.limit / c.V)
         except InfeasibleError as e:
             return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
         ranges = part.ranges
         costs = tuple(model.stage_costs(ranges))
-        if self.split_bound(costs, c.M) / c.B > cutoff * (1 + 1e-12):
+        if self.split_bound(c, costs) / c.B > cutoff * (1 + 1e-12):
             return None
-        sched = self.schedule(c.K, c.M)
+        sched = self.schedule(c)
         sim = simulate(sched, costs, step_overhead_s=self.c.step_overhead_s)
         fill_costs: tuple[StageCost, ...] = ()
         fill_sim = None
@@ -348,10 +404,10 @@ class PhaseSearch:
             fill_costs = tuple(model.stage_costs(ranges, fill=True))
             fill_sim = simulate(sched, fill_costs, step_overhead_s=self.c.step_overhead_s)
             fill_s = fill_sim.iteration_s
-        peak = max(sim.stage_peak_memory_bytes)
+        peak = max(sim.rank_peak_memory_bytes)
         assert peak <= self.limit * (1 + 1e-9), "the simulator and the partitioner disagree on memory"
         return Choice(cand=c, ranges=ranges, costs=costs, sim=sim, fill_costs=fill_costs, fill_sim=fill_sim,
-                      memory=tuple(model.stage_memory(ranges)), links=self.links(c.K),
+                      memory=tuple(model.stage_memory(ranges)), links=self.links(c.K, c.schedule, c.V),
                       objective=_seconds_per_sample(c, sim.iteration_s, fill_s, visit, self.cfg.samples_per_epoch))
 
     def search(self, f: int, visit: Visit, *, free: bool = False, cache: bool | None = None) -> Choice:
@@ -383,7 +439,7 @@ class PhaseSearch:
         heap = [(self.objective_bound(c, n0, visit), i, c) for i, c in enumerate(fits)]
         # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
         hint = self._hint.get(cache)
-        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache) == hint]
+        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V) == hint]
         heapq.heapify(heap)
         best: Choice | None = None
 
@@ -394,8 +450,7 @@ class PhaseSearch:
                 return
             if not isinstance(got, Choice):
                 reasons.append(got)
-            elif best is None or (got.objective, got.cand.K, got.cand.M, got.cand.cache) < \
-                    (best.objective, best.cand.K, best.cand.M, best.cand.cache):
+            elif best is None or _order(got) < _order(best):
                 best = got
 
         for c in first:
@@ -408,7 +463,7 @@ class PhaseSearch:
                 consider(c)
         if best is None:
             return [str(r) for r in reasons]
-        self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache)
+        self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V)
         return replace(best, notes=tuple(notes))
 
     def _infeasible(self, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
@@ -421,6 +476,12 @@ class PhaseSearch:
             f"{self.cfg.memory_fraction:.0%} usable):\n  {shown or 'no candidate (K, M)'}{prefix}\n"
             f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
             f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs.")
+
+
+def _order(ch: Choice) -> tuple:
+    """How choices compare: the objective, then (deterministic ties) smaller K, M, no cache, name, V."""
+    c = ch.cand
+    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V
 
 
 class _Reason:
@@ -441,8 +502,7 @@ def exhaustive(search: PhaseSearch, f: int, visit: Visit, *, cache: bool | None 
     best: Choice | None = None
     for c in cands:
         got = search.evaluate(c, n0, visit)
-        if isinstance(got, Choice) and (best is None or (got.objective, c.K, c.M, c.cache) <
-                                        (best.objective, best.cand.K, best.cand.M, best.cand.cache)):
+        if isinstance(got, Choice) and (best is None or _order(got) < _order(best)):
             best = got
     return best
 

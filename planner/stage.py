@@ -339,9 +339,12 @@ class StageModel:
         ar = (L.ar_lat + (t.cum_grad[hi] - t.cum_grad[lo]) * L.ar_per_byte) if sh.D > 1 else np.zeros(K)
         fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
         bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
+        bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
         opt = t.cum_opt_s[hi] - t.cum_opt_s[lo]
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
-        return [StageCost(forward_s=float(fwd[i]), backward_s=float(bwd[i]), prefix_s=self.prefix_s if i == 0 else 0.0,
+        return [StageCost(forward_s=float(fwd[i]), backward_s=float(bwd[i]),
+                          backward_weight_s=min(float(bww[i]), float(bwd[i])),
+                          prefix_s=self.prefix_s if i == 0 else 0.0,
                           setup_s=setup if i == 0 else 0.0, send_forward_s=float(send_f[i]),
                           send_backward_s=float(send_b[i]), allreduce_s=float(ar[i]), optimizer_s=float(opt[i]),
                           fixed_bytes=int(static[i]), activation_bytes_per_mb=int(per_mb[i]),

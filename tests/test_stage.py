@@ -26,8 +26,9 @@ def random_profile(rng: random.Random, blocks: int) -> Profile:
     layers = []
     for r in prof.layers:
         k = rng.uniform(0.2, 3.0)
-        layers.append(replace(r, forward_s=tuple(k * x for x in r.forward_s),
-                              backward_s=tuple(k * rng.uniform(1.5, 2.5) * x for x in r.forward_s),
+        bwd = tuple(k * rng.uniform(1.5, 2.5) * x for x in r.forward_s)
+        layers.append(replace(r, forward_s=tuple(k * x for x in r.forward_s), backward_s=bwd,
+                              backward_weight_s=tuple(rng.uniform(0.2, 0.7) * x for x in bwd),
                               saved_bytes_per_sample=int(r.saved_bytes_per_sample * rng.uniform(0.5, 2)),
                               optimizer_s=rng.uniform(0, 1e-4)))
     return replace(prof, layers=tuple(layers))
