@@ -2,7 +2,8 @@
 
 ``ptplan profile MODEL --project h100 --dtype bfloat16`` writes a ``ptplan.profile/1`` file for a GPU
 nobody here has. Nothing runs on real data: the model is moved to the ``meta`` device (tensors with
-shapes, no storage), and each layer's forward (grad enabled), backward (input and weight gradients)
+shapes, no storage), and each layer's forward (grad enabled), backward (input and weight gradients; and the input gradient alone,
+so that the weight-gradient part zero-bubble schedules run apart is their difference)
 and no-grad forward run under a dispatch mode that records every aten operation with
 
 - its FLOPs, from ``torch.utils.flop_counter``'s formulas (matrix multiplies, convolutions,
@@ -119,6 +120,9 @@ class LayerOps:
 
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
+    """The whole backward (input and weight gradients)."""
+    input_grad: tuple[Op, ...]
+    """The input gradient alone (empty for the first layer, whose input is data)."""
     nograd: tuple[Op, ...]
     output_bytes: int
     saved_bytes: int
@@ -158,20 +162,24 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
             y = layer(xin, attention_mask=mask)
             loss = model.loss(y, labels) if i == n - 1 else None
-        bwd = _Recorder()
-        wrt = ([xin] if i > 0 else []) + params
+        # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
+        # schedules run apart) is the difference: a separate weight-only pass would redo the gradients
+        # of intermediate activations
+        root, seed = (loss, None) if loss is not None else (y, torch.ones_like(y))
+        bwd, inp = _Recorder(), _Recorder()
+        if i > 0:
+            with inp:
+                torch.autograd.grad(root, [xin], grad_outputs=seed, retain_graph=True, allow_unused=True)
         with bwd:
-            if loss is not None:
-                torch.autograd.grad(loss, wrt, allow_unused=True)
-            else:
-                torch.autograd.grad(y, wrt, grad_outputs=torch.ones_like(y), allow_unused=True)
+            torch.autograd.grad(root, ([xin] if i > 0 else []) + params, grad_outputs=seed, allow_unused=True)
         layer.eval()
         nog = _Recorder()
         with torch.no_grad(), nog:
             yn = layer(h.detach(), attention_mask=mask)
             if i == n - 1:
                 model.loss(yn, labels)
-        out.append(LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), nograd=tuple(nog.ops),
+        out.append(LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops),
+                            nograd=tuple(nog.ops),
                             output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved[0] // b)))
         h = y.detach()
     model.train()
@@ -213,6 +221,7 @@ def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Se
             grad_bytes=nbytes, optimizer_bytes=2 * nbytes, output_bytes_per_sample=out_bytes[i],
             saved_bytes_per_sample=saved_bytes[i],
             forward_s=tuple(secs(p[i].forward) for p in per_b), backward_s=tuple(secs(p[i].backward) for p in per_b),
+            backward_weight_s=tuple(max(0.0, secs(p[i].backward) - secs(p[i].input_grad)) for p in per_b),
             nograd_forward_s=tuple(secs(p[i].nograd) for p in per_b), optimizer_s=opt))
     fwd = tuple(sum(r.forward_s[j] for r in records) for j in range(len(bs)))
     fb = tuple(sum(r.forward_s[j] + r.backward_s[j] for r in records) for j in range(len(bs)))
