@@ -4,8 +4,10 @@
 #   node A:  RDZV=nodeA.example:29400 JOB=job42 examples/run_two_nodes.sh
 #   node B:  RDZV=nodeA.example:29400 JOB=job42 examples/run_two_nodes.sh
 #
-# 2 x NPROC must equal the plan's K*D. Checkpoints are written by global rank 0 only, so put
-# CKPT on rank 0's node (or a shared file system); --max-restarts restarts resume from it.
+# 2 x NPROC must equal the plan's K*D. Global rank 0 writes the checkpoint into CKPT on whichever node
+# it runs (c10d does not tie it to a node); on a restart (--max-restarts) every rank looks in its own
+# CKPT and all resume from the newest checkpoint any node holds, so CKPT may be node-local or shared.
+# The run log is written where global rank 0 runs; the workers' output goes to run.<host>-<pid>.workers.log.
 set -euo pipefail
 PLAN=${PLAN:-plan.json}
 MODEL=${MODEL:-bert-base}

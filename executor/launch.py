@@ -385,6 +385,9 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env[ENV_JOB_DIR], env[ENV_JOB_TAG] = job_dir, tag
+    # A fresh store for the workers of every rendezvous round (c10d): the shared one keeps the last round's
+    # keys, and restarted gloo workers then connect to dead peers' addresses (connectFullMesh refused).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     proc: subprocess.Popen | None = None
     rc = 1
     me = os.getpid()

@@ -52,6 +52,29 @@ class Reporter:
             print(f"error: rank {self.rank}: {message}", file=sys.stderr, flush=True)
 
 
+def _init_process_group(backend: str, timeout_s: float, device) -> None:
+    """The default process group from torchrun's environment, its keys apart per restart.
+
+    When the workers use the agent's own store (a static rendezvous, or c10d with a shared store), that
+    store outlives a restart and still holds the failed attempt's keys, so restarted gloo workers would
+    read dead peers' addresses; the keys then go under ``ptplan/attempt<TORCHELASTIC_RESTART_COUNT>``.
+    (``ptplan run`` gives c10d a fresh store per round: ``launch``.)
+    """
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    device_id = device if device.type == "cuda" else None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ptplan/attempt{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                            device_id=device_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .launch import die_with_parent
 
@@ -78,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             device, backend = pick_device(cfg)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s),
-                                    device_id=device if device.type == "cuda" else None)
+            _init_process_group(backend, cfg.timeout_s, device)
             plan = load_plan(cfg.plan)
             model = build_for_plan(plan, cfg)
             data = make_dataset(plan, cfg, model)
