@@ -93,19 +93,23 @@ def save_checkpoint(folder: str | os.PathLike, payload: dict[str, Any]) -> str:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        if isinstance(e, OSError) or isinstance(getattr(e, "__cause__", None), OSError):
-            err = e if isinstance(e, OSError) else e.__cause__
-            assert isinstance(err, OSError)
+        err = _os_error(e)
+        if err is not None:
             full = " (the disk is full)" if err.errno in _DISK_FULL else ""
             raise PtplanError(f"cannot write the checkpoint {path}: {err.strerror or err}{full}; the temp file "
                               f"was removed and the previous checkpoint, if any, is kept. Free space or pass "
                               f"another --checkpoint-dir, then resume with --resume") from None
-        if isinstance(e, RuntimeError) and "write" in str(e).lower():  # torch's zip writer wraps OSError text
-            raise PtplanError(f"cannot write the checkpoint {path}: {e}; the temp file was removed and the "
-                              f"previous checkpoint, if any, is kept. Free space or pass another "
-                              f"--checkpoint-dir, then resume with --resume") from None
         raise
     return path
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e`` (torch's zip writer raises a RuntimeError while handling a failed write)."""
+    for _ in range(6):
+        if e is None or isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _fsync_dir(folder: str) -> None:

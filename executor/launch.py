@@ -12,7 +12,8 @@ The launcher (``ptplan run``, one per node) owns what its workers start and make
 - **Files.** The launcher's *tag* (``owner_tag``: a host hash, its pid and the pid's start time) names
   everything the job makes on this host: the AutoCache folders ``<cache root>/ptplan-<tag>-node<n>``
   (and the same name under ``--cache-spill-dir``), checkpoint temp files ``checkpoint.pt.tmp.<worker tag>``
-  and the launcher's job folder ``<temp dir>/ptplan-job-<tag>-*``. After torchrun exits (whatever the
+  and the launcher's job folder ``<temp dir>/ptplan-job-<tag>-*`` (also torchrun's and the workers' TMPDIR, so
+  torchrun's log folders go with it). After torchrun exits (whatever the
   reason), the launcher removes its cache folders, the temp files of dead workers and the job folder.
   A start first removes those whose owner is gone (``sweep_stale``): what a SIGKILL of the launcher or
   a power cut left.
@@ -59,7 +60,8 @@ def host_hash() -> str:
 
 
 def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc), None if it does not exist; 0 where
+    """The process's start time in clock ticks since boot (/proc), None if it does not exist or has ended
+    (a zombie: killed, not yet reaped -- a killed torchrun's workers wait for init to reap them); 0 where
     /proc is missing and the process exists."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -74,7 +76,10 @@ def _start_ticks(pid: int) -> int | None:
         except PermissionError:
             pass
         return 0
-    return int(text[text.rindex(")") + 2:].split()[19])
+    fields = text[text.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):  # ended; its files are its launcher's to remove
+        return None
+    return int(fields[19])
 
 
 def owner_tag(pid: int | None = None) -> str:
@@ -338,11 +343,22 @@ def _kill(pid: int, ticks: int | None, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def _kill_workers(job_dir: str, attempt: int | None = None) -> None:
+def _kill_workers(job_dir: str, attempt: int | None = None, *, wait_s: float = 0.0) -> None:
+    """SIGKILL the workers (of one attempt, or all) that started; with ``wait_s``, wait up to that long until
+    they have ended (a killed process's files are only safe to remove once it is gone)."""
     starts, fails = _read_markers(job_dir)
-    for (a, _), rec in starts.items():
-        if attempt is None or a == attempt:
-            _kill(rec["pid"], rec.get("ticks"))
+    mine = [rec for (a, _), rec in starts.items() if attempt is None or a == attempt]
+    for rec in mine:
+        _kill(rec["pid"], rec.get("ticks"))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and any(_is_running(rec["pid"], rec.get("ticks")) for rec in mine):
+        time.sleep(0.05)
+
+
+def _is_running(pid: int, ticks: int | None) -> bool:
+    """Whether the worker started as (pid, ticks) has not ended yet."""
+    now = _start_ticks(pid)
+    return now is not None and (ticks is None or now in (ticks, 0))
 
 
 def _wait(proc: subprocess.Popen, job_dir: str, sigs: _Signals) -> int:
@@ -385,6 +401,7 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env[ENV_JOB_DIR], env[ENV_JOB_TAG] = job_dir, tag
+    env["TMPDIR"] = job_dir  # torchrun's own log folders and the workers' temp files go with the job folder
     # A fresh store for the workers of every rendezvous round (c10d): the shared one keeps the last round's
     # keys, and restarted gloo workers then connect to dead peers' addresses (connectFullMesh refused).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -401,7 +418,7 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
         if proc is not None and proc.poll() is None:
             _signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
-        _kill_workers(job_dir)
+        _kill_workers(job_dir, wait_s=10.0)
         starts, fails = _read_markers(job_dir)
         removed, _ = sweep(folders, tag=tag)
         shutil.rmtree(job_dir, ignore_errors=True)

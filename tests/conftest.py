@@ -77,16 +77,25 @@ def session_processes(mark: str) -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind(tmp_path_factory):
-    """After the whole session: no process a test started is still running, and ptplan left no cache
-    folder or job folder in /dev/shm or the temp folder, and no checkpoint temp file under the tests'
-    folders. (Only names that appeared during the session count.)"""
+    """After the whole session: no process a test started is still running, ptplan left no cache folder in
+    /dev/shm and nothing in the session's own temp folder (TMPDIR, so that other sessions' runs on this
+    machine do not count), and no checkpoint or slab temp file under the tests' folders."""
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()  # fixed before TMPDIR changes
     mark = uuid.uuid4().hex
+    private = tempfile.mkdtemp(prefix="session-", dir=base)
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ[SESSION_MARK] = mark
-    roots = [r for r in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(r)]
-    before = {r: set(os.listdir(r)) for r in roots}
+    os.environ["TMPDIR"] = tempfile.tempdir = private
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     yield
+    os.environ.pop("TMPDIR") if saved[0] is None else os.environ.__setitem__("TMPDIR", saved[0])
+    tempfile.tempdir = saved[1]
     if not os.path.isdir("/proc"):
         return
+    from ptplan.executor.launch import tag_is_stale
+
     deadline = time.monotonic() + 15
     procs = session_processes(mark)
     while procs and time.monotonic() < deadline:  # a killed run's processes may still be exiting
@@ -97,9 +106,13 @@ def nothing_left_behind(tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    files = [os.path.join(r, n) for r in roots for n in sorted(set(os.listdir(r)) - before[r])
-             if n.startswith("ptplan-")]
-    base = tmp_path_factory.getbasetemp()
+    files = [os.path.join(private, n) for n in os.listdir(private) if n.startswith(("ptplan-", "torchelastic_"))]
+    for n in sorted(set(os.listdir("/dev/shm")) - shm) if os.path.isdir("/dev/shm") else []:
+        tag = n[len("ptplan-"):].rsplit("-node", 1)[0]
+        # a launcher's cache counts once its launcher is gone (another session's live run may be using it)
+        if n.startswith("ptplan-") and (not tag.startswith("j") or tag_is_stale(tag)):
+            files.append(os.path.join("/dev/shm", n))
     files += [str(p) for p in base.rglob("checkpoint.pt.tmp.*")] + [str(p) for p in base.rglob(".tmp-*")]
+    shutil.rmtree(private, ignore_errors=True)
     assert not procs, f"processes started by the tests are still running: {procs}"
     assert not files, f"ptplan left files behind: {files}"
