@@ -1,9 +1,11 @@
 """Rank layout of one phase and its process groups (pipeline and data-parallel), built in one fixed order.
 
-Legend: K stages per pipeline, D pipelines (data-parallel width); ``phase.ranks[p][s]`` is the global
-rank holding stage s of pipeline p. Every rank creates every group of a phase in the same order
-(all pipeline groups, then all data-parallel groups); groups of size 1 are never created. Pipeline
-groups keep the stage order (``sort_ranks=False``), so a rank's group rank is its stage index.
+Legend: K positions per pipeline, V chunks (stages) per position, D pipelines (data-parallel width);
+``phase.ranks[p][k]`` is the global rank at position k of pipeline p, holding the chunks
+``chunks_of(phase, k)`` (with V = 1, position k holds stage k). Every rank creates every group of a
+phase in the same order (all pipeline groups, then all data-parallel groups); groups of size 1 are
+never created. Pipeline groups keep the position order (``sort_ranks=False``), so a rank's group rank
+is its position.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ class Place:
     pipeline: int
     """p, which pipeline (data-parallel replica) the rank belongs to."""
     stage: int
-    """s, which stage of that pipeline it runs."""
+    """k, its position in that pipeline: the stage it runs when V = 1 (``chunks_of`` gives its chunks)."""
 
 
 def locate(phase: Phase, rank: int) -> Place:
@@ -32,6 +34,11 @@ def locate(phase: Phase, rank: int) -> Place:
             if r == rank:
                 return Place(pipeline=p, stage=s)
     raise ValueError(f"rank {rank} is not in the phase's layout {phase.ranks}")
+
+
+def chunks_of(phase: Phase, position: int) -> tuple[int, ...]:
+    """The chunks (stages, 0..K·V-1) that pipeline position ``position`` runs, in ascending order."""
+    return tuple(c for c, k in enumerate(phase.stage_to_rank()) if k == position)
 
 
 def pipeline_members(phase: Phase) -> list[list[int]]:
@@ -45,9 +52,9 @@ class PhaseGroups:
 
     place: Place
     pp_group: dist.ProcessGroup | None
-    """This rank's pipeline (K ranks, group rank = stage index); None when K == 1."""
+    """This rank's pipeline (K ranks, group rank = position); None when K == 1."""
     dp_group: dist.ProcessGroup | None
-    """The ranks holding this rank's stage across pipelines; None when D == 1."""
+    """The ranks at this rank's position across pipelines (they hold the same chunks); None when D == 1."""
     created: list[dist.ProcessGroup]
     """Every group this rank is a member of (to destroy at the next transition)."""
 
@@ -72,7 +79,7 @@ def build_groups(phase: Phase, rank: int, *, timeout: timedelta | None = None,
                 created.append(g)
     if pp_group is not None:
         got = dist.get_rank(pp_group)
-        assert got == place.stage, f"pipeline group rank {got} != stage {place.stage}"
+        assert got == place.stage, f"pipeline group rank {got} != position {place.stage}"
     return PhaseGroups(place=place, pp_group=pp_group, dp_group=dp_group, created=created)
 
 

@@ -76,16 +76,16 @@ def _sum_unique(tensors, seen: set[int]) -> int:
 
 
 def _recv_buffers(schedule: Any) -> list[Tensor]:
-    """The receive buffers of a torch.distributed.pipelining schedule's stage (private attributes, read only)."""
-    stage = getattr(schedule, "_stage", None)
+    """The receive buffers of a torch.distributed.pipelining schedule's stages (private attributes, read only)."""
     out: list[Tensor] = []
-    for name in ("args_recv_info", "grad_recv_info"):
-        infos = getattr(stage, name, None) or {}
-        for recv in infos.values():
-            for info in recv or ():
-                buf = getattr(info, "buffer", None)
-                if isinstance(buf, Tensor):
-                    out.append(buf)
+    for stage in getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]:
+        for name in ("args_recv_info", "grad_recv_info"):
+            infos = getattr(stage, name, None) or {}
+            for recv in infos.values():
+                for info in recv or ():
+                    buf = getattr(info, "buffer", None)
+                    if isinstance(buf, Tensor):
+                        out.append(buf)
     return out
 
 

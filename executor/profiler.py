@@ -11,6 +11,17 @@ How it measures (per micro-batch size b, after ``warmup`` untimed repeats, media
   include the loss (the last pipeline stage computes it).
 - **Whole-model step** (whole_model.forward_s, forward_backward_s): ``model(inputs)``, loss,
   backward, timed as one. Layered and whole steps alternate, so machine noise hits both alike.
+- **Split backward** (backward_weight_s): a third layer-by-layer step, alternating with the two
+  above, whose backward runs each layer as a zero-bubble schedule does, with the functions torch's
+  ``PipelineStage`` calls for its I and W actions: B, the input gradient
+  (``stage_backward_input``: autograd.grad with respect to the layer's input, keeping the gradients
+  that reach the weights' operations), then W, the weight gradient (``stage_backward_weight``: from
+  those kept gradients to the parameters), each timed. A layer whose input needs no gradient (the
+  first) has no B and its W is the whole backward, as on torch's first stage. The record keeps W's
+  share of the split, ``backward_weight_s = backward_s x W / (B + W)``, so B + W is the layered
+  backward exactly; the split's own sums beside the layered backward's, per size, are in the
+  profile's ``measurement["backward_split"]`` (their agreement is the check that the split costs
+  what the whole backward does).
 - **No-grad forward** (nograd_forward_s): eval mode under ``torch.no_grad``, layer by layer, timed
   (how a frozen layer runs).
 - **Optimizer step** (optimizer_s): one AdamW step (torch's default implementation for the device)
@@ -164,6 +175,45 @@ def _layered_step(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor,
         grad = ins[i].grad if i > 0 else None
     clock.sync()
     return [clock.seconds(a, b) for a, b in fwd_marks], [clock.seconds(a, b) for a, b in bwd_marks]
+
+
+def _split_step(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor, mask: Tensor | None
+                ) -> tuple[list[float], list[float]]:
+    """One training step layer by layer whose backward is split as zero-bubble schedules run it; returns
+    per-layer input-gradient (B) and weight-gradient (W) seconds."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    n = len(model.layers)
+    _clear_grads(model)
+    ins: list[Tensor] = []
+    outs: list[Tensor] = []
+    h = x
+    for i, layer in enumerate(model.layers):
+        xin = h if i == 0 else h.detach().requires_grad_(True)
+        y = layer(xin, attention_mask=mask)
+        if i == n - 1:
+            y = model.loss(y, labels)
+        ins.append(xin)
+        outs.append(y)
+        h = y
+    marks: list = [None] * n
+    grad: Tensor | None = None
+    clock.sync()
+    for i in range(n - 1, -1, -1):
+        params = list(model.layers[i].parameters())
+        a = clock.stamp()
+        if ins[i].requires_grad:
+            dinputs, groups = stage_backward_input([outs[i]], None if grad is None else [grad], [ins[i]], iter(params))
+            b = clock.stamp()
+            stage_backward_weight(iter(params), groups)
+            grad = dinputs[0]
+        else:  # no input gradient to compute: W is the whole backward (torch's first stage)
+            b = a
+            torch.autograd.backward(outs[i], grad_tensors=grad)
+            grad = None
+        marks[i] = (a, b, clock.stamp())
+    clock.sync()
+    return [clock.seconds(a, b) for a, b, _ in marks], [clock.seconds(b, c) for _, b, c in marks]
 
 
 def _whole_step(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor, mask: Tensor | None
@@ -488,6 +538,10 @@ class _SizeResult:
 
     forward: list[float]
     backward: list[float]
+    backward_input: list[float]
+    """Per layer: B, the input-gradient part of the split backward (``_split_step``)."""
+    backward_weight: list[float]
+    """Per layer: W, the weight-gradient part of the split backward."""
     nograd: list[float]
     whole_forward: float
     whole_forward_backward: float
@@ -498,21 +552,24 @@ class _SizeResult:
 
 def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int, gen: torch.Generator,
                   warmup: int, repeats: int, bar: Any) -> _SizeResult:
-    """Layered and whole steps alternating, then no-grad forwards, then one memory pass, at size b."""
+    """Layered, whole and split-backward steps alternating, then no-grad forwards, then one memory pass, at size b."""
     n = len(model.layers)
     x, labels, mask = model.make_batch(b, gen)
     model.train()
-    lf, lb, wf, wfb = [], [], [], []
+    lf, lb, wf, wfb, sb, sw = [], [], [], [], [], []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     for r in range(warmup + repeats):
         f_i, b_i = _layered_step(model, clock, x, labels, mask)
         w_f, w_fb = _whole_step(model, clock, x, labels, mask)
+        bi_i, bw_i = _split_step(model, clock, x, labels, mask)
         if r >= warmup:
             lf.append(f_i)
             lb.append(b_i)
             wf.append(w_f)
             wfb.append(w_fb)
+            sb.append(bi_i)
+            sw.append(bw_i)
         bar.update(1)
     peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
     _clear_grads(model)
@@ -528,6 +585,8 @@ def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int,
     _clear_grads(model)
     return _SizeResult(forward=[statistics.median(s[i] for s in lf) for i in range(n)],
                        backward=[statistics.median(s[i] for s in lb) for i in range(n)],
+                       backward_input=[statistics.median(s[i] for s in sb) for i in range(n)],
+                       backward_weight=[statistics.median(s[i] for s in sw) for i in range(n)],
                        nograd=[statistics.median(s[i] for s in ln) for i in range(n)],
                        whole_forward=statistics.median(wf), whole_forward_backward=statistics.median(wfb),
                        peak=peak, out_bytes=out_bytes, saved_bytes=saved_bytes)
@@ -607,7 +666,9 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
             grad_bytes=nbytes, optimizer_bytes=ADAMW_STATE_BYTES_PER_PARAM * count,
             output_bytes_per_sample=last.out_bytes[i], saved_bytes_per_sample=last.saved_bytes[i],
             forward_s=tuple(r.forward[i] for r in results), backward_s=tuple(r.backward[i] for r in results),
-            nograd_forward_s=tuple(r.nograd[i] for r in results), optimizer_s=opt_s[i]))
+            nograd_forward_s=tuple(r.nograd[i] for r in results),
+            backward_weight_s=tuple(weight_share(r.backward_input[i], r.backward_weight[i]) * r.backward[i]
+                                    for r in results), optimizer_s=opt_s[i]))
     config = config_summary(model)
     if model.family in DEFAULT_NUM_LABELS:
         config["num_labels"] = model.num_labels  # the classifier's size, so a run rebuilds the same head
@@ -623,6 +684,10 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
         "grads_set_to_none_each_step": True,
         "memory_batch_size": bs[-1], "optimizer": "AdamW (2 fp32 moments per parameter)",
         "optimizer_step": "AdamW step over each layer's parameters alone, timed per layer",
+        "backward_weight": "backward_s x W / (B + W), B and W timed per layer in a split-backward step (torch's "
+                           "stage_backward_input, stage_backward_weight)",
+        "backward_split": [{"batch_size": b, "input_s": sum(r.backward_input), "weight_s": sum(r.backward_weight),
+                            "backward_s": sum(r.backward)} for b, r in zip(measured, results)],
     }
     if auto:
         measurement["batch_sizes"] = (f"default: powers of two up to {max_batch}, stopping where the estimated "
@@ -637,6 +702,12 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
                                           forward_backward_s=tuple(r.whole_forward_backward for r in results),
                                           peak_memory_bytes=peaks),
                    measurement=measurement, provenance=Provenance(source="measured", command=command))
+
+
+def weight_share(input_s: float, weight_s: float) -> float:
+    """W's share of a split backward, W / (B + W) (0 when neither took measurable time)."""
+    total = input_s + weight_s
+    return weight_s / total if total > 0 else 0.0
 
 
 def agreement(profile: Profile) -> list[tuple[int, float, float, float]]:

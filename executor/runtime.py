@@ -1,14 +1,17 @@
 """One rank's elastic runtime: its stage's layers, the optimizer, the current phase, its groups and stage.
 
-Legend: K stages per pipeline, D pipelines, M micro-batches per pipeline.
+Legend: K positions (ranks) per pipeline, V chunks (stages) per position, D pipelines, M micro-batches per
+pipeline.
 
 A rank holds exactly what ``planner/stage.py`` says its stage holds (``transition.holdings``): the
 active layers of its stage on the device, plus on stage 0 the frozen prefix -- on the device when
 it recomputes it, in host memory when the AutoCache serves it. Every other layer of the canonical
 model keeps its ``nn.Parameter`` objects without storage (``stage.LayerStore``), so one optimizer
 over all parameters stays valid (``optim``: it keeps state only for this rank's active layers). A
-phase gives each rank one stage (``stage``), whose gradients are averaged over the stage's
-data-parallel group by one flat all-reduce after the schedule's step (never DDP around a stage).
+phase gives each rank one stage, or V chunks at one pipeline position (``stage``), run by the plan's
+action lists (``actions``) on torch.distributed.pipelining's custom-schedule runtime; their
+gradients are averaged over the position's data-parallel group by one flat all-reduce after the
+schedule's step (never DDP around a stage).
 Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
 frees what it only sent, destroys the old groups and creates the new ones in the same order on
@@ -37,8 +40,9 @@ from torch import Tensor
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
 
+from .actions import phase_schedule
 from .cache import ActivationCache, prefix_forward
-from .groups import PhaseGroups, build_groups, destroy_groups
+from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
 from .transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
@@ -67,10 +71,16 @@ class ElasticRuntime:
         self.sizes = self.store.sizes
         self.names = {id(p): name for name, p in model.named_parameters()}
         self.block_of = [s.block for s in model.specs]
+        self.phase_schedules = [phase_schedule(ph, i) for i, ph in enumerate(plan.phases)]
+        """Per phase, the schedule it runs (``actions.phase_schedule``: the plan's action lists, checked
+        here, before any collective, so a plan the executor cannot run fails on every rank at once)."""
         self.phase_index: int | None = None
         self.phase: Phase | None = None
         self.groups: PhaseGroups | None = None
+        self.chunks: dict[int, torch.nn.Module] = {}
+        """The stages (chunks) this rank runs in the current phase: chunk index -> module."""
         self.module = None
+        """This rank's stage module (V = 1), or all its chunks in one ModuleList (V > 1)."""
         self.schedule = None
         self.owned: list[int] = []
         self.held: dict[int, str] = {}
@@ -124,6 +134,7 @@ class ElasticRuntime:
         new = self.plan.phases[index]
         t0 = time.perf_counter()
         self.module = self.schedule = None  # the old stage and its receive buffers go first
+        self.chunks = {}
         self.opt.zero_grad(set_to_none=True)
         need = needs(new, self.n)
         held = holdings(new, self.rank, self.n, cached_prefix=self._caches(new))
@@ -152,7 +163,7 @@ class ElasticRuntime:
             self.groups = None
             self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
         t3 = time.perf_counter()
-        self._build_stage(new)
+        self._build_stage(new, index)
         t4 = time.perf_counter()
         self.phase, self.phase_index = new, index
         secs = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0], dtype=torch.float64, device=self.device)
@@ -164,12 +175,13 @@ class ElasticRuntime:
         return {"seconds": total, "parts": {"weights": w, "optimizer_state": s, "groups": g, "rebuild": r},
                 "bytes": {"weights": int(bw), "optimizer_state": int(bs)}}
 
-    def _build_stage(self, ph: Phase) -> None:
-        stage = self.groups.place.stage
-        self.module = stage_module(self.model, ph, stage, cached_prefix=self._caches(ph))
-        self.schedule = None
-        if ph.K > 1:
-            self.schedule = build_schedule(self.module, ph, stage, self.device, self.groups.pp_group, self.model.loss)
+    def _build_stage(self, ph: Phase, index: int) -> None:
+        self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph))
+                       for c in chunks_of(ph, self.groups.place.stage)}
+        mods = list(self.chunks.values())
+        self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
+        self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
+                                       self.model.loss)
 
     def set_cache(self, cache: ActivationCache | None) -> None:
         """Read the frozen prefix's output from ``cache`` in caching phases from now on (call before the
@@ -179,7 +191,7 @@ class ElasticRuntime:
         if self.phase is not None:
             self.held = holdings(self.phase, self.rank, self.n, cached_prefix=self._caches(self.phase))
             self._settle(self.held, also=set(), current=None)
-            self._build_stage(self.phase)
+            self._build_stage(self.phase, self.phase_index)
 
     # ---- one optimizer step ----------------------------------------------------------------
     def _owned_grads(self) -> list[Tensor]:
@@ -218,8 +230,9 @@ class ElasticRuntime:
         same numbers: one all-reduce over the world).
         """
         ph, place = self.phase, self.groups.place
+        first, last = 0 in self.chunks, ph.stages - 1 in self.chunks
         x, y, mask = (None if t is None else t.to(self.device) for t in batch)
-        if place.stage == 0 and self._caches(ph):  # the shard's prefix output, micro-batch by micro-batch
+        if first and self._caches(ph):  # the shard's prefix output, micro-batch by micro-batch
             assert ids is not None, "a caching phase needs the shard's sample ids"
             x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache,
                                micro_batch_size=ph.micro_batch_size)
@@ -228,22 +241,9 @@ class ElasticRuntime:
         kw = {} if mask is None else {"attention_mask": mask}
         self.opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
-        last = place.stage == ph.K - 1
-        if ph.K == 1:
-            xs, ys = torch.tensor_split(x, ph.M), torch.tensor_split(y, ph.M)
-            ms = torch.tensor_split(mask, ph.M) if mask is not None else [None] * ph.M
-            for xm, ym, mm in zip(xs, ys, ms):
-                loss = self.model.loss(self.module(xm, **({} if mm is None else {"attention_mask": mm})), ym)
-                loss.backward()
-                losses.append(loss.detach())
-            for g in self._owned_grads():
-                g.div_(ph.M)
-        elif place.stage == 0:
-            self.schedule.step(x, return_outputs=False, **kw)
-        elif last:
-            self.schedule.step(target=y, losses=losses, return_outputs=False, **kw)
-        else:
-            self.schedule.step(return_outputs=False, **kw)
+        args = (x,) if first else ()
+        ends = {"target": y, "losses": losses} if last else {}
+        self.schedule.step(*args, return_outputs=False, **ends, **kw)
         t0 = time.perf_counter()
         self._allreduce_grads()
         self.last_allreduce_s = time.perf_counter() - t0

@@ -2,7 +2,8 @@
 
 ``make_plan(model, [spec(0, K=4, D=1, M=4, b=2), spec(1, K=2, D=2, M=2, b=2), ...], trajectory=[0, 1, 2])``
 gives a Plan whose profile identity matches ``model``, with even partitions and row-major rank
-layouts unless given, dummy predictions, and one trajectory point per freeze step.
+layouts unless given, each phase's action lists from ``planner.schedule.build_schedule`` (V chunks
+per position with ``V=``), dummy predictions, and one trajectory point per freeze step.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ptplan.planner.config import TrainingConfig
 from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.plan import (Baseline, Phase, Plan, PlanInputs, Prediction, ProfileRef, Totals, TrajectoryPoint,
                                  plan_from_json)
+from ptplan.planner.schedule import ScheduleError, build_schedule
 
 from .validate import frozen_boundary, model_fingerprint
 
@@ -30,11 +32,17 @@ class PhaseSpec:
     b: int
     """Micro-batch size (samples)."""
     partition: tuple[tuple[int, int], ...] | None = None
-    """K layer ranges over the active layers (None: as even as possible)."""
+    """K·V layer ranges over the active layers (None: as even as possible)."""
     ranks: tuple[tuple[int, ...], ...] | None = None
-    """ranks[p][s] (None: row-major, rank = p*K + s)."""
+    """ranks[p][k] (None: row-major, rank = p*K + k)."""
     schedule: str | None = None
-    """``gpipe`` | ``1f1b`` (None: the plan's default)."""
+    """A ``planner.schedule`` name (None: the plan's default)."""
+    V: int = 1
+    """Chunks (stages) per pipeline position (``Phase.V``)."""
+    actions: tuple[str, ...] | None = None
+    """Per position, its actions as text (``Phase.actions``). None: ``build_schedule``'s lists for the
+    phase's schedule, K, M and V (none where it refuses them, e.g. 1F1B with M < K); (): none, as in
+    plans written before phases stored them."""
     cache: bool = False
     """Cache the frozen prefix's output in this phase (AutoCache; ``Phase.cache``)."""
 
@@ -44,7 +52,8 @@ def spec(frozen_blocks: int, *, K: int, D: int, M: int, b: int, **kw: Any) -> Ph
 
 
 def even_partition(lo: int, hi: int, K: int) -> tuple[tuple[int, int], ...]:
-    """K contiguous ranges over [lo, hi), sizes differing by at most one (larger ones last)."""
+    """K contiguous ranges over [lo, hi) (K stages: K·V with V chunks per position), sizes differing by at
+    most one (larger ones last)."""
     n = hi - lo
     if n < K:
         raise ValueError(f"{n} active layers cannot fill {K} stages")
@@ -57,15 +66,28 @@ def even_partition(lo: int, hi: int, K: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def schedule_text(name: str, K: int, M: int, V: int = 1) -> tuple[str, ...]:
+    """Per position, the named schedule's actions as ``Phase.actions`` stores them."""
+    return tuple(" ".join(map(str, acts)) for acts in build_schedule(name, K, M, V).actions)
+
+
 def _phase(model: nn.Module, sp: PhaseSpec, schedule: str) -> Phase:
     n0 = frozen_boundary(model, sp.frozen_blocks)
-    part = sp.partition or even_partition(n0, len(model.layers), sp.K)
+    S = sp.K * sp.V
+    part = sp.partition or even_partition(n0, len(model.layers), S)
     ranks = sp.ranks or tuple(tuple(p * sp.K + s for s in range(sp.K)) for p in range(sp.D))
+    name = sp.schedule or schedule
+    actions = sp.actions
+    if actions is None:
+        try:
+            actions = schedule_text(name, sp.K, sp.M, sp.V)
+        except ScheduleError:  # a schedule that cannot exist (tests of the checks that refuse it): no lists
+            actions = ()
     pred = Prediction(iteration_s=1.0, samples_per_s=1.0, bubble_fraction=0.0, allreduce_s=0.0,
-                      stage_compute_s=(0.0,) * sp.K, stage_peak_memory_bytes=(0,) * sp.K)
+                      stage_compute_s=(0.0,) * S, stage_peak_memory_bytes=(0,) * S)
     return Phase(frozen_blocks=sp.frozen_blocks, frozen_layers=n0, K=sp.K, D=sp.D, M=sp.M,
-                 micro_batch_size=sp.b, schedule=sp.schedule or schedule, partition=tuple(part), cache=sp.cache,
-                 ranks=tuple(tuple(r) for r in ranks), predicted=pred)
+                 micro_batch_size=sp.b, schedule=name, partition=tuple(part), cache=sp.cache,
+                 ranks=tuple(tuple(r) for r in ranks), predicted=pred, V=sp.V, actions=tuple(actions))
 
 
 def profile_identity(model: nn.Module) -> ProfileRef:

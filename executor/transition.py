@@ -1,12 +1,13 @@
 """Moving layers (weights and optimizer state) between ranks: who holds what, who needs what, and the sends.
 
-A rank holds storage only for the layers of its own stage (``holdings``): the active layers of its
-stage's range on the device, and on stage 0 the frozen prefix -- on the device when stage 0
-recomputes it, in host memory when the AutoCache serves it (``planner/stage.py``). Every other
-layer has no storage on that rank (``executor/stage.py``'s ``LayerStore``). So a layer is needed
-(``needs``) exactly by the ranks of its stage's data-parallel group (frozen layers: by the ranks
-of stage 0), and once a phase starts, the ranks holding a current copy of a layer are exactly the
-ranks that need it. A transition, a resume and a gather to rank 0 are the same operation: for each
+A rank holds storage only for the layers of its own chunks (``holdings``; one stage when V = 1, V
+chunks at one pipeline position otherwise): the active layers of its chunks' ranges on the device,
+and at position 0 (which runs chunk 0) the frozen prefix -- on the device when it recomputes it, in
+host memory when the AutoCache serves it (``planner/stage.py``). Every other layer has no storage on
+that rank (``executor/stage.py``'s ``LayerStore``). So a layer is needed (``needs``) exactly by the
+ranks of its chunk's position across pipelines, the data-parallel group (frozen layers: by the
+ranks at position 0), and once a phase starts, the ranks holding a current copy of a layer are
+exactly the ranks that need it. A transition, a resume and a gather to rank 0 are the same operation: for each
 layer, send it from a current holder to every rank that needs it and lacks it, coalesced into one
 flat buffer per (source, destination, dtype), with sources chosen to balance bytes sent; the
 receiver allocates the layer before the exchange and a sender that no longer needs it frees it
@@ -34,7 +35,7 @@ class Transfer:
 
 
 def layer_owner_stage(phase: Phase, layer: int) -> int | None:
-    """The stage whose range holds ``layer`` in ``phase``; None for a frozen-prefix layer."""
+    """The stage (chunk) whose range holds ``layer`` in ``phase``; None for a frozen-prefix layer."""
     for s, (lo, hi) in enumerate(phase.partition):
         if lo <= layer < hi:
             return s
@@ -46,10 +47,11 @@ def layer_owner_stage(phase: Phase, layer: int) -> int | None:
 def needs(phase: Phase, num_layers: int) -> list[frozenset[int]]:
     """For each layer, the ranks that need a current copy to train in ``phase``."""
     groups = phase.dp_groups()
+    where = phase.stage_to_rank()
     out = []
     for i in range(num_layers):
         s = layer_owner_stage(phase, i)
-        out.append(frozenset(groups[0 if s is None else s]))
+        out.append(frozenset(groups[0 if s is None else where[s]]))
     return out
 
 
@@ -76,11 +78,12 @@ def sources(transfers: Sequence[Transfer], rank: int) -> set[int]:
 
 
 def owned_layers(phase: Phase, rank: int, num_layers: int) -> list[int]:
-    """The active layers this rank trains in ``phase`` (its stage's range)."""
+    """The active layers this rank trains in ``phase`` (its chunks' ranges, ascending)."""
+    where = phase.stage_to_rank()
     for row in phase.ranks:
         if rank in row:
-            lo, hi = phase.partition[row.index(rank)]
-            return list(range(lo, hi))
+            k = row.index(rank)
+            return [i for c, (lo, hi) in enumerate(phase.partition) if where[c] == k for i in range(lo, hi)]
     raise ValueError(f"rank {rank} is not in the phase's layout {phase.ranks}")
 
 

@@ -1,4 +1,6 @@
-"""The central check: 4-process elastic runs (K=4,D=1 -> K=2,D=2 -> K=1,D=4) equal a single-process reference.
+"""The central check: 4-process elastic runs (K=4,D=1 -> K=2,D=2 -> K=1,D=4) equal a single-process reference,
+for every schedule the executor runs: GPipe, 1F1B, ZB-H1 (backward split into B and W) and interleaved
+1F1B with V=2 chunks per position (8 -> 4 -> 2 stages).
 
 Each run forks 4 gloo processes; rank 0 gathers the full model after every transition and at the
 end. The reference below is written from scratch (it shares only the model adapter with the
@@ -53,10 +55,15 @@ def _build(name: str):
     return build_model(name, granularity="half", dropout=0.0, seed=SEED, **kw)
 
 
-def _plan(model, schedule: str):
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
+"""(schedule, V) pairs the parity tests run."""
+
+
+def _plan(model, schedule: str, V: int = 1):
     l0, l1, l2 = LAYOUTS[model.name]
-    return make_plan(model, [spec(0, K=4, D=1, M=4, b=2, ranks=l0), spec(1, K=2, D=2, M=2, b=2, ranks=l1),
-                             spec(2, K=1, D=4, M=2, b=1, ranks=l2)], trajectory=[0, 1, 2], schedule=schedule)
+    return make_plan(model, [spec(0, K=4, D=1, M=4, b=2, ranks=l0, schedule=schedule, V=V),
+                             spec(1, K=2, D=2, M=2, b=2, ranks=l1, schedule=schedule, V=V),
+                             spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V)], trajectory=[0, 1, 2])
 
 
 def _data(model):
@@ -114,9 +121,10 @@ def reference(name: str, optimizer: str, data, counts=COUNTS, chunks=CHUNKS, bat
 
 # ---- the elastic run --------------------------------------------------------------------------
 
-def elastic_run(name: str, schedule: str, optimizer: str, data, tmp: str, plan=None) -> tuple[dict[int, dict], str]:
+def elastic_run(name: str, schedule: str, optimizer: str, data, tmp: str, plan=None, V: int = 1
+                ) -> tuple[dict[int, dict], str]:
     model = _build(name)
-    plan = plan or _plan(model, schedule)
+    plan = plan or _plan(model, schedule, V)
     o = OPT[optimizer]
     cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
@@ -151,11 +159,11 @@ def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule,V", SCHEDULES, ids=[s for s, _ in SCHEDULES])
 @pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny", "gpt2-tiny"])
-def test_elastic_run_matches_single_process_reference(name, schedule, optimizer, tmp_path):
+def test_elastic_run_matches_single_process_reference(name, schedule, V, optimizer, tmp_path):
     data = _data(_build(name))
-    snaps, log = elastic_run(name, schedule, optimizer, data, str(tmp_path))
+    snaps, log = elastic_run(name, schedule, optimizer, data, str(tmp_path), V=V)
     ref, ref_losses = reference(name, optimizer, data)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)  # start, two transitions, end
     for step in (2, 4, 6):
