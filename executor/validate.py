@@ -82,11 +82,12 @@ def check_model(plan: Plan, model: nn.Module) -> None:
 
 
 def check_phase(i: int, ph: Phase, global_batch: int | None, policy: str) -> None:
-    """The phase's schedule limits and batch split."""
-    if ph.schedule == "1f1b" and ph.M < ph.K:
-        raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) uses 1F1B with M={ph.M} micro-batches "
-                          f"on K={ph.K} stages; 1F1B needs M >= K: re-plan with more micro-batches (e.g. "
-                          f"--micro-batches {ph.K}) or the gpipe schedule")
+    """The phase's schedule and batch split. The schedule is checked by the very function the runtime
+    builds it with (``actions.phase_schedule``: sizes, the stored action lists, message order), so a plan
+    refused here is exactly one the workers could not run."""
+    from .actions import phase_schedule
+
+    phase_schedule(ph, i)
     if global_batch is None:
         return
     if policy == "constant-global":

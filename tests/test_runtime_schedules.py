@@ -228,3 +228,38 @@ def test_every_rank_runs_the_plans_compute_order_through_elastic_transitions(ber
             assert got == list(want[locate(ph, rank).stage]), (rec["step"], rank, got)
     kinds = {tok.lstrip("0123456789")[0] for got in ran.values() for tok in got}
     assert kinds == ({"F", "I", "W"} if schedule == "zb-h1" else {"F", "B"})
+
+
+# ---- pre-launch: the launcher refuses what the workers could not run, with the workers' own check ------
+
+@pytest.mark.parametrize("case", ["1f1b-M<K-no-actions", "unknown-action", "receive-order"])
+def test_a_plan_the_workers_cannot_run_is_refused_before_launch(bert, tmp_path, case):
+    """`ptplan run --dry-run` checks every phase's schedule with ``actions.phase_schedule`` -- the function
+    the runtime builds its schedule with -- so a plan refused by the workers is refused before any process
+    starts: one line, exit 2, naming the phase."""
+    from dataclasses import replace
+
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+    from ptplan.planner.plan import save_plan
+
+    if case == "1f1b-M<K-no-actions":  # no stored lists: the generator's size rule (1F1B needs M >= K)
+        plan = make_plan(bert, [spec(0, K=4, D=1, M=2, b=4, schedule="1f1b", actions=())], trajectory=[0])
+        want = "1F1B needs at least as many micro-batches as stages: M=2 < K=4"
+    else:
+        plan = _plan(bert, "1f1b")
+        ph = plan.phases[1]
+        acts = ([ph.actions[0].replace("0F1", "0X1", 1), ph.actions[1]] if case == "unknown-action" else
+                [ph.actions[0].replace("0RECV_B0 0B0 0RECV_B1 0B1", "0RECV_B1 0RECV_B0 0B0 0B1"), ph.actions[1]])
+        plan = replace(plan, phases=tuple(replace(p, actions=tuple(acts)) if i == 1 else p
+                                          for i, p in enumerate(plan.phases)))
+        want = "cannot parse action '0X1'" if case == "unknown-action" else "in another order than rank 1 sends"
+    save_plan(plan, tmp_path / "plan.json")
+    x, y, m = bert.make_batch(64, generator=torch.Generator().manual_seed(0))
+    torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "data.pt")
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "plan.json"), "--model", "bert-tiny", "--nproc-per-node",
+                                 str(plan.world_size), "--data", str(tmp_path / "data.pt"), "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: plan phase") and want in r.output and r.output.count("\n") == 1, r.output
+    assert "the executor cannot run its schedule" in r.output
