@@ -222,7 +222,7 @@ class Baseline:
 
 WARNING_CODES = ("cpu-profile-for-gpu-cluster", "synthetic-profile", "projected-profile", "extrapolated-micro-batch",
                  "missing-optimizer-time", "optimizer-time-is-adamw", "pinned-not-possible", "host-memory-unknown",
-                 "cache-off-host-memory")
+                 "cache-off-host-memory", "missing-backward-split")
 
 
 @dataclass(frozen=True, kw_only=True)

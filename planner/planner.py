@@ -226,6 +226,12 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
     elif training.optimizer != "adamw":
         out.append(PlanWarning(code="optimizer-time-is-adamw", message=(
             f"the profile timed AdamW's step; the plan charges the same time for {training.optimizer}")))
+    split = sorted({p.schedule for p in phases if p.schedule.startswith("zb")})
+    if split and not search.t.backward_split_measured:
+        out.append(PlanWarning(code="missing-backward-split", message=(
+            f"schedule {', '.join(split)} splits the backward into B (input gradient) and W (weight gradient), but "
+            f"the profile has no backward_weight_s (written before ptplan measured it): B is charged the whole "
+            f"backward and W 0 s, so the predicted bubble is not the schedule's; profile again")))
     pinned = [p for p in phases if p.notes and any("pinned" in n for n in p.notes)]
     if pinned:
         out.append(PlanWarning(code="pinned-not-possible", message=(

@@ -217,6 +217,21 @@ def test_cpu_profile_for_a_gpu_cluster_warns_in_the_plan_itself():
     assert "cpu-profile-for-gpu-cluster" not in {w.code for w in on_cpu.warnings}
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_zero_bubble_from_a_profile_without_the_backward_split_warns(split):
+    """ZB-H1 needs each layer's backward split into B and W; a profile written before ptplan measured it
+    plans with W = 0 s, and the plan says so (a projected profile has the split: no warning)."""
+    prof = load_profile(ROOT / "profiles" / "bert-base_h100_bf16.json")
+    assert all(r.backward_weight_s is not None for r in prof.layers)
+    if not split:
+        prof = replace(prof, layers=tuple(replace(r, backward_weight_s=None) for r in prof.layers))
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=512, batch=64, schedule="zb-h1", pin_K=4, cache="off")
+    plan = make_plan(prof, get_preset("dgx-h100"), cfg, FreezePolicy(policy="manual", manual=(0,)))
+    assert {p.schedule for p in plan.phases} == {"zb-h1"}
+    codes = {w.code for w in plan.warnings}
+    assert ("missing-backward-split" in codes) is (not split), codes
+
+
 def test_cache_beyond_host_memory_is_refused_or_turned_off():
     """The audit: a 2,818 GiB cache was planned against 2,048 GiB of host RAM."""
     prof = synthetic_profile(num_blocks=12, hidden=2048, seq_len=2048, batch_sizes=(1, 2, 4, 8))
