@@ -126,6 +126,11 @@ def merge_profiles(paths: list[Path], out: Path) -> None:
         for key in ("forward_s", "backward_s", "nograd_forward_s"):
             layer[key] = [statistics.median(d["layers"][i][key][j] for d in docs) for j in range(len(layer[key]))]
         layer["optimizer_s"] = statistics.median(d["layers"][i].get("optimizer_s", 0.0) for d in docs)
+        if layer.get("backward_weight_s") is not None:  # W of the median backward: its median share of it
+            share = [statistics.median(d["layers"][i]["backward_weight_s"][j] / d["layers"][i]["backward_s"][j]
+                                       if d["layers"][i]["backward_s"][j] > 0 else 0.0 for d in docs)
+                     for j in range(len(layer["backward_s"]))]
+            layer["backward_weight_s"] = [s * b for s, b in zip(share, layer["backward_s"])]
     for key in ("forward_s", "forward_backward_s"):
         w = merged["whole_model"][key]
         merged["whole_model"][key] = [statistics.median(d["whole_model"][key][j] for d in docs) for j in range(len(w))]
