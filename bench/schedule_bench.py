@@ -83,7 +83,7 @@ def predictions(b: int) -> list[dict]:
                     pr = ph.predicted
                     base = pr.iteration_s if name == "1f1b" else base
                     row.update(V=ph.V, iteration_s=pr.iteration_s, bubble=pr.bubble_fraction,
-                               peak_gib=max(pr.stage_peak_memory_bytes) / 2**30)
+                               peak_gib=pr.peak_memory_bytes / 2**30)
                     rows.append(row)
                 for row in rows[-len(SCHEDULES):]:
                     if base and "iteration_s" in row:

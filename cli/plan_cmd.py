@@ -94,7 +94,7 @@ def format_plan_table(plan) -> str:
         note = "!" if ph.notes else " "
         if ph.notes:
             noted.append(ph)
-        peak = max(ph.predicted.rank_peak_memory_bytes or ph.predicted.stage_peak_memory_bytes)
+        peak = ph.predicted.peak_memory_bytes
         sched = ph.schedule + (f" V={ph.V}" if ph.V > 1 else "")
         lines.append(f"{i:>4}{mark} {ph.frozen_blocks:>6} {ph.K:>4} {ph.D:>5} {ph.M:>4} {ph.micro_batch_size:>4}  "
                      f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "

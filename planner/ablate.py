@@ -408,7 +408,7 @@ def _assemble(search: PhaseSearch, table: list[int], training: TrainingConfig, f
 
 
 def _row_phase(ph: Phase, limit: float, notes: Sequence[str] = ()) -> RowPhase:
-    peak = max(ph.predicted.stage_peak_memory_bytes)
+    peak = ph.predicted.peak_memory_bytes
     return RowPhase(frozen_blocks=ph.frozen_blocks, K=ph.K, D=ph.D, M=ph.M, micro_batch_size=ph.micro_batch_size,
                     cache=ph.cache, partition=ph.partition, iteration_s=ph.predicted.iteration_s,
                     fill_iteration_s=ph.predicted.fill_iteration_s, peak_memory_bytes=peak,
@@ -468,7 +468,7 @@ def _freeze_only(search: PhaseSearch, base: Phase, table: list[int], training: T
                        step_overhead_s=search.c.step_overhead_s)
         ph = _repriced(base, sim.iteration_s, 0.0, frozen_blocks=f, frozen_layers=n0, notes=())
         phases.append(ph)
-        peak = max(sim.stage_peak_memory_bytes)
+        peak = max(sim.rank_peak_memory_bytes or sim.stage_peak_memory_bytes)
         rows.append(RowPhase(frozen_blocks=f, K=base.K, D=base.D, M=base.M, micro_batch_size=base.micro_batch_size,
                              cache=False, partition=base.partition, iteration_s=sim.iteration_s, fill_iteration_s=0.0,
                              peak_memory_bytes=peak, fits=peak <= search.limit * (1 + 1e-9)))

@@ -133,7 +133,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
         samples = statistics.median(float(r.samples) for r in recs)
         ar = [r.allreduce_seconds for r in recs if r.allreduce_seconds is not None]
         mem_recs = sampled.get(ph, [])
-        pred_mem = max(p.predicted.stage_peak_memory_bytes)
+        pred_mem = p.predicted.peak_memory_bytes
         meas_mem = max(int(r.peak_memory_bytes or 0) for r in mem_recs) if mem_recs else None
         stage_mem: tuple[int, ...] = ()
         for r in mem_recs:
@@ -147,7 +147,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
             measured_samples_per_s=samples / meas if meas > 0 else 0.0,
             predicted_peak_memory_bytes=pred_mem, measured_peak_memory_bytes=meas_mem,
             memory_error=(pred_mem - meas_mem) / meas_mem if meas_mem else None,
-            predicted_stage_memory_bytes=tuple(int(x) for x in p.predicted.stage_peak_memory_bytes),
+            predicted_stage_memory_bytes=tuple(int(x) for x in p.predicted.device_peak_memory_bytes),
             measured_stage_memory_bytes=stage_mem,
             measured_allreduce_s=statistics.median(ar) if ar else None,
             predicted_allreduce_s=p.predicted.allreduce_s, timed_with_memory_hooks=ph not in timed))

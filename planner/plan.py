@@ -88,6 +88,18 @@ class Prediction:
     cache_host_bytes_per_node: int = 0
     """Host memory per node the AutoCache needs in this phase (0 when it does not cache)."""
 
+    @property
+    def device_peak_memory_bytes(self) -> tuple[int, ...]:
+        """Per device (pipeline position): its predicted peak, all its chunks together -- what one GPU must
+        hold and what a run measures per rank. Read this, not ``stage_peak_memory_bytes``, wherever a
+        device's memory is meant (they differ when a position runs V > 1 chunks)."""
+        return self.rank_peak_memory_bytes or self.stage_peak_memory_bytes
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The fullest device's predicted peak (0 for a phase without a prediction)."""
+        return max(self.device_peak_memory_bytes, default=0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Phase:

@@ -452,12 +452,11 @@ def cluster_figure(plan: Plan) -> go.Figure:
         z = np.full((shown_rows, cols), np.nan)
         text = [[""] * cols for _ in range(shown_rows)]
         hover = [[f"no rank (unused {noun})"] * cols for _ in range(shown_rows)]
-        mem = ph.predicted.stage_peak_memory_bytes
+        mem = _position_memory(ph)[0]
         stage_words = []  # short: one per device of the grid, per phase
         for s in range(ph.K):
-            lo, hi = ph.partition[s]
             prefix = f" + prefix 0–{ph.frozen_layers - 1}" if s == 0 and ph.frozen_layers else ""
-            stage_words.append(f"{_layers(lo, hi)}{prefix} · peak {_bytes(mem[s])} ({mem[s] / cap:.0%})")
+            stage_words.append(f"{_position_layers(ph, s)}{prefix} · peak {_bytes(mem[s])} ({mem[s] / cap:.0%})")
         for r in range(world):
             node, local = divmod(r, gpn)
             row, col = node * rows_per_node + local // cols, local % cols
@@ -475,10 +474,9 @@ def cluster_figure(plan: Plan) -> go.Figure:
         stages = list(range(K)) if K <= 16 else list(range(0, K, math.ceil(K / 16)))
         tickvals, ticktext = [], []
         for s in stages:
-            lo, hi = ph.partition[s]
             extra = " + frozen prefix" if s == 0 and ph.frozen_layers else ""
             tickvals.append(K - 1 - s)
-            ticktext.append(f"Stage {s}: {_layers(lo, hi)}{extra}")
+            ticktext.append(f"{'Stage' if ph.V == 1 else 'Position'} {s}: {_position_layers(ph, s)}{extra}")
         how = ""
         if ph.frozen_layers:
             how = ("<br>stage 0 reads the frozen prefix from the AutoCache" if ph.cache
@@ -926,13 +924,54 @@ def _stack(m: MemoryBreakdown) -> dict[str, int]:
     return out
 
 
+def _position_chunks(ph: Phase) -> list[list[int]]:
+    """Per pipeline position (rank of a pipeline), the chunks (stages) it runs: [k] when V = 1."""
+    out: list[list[int]] = [[] for _ in range(ph.K)]
+    for c, k in enumerate(ph.stage_to_rank()):
+        out[k].append(c)
+    return out
+
+
+def _position_layers(ph: Phase, k: int) -> str:
+    """The layers position k runs, chunk by chunk ("layers 3–5, 9–11" with V > 1)."""
+    parts = [_layers(*ph.partition[c]) for c in _position_chunks(ph)[k]]
+    return parts[0] if len(parts) == 1 else "chunks " + ", ".join(
+        f"{c}: {w}" for c, w in zip(_position_chunks(ph)[k], parts))
+
+
+def _position_memory(ph: Phase) -> tuple[list[int], list[dict[str, int]] | None, list[int]]:
+    """Per position: the peak (bytes), its stacked terms (None without a break-down) and micro-batches in
+    flight. V = 1: the stage's own numbers. V > 1: a rank holds V chunks, whose fixed terms add up and
+    whose activations peak together as the simulator tracked them (``rank_peak_memory_bytes``); the
+    activations (or the transient, whichever is larger) are the rest of the rank's peak."""
+    mems, peaks = ph.predicted.stage_memory, ph.predicted.stage_peak_memory_bytes
+    if ph.V == 1:
+        return (list(peaks), [_stack(m) for m in mems] if mems else None,
+                [m.inflight for m in mems] if mems else [0] * ph.K)
+    chunks = _position_chunks(ph)
+    rank_peaks = list(ph.predicted.rank_peak_memory_bytes) or [sum(peaks[c] for c in cs) for cs in chunks]
+    if not mems:
+        return rank_peaks, None, [0] * ph.K
+    terms, inflight = [], []
+    for k, cs in enumerate(chunks):
+        t = {key: sum(int(getattr(mems[c], key)) for c in cs) for key, _, _ in MEMORY_TERMS}
+        fixed = t["weights"] + t["gradients"] + t["optimizer"] + t["buffers"]
+        rest = max(rank_peaks[k] - fixed, 0)
+        after = t["transient"]
+        t["activations"], t["transient"] = (0, rest) if after >= rest and after > 0 else (rest, 0)
+        terms.append(t)
+        inflight.append(sum(mems[c].inflight for c in cs))
+    return rank_peaks, terms, inflight
+
+
 def _memory_phase(ph: Phase, cap: float, div: float) -> dict[str, list[Any]]:
     """One phase's data for the memory figure's fixed traces: the MEMORY_TERMS bars, the single-bar
-    fallback (a plan without the break-down), and the peak labels."""
-    peaks = np.array(ph.predicted.stage_peak_memory_bytes, dtype=float)
-    x = [f"Stage {s}" for s in range(ph.K)]
+    fallback (a plan without the break-down), and the peak labels -- one bar per pipeline position (its
+    stage, or its V chunks together: ``_position_memory``)."""
+    peaks_l, terms, inflight = _position_memory(ph)
+    peaks = np.array(peaks_l, dtype=float)
+    x = [f"Stage {s}" for s in range(ph.K)] if ph.V == 1 else [f"Position {k}" for k in range(ph.K)]
     mems = ph.predicted.stage_memory
-    terms = [_stack(m) for m in mems] if mems else []
     out: dict[str, list[Any]] = {"x": [], "y": [], "customdata": [], "visible": [], "text": [],
                                  "textfont.color": []}
 
@@ -945,24 +984,25 @@ def _memory_phase(ph: Phase, cap: float, div: float) -> dict[str, list[Any]]:
         out["textfont.color"].append(colour)
 
     for key, _, _ in MEMORY_TERMS:
-        if not terms or not any(getattr(m, key) for m in mems):
+        if not terms or not any(t[key] for t in terms) and not any(getattr(m, key) for m in mems):
             add([0.0] * ph.K, [""] * ph.K, False)
             continue
         ys = np.array([t[key] for t in terms], dtype=float)
         said = []
         for s, v in enumerate(ys):
-            raw = int(getattr(mems[s], key))
+            raw = int(getattr(mems[s], key)) if ph.V == 1 else int(v)
             said.append(_bytes(v) if raw == v else f"{_bytes(raw)}, not in the peak (it never coexists with the "
                                                    f"{'transient' if key == 'activations' else 'activations'})")
         add(list(ys / div), said, True)
     add(list(peaks / div), [_bytes(p) for p in peaks], not terms)
     notes = []
-    for s in range(ph.K):
-        lo, hi = ph.partition[s]
-        words = _layers(lo, hi)
+    for k in range(ph.K):
+        words = _position_layers(ph, k)
         if mems:
-            n = mems[s].inflight
+            n = inflight[k]
             words += f" · {n} micro-batch{'es' if n != 1 else ''} in flight"
+            if ph.V > 1:
+                words += f" over its {ph.V} chunks"
         notes.append(words)
     add(list(peaks / div), [[_bytes(p), f"{p / cap:.1%}", n] for p, n in zip(peaks, notes)], True,
         [_bytes(p) for p in peaks], ["#D62728" if p > cap else "#1f2933" for p in peaks])
@@ -989,7 +1029,7 @@ def memory_figure(plan: Plan) -> go.Figure:
     data: list[dict[str, list[Any]]] = []
     layouts: list[dict[str, Any]] = []
     for i, ph in enumerate(plan.phases):
-        peaks = ph.predicted.stage_peak_memory_bytes
+        peaks = ph.predicted.device_peak_memory_bytes
         peak = float(max(peaks)) if peaks else 0.0
         show_cap = peak >= CAPACITY_SHOWN_ABOVE * cap
         unit, div = _byte_unit(max(peak, cap) if show_cap else max(peak, 1.0))
@@ -1011,7 +1051,8 @@ def memory_figure(plan: Plan) -> go.Figure:
                              yref="paper", yanchor="bottom", showarrow=False, font=dict(size=12, color="#D62728")))
         top = max(peak, cap if show_cap else 0.0) / div
         layouts.append({
-            "title.text": (f"Peak {noun} memory per stage — {_phase_title(i, ph)}"
+            "title.text": (f"Peak {noun} memory per {'stage' if ph.V == 1 else f'position ({ph.V} chunks each)'} — "
+                           f"{_phase_title(i, ph)}"
                            + (" · stage 0 also holds the frozen prefix" if ph.frozen_layers and not ph.cache else "")
                            + (" · stage 0 holds the cached prefix outputs" if ph.cache else "")),
             "xaxis.range": [-0.6, ph.K - 0.4], "annotations": anns, "shapes": shapes,
@@ -1265,7 +1306,7 @@ def _phase_table(plan: Plan) -> str:
     def row(name: str, ph: Phase, where: str, cls: str = "") -> str:
         pr = ph.predicted
         part = " ".join(str(a) if b - 1 == a else f"{a}–{b - 1}" for a, b in ph.partition)
-        peak = max(pr.stage_peak_memory_bytes) if pr.stage_peak_memory_bytes else 0
+        peak = pr.peak_memory_bytes
         over = peak > cap
         memtxt = f"{_esc(_bytes(peak))}<br><span class='sub'>{peak / cap:.1%} of {_esc(_bytes(cap))}</span>"
         cache = "off"

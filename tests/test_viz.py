@@ -286,6 +286,28 @@ def test_memory_stacks_the_terms_up_to_each_stage_peak(plan, figs):
     assert len(fig.data) == 8  # six terms, the no-break-down bar and the labels, whatever the phase count
 
 
+def test_interleaved_plan_shows_each_device_with_all_its_chunks():
+    """With V > 1 a device runs V chunks: the memory figure has one bar per pipeline position whose stack
+    adds up to the position's peak with all its chunks (``rank_peak_memory_bytes``, what the device holds),
+    the cluster grid names every chunk's layers, and no chunk beyond the first K is dropped."""
+    plan = vit_paper_plan("interleaved-1f1b")
+    multi = [(i, ph) for i, ph in enumerate(plan.phases) if ph.V > 1]
+    assert multi, [(ph.K, ph.V) for ph in plan.phases]
+    figs = build_figures(plan)
+    for i, ph in multi:
+        assert len(ph.predicted.stage_peak_memory_bytes) == ph.K * ph.V
+        assert len(ph.predicted.rank_peak_memory_bytes) == ph.K
+        bars, peak = _memory_phase(figs["memory"], i)
+        unit = figs["memory"].layout.sliders[0].steps[i].args[1]["yaxis.title.text"].split("(")[-1].rstrip(")")
+        stacked = np.sum([np.asarray(y, dtype=float) for _, y in bars], axis=0) * UNIT[unit]
+        assert stacked == pytest.approx(np.array(ph.predicted.rank_peak_memory_bytes, dtype=float), rel=1e-6)
+        assert len(peak[0]) == ph.K
+        assert ph.predicted.peak_memory_bytes == max(ph.predicted.rank_peak_memory_bytes)
+        hover = " ".join(" ".join(row) for row in _step_data(figs["cluster"], i)["hovertext"][0])
+        for lo, hi in ph.partition:  # every chunk's layers are named on its device
+            assert f"{lo}–{hi - 1}" in hover or (hi - lo == 1 and f"layer {lo}" in hover), (lo, hi)
+
+
 def test_small_model_memory_is_readable_never_zero():
     p = cpu_plan()
     assert max(max(ph.predicted.stage_peak_memory_bytes) for ph in p.phases) < 2**30  # MiB-sized stages
