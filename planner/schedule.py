@@ -1,5 +1,5 @@
 """Pipeline schedules as data: typed actions per rank, their generators (GPipe, 1F1B, interleaved 1F1B,
-looped BFS, ZB-H1, ZB-V), and their checks.
+looped BFS, ZB-H1, ZB-V, PipeDream-2BW), and their checks.
 
 Legend: K pipeline stages, M micro-batches per iteration, R ranks (R = K when each rank holds one
 stage). The generators take K as the number of *ranks* and V chunks per rank, and return a
@@ -114,9 +114,10 @@ class Schedule:
     Interleaved, looped and V placements give a rank several stages via ``stage_to_rank`` (K > R)
     and mix their actions in one list; zero-bubble schedules add one W per (stage, micro-batch)
     after its B (the B is then only the input gradient). Still to come: TeraPipe sets ``slices``
-    > 1 and gives every compute and message action its token ``slice``; PipeDream-2BW keeps
-    1F1B-shaped lists and will add a weight-version count for the memory model (a field added
-    when a generator needs it).
+    > 1 and gives every compute and message action its token ``slice``. PipeDream-2BW (no flush
+    between mini-batches) sets ``minibatches`` = N > 1: the lists then run N consecutive
+    mini-batches of M micro-batches each, micro-batch m (0..N·M-1) belonging to mini-batch m // M
+    and running with weight version m // M (``version``).
     """
 
     name: str
@@ -130,13 +131,18 @@ class Schedule:
     """actions[r] = rank r's actions in execution order, sends and receives included."""
     slices: int = 1
     """Token slices per micro-batch (TeraPipe); 1 = micro-batches are not sliced."""
+    minibatches: int = 1
+    """N mini-batches the lists run back to back without a flush (PipeDream-2BW; 1 = one iteration
+    ending in a flush). Micro-batches are numbered 0..N·M-1; each stage updates its weights once per
+    mini-batch, and the one ALLREDUCE per stage at the end of its list is the last mini-batch's (the
+    drain). See ``version`` and ``two_bw``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
         object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
-        if self.K < 1 or self.M < 1 or self.slices < 1:
-            raise ScheduleError(f"schedule {self.name!r}: K, M and slices must be >= 1, got K={self.K}, "
-                                f"M={self.M}, slices={self.slices}")
+        if self.K < 1 or self.M < 1 or self.slices < 1 or self.minibatches < 1:
+            raise ScheduleError(f"schedule {self.name!r}: K, M, slices and minibatches must be >= 1, got K={self.K}, "
+                                f"M={self.M}, slices={self.slices}, minibatches={self.minibatches}")
         if len(self.stage_to_rank) != self.K:
             raise ScheduleError(f"schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries "
                                 f"for K={self.K} stages")
@@ -152,8 +158,22 @@ class Schedule:
     def num_ranks(self) -> int:
         return len(self.actions)
 
+    @property
+    def total_mb(self) -> int:
+        """Micro-batches the lists run: M·minibatches (indices 0..total_mb-1)."""
+        return self.M * self.minibatches
+
+    def version(self, mb: int) -> int:
+        """The weight version micro-batch ``mb`` runs with, forward and backward (PipeDream-2BW's weight
+        stashing): its mini-batch index t = mb // M. Version t is made by the update with mini-batch
+        t-2's gradient, W(t) = W(t-1) - nu * grad f(W(t-2)) (W(0) = W(1) = the initial weights), so a
+        stage holds at most two versions when mini-batch t's last backward ends before mini-batch
+        t+2's first forward starts (``check_schedule`` checks it). 0 for a flushed schedule."""
+        return mb // self.M
+
     def __str__(self) -> str:
-        head = f"{self.name} K={self.K} M={self.M}" + (f" slices={self.slices}" if self.slices > 1 else "")
+        head = f"{self.name} K={self.K} M={self.M}" + (f" slices={self.slices}" if self.slices > 1 else "") \
+            + (f" minibatches={self.minibatches}" if self.minibatches > 1 else "")
         width = len(str(self.num_ranks - 1))
         lines = [f"rank {r:>{width}}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions)]
         return "\n".join([head, *lines])
@@ -167,7 +187,7 @@ def _act(stage: int, kind: ActionKind, mb: int) -> Action:
     return Action(stage, kind, mb)
 
 
-def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]]) -> Schedule:
+def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]], minibatches: int = 1) -> Schedule:
     """A schedule from per-rank compute orders (F, B, W only): each F gets the receive of its input
     just before it and the send of its output just after it, each B likewise for gradients, where
     the neighbouring stage lives on another rank (neighbours on the same rank exchange nothing);
@@ -195,7 +215,8 @@ def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]])
                 acts.append(a)
         acts += [_act(s, ActionKind.ALLREDUCE, -1) for s in range(S) if s2r[s] == r]
         ranks.append(tuple(acts))
-    return _generated(Schedule(name=name, K=S, M=M, stage_to_rank=s2r, actions=tuple(ranks)))
+    return _generated(Schedule(name=name, K=S, M=M, stage_to_rank=s2r, actions=tuple(ranks),
+                               minibatches=minibatches))
 
 
 def _sizes(name: str, K: int, M: int, V: int = 1) -> tuple[int, int, int]:
@@ -281,6 +302,33 @@ def zero_bubble_h1(K: int, M: int) -> Schedule:
     K, M, _ = _sizes("zb-h1", K, M)
     _m_at_least_k("ZB-H1", K, M)
     return _lower("zb-h1", M, tuple(range(K)), [_one_f_one_b_order(K, M, s, defer_w=s) for s in range(K)])
+
+
+TWOBW_WINDOW = 4
+"""Mini-batches ``two_bw`` lays out back to back (N): enough for the simulator to see the steady state
+between mini-batches 1 and N-1 (``simulate``), short enough to keep the lists small."""
+
+
+def two_bw(K: int, M: int, minibatches: int = TWOBW_WINDOW) -> Schedule:
+    """PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021):
+    1F1B run across N = ``minibatches`` mini-batches of M micro-batches without a flush between them —
+    stage s warms up with K-s-1 forwards once, alternates one forward and one backward through all
+    N·M micro-batches, and drains once at the end. Micro-batch m runs with weight version m // M
+    (``Schedule.version``); each stage updates once per mini-batch with the gradient coalesced over
+    its M micro-batches, W(t+1) = W(t) - nu * grad f(W(t-1)), so it keeps two weight versions.
+
+    Needs M >= K (PipeDream-2BW's m >= d): then stage s starts mini-batch t+2 only after mini-batch
+    t's last backward (its K-s-1 warm-up forwards lead by fewer than M), which the version check of
+    ``check_schedule`` verifies. In flight: K-s micro-batches on stage s, like 1F1B. The lists are
+    one window of a phase that runs many mini-batches; the planner prices its steady state
+    (``simulate``: no per-iteration bubble) and a phase's ends pay one fill and one drain.
+    """
+    K, M, _ = _sizes("2bw", K, M)
+    _m_at_least_k("2BW", K, M)
+    if not isinstance(minibatches, numbers.Integral) or isinstance(minibatches, bool) or minibatches < 1:
+        raise ScheduleError(f"2bw: minibatches must be an integer >= 1, got {minibatches!r}")
+    N = int(minibatches)
+    return _lower("2bw", M, tuple(range(K)), [_one_f_one_b_order(K, N * M, s) for s in range(K)], minibatches=N)
 
 
 def _interleaved_rules(name: str, K: int, M: int, V: int) -> None:
@@ -468,6 +516,11 @@ def _zb_h1_v(K: int, M: int, V: int) -> Schedule:
     return zero_bubble_h1(K, M)
 
 
+def _two_bw_v(K: int, M: int, V: int) -> Schedule:
+    _one_chunk("2bw", V)
+    return two_bw(K, M)
+
+
 def _zb_v_v(K: int, M: int, V: int) -> Schedule:
     _two_chunks(V)
     return zero_bubble_v(K, M)
@@ -480,10 +533,10 @@ def _two_chunks(V: int) -> None:
 
 
 _GENERATORS = {"gpipe": _gpipe_v, "1f1b": _one_f_one_b_v, "interleaved-1f1b": interleaved_1f1b,
-               "zb-h1": _zb_h1_v, "looped-bfs": looped_bfs, "zb-v": _zb_v_v}
+               "zb-h1": _zb_h1_v, "looped-bfs": looped_bfs, "zb-v": _zb_v_v, "2bw": _two_bw_v}
 SCHEDULE_NAMES = tuple(_GENERATORS)
 """Every schedule ``build_schedule`` makes (``stage_to_rank`` gives each one's placement)."""
-LOOP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs")
+LOOP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "2bw")
 """The schedules that place chunk c on rank c % K; "zb-v" folds back (rank r holds stages r and 2K-1-r).
 ``stage.links_for`` and ``plan.Phase.stage_to_rank`` take the placement from ``stage_to_rank`` / the
 actions, not from this list."""
@@ -512,10 +565,10 @@ def check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
     ranks, M micro-batches and V chunks per rank — without building it."""
     key = _key(name)
     K, M, V = _sizes(key, K, M, V)
-    if key in ("gpipe", "1f1b", "zb-h1"):
+    if key in ("gpipe", "1f1b", "zb-h1", "2bw"):
         _one_chunk(key, V)
-    if key in ("1f1b", "zb-h1"):
-        _m_at_least_k({"1f1b": "1F1B", "zb-h1": "ZB-H1"}[key], K, M)
+    if key in ("1f1b", "zb-h1", "2bw"):
+        _m_at_least_k({"1f1b": "1F1B", "zb-h1": "ZB-H1", "2bw": "2BW"}[key], K, M)
     if key == "interleaved-1f1b":
         _interleaved_rules(key, K, M, V)
     if key == "zb-v":
@@ -528,6 +581,7 @@ def peak_inflight(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
 
     - gpipe, looped-bfs: all M on every stage;
     - 1f1b: min(K - s, M) on stage s;
+    - 2bw: K - s on stage s (M >= K; the same across mini-batch boundaries: no flush);
     - zb-h1: K on every stage (a micro-batch waits for its W; M >= K);
     - zb-v: min(2K - s, M) on stage s (V = 2; chunk-sized micro-batches);
     - interleaved-1f1b: stage c = v·K + r (chunk v of rank r) holds min(M, q·K + min(K, D mod V·K))
@@ -542,7 +596,7 @@ def peak_inflight(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
     K, M, V = _sizes(key, K, M, V)
     if key in ("gpipe", "looped-bfs"):
         return (M,) * (K * V)
-    if key == "1f1b":
+    if key in ("1f1b", "2bw"):
         return tuple(min(K - s, M) for s in range(K))
     if key == "zb-h1":
         return (K,) * K
@@ -616,6 +670,7 @@ def _checked_run(schedule: Schedule) -> tuple[tuple[tuple[int, ...], ...], tuple
     wait = _check_local_order_and_messages(schedule, where)
     steps, order = _run_unit_time(schedule, wait)
     _check_stage_order(schedule, where, steps)
+    _check_two_versions(schedule, where)
     return steps, order
 
 
@@ -639,7 +694,7 @@ def _name(key: _Key) -> str:
 
 
 def _index_and_validate(schedule: Schedule) -> dict[_Key, tuple[int, int]]:
-    K, M, S = schedule.K, schedule.M, schedule.slices
+    K, M, S = schedule.K, schedule.total_mb, schedule.slices
     s2r = schedule.stage_to_rank
     where: dict[_Key, tuple[int, int]] = {}
     for r, acts in enumerate(schedule.actions):
@@ -654,7 +709,9 @@ def _index_and_validate(schedule: Schedule) -> dict[_Key, tuple[int, int]]:
                 raise ScheduleError(f"{_ctx(schedule)}: {a} is on rank {r}, but stage {a.stage} lives on rank "
                                     f"{s2r[a.stage]}; move it to rank {s2r[a.stage]}'s list")
             if a.mb >= M:
-                raise ScheduleError(f"{_ctx(schedule)}: {a} names micro-batch {a.mb}, but M={M} (0..{M - 1})")
+                held = (f"M={M}" if schedule.minibatches == 1 else
+                        f"the lists hold {M} (M={schedule.M} x {schedule.minibatches} mini-batches)")
+                raise ScheduleError(f"{_ctx(schedule)}: {a} names micro-batch {a.mb}, but {held} (0..{M - 1})")
             if a.slice >= S:
                 raise ScheduleError(f"{_ctx(schedule)}: {a} names token slice {a.slice}, but the schedule has "
                                     f"slices={S}")
@@ -669,7 +726,7 @@ def _index_and_validate(schedule: Schedule) -> dict[_Key, tuple[int, int]]:
 
 def _check_completeness(schedule: Schedule, where: dict[_Key, tuple[int, int]]) -> None:
     for s in range(schedule.K):
-        for m in range(schedule.M):
+        for m in range(schedule.total_mb):
             for sl in range(schedule.slices):
                 for c in (_F, _B):
                     if (s, c, m, sl) not in where:
@@ -754,6 +811,27 @@ def _check_local_order_and_messages(schedule: Schedule,
     return wait
 
 
+def _check_two_versions(schedule: Schedule, where: dict[_Key, tuple[int, int]]) -> None:
+    """Flush-free schedules (``minibatches`` > 1): each stage holds at most two weight versions, i.e.
+    mini-batch t's last gradient action (B, or W where there is one) comes before mini-batch t+2's
+    first forward in the stage's list (the update with mini-batch t's gradient makes version t+2)."""
+    M, N = schedule.M, schedule.minibatches
+    if N < 3:
+        return
+    for s in range(schedule.K):
+        for t in range(N - 2):
+            last = max(where.get((s, c, m, sl), (0, -1))[1] for c in (_B, _W) for m in range(t * M, (t + 1) * M)
+                       for sl in range(schedule.slices))
+            first = min(where[(s, _F, m, sl)][1] for m in range((t + 2) * M, (t + 3) * M)
+                        for sl in range(schedule.slices))
+            if first < last:
+                r = schedule.stage_to_rank[s]
+                raise ScheduleError(f"{_ctx(schedule)}: rank {r} starts mini-batch {t + 2} ({schedule.actions[r][first]}, "
+                                    f"position {first}) before mini-batch {t}'s last backward "
+                                    f"({schedule.actions[r][last]}, position {last}); stage {s} would need a third "
+                                    f"weight version — use M >= K micro-batches per mini-batch")
+
+
 def _run_unit_time(schedule: Schedule, wait: list[list[tuple[int, int] | None]]
                    ) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, int], ...]]:
     lists = schedule.actions
@@ -801,7 +879,7 @@ def _blocked(schedule: Schedule, wait: list[list[tuple[int, int] | None]], ptr: 
 def _check_stage_order(schedule: Schedule, where: dict[_Key, tuple[int, int]],
                        steps: tuple[tuple[int, ...], ...]) -> None:
     for s in range(1, schedule.K):
-        for m in range(schedule.M):
+        for m in range(schedule.total_mb):
             for sl in range(schedule.slices):
                 for c, first, then in ((_F, s - 1, s), (_B, s, s - 1)):
                     (r1, i1), (r2, i2) = where[(first, c, m, sl)], where[(then, c, m, sl)]

@@ -28,6 +28,7 @@ from ptplan.planner.schedule import (
     looped_bfs,
     one_f_one_b,
     parse_action,
+    two_bw,
     peak_inflight,
     stage_to_rank,
     torch_compute_order,
@@ -115,7 +116,7 @@ def test_one_f_one_b_needs_m_at_least_k():
 
 def test_build_schedule_names():
     assert set(SCHEDULES) <= set(SCHEDULE_NAMES)  # every name a plan file may carry can be built
-    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v")
+    assert SCHEDULE_NAMES == ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v", "2bw")
     assert build_schedule("gpipe", np.int64(2), np.int32(3)) is build_schedule("gpipe", 2, 3)
     assert build_schedule("GPipe", 3, 5).name == "gpipe"
     assert build_schedule("1F1B", 3, 5) is build_schedule("1f1b", 3, 5)  # cached
@@ -468,3 +469,59 @@ def test_schedule_shape_errors():
         Schedule(name="x", K=2, M=1, stage_to_rank=(0, 2), actions=((), ()))
     with pytest.raises(ScheduleError, match="3 action lists for 2 ranks"):
         Schedule(name="x", K=2, M=1, stage_to_rank=(0, 1), actions=((), (), ()))
+
+
+# ---- PipeDream-2BW ----------------------------------------------------------------------------
+def test_two_bw_is_1f1b_across_minibatches_without_a_flush():
+    """K=2, M=2, two mini-batches: the warm-up and the drain happen once, not per mini-batch."""
+    s = two_bw(2, 2, minibatches=2)
+    assert (s.K, s.M, s.minibatches, s.total_mb) == (2, 2, 2, 4)
+    assert compute_order(s) == [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
+                                ["1F0", "1B0", "1F1", "1B1", "1F2", "1B2", "1F3", "1B3"]]
+    assert [s.version(m) for m in range(4)] == [0, 0, 1, 1]
+    assert str(s).splitlines()[0] == "2bw K=2 M=2 minibatches=2"
+    check_schedule(s)
+    # the same lists as 1F1B over N·M micro-batches, one ALLREDUCE per stage at the end (the drain)
+    assert s.actions == one_f_one_b(2, 4).actions
+    assert build_schedule("2bw", 3, 4) is build_schedule("2BW", 3, 4)
+    assert build_schedule("2bw", 3, 4).minibatches == 4
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 6])
+def test_two_bw_passes_check_and_keeps_two_versions(K):
+    for M in range(K, 2 * K + 2):
+        for N in (1, 2, 3, 5):
+            s = two_bw(K, M, minibatches=N)
+            check_schedule(s)
+            assert count_inflight(s) == peak_inflight("2bw", K, M) == tuple(K - st for st in range(K))
+            # versions live on each stage at any point of its list: at most two
+            for acts in compute_actions(s):
+                live: dict[int, int] = {}
+                for a in acts:
+                    v = s.version(a.mb)
+                    live[v] = live.get(v, 0) + (1 if a.kind is Kd.F else -1)
+                    if not live[v]:
+                        del live[v]
+                    assert max(live, default=0) - min(live, default=0) <= 1, (K, M, N, str(a))
+
+
+def test_two_bw_rules_name_the_numbers():
+    for fn in (build_schedule, check_sizes, peak_inflight):
+        with pytest.raises(ScheduleError, match=r"2BW needs at least as many micro-batches as stages: M=3 < K=4.*M >= 4"):
+            fn("2bw", 4, 3)
+        with pytest.raises(ScheduleError, match=r"2bw holds one stage per rank: V must be 1, got V=2"):
+            fn("2bw", 2, 4, 2)
+
+
+def test_check_refuses_a_third_weight_version():
+    """1F1B's lists over 6 micro-batches read as six mini-batches of M=1 on K=3 stages: stage 0 runs
+    mini-batch 2's forward before mini-batch 0's backward, which would need a third weight version."""
+    base = one_f_one_b(3, 6)
+    bad = Schedule(name="literal", K=3, M=1, minibatches=6, stage_to_rank=(0, 1, 2), actions=base.actions)
+    with pytest.raises(ScheduleError, match=r"rank 0 starts mini-batch 2 \(0F2, position \d+\) before mini-batch "
+                                            r"0's last backward \(0B0.*third weight version.*M >= K"):
+        check_schedule(bad)
+    ok = Schedule(name="literal", K=3, M=3, minibatches=2, stage_to_rank=(0, 1, 2), actions=base.actions)
+    check_schedule(ok)
+    with pytest.raises(ScheduleError, match=r"0F6 names micro-batch 6, but the lists hold 6 \(M=3 x 2 mini-batches\) \(0..5\)"):
+        check_schedule(dataclasses.replace(ok, actions=((*ok.actions[0], Action(0, Kd.F, 6)), *ok.actions[1:])))
