@@ -7,7 +7,8 @@ samples per pipeline per iteration; D data-parallel replicas of every stage.
 Time, per micro-batch on stage s (seconds; ``StageModel.stage_costs`` hands them to the simulator):
 
     forward   = Σ forward[lo:hi]  + o          o = the cluster's per-action overhead when K > 1
-    backward  = Σ backward[lo:hi] + o
+    backward  = Σ backward[lo:hi] + o          (+ Σ forward[lo:hi] with recomputation: the stage
+                                                reruns its forward from the stashed input first)
     send      = latency + bytes / bandwidth of the link s -> s+1 (activation out) and s -> s-1
                 (its gradient back), bytes = b · output bytes per sample of the boundary layer
     prefix    = stage 0 recomputing the frozen prefix: Σ no-grad forward[0:n0], inside every forward
@@ -23,17 +24,27 @@ The partitioner minimises the slowest stage's ``busy`` = forward + backward + bo
 
 Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_mb, after)``
 
-    static  = weights Σ param[lo:hi] + gradients Σ grad[lo:hi] + optimizer state
-              (adamw 2x, sgd 1x the weights: torch keeps the state in the parameters' dtype)
+    static  = v · weights Σ param[lo:hi] + gradients Σ grad[lo:hi] + optimizer state
+              (adamw 2x, sgd 1x the weights: torch keeps the state in the parameters' dtype);
+              v = the schedule's weight versions of the active layers: 1, or 2 for PipeDream-2BW
+              (the version in use and the next one; one gradient buffer, one optimizer state)
+    (with recomputation, the backward in progress also holds one micro-batch's working set,
+    w = b · (Σ saved[lo:hi] + out[hi-1]), rebuilt from the stashed input: peak = static + max(inflight
+    · per_mb + w, after))
             + receive buffers, K > 1: torch.distributed.pipelining keeps one activation buffer
               per micro-batch on every stage but the first and one gradient buffer per
               micro-batch on every stage but the last: M·b·(out[lo-1] if s > 0) + M·b·(out[hi-1] if s < K-1)
-            + stage 0 recomputing the prefix: the frozen weights Σ param[0:n0]
+            + stage 0 recomputing the prefix: the frozen weights Σ param[0:n0] (one version: frozen
+              layers are never updated)
             + stage 0 with the AutoCache: the shard's prefix outputs M·b·out[n0-1] (the frozen
               weights stay in host memory; see ``cache.py``)
     per_mb  = b · (Σ saved-for-backward[lo:hi] + out[hi-1]): what a micro-batch in flight holds
-              until its backward (the saved activations and the stage's output)
+              until its backward (the saved activations and the stage's output); with
+              recomputation only its input, b · out[lo-1] (0 for token ids at layer 0)
     inflight= the schedule's most micro-batches in flight on stage s (``schedule.peak_inflight``)
+    So PipeDream-2BW with recomputation on stage 0 of K uniform stages holds 2|W|/K + K·|A_input| plus
+    the gradient, the optimizer state, the buffers and one micro-batch's working set (the paper's
+    memory model, 2|W|/d + d·|A_input(b)|, counts the first two).
     after   = the largest transient once the pipeline has drained: the flat gradient all-reduce
               buffer (Σ grad[lo:hi] when D > 1), on GPUs AdamW's foreach temporaries (one
               weight-sized buffer), and on stage 0 with the AutoCache the fill's transient (one
@@ -147,6 +158,11 @@ class PhaseShape:
     V: int = 1
     """Chunks (stages) per pipeline position: S = K·V stages, placed by the schedule."""
     optimizer: str = "adamw"
+    weight_versions: int = 1
+    """Copies of the active layers' weights a stage keeps: 1, or 2 for PipeDream-2BW (frozen layers keep one)."""
+    recompute: bool = False
+    """Activation recomputation: a micro-batch in flight holds only the stage's input, and the backward
+    first reruns the stage's forward."""
     device_is_host: bool = False
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
     action_overhead_s: float = 0.0
@@ -162,6 +178,11 @@ class PhaseShape:
             raise PtplanError(f"PhaseShape: {len(self.inflight)} in-flight counts for K*V={self.S} stages")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
+        if self.weight_versions not in (1, 2):
+            raise PtplanError(f"PhaseShape: weight_versions={self.weight_versions!r}; a stage keeps 1 weight version, "
+                              f"or 2 with PipeDream-2BW")
+        if not isinstance(self.recompute, bool):
+            raise PtplanError(f"PhaseShape: recompute must be true or false, got {self.recompute!r}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +202,8 @@ class Band:
     """b · output bytes of layer I-1 (what the stage receives), 0 at I = 0."""
     out_bytes: np.ndarray
     """b · output bytes of layer J-1 (what the stage sends)."""
+    working: np.ndarray | float = 0.0
+    """With recomputation: one micro-batch's activations, rebuilt for its backward (0 without)."""
 
 
 class StageModel:
@@ -198,10 +221,11 @@ class StageModel:
         self.start, self.n = sh.frozen, table.n
         self.times = table.at(sh.b)
         f = OPTIMIZER_STATE_FACTOR[sh.optimizer]
-        self.cum_state = (1.0 + f) * table.cum_param + table.cum_grad
-        """Additive lower bound of a stage's memory (prefix sums): weights + gradients + state."""
-        self.cum_time_lb = self.times.cum_fb
-        """Additive lower bound of a stage's busy time (prefix sums): forward + backward."""
+        self.cum_state = (sh.weight_versions + f) * table.cum_param + table.cum_grad
+        """Additive lower bound of a stage's memory (prefix sums): weights (every version) + gradients + state."""
+        self.cum_time_lb = self.times.cum_fb + (self.times.cum_fwd if sh.recompute else 0.0)
+        """Additive lower bound of a stage's busy time (prefix sums): forward + backward (+ the recomputed
+        forward)."""
         self.ovh = sh.action_overhead_s if sh.K > 1 else 0.0
         self.opt_temp = 0.0 if sh.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[sh.optimizer]
         n0, b, M = sh.frozen, sh.b, sh.M
@@ -244,10 +268,15 @@ class StageModel:
         grad = t.cum_grad[J] - at_I(t.cum_grad)
         weights = t.cum_param[J] - at_I(t.cum_param)
         out_J = t.out_per_sample[J - 1]
+        in_bytes = b * at_I(self._out_before)
+        full = b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J)
+        if self.shape.recompute:  # the stashed input per micro-batch; one working set rebuilt at a time
+            return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb),
+                        state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
+                        per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full)
         return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb),
                     state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                    per_mb=b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J),
-                    in_bytes=b * at_I(self._out_before), out_bytes=b * out_J)
+                    per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J)
 
     def prepare(self, I: np.ndarray, J: np.ndarray) -> tuple[np.ndarray, ...]:
         """The stage-index-free parts of stages [I, J), for ``evaluate`` (the partitioner computes them
@@ -256,14 +285,24 @@ class StageModel:
         after = bd.grad if self.shape.D > 1 else np.zeros_like(bd.grad)
         if self.opt_temp:
             after = np.maximum(after, self.opt_temp * bd.weights)
-        return (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after)
+        return (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after,
+                np.broadcast_to(bd.working, np.shape(bd.fb)))
 
     def _combine(self, terms: tuple[np.ndarray, ...], s: int | np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(busy, static, per_mb, after, inflight) of prepared stages at stage index s (a number, or an
         array broadcasting against the terms): the module docstring's formulas, in one place. (The
         number case branches instead of multiplying by 0/1 flags: it runs once per stage index in
-        every split search.)"""
+        every split search.) Recomputation's working set w joins ``static`` and leaves ``after``
+        (max(after - w, 0)), so that ``peak_bytes`` gives static + max(inflight · per_mb + w, after)."""
+        t, static, per_mb, after, infl = self._combine_raw(terms[:6], s)
+        if self.shape.recompute:
+            w = terms[6]
+            static, after = static + w, np.maximum(after - w, 0.0)
+        return t, static, per_mb, after, infl
+
+    def _combine_raw(self, terms: tuple[np.ndarray, ...], s: int | np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         sh = self.shape
         base, inb, outb, state, per_mb, after = terms
         if isinstance(s, (int, np.integer)):
@@ -314,15 +353,19 @@ class StageModel:
         """Each stage's peak memory, term by term."""
         lo, hi = self.check_ranges(ranges)
         sh, t = self.shape, self.t
-        _, static, per_mb, after, infl = self._combine(self.prepare(lo, hi), np.arange(sh.S))
+        terms = self.prepare(lo, hi)
+        _, static, per_mb, after, infl = self._combine(terms, np.arange(sh.S))
         weights = t.cum_param[hi] - t.cum_param[lo]
-        w = weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
+        w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
         g = t.cum_grad[hi] - t.cum_grad[lo]
         o = OPTIMIZER_STATE_FACTOR[sh.optimizer] * weights
+        rc = terms[6] if sh.recompute else np.zeros(sh.S)  # recomputation's working set
         total = peak_bytes(static, per_mb, infl, after)
+        raw_after = self._combine_raw(terms[:6], np.arange(sh.S))[3]
         return tuple(MemoryBreakdown(weights=int(w[s]), gradients=int(g[s]), optimizer=int(o[s]),
-                                     buffers=int(static[s] - w[s] - g[s] - o[s]), activations=int(infl[s] * per_mb[s]),
-                                     transient=int(after[s]), inflight=int(infl[s]), total=int(total[s]))
+                                     buffers=int(static[s] - w[s] - g[s] - o[s] - rc[s]),
+                                     activations=int(infl[s] * per_mb[s] + rc[s]),
+                                     transient=int(raw_after[s]), inflight=int(infl[s]), total=int(total[s]))
                      for s in range(sh.S))
 
     def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
@@ -339,6 +382,8 @@ class StageModel:
         ar = (L.ar_lat + (t.cum_grad[hi] - t.cum_grad[lo]) * L.ar_per_byte) if sh.D > 1 else np.zeros(K)
         fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
         bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
+        if sh.recompute:  # the backward reruns the stage's forward first
+            bwd = bwd + (tm.cum_fwd[hi] - tm.cum_fwd[lo])
         bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
         opt = t.cum_opt_s[hi] - t.cum_opt_s[lo]
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0

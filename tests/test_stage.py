@@ -35,10 +35,12 @@ def random_profile(rng: random.Random, blocks: int) -> Profile:
 
 
 def model_for(prof: Profile, cluster: Cluster, *, K: int, M: int, b: int, f: int, cache: bool = False,
-              schedule: str = "1f1b", optimizer: str = "adamw", fill_from: int = 0) -> StageModel:
+              schedule: str = "1f1b", optimizer: str = "adamw", fill_from: int = 0,
+              recompute: bool = False) -> StageModel:
     n0 = prof.frozen_boundary(f)
     shape = PhaseShape(K=K, M=M, b=b, D=cluster.world_size // K, frozen=n0, cache=cache,
                        inflight=peak_inflight(schedule, K, M), optimizer=optimizer,
+                       weight_versions=2 if schedule == "2bw" else 1, recompute=recompute,
                        device_is_host=cluster.device_is_host, action_overhead_s=cluster.action_overhead_s)
     return StageModel(CostTable(prof), shape, links_for(cluster, K), fill_from=fill_from)
 
@@ -222,3 +224,98 @@ def test_a_split_that_fits_only_by_each_stage_own_in_flight_count_is_found():
             assert max(p.stage_memory) <= limit
             return
     pytest.fail("no 6-9 GiB case where only the exact per-stage memory fits")
+
+
+# ---- PipeDream-2BW: two weight versions, with and without recomputation ----------------------------
+def test_two_bw_memory_by_hand():
+    """K=2, M=4, b=2, 3 frozen blocks, AdamW, one node of 2 GPUs (D=1): every term of every stage
+    computed here from the profile's per-layer numbers, against the stage model."""
+    prof = synthetic_profile(num_blocks=6, hidden=128, seq_len=32)
+    t = CostTable(prof)
+    f, K, M, b = 3, 2, 4, 2
+    n0 = prof.frozen_boundary(f)
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=2)
+    ranges = [(n0, n0 + 3), (n0 + 3, prof.num_layers)]
+    L = prof.layers
+    W = [sum(x.param_bytes for x in L[lo:hi]) for lo, hi in ranges]
+    G = [sum(x.grad_bytes for x in L[lo:hi]) for lo, hi in ranges]
+    saved = [sum(x.saved_bytes_per_sample for x in L[lo:hi]) for lo, hi in ranges]
+    out = [L[hi - 1].output_bytes_per_sample for _, hi in ranges]
+    a_in = [L[lo - 1].output_bytes_per_sample for lo, _ in ranges]  # stage 0's input: the frozen prefix's output
+    prefix = sum(x.param_bytes for x in L[:n0])
+    buffers = M * b * out[0]  # stage 0's gradient receive buffers = stage 1's activation receive buffers
+    gpu_temp = [W[0], W[1]]  # AdamW's foreach temporary on a GPU, D = 1: no all-reduce buffer
+    for recompute in (False, True):
+        one = model_for(prof, gpu, K=K, M=M, b=b, f=f, schedule="1f1b", recompute=recompute).stage_memory(ranges)
+        two = model_for(prof, gpu, K=K, M=M, b=b, f=f, schedule="2bw", recompute=recompute).stage_memory(ranges)
+        for s in range(K):
+            held = K - s  # micro-batches in flight on stage s, 1F1B and 2BW alike
+            full = b * (saved[s] + out[s])
+            acts = held * b * a_in[s] + full if recompute else held * full
+            static = 2 * W[s] + G[s] + 2 * W[s] + buffers + (prefix if s == 0 else 0)  # 2 versions + grad + AdamW
+            want = static + max(acts, gpu_temp[s]) if not recompute else \
+                static + full + max(held * b * a_in[s], gpu_temp[s] - full)
+            x = two[s]
+            assert (x.weights, x.gradients, x.optimizer, x.buffers) == (2 * W[s] + (prefix if s == 0 else 0), G[s],
+                                                                          2 * W[s], buffers), (recompute, s)
+            assert (x.activations, x.inflight, x.transient) == (acts, held, gpu_temp[s]), (recompute, s)
+            assert x.total == want, (recompute, s)
+            assert x.total == x.weights + x.gradients + x.optimizer + x.buffers + max(x.activations, x.transient)
+            # only the active layers' weights count twice: 2BW minus 1F1B is one more copy of them (frozen: one)
+            assert x.total - one[s].total == W[s] and x.weights - one[s].weights == W[s]
+
+
+def test_two_bw_with_recomputation_is_the_papers_formula():
+    """PipeDream-2BW's memory model, 2|W|/d + d·|A_input(b)| (Narayanan et al. 2021), for stage 0 of d = K
+    uniform stages (no frozen layers, one block per stage): weights twice, and the stage's input for
+    each of the K micro-batches in flight; the stage model adds what the paper leaves out (gradient,
+    optimizer state, receive buffers, one micro-batch rebuilt for its backward) — checked term by term."""
+    prof = synthetic_profile(num_blocks=8, hidden=64, seq_len=16)
+    t = CostTable(prof)
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=4)
+    K, M, b = 4, 8, 4
+    blocks = [(lo, lo + 2) for lo in range(1, 1 + 2 * K, 2)]  # layer 0 embeds; then one block (2 halves) each
+    ranges = [(0, blocks[0][1]), *blocks[1:-1], (blocks[-1][0], prof.num_layers)]
+    m = model_for(prof, gpu, K=K, M=M, b=b, f=0, schedule="2bw", recompute=True)
+    mem = m.stage_memory(ranges)
+    costs = m.stage_costs(ranges)
+    for s in (1, 2):  # the uniform middle stages: |W|/d = one block
+        lo, hi = ranges[s]
+        W_d = float(t.cum_param[hi] - t.cum_param[lo])
+        A_in = b * float(t.out_per_sample[lo - 1])
+        full = b * float(t.cum_saved[hi] - t.cum_saved[lo] + t.out_per_sample[hi - 1])
+        x = mem[s]
+        paper = 2 * W_d + (K - s) * A_in
+        assert x.inflight == K - s
+        assert x.weights + x.activations - full == pytest.approx(paper)
+        assert x.total == pytest.approx(paper + x.gradients + x.optimizer + x.buffers + full)
+        assert costs[s].activation_bytes_per_mb == int(A_in)
+    # recomputation trades the backward's time for memory: the stage's forward runs again before it
+    plain = model_for(prof, gpu, K=K, M=M, b=b, f=0, schedule="2bw").stage_costs(ranges)
+    for a, c in zip(plain, costs):
+        assert c.backward_s == pytest.approx(a.backward_s + a.forward_s - gpu.action_overhead_s * (K > 1))
+        assert c.activation_bytes_per_mb < a.activation_bytes_per_mb
+
+
+def test_two_bw_split_agrees_with_the_simulator():
+    """The partitioner's evaluation, the break-down and the simulator's memory are one number for 2BW."""
+    rng = random.Random(7)
+    for _ in range(10):
+        prof = random_profile(rng, rng.randint(3, 5))
+        f = rng.randint(0, 2)
+        n0 = prof.frozen_boundary(f)
+        K = rng.choice([1, 2, 4])
+        M = rng.choice([m for m in (4, 8) if m >= K])
+        m = model_for(prof, get_preset("paper"), K=K, M=M, b=2, f=f, schedule="2bw", recompute=rng.random() < 0.5)
+        ranges = random_split(rng, n0, prof.num_layers, K)
+        lo, hi = np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
+        _, mem_all = m.evaluate_split(m.prepare(lo, hi))
+        sim = simulate(build_schedule("2bw", K, M), m.stage_costs(ranges))
+        breakdown = m.stage_memory(ranges)
+        assert tuple(x.total for x in breakdown) == sim.stage_peak_memory_bytes
+        assert [x.total for x in breakdown] == pytest.approx(list(mem_all), abs=2)
+
+
+def test_weight_versions_are_checked():
+    with pytest.raises(PtplanError, match=r"weight_versions=3; a stage keeps 1 weight version, or 2 with PipeDream-2BW"):
+        PhaseShape(K=1, M=1, b=1, D=1, frozen=0, cache=False, inflight=(1,), weight_versions=3)
