@@ -224,3 +224,27 @@ def test_a_ptplan_error_in_the_workers_is_one_line_exit_2_naming_the_ranks(files
     steps = read_run_log(run.log).steps
     assert steps[-1].step == int(m[2]) and not (steps[-1].loss == steps[-1].loss and abs(steps[-1].loss) < 1e30)
     run.assert_nothing_left()
+
+
+def test_a_hung_rank_is_named_and_the_job_ends_at_the_timeout(files, tmp_path):
+    """Rank 1 stops responding (SIGSTOP: alive, silent): rank 0 waits in a collective until --timeout, and
+    the job ends soon after it -- not at timeout + torchrun's 30 s grace -- with one line naming rank 1."""
+    run = Run(files, tmp_path, "--timeout", "8")
+    run.wait_training()
+    pids = run.worker_pids()
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        run.finish(timeout=90)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    took = time.monotonic() - t0
+    print(f"SIGSTOP rank 1 with --timeout 8 -> launcher exit in {took:.2f} s")
+    assert run.proc.returncode == 1, run.err
+    assert run.error_lines() == [run.err.strip()], run.err
+    assert run.err.startswith("error: rank 1 stopped without an error message") and "stuck past --timeout" in run.err
+    run.assert_nothing_left()
+    assert took < 8 + 15, took
