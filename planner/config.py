@@ -20,8 +20,10 @@ from .errors import PtplanError
 from .jsonio import Fields
 
 BATCH_POLICIES = ("constant-global", "constant-pipeline")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v")
-"""Schedules a phase may run (``planner/schedule.py`` generates each as data)."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v", "2bw")
+"""Schedules a phase may run (``planner/schedule.py`` generates each as data). "2bw" (PipeDream-2BW) is
+asked for by name only: it changes the optimisation (one-step-stale gradients), so ``auto``, which
+picks among schedules that compute the same update, never picks it."""
 SCHEDULE_CHOICES = ("auto", *SCHEDULES)
 """What a user may ask for: one schedule, or ``auto`` (the search picks per phase among AUTO_SCHEDULES)."""
 AUTO_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1")

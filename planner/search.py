@@ -10,7 +10,9 @@ Steps, all pure functions of the profile, the cluster and the training settings:
    layers (the pinned K where it is possible; K <= start_K after the first phase), M splits the
    pipeline's batch (M >= K for 1F1B; the pinned M where possible), b inside the profile's
    measured sizes unless extrapolation is allowed, the AutoCache where the mode and the nodes'
-   host memory allow. There is no cap on M: memory and the batch bound it.
+   host memory allow. There is no cap on M: memory and the batch bound it. With ``--schedule 2bw``
+   (PipeDream-2BW) an iteration is one mini-batch of the flush-free steady state, stages keep two
+   weight versions of their active layers, and M >= K.
 2. ``lower_bound``: a bound on the simulated iteration that needs no partition (the stages' total
    compute divided over K, and one micro-batch's path through every stage). The simulator's
    iteration is never below it.
@@ -145,6 +147,7 @@ class PhaseSearch:
         shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache, V=cand.V,
                            inflight=peak_inflight(cand.schedule, cand.K, cand.M, cand.V),
                            optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
+                           weight_versions=2 if cand.schedule == "2bw" else 1,
                            action_overhead_s=self.c.action_overhead_s,
                            host_read_bandwidth=self.cfg.host_read_bandwidth)
         return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V), fill_from=fill_from)
@@ -264,6 +267,12 @@ class PhaseSearch:
           optimizer step (at least those of the first active layer, which it always holds) follow
           the makespan bounds above;
         plus the per-step overhead.
+
+        PipeDream-2BW (no flush; the iteration is the steady state's period per mini-batch): every rank
+        repeats its work — setup + M·(f_s + b_s) + optimizer step — once per period, so the period
+        is at least the ranks' total work over K, the largest layer's M forwards and backwards, and
+        stage 0's prefix and first layer with its optimizer step (``simulate``'s floor is the slowest
+        rank's work itself).
         """
         tm = self.t.at(c.b)
         K, M, S = c.K, c.M, c.S
@@ -290,6 +299,10 @@ class PhaseSearch:
             pipe = max(pipe, setup + (F + Bw) / -math.expm1(S * math.log1p(-1.0 / M)))
         fb_max = float(self._fb_suffix_max(c.b)[n0])
         big = M * (fb_max + 2 * ovh)
+        if c.schedule == "2bw":
+            work = M * (F + Bw) + setup + float(t.cum_opt_s[n] - t.cum_opt_s[n0])
+            first = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh) + float(t.optimizer_s[n0])
+            return max(work / K, big, first) + self.c.step_overhead_s
         x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
         lat = 0.0
         if c.D > 1:
@@ -328,6 +341,12 @@ class PhaseSearch:
         for s, x in enumerate(costs):
             load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
             done[s2r[s]] += x.allreduce_s + x.optimizer_s
+        if c.schedule == "2bw":  # the steady state: each rank's work (and all-reduces) once per period
+            opt, ar = [0.0] * K, [0.0] * K
+            for s, x in enumerate(costs):
+                opt[s2r[s]] += x.optimizer_s
+                ar[s2r[s]] += x.allreduce_s
+            return max(max(ld + o for ld, o in zip(load, opt)), max(ar)) + self.c.step_overhead_s
         pipe = max(T, max(load))
         if c.schedule == "gpipe":
             pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))

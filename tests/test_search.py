@@ -13,7 +13,7 @@ from ptplan.planner.synthetic import synthetic_profile
 from tests.test_stage import random_profile
 
 
-SCHEDULES_TRIED = ["gpipe", "1f1b", "auto", "interleaved-1f1b", "zb-h1", "zb-v", "looped-bfs"]
+SCHEDULES_TRIED = ["gpipe", "1f1b", "auto", "interleaved-1f1b", "zb-h1", "zb-v", "looped-bfs", "2bw"]
 
 
 def random_case(rng: random.Random):
@@ -96,3 +96,45 @@ def test_large_case_uses_few_evaluations():
         total += len(cands)
         s.search(f, Visit(samples=1e7))
     assert s.evaluated < total / 2
+
+
+def test_two_bw_bounds_hold_and_search_matches_exhaustive():
+    """PipeDream-2BW (asked for by name): its partition-free and split bounds stay below the simulated
+    steady state on random cases, and the bounded search picks what exhaustive simulation picks."""
+    rng = random.Random(2024)
+    checked = compared = 0
+    for _ in range(14):
+        prof, cluster, cfg = random_case(rng)
+        cfg = TrainingConfig(epochs=2, samples_per_epoch=cfg.samples_per_epoch, batch=cfg.batch, schedule="2bw",
+                             cache=cfg.cache, optimizer=cfg.optimizer, allow_extrapolation=True)
+        s = PhaseSearch(prof, cluster, cfg)
+        f = rng.randint(0, prof.num_blocks)
+        n0 = prof.frozen_boundary(f)
+        cands, _, _ = s.candidates(f, n0)
+        assert all(c.schedule == "2bw" and c.M >= c.K for c in cands)
+        visit = Visit(samples=float(cfg.samples_per_epoch), fill_from=0)
+        for c in cands:
+            got = s.evaluate(c, n0, visit)
+            if not isinstance(got, Choice):
+                continue
+            sim = got.sim.iteration_s
+            assert s.lower_bound(c, n0) <= sim * (1 + 1e-9), c
+            assert s.split_bound(c, got.costs) <= sim * (1 + 1e-9), c
+            assert s.objective_bound(c, n0, visit) <= got.objective * (1 + 1e-9)
+            checked += 1
+        ref = exhaustive(PhaseSearch(prof, cluster, cfg), f, visit)
+        if ref is not None:
+            got = PhaseSearch(prof, cluster, cfg).search(f, visit)
+            assert (got.cand, got.ranges) == (ref.cand, ref.ranges)
+            compared += 1
+    assert checked >= 40 and compared >= 8
+
+
+def test_auto_never_picks_two_bw():
+    """2BW changes the update (stale gradients), so auto only picks among same-update schedules."""
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16)
+    s = PhaseSearch(prof, Cluster.uniform(nodes=1, gpus_per_node=4),
+                    TrainingConfig(epochs=1, samples_per_epoch=64, batch=16, schedule="auto"))
+    assert "2bw" not in s.schedules
+    cands, _, _ = s.candidates(0, 0)
+    assert cands and all(c.schedule != "2bw" for c in cands)
