@@ -51,6 +51,11 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
     ``build_schedule`` generates for ``phase.schedule``. Raises PtplanError naming the phase and the
     action at fault."""
     fix = "re-run `ptplan plan`, or plan with another schedule if it writes the same lists again"
+    if phase.schedule == "2bw":
+        raise PtplanError(f"{_where(index, phase)}: the executor cannot run PipeDream-2BW yet: it needs a pipeline "
+                          f"that runs without a flush between mini-batches (torch.distributed.pipelining's step() "
+                          f"flushes) and two weight versions per stage; plan with --schedule 1f1b (the same 1F1B order "
+                          f"with a flush and no stale weights) to run it")
     try:
         return _checked(phase.schedule, phase.K, phase.M, phase.V, phase.stage_to_rank(), phase.actions)
     except ScheduleError as e:
