@@ -307,9 +307,9 @@ def zero_bubble_h1(K: int, M: int) -> Schedule:
 TWOBW_WINDOW = 8
 """Mini-batches ``two_bw`` lays out back to back (N): the simulator reads the steady state's period
 from the last three (``simulate``). On 230 random cases (K 2..16, M K..32, non-uniform stages,
-sends, optimizer steps, all-reduces up to 40x a micro-batch's work) that period was within 0.14 %
-of the mean period over mini-batches 39..59 of a 60-mini-batch run (N = 6 and the last two: 0.5 %;
-N = 4: 13 %)."""
+sends, optimizer steps, all-reduces up to 40x a micro-batch's work) that period was within 0.07 %
+of the mean period over mini-batches 39..59 of a 60-mini-batch run (``python bench/twobw_bench.py
+--window-check``); the first mini-batches are not yet periodic, so short windows read less."""
 
 
 def two_bw(K: int, M: int, minibatches: int = TWOBW_WINDOW) -> Schedule:
