@@ -51,11 +51,16 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
     ``build_schedule`` generates for ``phase.schedule``. Raises PtplanError naming the phase and the
     action at fault."""
     fix = "re-run `ptplan plan`, or plan with another schedule if it writes the same lists again"
-    if phase.schedule == "2bw":
-        raise PtplanError(f"{_where(index, phase)}: the executor cannot run PipeDream-2BW yet: it needs a pipeline "
-                          f"that runs without a flush between mini-batches (torch.distributed.pipelining's step() "
-                          f"flushes) and two weight versions per stage; plan with --schedule 1f1b (the same 1F1B order "
-                          f"with a flush and no stale weights) to run it")
+    if phase.schedule == "2bw":  # run by executor/twobw.py's own loop: the continuous 1F1B the planner generates
+        try:
+            want = build_schedule("2bw", phase.K, phase.M, phase.V)
+        except ScheduleError as e:
+            raise PtplanError(f"{_where(index, phase)}: the executor cannot run its schedule: {e}; {fix}") from None
+        if phase.actions and tuple(phase.actions) != tuple(" ".join(map(str, a)) for a in want.actions):
+            raise PtplanError(f"{_where(index, phase)}: the executor runs PipeDream-2BW as the continuous 1F1B that "
+                              f"`ptplan plan` writes (planner.schedule.two_bw), but this phase's action lists differ; "
+                              f"{fix}")
+        return want
     try:
         return _checked(phase.schedule, phase.K, phase.M, phase.V, phase.stage_to_rank(), phase.actions)
     except ScheduleError as e:

@@ -16,7 +16,10 @@ Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps n
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
 frees what it only sent, destroys the old groups and creates the new ones in the same order on
 every rank (``groups``), and rebuilds the stage and its schedule. The training loop is in
-``training``. In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by
+``training``. A PipeDream-2BW phase (schedule ``2bw``) runs its own flush-free loop instead
+(``twobw.TwoBWPipe``: each ``train_step`` runs one mini-batch's stretch of a continuous 1F1B, with
+two weight versions and one-step-stale updates); ``switch``, ``gather`` and ``close`` first drain it.
+In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by
 ``cache_run``), stage 0's module holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s
 output for the shard, computed micro-batch by micro-batch as recomputation would.
 
@@ -46,6 +49,7 @@ from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
 from .transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
+from .twobw import TwoBWPipe
 
 
 class ElasticRuntime:
@@ -91,6 +95,8 @@ class ElasticRuntime:
         """Per layer, the ranks holding a current copy (in a phase: the ranks that need it; ``transition``)."""
         self.cache: ActivationCache | None = None
         """The node's AutoCache (``cache_run``; set with ``set_cache``). None: always recompute."""
+        self._norms: list[float] | None = None
+        """2BW, while a step asked for gradient norms: per block, the squared norms of its updates so far."""
         self.memory_hook: Callable[[str, Tensor], None] | None = None
         """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
         (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
@@ -133,6 +139,7 @@ class ElasticRuntime:
         """
         new = self.plan.phases[index]
         t0 = time.perf_counter()
+        self._drain()
         self.module = self.schedule = None  # the old stage and its receive buffers go first
         self.chunks = {}
         self.opt.zero_grad(set_to_none=True)
@@ -180,8 +187,36 @@ class ElasticRuntime:
                        for c in chunks_of(ph, self.groups.place.stage)}
         mods = list(self.chunks.values())
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
+        if ph.schedule == "2bw":
+            row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
+            self.schedule = TwoBWPipe(self.module, stage=k, K=ph.K, M=ph.M, prev_rank=row[k - 1] if k > 0 else None,
+                                      next_rank=row[k + 1] if k < ph.K - 1 else None, loss_fn=self.model.loss,
+                                      device=self.device, update=self._twobw_update)
+            return
         self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
                                        self.model.loss)
+
+    def _drain(self) -> None:
+        """A 2BW phase: run its outstanding backwards and updates (collective over the phase's ranks)."""
+        if isinstance(self.schedule, TwoBWPipe):
+            self.schedule.drain()
+
+    def _twobw_update(self, pairs: list[tuple[torch.nn.Parameter, Tensor | None]]) -> None:
+        """2BW's update of one stage: the mini-batch's gradient averaged over the data-parallel group, the
+        optimizer step, and (for adaptive freezing) its per-block norms."""
+        for p, g in pairs:
+            p.grad = g
+        t0 = time.perf_counter()
+        self._allreduce_grads()
+        self.last_allreduce_s += time.perf_counter() - t0
+        if self._norms is not None and self.groups.place.pipeline == 0:
+            for p, _ in pairs:
+                b = self.block_of[self.layer_of[id(p)]]
+                if b is not None and p.grad is not None:
+                    self._norms[b] += p.grad.double().pow(2).sum().item()
+        self.opt.step()
+        for p, _ in pairs:
+            p.grad = None
 
     def set_cache(self, cache: ActivationCache | None) -> None:
         """Read the frozen prefix's output from ``cache`` in caching phases from now on (call before the
@@ -239,6 +274,8 @@ class ElasticRuntime:
             if self.memory_hook is not None:
                 self.memory_hook("buffers", x)
         kw = {} if mask is None else {"attention_mask": mask}
+        if isinstance(self.schedule, TwoBWPipe):
+            return self._train_step_2bw(x, y, kw, want_norms=want_norms)
         self.opt.zero_grad(set_to_none=True)
         losses: list[Tensor] = []
         args = (x,) if first else ()
@@ -264,6 +301,26 @@ class ElasticRuntime:
         vec = vec.cpu()
         return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
 
+    def _train_step_2bw(self, x: Tensor, y: Tensor, kw: dict[str, Tensor], *, want_norms: bool
+                        ) -> tuple[float, list[float]]:
+        """``train_step`` in a 2BW phase: one mini-batch's stretch (``twobw``); the loss is the mean over
+        the mini-batch's micro-batches at its weight version; the norms are those of the gradients that
+        updated this rank's stage during the stretch (zero where none did)."""
+        ph, pipe = self.phase, self.schedule
+        L = self.model.num_blocks
+        self._norms = [0.0] * L if want_norms else None
+        self.last_allreduce_s = 0.0
+        losses = pipe.step(x if pipe.prev is None else None, y if pipe.next is None else None, kw)
+        vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
+        if losses:
+            vec[0] = torch.stack([loss.double() for loss in losses]).mean()
+        if want_norms:
+            vec[1:] = torch.tensor(self._norms, dtype=torch.float64)
+        self._norms = None
+        dist.all_reduce(vec)
+        vec = vec.cpu()
+        return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+
     # ---- whole-model views -----------------------------------------------------------------
     def gather(self, with_state: bool = False) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
         """Bring every layer (and optionally every active layer's optimizer state) to rank 0; collective.
@@ -272,6 +329,7 @@ class ElasticRuntime:
         Rank 0 gives the layers it does not hold host storage for the exchange (one source rank at a
         time) and frees it again before returning: the returned tensors are then the only copies.
         """
+        self._drain()
         ph = self.phase
         to0 = [frozenset({0})] * self.n
         weights_t = self._transfers(self.current, to0, state=False)
@@ -325,6 +383,7 @@ class ElasticRuntime:
 
     def close(self) -> None:
         """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
+        self._drain()
         destroy_groups(self.groups)
         self.groups = None
 

@@ -1,0 +1,202 @@
+"""PipeDream-2BW in the executor (executor/twobw.py): a 4-process elastic run (K=4,D=1 -> K=2,D=2 -> K=1,D=4,
+three mini-batches per phase) equals a single-process reference of the same 2BW semantics, and runs
+the planner's flush-free order.
+
+The reference is written from scratch here (it shares only the model adapter with the runtime): in
+each phase, mini-batch t's loss and gradient are computed at W(t) on a second copy of the model, and
+applied at once to the newest weights: W(t+2) = W(t+1) - lr * grad f(W(t)), with W(0) = W(1) = the
+weights the phase starts from. So after a phase's T mini-batches every gradient is applied (the
+executor's drain at the transition), and the next phase starts afresh from those weights.
+
+Difference measure as in tests/test_runtime_parity.py: per parameter tensor
+max|run - ref| / max(max|ref|, 0.02); AdamW with eps=1e-6 for the same reason as there.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from ptplan.executor import twobw
+from ptplan.executor.config import RunConfig
+from ptplan.executor.data import TensorDataset
+from ptplan.executor.models import build_model
+from ptplan.executor.runlog import read_records
+from ptplan.executor.testing import make_plan, run_world, spec
+from ptplan.executor.training import Hooks, run_training
+from ptplan.planner.schedule import two_bw
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    yield
+
+
+SEQ, B, STEPS = 8, 8, 3
+COUNTS = [0] * STEPS + [1] * STEPS + [2] * STEPS  # frozen blocks at each step: three phases of three mini-batches
+N = B * len(COUNTS)
+SEED, DATA_SEED = 0, 321
+TOL = {"sgd": 1e-5, "adamw": 1e-4}
+OPT = {"sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01), "adamw": dict(lr=1e-3, weight_decay=0.01, eps=1e-6)}
+CHUNKS = {0: 1 * 4, 1: 2 * 2, 2: 4 * 2}  # D*M micro-batches per global batch in each phase
+
+
+def _build(name: str):
+    kw = {} if name.startswith("vit") else {"seq_len": SEQ}
+    return build_model(name, granularity="half", dropout=0.0, seed=SEED, **kw)
+
+
+def _plan(model):
+    return make_plan(model, [spec(0, K=4, D=1, M=4, b=2, schedule="2bw"),
+                             spec(1, K=2, D=2, M=2, b=2, ranks=((3, 1), (0, 2)), schedule="2bw"),
+                             spec(2, K=1, D=4, M=2, b=1, schedule="2bw")], trajectory=[0, 1, 2], schedule="2bw")
+
+
+def _optimizer(params, optimizer: str):
+    o = OPT[optimizer]
+    if optimizer == "sgd":
+        return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
+    return torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"], eps=o["eps"])
+
+
+def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torch.Tensor]], list[float]]:
+    """Weights at step 0, at each phase change (after the old phase's last gradient is applied) and at the
+    end; the loss of every step (at the weights that step ran with)."""
+    model, stale = _build(name), _build(name)
+    model.train()
+    stale.train()
+    opt = _optimizer(list(model.parameters()), optimizer)
+    x, y, m = data
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 7919))  # epoch 0's order
+    snaps, losses, prev = {}, [], None
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    for t, f in enumerate(COUNTS):
+        if f != prev:  # a new phase: W(0) = W(1) = the weights so far
+            snaps[t] = weights()
+            first = next((i for i, s in enumerate(model.specs) if s.block is not None and s.block >= f), 0) if f else 0
+            for net in (model, stale):
+                for i, layer in enumerate(net.layers):
+                    for p in layer.parameters():
+                        p.requires_grad_(i >= first)
+            stale.load_state_dict(model.state_dict())
+            prev = f
+        ids = order[t * B:(t + 1) * B]
+        n = CHUNKS[f]
+        xs, ys = x[ids].chunk(n), y[ids].chunk(n)
+        ms = m[ids].chunk(n) if m is not None else [None] * n
+        stale.zero_grad(set_to_none=True)
+        loss = sum(stale.loss(stale(a, attention_mask=c), b) for a, b, c in zip(xs, ys, ms)) / n
+        loss.backward()  # the gradient at W(t)
+        losses.append(loss.item())
+        newest = {k: v.detach().clone() for k, v in model.state_dict().items()}  # W(t+1): what t+1 runs with
+        for p, q in zip(model.parameters(), stale.parameters()):
+            p.grad = None if q.grad is None else q.grad.clone()
+        opt.step()  # W(t+2) = W(t+1) - lr * grad f(W(t))
+        opt.zero_grad(set_to_none=True)
+        stale.load_state_dict(newest)
+    snaps[len(COUNTS)] = weights()
+    return snaps, losses
+
+
+def elastic_run(name: str, optimizer: str, data, tmp: str) -> tuple[dict[int, dict], str]:
+    model = _build(name)
+    plan = _plan(model)
+    o = OPT[optimizer]
+    cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
+                    weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED, freeze_every=STEPS,
+                    steps_per_epoch=len(COUNTS), epochs=1, progress=False, timeout_s=60,
+                    log=os.path.join(tmp, "run.jsonl"))
+    ds = TensorDataset(*data)
+
+    def worker(rank: int, world: int) -> None:
+        def save(event: str, step: int, weights) -> None:
+            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
+
+        twobw.RECORD = []
+        run_training(cfg, plan, model, ds, hooks=Hooks(snapshots=True, on_snapshot=save))
+        torch.save(twobw.RECORD, os.path.join(tmp, f"order-{rank}.pt"))
+
+    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=150)
+    assert res.ok, res.explain()
+    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
+    return snaps, cfg.log
+
+
+def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert run.keys() == ref.keys()
+    worst, where = 0.0, ""
+    for k, r in ref.items():
+        d = ((run[k] - r).abs().max() / r.abs().max().clamp_min(0.02)).item()
+        if d > worst:
+            worst, where = d, k
+    return worst, where
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "vit-tiny"])
+def test_two_bw_run_matches_single_process_reference(name, optimizer, tmp_path):
+    data = _build(name).make_batch(N, generator=torch.Generator().manual_seed(DATA_SEED))
+    snaps, log = elastic_run(name, optimizer, data, str(tmp_path))
+    ref, ref_losses = reference(name, optimizer, data)
+    assert sorted(snaps) == [0, 3, 6, 9], sorted(snaps)  # start, two transitions (drained), end (drained)
+    for step in (3, 6, 9):
+        d, where = max_rel_diff(snaps[step], ref[step])
+        assert d <= TOL[optimizer], f"after {step} steps: max relative difference {d:.2e} in {where}"
+    steps = [r for r in read_records(log) if r["type"] == "step"]
+    assert [(r["K"], r["D"], r["frozen_blocks"]) for r in steps] == [(4, 1, 0)] * 3 + [(2, 2, 1)] * 3 + [(1, 4, 2)] * 3
+    for r, want in zip(steps, ref_losses):
+        assert math.isclose(r["loss"], want, rel_tol=1e-5), (r["step"], r["loss"], want)
+    # the stale update is real: plain (flushed) training from the same start gives other weights
+    if optimizer == "sgd":
+        assert max_rel_diff(snaps[3], _flushed(name, optimizer, data))[0] > 100 * TOL[optimizer]
+    # the order is the planner's continuous 1F1B: mini-batch 1's forwards start before mini-batch 0's
+    # backwards end on stage 0 (no flush), and each update comes right after its mini-batch's last backward
+    order = {r: torch.load(tmp_path / f"order-{r}.pt") for r in range(4)}
+    plan_lists = two_bw(4, 4, minibatches=STEPS).actions
+    for r in range(4):
+        ran = [a for K, s, a in order[r] if K == 4]
+        want = [f"{a.kind.value}{a.mb}" for a in plan_lists[r] if a.kind.value in ("F", "B")]
+        assert [a for a in ran if a[0] != "U"] == want, r
+        for t in range(STEPS):
+            assert ran.index(f"U{t}") == ran.index(f"B{t * 4 + 3}") + 1
+    stage0 = [a for K, s, a in order[0] if K == 4]
+    assert stage0.index("F4") < stage0.index("B3")
+
+
+def _flushed(name: str, optimizer: str, data) -> dict[str, torch.Tensor]:
+    """Three plain (flushed, no stale weights) steps of phase 0: what 2BW must differ from."""
+    model = _build(name)
+    model.train()
+    opt = _optimizer(list(model.parameters()), optimizer)
+    x, y, m = data
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 7919))
+    for t in range(STEPS):
+        ids = order[t * B:(t + 1) * B]
+        xs, ys = x[ids].chunk(4), y[ids].chunk(4)
+        ms = m[ids].chunk(4) if m is not None else [None] * 4
+        opt.zero_grad(set_to_none=True)
+        (sum(model.loss(model(a, attention_mask=c), b) for a, b, c in zip(xs, ys, ms)) / 4).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_two_bw_plans_pass_the_executors_check():
+    """``ptplan run --dry-run``'s check (actions.phase_schedule) takes the planner's 2BW lists and refuses others."""
+    from dataclasses import replace
+
+    from ptplan.executor.actions import phase_schedule
+    from ptplan.planner.errors import PtplanError
+
+    plan = _plan(_build("gpt2-tiny"))
+    for i, ph in enumerate(plan.phases):
+        assert phase_schedule(ph, i).minibatches > 1
+    ph = plan.phases[0]
+    bad = replace(ph, actions=(ph.actions[1], ph.actions[0], *ph.actions[2:]))
+    with pytest.raises(PtplanError, match=r"plan phase 0 .*schedule '2bw'.*continuous 1F1B.*differ"):
+        phase_schedule(bad, 0)
