@@ -147,7 +147,7 @@ class PhaseSearch:
         shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache, V=cand.V,
                            inflight=peak_inflight(cand.schedule, cand.K, cand.M, cand.V),
                            optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
-                           weight_versions=2 if cand.schedule == "2bw" else 1,
+                           weight_versions=2 if cand.schedule == "2bw" else 1, own_p2p=cand.schedule == "2bw",
                            action_overhead_s=self.c.action_overhead_s,
                            host_read_bandwidth=self.cfg.host_read_bandwidth)
         return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V), fill_from=fill_from)

@@ -33,7 +33,9 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
     · per_mb + w, after))
             + receive buffers, K > 1: torch.distributed.pipelining keeps one activation buffer
               per micro-batch on every stage but the first and one gradient buffer per
-              micro-batch on every stage but the last: M·b·(out[lo-1] if s > 0) + M·b·(out[hi-1] if s < K-1)
+              micro-batch on every stage but the last: M·b·(out[lo-1] if s > 0) + M·b·(out[hi-1] if s < K-1);
+              PipeDream-2BW's own loop (``own_p2p``) one gradient buffer, b·(out[hi-1] if s < K-1),
+              and each micro-batch in flight holds its received input, b·out[lo-1] more in per_mb
             + stage 0 recomputing the prefix: the frozen weights Σ param[0:n0] (one version: frozen
               layers are never updated)
             + stage 0 with the AutoCache: the shard's prefix outputs M·b·out[n0-1] (the frozen
@@ -163,6 +165,11 @@ class PhaseShape:
     recompute: bool = False
     """Activation recomputation: a micro-batch in flight holds only the stage's input, and the backward
     first reruns the stage's forward."""
+    own_p2p: bool = False
+    """The stage exchanges messages in ptplan's own point-to-point loop (PipeDream-2BW,
+    ``executor/twobw.py``), not torch.distributed.pipelining's: no receive buffer per micro-batch; a
+    received activation stays with its micro-batch until its backward (``per_mb``), a received
+    gradient only while that backward runs (one buffer)."""
     device_is_host: bool = False
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
     action_overhead_s: float = 0.0
@@ -309,10 +316,13 @@ class StageModel:
             t, static = base, state
             if s > 0:
                 t = t + (self._lat_in[s] + inb * self._inv_in[s])
-                static = static + sh.M * inb
+                if sh.own_p2p:
+                    per_mb = per_mb if sh.recompute else per_mb + inb
+                else:
+                    static = static + sh.M * inb
             if s < sh.S - 1:
                 t = t + (self._lat_out[s] + outb * self._inv_out[s])
-                static = static + sh.M * outb
+                static = static + (1 if sh.own_p2p else sh.M) * outb
             if s == 0:
                 t = t + (self.prefix_s + self.read_setup_s / sh.M)
                 static = static + self.stage0_static
@@ -324,7 +334,12 @@ class StageModel:
         t = base + has_in * (self._lat_in[si] + inb * self._inv_in[si]) \
             + has_out * (self._lat_out[si] + outb * self._inv_out[si]) \
             + is0 * (self.prefix_s + self.read_setup_s / sh.M)
-        static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
+        if sh.own_p2p:
+            static = state + has_out * outb + is0 * self.stage0_static
+            if not sh.recompute:
+                per_mb = per_mb + has_in * inb
+        else:
+            static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
         if self.stage0_after:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)
         return t, static, per_mb, after, self._inflight[si]

@@ -40,7 +40,7 @@ def model_for(prof: Profile, cluster: Cluster, *, K: int, M: int, b: int, f: int
     n0 = prof.frozen_boundary(f)
     shape = PhaseShape(K=K, M=M, b=b, D=cluster.world_size // K, frozen=n0, cache=cache,
                        inflight=peak_inflight(schedule, K, M), optimizer=optimizer,
-                       weight_versions=2 if schedule == "2bw" else 1, recompute=recompute,
+                       weight_versions=2 if schedule == "2bw" else 1, recompute=recompute, own_p2p=schedule == "2bw",
                        device_is_host=cluster.device_is_host, action_overhead_s=cluster.action_overhead_s)
     return StageModel(CostTable(prof), shape, links_for(cluster, K), fill_from=fill_from)
 
@@ -243,7 +243,9 @@ def test_two_bw_memory_by_hand():
     out = [L[hi - 1].output_bytes_per_sample for _, hi in ranges]
     a_in = [L[lo - 1].output_bytes_per_sample for lo, _ in ranges]  # stage 0's input: the frozen prefix's output
     prefix = sum(x.param_bytes for x in L[:n0])
-    buffers = M * b * out[0]  # stage 0's gradient receive buffers = stage 1's activation receive buffers
+    # 2BW's own loop: one gradient buffer on stage 0 (torch's runtime: M), no activation receive buffers on
+    # stage 1; there each micro-batch in flight holds its received input until its backward
+    buffers = [b * out[0], 0]
     gpu_temp = [W[0], W[1]]  # AdamW's foreach temporary on a GPU, D = 1: no all-reduce buffer
     for recompute in (False, True):
         one = model_for(prof, gpu, K=K, M=M, b=b, f=f, schedule="1f1b", recompute=recompute).stage_memory(ranges)
@@ -251,18 +253,19 @@ def test_two_bw_memory_by_hand():
         for s in range(K):
             held = K - s  # micro-batches in flight on stage s, 1F1B and 2BW alike
             full = b * (saved[s] + out[s])
-            acts = held * b * a_in[s] + full if recompute else held * full
-            static = 2 * W[s] + G[s] + 2 * W[s] + buffers + (prefix if s == 0 else 0)  # 2 versions + grad + AdamW
+            acts = held * b * a_in[s] + full if recompute else held * (full + (b * a_in[s] if s > 0 else 0))
+            static = 2 * W[s] + G[s] + 2 * W[s] + buffers[s] + (prefix if s == 0 else 0)  # 2 versions + grad + AdamW
             want = static + max(acts, gpu_temp[s]) if not recompute else \
                 static + full + max(held * b * a_in[s], gpu_temp[s] - full)
             x = two[s]
             assert (x.weights, x.gradients, x.optimizer, x.buffers) == (2 * W[s] + (prefix if s == 0 else 0), G[s],
-                                                                          2 * W[s], buffers), (recompute, s)
+                                                                          2 * W[s], buffers[s]), (recompute, s)
             assert (x.activations, x.inflight, x.transient) == (acts, held, gpu_temp[s]), (recompute, s)
             assert x.total == want, (recompute, s)
             assert x.total == x.weights + x.gradients + x.optimizer + x.buffers + max(x.activations, x.transient)
-            # only the active layers' weights count twice: 2BW minus 1F1B is one more copy of them (frozen: one)
-            assert x.total - one[s].total == W[s] and x.weights - one[s].weights == W[s]
+            # only the active layers' weights count twice: 2BW holds one more copy of them (frozen: one)
+            assert x.weights - one[s].weights == W[s]
+            assert one[s].buffers == M * b * out[0]  # torch's runtime: M receive buffers each way
 
 
 def test_two_bw_with_recomputation_is_the_papers_formula():
