@@ -126,6 +126,7 @@ class TwoBWPipe:
         grad = None if self.next is None else self._recv(self.next, out.dtype)
         torch.autograd.backward(out, grad_tensors=grad)
         if self.prev is not None:
+            assert inp is not None and inp.grad is not None, "a received input keeps its gradient"
             self._send(inp.grad, self.prev)
         if RECORD is not None:
             RECORD.append((self.K, self.s, f"B{g}"))
