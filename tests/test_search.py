@@ -138,3 +138,26 @@ def test_auto_never_picks_two_bw():
     assert "2bw" not in s.schedules
     cands, _, _ = s.candidates(0, 0)
     assert cands and all(c.schedule != "2bw" for c in cands)
+
+
+def test_two_bw_plan_round_trips_with_its_window():
+    """`ptplan plan --schedule 2bw`: every phase runs 2bw with M >= K, stores the planner's flush-free window
+    (N mini-batches of M micro-batches) as its actions, and the plan file loads back unchanged."""
+    import json
+
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.plan import plan_from_json
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.schedule import TWOBW_WINDOW, build_schedule
+
+    prof = synthetic_profile(num_blocks=6, hidden=64, seq_len=16)
+    cfg = TrainingConfig(epochs=3, samples_per_epoch=256, batch=32, schedule="2bw")
+    plan = make_plan(prof, Cluster.uniform(nodes=1, gpus_per_node=4), cfg, FreezePolicy(policy="manual", manual=(0, 2, 4)))
+    assert {p.schedule for p in plan.phases} == {"2bw"} and all(p.M >= p.K for p in plan.phases)
+    for p in plan.phases:
+        want = build_schedule("2bw", p.K, p.M)
+        assert p.actions == tuple(" ".join(map(str, a)) for a in want.actions)
+        assert sum(t.startswith(f"{p.K - 1}F") for t in p.actions[-1].split()) == TWOBW_WINDOW * p.M
+        assert p.predicted.iteration_s > 0
+    again = plan_from_json(json.loads(json.dumps(plan.to_json())), source="test")
+    assert again.phases == plan.phases
