@@ -23,7 +23,12 @@ weights with version 1, into a new buffer), so a stage holds two copies of its a
 ``planner/stage.py`` counts them; frozen layers (the prefix) are used as they are, one copy.
 A phase starts with W(0) = W(1) = the weights it receives; ``drain`` runs the outstanding backwards
 and updates, so the canonical weights are then W(T+1) after T mini-batches, and the next phase (or
-a checkpoint) starts from them.
+a checkpoint) starts from them. The runtime drains at every phase change, at every ``gather`` (a
+snapshot or a checkpoint: it acts as a flush, so checkpointing every n steps changes the updates a
+little; resuming from a checkpoint continues exactly as the run that wrote it) and at the end.
+
+Not done here: activation recomputation (the planner's stage model has it; the search does not
+choose it) and V > 1 chunks per rank.
 """
 from __future__ import annotations
 
