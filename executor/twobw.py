@@ -25,7 +25,8 @@ A phase starts with W(0) = W(1) = the weights it receives; ``drain`` runs the ou
 and updates, so the canonical weights are then W(T+1) after T mini-batches, and the next phase (or
 a checkpoint) starts from them. The runtime drains at every phase change, at every ``gather`` (a
 snapshot or a checkpoint: it acts as a flush, so checkpointing every n steps changes the updates a
-little; resuming from a checkpoint continues exactly as the run that wrote it) and at the end.
+little; a run resumed from a checkpoint starts, like the run that wrote it, a fresh pipe from its
+weights (not tested)) and at the end.
 
 Not done here: activation recomputation (the planner's stage model has it; the search does not
 choose it) and V > 1 chunks per rank.
