@@ -48,6 +48,13 @@ from ptplan.planner.errors import PtplanError
 @click.option("--data", default="synthetic", show_default=True,
               help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask.")
 @click.option("--no-shuffle", is_flag=True, help="Visit samples in id order.")
+@click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
+              help="Held-out .pt/.npz file (the --data format): evaluated at each epoch end (accuracy and loss "
+                   "for classification, perplexity for GPT-2), logged and printed at the end.")
+@click.option("--eval-every", type=int, default=0, show_default=True,
+              help="Also evaluate every N optimizer steps (0: epoch ends only).")
+@click.option("--eval-batch-size", type=int, default=32, show_default=True,
+              help="Samples per evaluation micro-batch on each pipeline.")
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model.")
 @click.option("--num-labels", type=int, default=None,
               help="Classes of the classification head (bert, vit) [default: the plan's profile's].")
@@ -77,7 +84,8 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
         master_port: int | None, max_restarts: int, epochs: int | None, steps_per_epoch: int | None,
         optimizer: str, lr: float, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
-        resume: bool, log_path: str, data: str, no_shuffle: bool, dropout: float | None, num_labels: int | None,
+        resume: bool, log_path: str, data: str, no_shuffle: bool, eval_data: str | None, eval_every: int,
+        eval_batch_size: int, dropout: float | None, num_labels: int | None,
         device: str, timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None,
         cache_budget: str | None, cache_spill_dir: str | None, cache_allow_nondeterministic: bool,
         dry_run: bool) -> None:
@@ -101,6 +109,8 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                     alpha=alpha, checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume,
                     log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
+                    eval_data=os.path.abspath(eval_data) if eval_data else None, eval_every=eval_every,
+                    eval_batch_size=eval_batch_size,
                     dropout=dropout, num_labels=num_labels, device=device, timeout_s=timeout_s,
                     progress=not no_progress, cache=cache_mode,
                     cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
@@ -143,7 +153,7 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
     if cfg.checkpoint_dir and os.path.exists(cfg.checkpoint_dir) and not os.path.isdir(cfg.checkpoint_dir):
         raise PtplanError(f"--checkpoint-dir {cfg.checkpoint_dir} is a file, not a folder")
     data_file = None if cfg.data == "synthetic" else os.path.abspath(cfg.data)
-    check_outputs([("plan", cfg.plan), ("--data file", data_file)],
+    check_outputs([("plan", cfg.plan), ("--data file", data_file), ("--eval-data file", cfg.eval_data)],
                   [("--log", cfg.log), ("worker log", worker_log),
                    ("checkpoint", ckpt_file)], make_folders=True)
     if cfg.cache_dir is not None and not os.path.isdir(cfg.cache_dir):
@@ -151,6 +161,8 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
                           f"(/dev/shm)")
     if data_file is not None and not os.path.exists(data_file):
         raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
+    if cfg.eval_data is not None and not os.path.exists(cfg.eval_data):
+        raise PtplanError(f"--eval-data {cfg.eval_data}: no such file; pass a .pt/.npz file in the --data format")
     model = build_for_plan(plan, cfg)
     check_model(plan, model)
     FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
@@ -169,6 +181,10 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
         del ds
     else:
         n = samples_needed(plan, cfg)
+    if cfg.eval_data is not None:
+        ev = load_dataset(cfg.eval_data)
+        check_data(ev, model, what=f"--eval-data {cfg.eval_data}")
+        del ev
     if cfg.resume and rdzv.nodes == 1:
         _check_resumable(cfg, plan, model.name, world, n)
 

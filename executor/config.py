@@ -58,6 +58,13 @@ class RunConfig:
     """``synthetic`` or a .pt/.npz file of tensors (inputs, labels, optional attention_mask)."""
     shuffle: bool = True
     """Visit samples in a seeded random order per epoch (False: in id order)."""
+    eval_data: str | None = None
+    """A held-out .pt/.npz file (the training data's format) evaluated at each epoch end and every
+    ``eval_every`` steps (``evaluate``); None: no evaluation."""
+    eval_every: int = 0
+    """Also evaluate every N optimizer steps (0: only at epoch ends)."""
+    eval_batch_size: int = 32
+    """Samples per evaluation micro-batch on each pipeline."""
     dropout: float | None = None
     """Set every dropout of the model (None: keep the config's)."""
     image_size: int | None = None
@@ -100,6 +107,12 @@ class RunConfig:
                 raise PtplanError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
         if self.checkpoint_every < 0:
             raise PtplanError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.eval_every < 0:
+            raise PtplanError(f"--eval-every must be >= 0, got {self.eval_every}")
+        if self.eval_every and not self.eval_data:
+            raise PtplanError("--eval-every needs --eval-data (the held-out file to evaluate)")
+        if self.eval_batch_size < 1:
+            raise PtplanError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
         _number("--lr", self.lr, low=0.0, low_open=True, hint="e.g. --lr 1e-4")
         _number("--momentum", self.momentum, low=0.0, high=1.0, high_open=True, hint="e.g. --momentum 0.9")
         _number("--weight-decay", self.weight_decay, low=0.0, hint="e.g. --weight-decay 0.01")

@@ -139,7 +139,7 @@ class ElasticRuntime:
         """
         new = self.plan.phases[index]
         t0 = time.perf_counter()
-        self._drain()
+        self.drain()
         self.module = self.schedule = None  # the old stage and its receive buffers go first
         self.chunks = {}
         self.opt.zero_grad(set_to_none=True)
@@ -196,7 +196,7 @@ class ElasticRuntime:
         self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
                                        self.model.loss)
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """A 2BW phase: run its outstanding backwards and updates (collective over the phase's ranks)."""
         if isinstance(self.schedule, TwoBWPipe):
             self.schedule.drain()
@@ -329,7 +329,7 @@ class ElasticRuntime:
         Rank 0 gives the layers it does not hold host storage for the exchange (one source rank at a
         time) and frees it again before returning: the returned tensors are then the only copies.
         """
-        self._drain()
+        self.drain()
         ph = self.phase
         to0 = [frozenset({0})] * self.n
         weights_t = self._transfers(self.current, to0, state=False)
@@ -383,7 +383,7 @@ class ElasticRuntime:
 
     def close(self) -> None:
         """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
-        self._drain()
+        self.drain()
         destroy_groups(self.groups)
         self.groups = None
 

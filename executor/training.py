@@ -25,6 +25,7 @@ from . import checkpoint as ckpt
 from .cache_run import agree, setup_cache
 from .config import RunConfig
 from .data import Dataset, check_data, epoch_order, global_batch_ids, shard
+from .evaluate import Metrics, evaluate
 from .freezing import FreezeSchedule
 from .memory import MemorySampler, StepMemory
 from .optim import ensure_state, make_optimizer, state_keys
@@ -70,16 +71,21 @@ class RunSummary:
     transitions: list[dict[str, Any]]
     final_loss: float | None
     seconds: float
+    evals: list[Metrics] = field(default_factory=list)
+    """Every evaluation of the run (``--eval-data``), in order; the last one is the final model's."""
 
 
 def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Dataset, *,
-                 device: torch.device | None = None, hooks: Hooks | None = None) -> RunSummary:
+                 device: torch.device | None = None, hooks: Hooks | None = None,
+                 eval_dataset: Dataset | None = None) -> RunSummary:
     """Train ``model`` following ``plan`` on an initialised default process group; every rank calls this.
 
     Checks the plan and the data against the job first (PtplanError before any collective), then
     agrees with the other ranks whether to resume and from which rank's checkpoint (``--resume``, or
     a torchrun restart that finds one: ``_find_checkpoint``), then trains. A non-finite loss stops the
-    run on every rank with a PtplanError naming the step.
+    run on every rank with a PtplanError naming the step. With ``eval_dataset`` (``--eval-data``), the
+    model is evaluated (``evaluate``: forward only through the current stages) at every epoch end and
+    every ``cfg.eval_every`` steps, before that step's checkpoint, and logged as ``eval`` records.
 
     Memory: ``model`` arrives whole, in host memory (``build_model`` builds on the CPU), on every
     rank: its weights once (plus, with ``--weights``, what transformers holds while loading them).
@@ -105,6 +111,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         raise PtplanError(f"the data has {N} samples, fewer than one global batch of "
                           f"{min(ph.global_batch for ph in plan.phases)}")
     check_data(dataset, model)
+    if eval_dataset is not None:
+        check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
     backend = dist.get_backend()
     torch.manual_seed(cfg.seed * 1009 + rank)  # dropout streams differ per rank, as in plain data parallelism
     opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
@@ -162,6 +170,17 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     transitions: list[dict[str, Any]] = []
     last_ckpt = pos.global_step if resuming else -1
     loss = None
+    evals: list[Metrics] = []
+    evals_at: list[int] = []
+
+    def run_eval() -> None:
+        assert eval_dataset is not None
+        m = evaluate(rt, eval_dataset, cfg.eval_batch_size)
+        evals.append(m)
+        evals_at.append(pos.global_step)
+        log.write({"type": "eval", "epoch": pos.epoch, "step": pos.global_step, "phase": rt.phase_index,
+                   **m.to_record()})
+
     try:
         while pos.epoch < epochs:
             order = epoch_order(N, cfg.seed, pos.epoch, cfg.shuffle)
@@ -203,6 +222,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 pos.global_step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", f=ph.frozen_blocks, K=ph.K, D=ph.D, refresh=False)
+                if eval_dataset is not None and cfg.eval_every and pos.global_step % cfg.eval_every == 0:
+                    run_eval()
                 if cfg.checkpoint_dir and cfg.checkpoint_every and pos.global_step % cfg.checkpoint_every == 0:
                     _save(cfg, plan, rt, pos, run_id)
                     log.sync()
@@ -211,6 +232,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                     hooks.after_step(pos.global_step, rank)
             if cache is not None:
                 log.write(cache.epoch_end(rt.phase, pos.epoch, pos.global_step))
+            if eval_dataset is not None and not (evals and evals_at[-1] == pos.global_step):
+                run_eval()  # the epoch's end (unless its last step just did)
             log.sync()
             pos.epoch += 1
             pos.step_in_epoch = 0
@@ -230,7 +253,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         log.close()
     rt.close()
     return RunSummary(steps=pos.global_step, transitions=transitions, final_loss=loss,
-                      seconds=time.perf_counter() - t_start)
+                      seconds=time.perf_counter() - t_start, evals=evals)
 
 
 def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position, device: torch.device

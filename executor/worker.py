@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         from ptplan.planner.plan import load_plan
 
         from .config import RunConfig
+        from .data import load_dataset
         from .job import build_for_plan, make_dataset, pick_device
         from .training import run_training
 
@@ -105,12 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             plan = load_plan(cfg.plan)
             model = build_for_plan(plan, cfg)
             data = make_dataset(plan, cfg, model)
-            summary = run_training(cfg, plan, model, data, device=device)
+            evald = None if cfg.eval_data is None else load_dataset(cfg.eval_data)
+            summary = run_training(cfg, plan, model, data, device=device, eval_dataset=evald)
             if report.rank == 0:
                 tr = ", ".join(f"{t['from_phase']}->{t['to_phase']} {t['seconds']:.2f} s" for t in summary.transitions)
                 print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, final loss "
                       f"{summary.final_loss if summary.final_loss is None else round(summary.final_loss, 5)}; "
-                      f"transitions: {tr or 'none'}", flush=True)
+                      f"transitions: {tr or 'none'}"
+                      + (f"; held-out {summary.evals[-1].words()}" if summary.evals else ""), flush=True)
             dist.destroy_process_group()
         except PtplanError as e:
             report.fail("ptplan", e)

@@ -54,6 +54,9 @@ class Comparison:
     median_abs_memory_error: float | None
     warnings: tuple[str, ...] = ()
     """What the reader left out of the log (e.g. a torn last line)."""
+    evals: tuple[dict[str, Any], ...] = ()
+    """The run's held-out evaluations (``eval`` records: epoch, step, phase, loss, accuracy or perplexity,
+    samples, seconds), in order; empty when the run had no ``--eval-data``."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,6 +160,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     mem_errs = [abs(r.memory_error) for r in rows if r.memory_error is not None]
     return Comparison(
         phases=tuple(rows), transitions=tuple(r.to_json() for r in log.transitions), warnings=log.warnings,
+        evals=tuple(r.fields for r in log.records if r.type == "eval"),
         median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in rows),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
 
@@ -177,6 +181,11 @@ def format_comparison(c: Comparison) -> str:
     lines.append(f"median |error|: iteration time {c.median_abs_iteration_error:.1%}"
                  + (f", peak memory {c.median_abs_memory_error:.1%}" if c.median_abs_memory_error is not None else
                     ", peak memory not measured"))
+    for e in c.evals:
+        metric = (f", accuracy {e['accuracy']:.1%}" if e.get("accuracy") is not None else
+                  f", perplexity {e['perplexity']:.4g}" if e.get("perplexity") is not None else "")
+        lines.append(f"held-out at step {e['step']} (epoch {e['epoch']}, phase {e['phase']}): loss {e['loss']:.4f}"
+                     f"{metric} on {e['samples']} samples ({e['seconds']:.2f} s)")
     for t in c.transitions:
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in (t.get("parts") or {}).items())
         lines.append(f"transition at step {t.get('step')}: {t.get('from_phase')} -> {t.get('to_phase')} in "

@@ -39,6 +39,8 @@ FIELDS: dict[str, dict[str, str]] = {
     "freeze_decision": {"step": "int", "T": "int", "from_frozen": "int", "to_frozen": "int", "alpha": "float",
                         "grad_norms": "list?", "steps_measured": "int"},
     "epoch_end": {"epoch": "int", "steps": "int", "reason": "str"},
+    "eval": {"epoch": "int", "step": "int", "phase": "int", "loss": "float", "samples": "int", "seconds": "float",
+             "accuracy": "float?", "perplexity": "float?"},
     "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
                     "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
                     "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",
@@ -150,7 +152,7 @@ class RunLog:
     warnings: tuple[str, ...] = ()
 
 
-_REPLAYED = ("step", "transition", "freeze_decision", "cache")
+_REPLAYED = ("step", "transition", "freeze_decision", "cache", "eval")
 """Record types with a ``step`` that a resume from an earlier step writes again."""
 
 
@@ -182,7 +184,7 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
         if rec.type == "resume":  # the run continues from this step: what the first run logged from it on is replayed
             at = rec.fields["step"]
             records = [r for r in records if r.type not in _REPLAYED or r.fields["step"] < at
-                       or (r.type == "cache" and r.fields["step"] == at)]  # an epoch's cache record precedes its checkpoint
+                       or (r.type in ("cache", "eval") and r.fields["step"] == at)]  # written before the checkpoint
         records.append(rec)
     steps: dict[int, Step] = {}
     for r in records:

@@ -33,6 +33,8 @@ FIGURES = ("trajectory", "cluster", "timeline", "throughput", "memory")
 """Keys of ``build_figures``' result, in page order."""
 COMPARISON = "comparison"
 """Key of the extra figure ``build_figures(plan, comparison)`` adds: predicted against measured (last)."""
+EVALUATION = "evaluation"
+"""Key of the figure a run with held-out evaluations adds (``--eval-data``), after the comparison."""
 
 MAX_GRID_CELLS = 128
 """The device grid draws at most this many devices (whole rows); larger clusters repeat the same layout."""
@@ -1121,6 +1123,35 @@ def comparison_figure(comparison: "Comparison") -> go.Figure:
     return fig
 
 
+def evaluation_figure(comparison: "Comparison") -> go.Figure:
+    """The run's held-out loss (left) and accuracy or perplexity (right) against optimizer steps, each point
+    marked with the phase (frozen blocks, K, D) it was evaluated in."""
+    ev = comparison.evals
+    lm = any(e.get("perplexity") is not None for e in ev)
+    second = "Perplexity" if lm else "Accuracy"
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=("Held-out loss", second))
+    steps = [e["step"] for e in ev]
+    words = [f"step {e['step']} · epoch {e['epoch']} · phase {e['phase']} · {e['samples']} samples" for e in ev]
+    fig.add_trace(go.Scatter(x=steps, y=[e["loss"] for e in ev], mode="lines+markers", name="Loss",
+                             marker_color=MEAS_COLOUR, customdata=words,
+                             hovertemplate="%{customdata}<br>loss %{y:.4f}<extra></extra>"), row=1, col=1)
+    vals = [e.get("perplexity") if lm else (None if e.get("accuracy") is None else 100 * e["accuracy"]) for e in ev]
+    fig.add_trace(go.Scatter(x=steps, y=vals, mode="lines+markers", name=second, marker_color=PRED_COLOUR,
+                             customdata=words, hovertemplate="%{customdata}<br>" + ("perplexity %{y:.4g}" if lm else
+                                                                                    "accuracy %{y:.1f} %")
+                             + "<extra></extra>"), row=1, col=2)
+    _base_layout(fig, f"Held-out evaluation — last: loss {ev[-1]['loss']:.4f}"
+                      + (f", perplexity {ev[-1]['perplexity']:.4g}" if lm and ev[-1].get("perplexity") is not None
+                         else f", accuracy {ev[-1]['accuracy']:.1%}" if ev[-1].get("accuracy") is not None else ""),
+                 420, legend_right=False)
+    fig.update_layout(showlegend=False, margin=dict(l=70, r=30, t=80, b=60))
+    for c in (1, 2):
+        fig.update_xaxes(title_text="Optimizer steps", row=1, col=c)
+    fig.update_yaxes(title_text="Cross-entropy" + (" per token" if lm else " per sample"), row=1, col=1)
+    fig.update_yaxes(title_text="Perplexity" if lm else "Accuracy (%)", row=1, col=2)
+    return fig
+
+
 # ---- the report --------------------------------------------------------------------------------
 def build_figures(plan: Plan, comparison: "Comparison | None" = None) -> dict[str, go.Figure]:
     """The five report figures, keyed by FIGURES, in page order; plus ``comparison`` when a run is given."""
@@ -1128,6 +1159,8 @@ def build_figures(plan: Plan, comparison: "Comparison | None" = None) -> dict[st
             "timeline": timeline_figure(plan), "throughput": throughput_figure(plan), "memory": memory_figure(plan)}
     if comparison is not None:
         figs[COMPARISON] = comparison_figure(comparison)
+        if comparison.evals:
+            figs[EVALUATION] = evaluation_figure(comparison)
     return figs
 
 
@@ -1212,6 +1245,10 @@ def _sections(plan: Plan) -> dict[str, tuple[str, str]]:
                      "A real run of this plan (ptplan run --log) beside the prediction, phase by phase: the median "
                      "step time (first step of each phase and the memory-sampled step left out) and the sampled "
                      "peak memory of the fullest rank; labels give (predicted − measured) / measured."),
+        EVALUATION: ("Held-out evaluation",
+                     "The run's evaluations on its --eval-data set (at each epoch end and every --eval-every "
+                     "steps), computed through the running pipeline: loss, and accuracy (classification) or "
+                     "perplexity (language modelling)."),
     }
 
 
@@ -1357,7 +1394,7 @@ def report_html(plan: Plan, figures: dict[str, go.Figure] | None = None,
     figs = figures if figures is not None else build_figures(plan, comparison)
     sections = _sections(plan)
     parts = []
-    for key in FIGURES + ((COMPARISON,) if COMPARISON in figs else ()):
+    for key in FIGURES + tuple(k for k in (COMPARISON, EVALUATION) if k in figs):
         title, note = sections[key]
         div = figs[key].to_html(full_html=False, include_plotlyjs=False, div_id=f"fig-{key}",
                                 config=PLOTLY_CONFIG, default_width="100%")

@@ -1,6 +1,7 @@
 """``ptplan run``: refusals before launching, the torchrun command, and one real 2-process torchrun run."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -61,16 +62,37 @@ def test_dry_run_prints_the_torchrun_command(plan_file):
         assert flag in r.output
 
 
+def test_a_bad_eval_file_is_refused_before_launch(plan_file, tmp_path):
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    x, y, m = model.make_batch(6, generator=torch.Generator().manual_seed(7))
+    y[1] = 5  # a 2-class head
+    torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "held.pt")
+    base = ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run"]
+    r = CliRunner().invoke(cli, [*base, "--eval-data", str(tmp_path / "held.pt")])
+    assert r.exit_code == 2 and r.output.startswith("error: --eval-data") and "2 classes" in r.output, r.output
+    r = CliRunner().invoke(cli, [*base, "--eval-data", str(tmp_path / "missing.pt")])
+    assert r.exit_code == 2 and "no such file" in r.output, r.output
+    r = CliRunner().invoke(cli, [*base, "--eval-every", "3"])
+    assert r.exit_code == 2 and "--eval-every needs --eval-data" in r.output, r.output
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_ptplan_run_through_torchrun(plan_file, tmp_path):
     log = tmp_path / "run.jsonl"
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    x, y, m = model.make_batch(10, generator=torch.Generator().manual_seed(7))
+    torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "held.pt")
     cmd = [sys.executable, "-m", "ptplan.cli.main", "run", str(plan_file), "--model", "bert-tiny",
            "--nproc-per-node", "2", "--steps-per-epoch", "2", "--dropout", "0", "--optimizer", "sgd", "--lr", "0.05",
-           "--log", str(log), "--checkpoint-dir", str(tmp_path / "ck"), "--timeout", "60", "--no-progress"]
+           "--log", str(log), "--checkpoint-dir", str(tmp_path / "ck"), "--timeout", "60", "--no-progress",
+           "--eval-data", str(tmp_path / "held.pt")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ptplan run: 4 steps" in r.stdout
+    assert re.search(r"held-out loss \d+\.\d{4}, accuracy \d+\.\d% on 10 samples", r.stdout), r.stdout
+    evals = [rec for rec in read_records(log) if rec["type"] == "eval"]
+    assert [(e["epoch"], e["step"], e["samples"]) for e in evals] == [(0, 2, 10), (1, 4, 10)]  # each epoch's end
     recs = read_records(log)
     assert recs[0]["type"] == "header" and recs[0]["world_size"] == 2
     steps = [rec for rec in recs if rec["type"] == "step"]
@@ -83,3 +105,11 @@ def test_ptplan_run_through_torchrun(plan_file, tmp_path):
 
     c = compare(load_plan(plan_file), read_run_log(log))
     assert [p.phase for p in c.phases] == [0, 1] and len(c.transitions) == 1
+    assert [e["step"] for e in c.evals] == [2, 4]
+    r = CliRunner().invoke(cli, ["compare", str(plan_file), str(log)])
+    assert r.exit_code == 0 and "held-out at step 4 (epoch 1, phase 1): loss" in r.output and "accuracy" in r.output
+    r = CliRunner().invoke(cli, ["show", str(plan_file), "--run", str(log), "--out", str(tmp_path / "r.html"),
+                                 "--warmup", "0"])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "r.html").read_text()
+    assert '<section id="evaluation"><h2>Held-out evaluation</h2>' in page and 'id="fig-evaluation"' in page
