@@ -55,6 +55,9 @@ from ptplan.planner.errors import PtplanError
               help="Also evaluate every N optimizer steps (0: epoch ends only).")
 @click.option("--eval-batch-size", type=int, default=32, show_default=True,
               help="Samples per evaluation micro-batch on each pipeline.")
+@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
+              help="Write the final model here as a Hugging Face folder (from_pretrained loads it; with "
+                   "--weights, that folder's tokenizer files too). Must not exist or be empty.")
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model.")
 @click.option("--num-labels", type=int, default=None,
               help="Classes of the classification head (bert, vit) [default: the plan's profile's].")
@@ -85,7 +88,7 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
         optimizer: str, lr: float, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
         resume: bool, log_path: str, data: str, no_shuffle: bool, eval_data: str | None, eval_every: int,
-        eval_batch_size: int, dropout: float | None, num_labels: int | None,
+        eval_batch_size: int, export_dir: str | None, dropout: float | None, num_labels: int | None,
         device: str, timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None,
         cache_budget: str | None, cache_spill_dir: str | None, cache_allow_nondeterministic: bool,
         dry_run: bool) -> None:
@@ -110,7 +113,7 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                     checkpoint_every=checkpoint_every, resume=resume,
                     log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
                     eval_data=os.path.abspath(eval_data) if eval_data else None, eval_every=eval_every,
-                    eval_batch_size=eval_batch_size,
+                    eval_batch_size=eval_batch_size, export=os.path.abspath(export_dir) if export_dir else None,
                     dropout=dropout, num_labels=num_labels, device=device, timeout_s=timeout_s,
                     progress=not no_progress, cache=cache_mode,
                     cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
@@ -161,6 +164,10 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
                           f"(/dev/shm)")
     if data_file is not None and not os.path.exists(data_file):
         raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
+    if cfg.export is not None:
+        from ptplan.executor.export import check_export_dir
+
+        check_export_dir(cfg.export)
     if cfg.eval_data is not None and not os.path.exists(cfg.eval_data):
         raise PtplanError(f"--eval-data {cfg.eval_data}: no such file; pass a .pt/.npz file in the --data format")
     model = build_for_plan(plan, cfg)

@@ -65,6 +65,8 @@ class RunConfig:
     """Also evaluate every N optimizer steps (0: only at epoch ends)."""
     eval_batch_size: int = 32
     """Samples per evaluation micro-batch on each pipeline."""
+    export: str | None = None
+    """Folder to write the final model to as a Hugging Face folder (``export.export_hf``); None: none."""
     dropout: float | None = None
     """Set every dropout of the model (None: keep the config's)."""
     image_size: int | None = None

@@ -111,6 +111,10 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         raise PtplanError(f"the data has {N} samples, fewer than one global batch of "
                           f"{min(ph.global_batch for ph in plan.phases)}")
     check_data(dataset, model)
+    if cfg.export:  # before any training: the same refusal on every rank (rank 0 writes the export)
+        from .export import check_export_dir
+
+        check_export_dir(cfg.export)
     if eval_dataset is not None:
         check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
     backend = dist.get_backend()
@@ -243,6 +247,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 last_ckpt = pos.global_step
         if hooks.snapshots:
             _snapshot(rt, hooks, "final", pos.global_step)
+        if cfg.export:
+            _export(cfg, rt)
         dist.barrier()
         if cache is not None:
             cache.finish(ok=True)
@@ -292,6 +298,21 @@ def _snapshot(rt: ElasticRuntime, hooks: Hooks, event: str, step: int) -> None:
     weights, _ = rt.gather(with_state=False)
     if rt.rank == 0 and hooks.on_snapshot is not None:
         hooks.on_snapshot(event, step, weights)
+
+
+def _export(cfg: RunConfig, rt: ElasticRuntime) -> None:
+    """Gather the final model to rank 0 and write it as a Hugging Face folder; every rank raises rank 0's error."""
+    from .export import export_hf
+
+    weights, _ = rt.gather(with_state=False)
+    problem = None
+    if rt.rank == 0:
+        try:
+            export_hf(rt.model, weights, cfg.export, source=cfg.weights)
+        except PtplanError as e:
+            problem = str(e)
+        del weights
+    agree(problem)
 
 
 def _diverged(cfg: RunConfig, loss: float, pos: Position, rt: ElasticRuntime) -> str:

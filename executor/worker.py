@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, final loss "
                       f"{summary.final_loss if summary.final_loss is None else round(summary.final_loss, 5)}; "
                       f"transitions: {tr or 'none'}"
-                      + (f"; held-out {summary.evals[-1].words()}" if summary.evals else ""), flush=True)
+                      + (f"; held-out {summary.evals[-1].words()}" if summary.evals else "")
+                      + (f"; exported to {cfg.export}" if cfg.export else ""), flush=True)
             dist.destroy_process_group()
         except PtplanError as e:
             report.fail("ptplan", e)

@@ -113,3 +113,11 @@ def test_ptplan_run_through_torchrun(plan_file, tmp_path):
     assert r.exit_code == 0, r.output
     page = (tmp_path / "r.html").read_text()
     assert '<section id="evaluation"><h2>Held-out evaluation</h2>' in page and 'id="fig-evaluation"' in page
+
+
+def test_an_export_folder_in_use_is_refused_before_launch(plan_file, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run",
+                                 "--export", str(tmp_path / "out")])
+    assert r.exit_code == 2 and "exists and is not an empty folder" in r.output, r.output
