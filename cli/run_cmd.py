@@ -29,7 +29,16 @@ from ptplan.planner.errors import PtplanError
 @click.option("--epochs", type=int, default=None, help="Epochs (default: the plan's).")
 @click.option("--steps-per-epoch", type=int, default=None, help="Optimizer steps per epoch (default: the data's).")
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="adamw", show_default=True)
-@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--lr", type=float, default=None,
+              help="Peak learning rate [default: 5e-5 with AdamW (fine-tuning), 0.01 with SGD].")
+@click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]), default="constant",
+              show_default=True, help="After the warm-up: keep the rate, or decay it to 0 at the last step.")
+@click.option("--warmup-steps", type=int, default=0, show_default=True,
+              help="Linear learning-rate warm-up over the first N optimizer steps.")
+@click.option("--clip-grad-norm", type=float, default=None,
+              help="Clip the global gradient norm (the whole model's, across stages) to this value.")
+@click.option("--decay-all", is_flag=True,
+              help="Apply --weight-decay to biases and normalisation weights too (default: matrices only).")
 @click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
 @click.option("--adam-eps", type=float, default=1e-8, show_default=True, help="AdamW epsilon.")
@@ -85,7 +94,8 @@ from ptplan.planner.errors import PtplanError
 def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nnodes: str, node_rank: int | None,
         rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, master_addr: str | None,
         master_port: int | None, max_restarts: int, epochs: int | None, steps_per_epoch: int | None,
-        optimizer: str, lr: float, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
+        optimizer: str, lr: float | None, lr_schedule: str, warmup_steps: int, clip_grad_norm: float | None,
+        decay_all: bool, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
         resume: bool, log_path: str, data: str, no_shuffle: bool, eval_data: str | None, eval_every: int,
         eval_batch_size: int, export_dir: str | None, dropout: float | None, num_labels: int | None,
@@ -107,7 +117,9 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)
     cfg = RunConfig(plan=os.path.abspath(plan_path), model=model, weights=weights, epochs=epochs,
-                    steps_per_epoch=steps_per_epoch, optimizer=optimizer, lr=lr, momentum=momentum,
+                    steps_per_epoch=steps_per_epoch, optimizer=optimizer,
+                    lr=lr if lr is not None else (5e-5 if optimizer == "adamw" else 0.01), lr_schedule=lr_schedule,
+                    warmup_steps=warmup_steps, clip_grad_norm=clip_grad_norm, decay_all=decay_all, momentum=momentum,
                     weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every,
                     alpha=alpha, checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume,

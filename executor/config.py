@@ -35,6 +35,16 @@ class RunConfig:
     momentum: float = 0.9
     """SGD momentum (ignored by AdamW)."""
     weight_decay: float = 0.0
+    """Decoupled (AdamW) or L2 (SGD) weight decay, on weight matrices only (``optim.param_groups``)."""
+    decay_all: bool = False
+    """Also decay biases and normalisation weights (the 1-D parameters), as ptplan did before."""
+    lr_schedule: str = "constant"
+    """``constant``, ``linear`` or ``cosine`` decay to 0 at the last step (``optim.lr_factor``)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over the first N optimizer steps."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm (all stages, after the data-parallel average) to this value, as
+    ``torch.nn.utils.clip_grad_norm_`` on the whole model would; None: no clipping."""
     adam_eps: float = 1e-8
     """AdamW's epsilon (1e-6, as in BERT pre-training, damps the noise of near-zero gradients)."""
     seed: int = 0
@@ -109,6 +119,12 @@ class RunConfig:
                 raise PtplanError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
         if self.checkpoint_every < 0:
             raise PtplanError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise PtplanError(f"unknown --lr-schedule {self.lr_schedule!r}; use constant, linear or cosine")
+        if self.warmup_steps < 0:
+            raise PtplanError(f"--warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.clip_grad_norm is not None:
+            _number("--clip-grad-norm", self.clip_grad_norm, low=0.0, low_open=True, hint="e.g. --clip-grad-norm 1.0")
         if self.eval_every < 0:
             raise PtplanError(f"--eval-every must be >= 0, got {self.eval_every}")
         if self.eval_every and not self.eval_data:

@@ -95,6 +95,10 @@ class ElasticRuntime:
         """Per layer, the ranks holding a current copy (in a phase: the ranks that need it; ``transition``)."""
         self.cache: ActivationCache | None = None
         """The node's AutoCache (``cache_run``; set with ``set_cache``). None: always recompute."""
+        self.clip_grad_norm: float | None = None
+        """Clip the global gradient norm to this before each optimizer step (``train_step``); None: do not."""
+        self.last_grad_norm: float | None = None
+        """With clipping: the last step's global gradient norm before clipping."""
         self._norms: list[float] | None = None
         """2BW, while a step asked for gradient norms: per block, the squared norms of its updates so far."""
         self.memory_hook: Callable[[str, Tensor], None] | None = None
@@ -252,6 +256,24 @@ class ElasticRuntime:
                 off += g.numel()
             del flat
 
+    def _clip(self) -> None:
+        """Scale every gradient by min(1, c / (norm + 1e-6)), norm the global norm of the whole model's
+        gradients after the data-parallel average: each stage's squares counted once (on pipeline 0's
+        replica), summed over the world -- ``clip_grad_norm_``'s rule on the whole model, in one all-reduce."""
+        assert self.clip_grad_norm is not None
+        grads = self._owned_grads()
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.groups.place.pipeline == 0:
+            for g in grads:
+                sq += g.double().pow(2).sum()
+        dist.all_reduce(sq)
+        norm = math.sqrt(float(sq.item()))
+        self.last_grad_norm = norm
+        coef = self.clip_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+
     def _caches(self, ph: Phase) -> bool:
         """Whether stage 0 of ``ph`` reads the frozen prefix's output from the cache."""
         return self.cache is not None and ph.cache and ph.frozen_layers > 0
@@ -284,6 +306,8 @@ class ElasticRuntime:
         t0 = time.perf_counter()
         self._allreduce_grads()
         self.last_allreduce_s = time.perf_counter() - t0
+        if self.clip_grad_norm is not None:
+            self._clip()
         self.opt.step()
         L = self.model.num_blocks
         vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)

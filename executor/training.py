@@ -28,7 +28,7 @@ from .data import Dataset, check_data, epoch_order, global_batch_ids, shard
 from .evaluate import Metrics, evaluate
 from .freezing import FreezeSchedule
 from .memory import MemorySampler, StepMemory
-from .optim import ensure_state, make_optimizer, state_keys
+from .optim import ensure_state, lr_factor, make_optimizer, state_keys
 from .runlog import RunLog
 from .runtime import ElasticRuntime, broadcast_int, phase_index
 from .transition import needs
@@ -119,9 +119,13 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
     backend = dist.get_backend()
     torch.manual_seed(cfg.seed * 1009 + rank)  # dropout streams differ per rank, as in plain data parallelism
+    if cfg.clip_grad_norm is not None and any(ph.schedule == "2bw" for ph in plan.phases):
+        raise PtplanError("--clip-grad-norm needs one global gradient norm per step, but PipeDream-2BW updates its "
+                          "stages at different times; plan with another schedule or leave clipping out")
     opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
-                         weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+                         weight_decay=cfg.weight_decay, eps=cfg.adam_eps, decay_all=cfg.decay_all)
     rt = ElasticRuntime(plan, model, opt, device=device, timeout_s=cfg.timeout_s, backend=backend)
+    rt.clip_grad_norm = cfg.clip_grad_norm
     fs = FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
     everyone = frozenset(range(world))
     run_id = {"samples": N, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
@@ -169,6 +173,10 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         total = epochs * cfg.steps_per_epoch
     elif cfg.freeze == "planned" and fs.every is None:
         total = sum(N // plan.phase_for(fs.planned(e, 0)).global_batch for e in range(epochs))
+    if cfg.lr_schedule != "constant" and total is None:
+        raise PtplanError(f"--lr-schedule {cfg.lr_schedule} decays to 0 at the run's last step, but the number of "
+                          f"steps is not known in advance (adaptive freezing or --freeze-every); pass "
+                          f"--steps-per-epoch")
     bar = _progress(cfg.progress and rank == 0, total, pos.global_step)
     sampler = MemorySampler()  # peak memory on the 2nd step of each phase visit (executor/memory.py)
     transitions: list[dict[str, Any]] = []
@@ -209,6 +217,9 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 ids = global_batch_ids(order, pos.cursor, ph.global_batch)
                 mine = shard(ids, ph.D, rt.groups.place.pipeline)
                 mem = StepMemory(rt).start() if sampler.want(rt.phase_index) else None
+                lr = cfg.lr * lr_factor(pos.global_step, warmup=cfg.warmup_steps, total=total, kind=cfg.lr_schedule)
+                for g in opt.param_groups:
+                    g["lr"] = lr
                 t0 = time.perf_counter()
                 loss, norms = rt.train_step(dataset.batch(mine), want_norms=cfg.freeze == "adaptive", ids=mine)
                 secs = time.perf_counter() - t0
@@ -218,7 +229,9 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                     pos.norm_count += 1
                 log.step(epoch=pos.epoch, step=pos.global_step, phase=rt.phase_index, frozen_blocks=ph.frozen_blocks,
                          K=ph.K, D=ph.D, seconds=secs, samples=ph.global_batch, loss=loss,
-                         allreduce_seconds=rt.last_allreduce_s, **measured)
+                         allreduce_seconds=rt.last_allreduce_s, **measured,
+                         **({"lr": lr} if cfg.lr_schedule != "constant" or cfg.warmup_steps else {}),
+                         **({"grad_norm": rt.last_grad_norm} if rt.last_grad_norm is not None else {}))
                 if not math.isfinite(loss):  # the same all-reduced value on every rank: every rank stops here
                     raise PtplanError(_diverged(cfg, loss, pos, rt))
                 pos.cursor += ph.global_batch

@@ -31,7 +31,8 @@ FIELDS: dict[str, dict[str, str]] = {
                "data": "str?", "samples": "int?", "plan": "str?", "phases": "list"},
     "step": {"epoch": "int", "step": "int", "phase": "int", "frozen_blocks": "int", "K": "int", "D": "int",
              "seconds": "float", "samples": "int", "loss": "float", "allreduce_seconds": "float?",
-             "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?"},
+             "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?", "lr": "float?",
+             "grad_norm": "float?"},
     "transition": {"step": "int", "from_phase": "int?", "to_phase": "int", "seconds": "float", "parts": "obj",
                    "bytes": "obj?", "from": "obj?", "to": "obj?"},
     "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?",
@@ -138,6 +139,10 @@ class Step:
     memory_sampled: bool = False
     peak_memory_bytes: int | None = None
     memory: dict[str, Any] | None = None
+    lr: float | None = None
+    """The step's learning rate (logged with a schedule or warm-up)."""
+    grad_norm: float | None = None
+    """The global gradient norm before clipping (logged with --clip-grad-norm)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -92,8 +92,11 @@ def reference(name: str, optimizer: str, data, counts=COUNTS, chunks=CHUNKS, bat
     model.train()
     params = list(model.parameters())
     o = OPT[optimizer]
-    opt = (torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
-           if optimizer == "sgd" else torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"], eps=o["eps"]))
+    # weight decay on matrices only, as fine-tuning recipes do (biases and norm weights: none)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o["weight_decay"]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = (torch.optim.SGD(groups, lr=o["lr"], momentum=o["momentum"])
+           if optimizer == "sgd" else torch.optim.AdamW(groups, lr=o["lr"], eps=o["eps"]))
     x, y, m = data
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 7919 + 0))  # epoch 0's order
     snaps, losses, prev, cursor = {}, [], None, 0

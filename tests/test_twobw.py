@@ -57,8 +57,14 @@ def _plan(model):
 def _optimizer(params, optimizer: str):
     o = OPT[optimizer]
     if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
-    return torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"], eps=o["eps"])
+        return torch.optim.SGD(_groups(params, o), lr=o["lr"], momentum=o["momentum"])
+    return torch.optim.AdamW(_groups(params, o), lr=o["lr"], eps=o["eps"])
+
+
+def _groups(params, o):
+    """Weight decay on matrices only (the executor's fine-tuning default)."""
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o["weight_decay"]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
 def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torch.Tensor]], list[float]]:
