@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 from ptplan.planner.cluster import cpu_cluster
@@ -200,3 +201,16 @@ def run_world(world: int, fn, args: tuple = (), *, tmpdir: str, timeout_s: float
             codes.append(p.exitcode)
     texts = tuple(open(e).read() if os.path.exists(e) else "" for e in errs)
     return WorldResult(exitcodes=tuple(codes), errors=texts, seconds=time.monotonic() - t0)
+
+
+def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The parity tests' difference measure: per tensor max|run - ref| / max(max|ref|, 0.02) (the floor is
+    the models' init std, so tensors still ~0, such as biases, are judged on the weights' scale); returns
+    the worst and its name."""
+    assert run.keys() == ref.keys(), sorted(set(run) ^ set(ref))[:5]
+    worst, where = 0.0, ""
+    for k, r in ref.items():
+        d = ((run[k] - r).abs().max() / r.abs().max().clamp_min(0.02)).item()
+        if d > worst:
+            worst, where = d, k
+    return worst, where

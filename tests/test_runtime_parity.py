@@ -26,7 +26,7 @@ from ptplan.executor.data import TensorDataset
 from ptplan.executor.models import build_model
 from ptplan.executor.runlog import read_records
 from ptplan.executor.training import Hooks, run_training
-from ptplan.executor.testing import make_plan, run_world, spec
+from ptplan.executor.testing import make_plan, max_rel_diff, run_world, spec
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -149,16 +149,6 @@ def elastic_run(name: str, schedule: str, optimizer: str, data, tmp: str, plan=N
             step = int(f.split("-")[1])
             snaps[step] = torch.load(os.path.join(tmp, f))
     return snaps, cfg.log
-
-
-def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert run.keys() == ref.keys()
-    worst, where = 0.0, ""
-    for k, r in ref.items():
-        d = ((run[k] - r).abs().max() / r.abs().max().clamp_min(0.02)).item()
-        if d > worst:
-            worst, where = d, k
-    return worst, where
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

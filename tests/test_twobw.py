@@ -24,7 +24,7 @@ from ptplan.executor.config import RunConfig
 from ptplan.executor.data import TensorDataset
 from ptplan.executor.models import build_model
 from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, run_world, spec
+from ptplan.executor.testing import make_plan, max_rel_diff, run_world, spec
 from ptplan.executor.training import Hooks, run_training
 from ptplan.planner.schedule import two_bw
 
@@ -131,16 +131,6 @@ def elastic_run(name: str, optimizer: str, data, tmp: str) -> tuple[dict[int, di
     assert res.ok, res.explain()
     snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
     return snaps, cfg.log
-
-
-def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert run.keys() == ref.keys()
-    worst, where = 0.0, ""
-    for k, r in ref.items():
-        d = ((run[k] - r).abs().max() / r.abs().max().clamp_min(0.02)).item()
-        if d > worst:
-            worst, where = d, k
-    return worst, where
 
 
 @pytest.mark.multiproc
