@@ -68,6 +68,9 @@ class CostTable:
         self.cum_grad = _cum(self.grad_bytes)
         self.cum_saved = _cum(self.saved_per_sample)
         self.cum_opt_s = _cum(self.optimizer_s)
+        self.cum_sync = self.cum_grad
+        """Prefix sums of the bytes a stage's data-parallel gradient sync all-reduces (``strategy.py``
+        halves them for FSDP's reduce-scatter)."""
         self.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(self.param_bytes)))
         """``max_param_upto[j]``: the largest single layer's weights among layers ``[0, j)``."""
 

@@ -54,6 +54,12 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               executor fills the cache micro-batch by micro-batch, on the shapes a recomputing
               stage 0 uses)
 
+Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSDP, every per-layer
+cost above is first replaced by one shard's (``strategy_table``: times / tp plus the Megatron
+all-reduces and FSDP's all-gathers, weights and gradients / tp and / D), the gradient sync becomes
+FSDP's reduce-scatter, and ``static`` gains FSDP's gathered-layer transient (``gather_bytes``). The
+default (tp=1, no FSDP) leaves every number above unchanged.
+
 Not modelled (each small, or outside a training step): AdamW's step counter (4 bytes per
 parameter tensor); what a rank holds *during* a phase transition (what it keeps, what it has
 received and what it has not sent yet); rank 0 gathering the whole model into host memory for a
@@ -77,6 +83,7 @@ from .errors import PtplanError
 from .plan import MemoryBreakdown
 from .replicate import layout
 from .simulate import StageCost, peak_bytes
+from .strategy import Strategy, gather_bytes, strategy_table
 
 OPTIMIZER_STATE_FACTOR = {"adamw": 2.0, "sgd": 1.0}
 """Optimizer-state bytes per byte of weights (torch allocates state like the parameter)."""
@@ -170,6 +177,12 @@ class PhaseShape:
     ``executor/twobw.py``), not torch.distributed.pipelining's: no receive buffer per micro-batch; a
     received activation stays with its micro-batch until its backward (``per_mb``), a received
     gradient only while that backward runs (one buffer)."""
+    tp: int = 1
+    """Tensor-parallel width of every stage (``strategy.py``): K · D · tp GPUs."""
+    fsdp: bool = False
+    """Sharded data parallel (ZeRO-3) over the D replicas (``strategy.py``)."""
+    tp_ar: tuple[float, float] = (0.0, 0.0)
+    """(latency s, s/byte) of the tp group's all-reduce (``strategy.tp_allreduce_coeffs``)."""
     device_is_host: bool = False
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
     action_overhead_s: float = 0.0
@@ -190,6 +203,7 @@ class PhaseShape:
                               f"or 2 with PipeDream-2BW")
         if not isinstance(self.recompute, bool):
             raise PtplanError(f"PhaseShape: recompute must be true or false, got {self.recompute!r}")
+        Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute)  # validates tp and fsdp
 
 
 @dataclass(frozen=True)
@@ -225,6 +239,12 @@ class StageModel:
             raise PtplanError("a phase with nothing frozen has no prefix to cache")
         if not 0 <= fill_from <= sh.frozen:
             raise PtplanError(f"fill_from={fill_from} must lie in 0..{sh.frozen}")
+        st = Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute)
+        self.extra_static = gather_bytes(table, st)
+        """FSDP's gathered-layer transient, held on every stage (0 without FSDP)."""
+        table = strategy_table(table, st, sh.D, sh.tp_ar,
+                               (float(np.mean(links.ar_lat)), float(np.mean(links.ar_per_byte))))
+        self.t = table
         self.start, self.n = sh.frozen, table.n
         self.times = table.at(sh.b)
         f = OPTIMIZER_STATE_FACTOR[sh.optimizer]
@@ -323,6 +343,8 @@ class StageModel:
             if s < sh.S - 1:
                 t = t + (self._lat_out[s] + outb * self._inv_out[s])
                 static = static + (1 if sh.own_p2p else sh.M) * outb
+            if self.extra_static:
+                static = static + self.extra_static
             if s == 0:
                 t = t + (self.prefix_s + self.read_setup_s / sh.M)
                 static = static + self.stage0_static
@@ -340,6 +362,8 @@ class StageModel:
                 per_mb = per_mb + has_in * inb
         else:
             static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
+        if self.extra_static:
+            static = static + self.extra_static
         if self.stage0_after:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)
         return t, static, per_mb, after, self._inflight[si]
@@ -394,7 +418,7 @@ class StageModel:
         s = np.arange(K)
         send_f = (s < K - 1) * (self._lat_out + outb * self._inv_out)
         send_b = (s > 0) * (self._lat_in + inb * self._inv_in)
-        ar = (L.ar_lat + (t.cum_grad[hi] - t.cum_grad[lo]) * L.ar_per_byte) if sh.D > 1 else np.zeros(K)
+        ar = (L.ar_lat + (t.cum_sync[hi] - t.cum_sync[lo]) * L.ar_per_byte) if sh.D > 1 else np.zeros(K)
         fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
         bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
         if sh.recompute:  # the backward reruns the stage's forward first

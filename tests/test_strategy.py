@@ -1,0 +1,106 @@
+"""Per-stage strategies (planner/strategy.py) in the one stage model: tensor parallel, FSDP, recomputation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ptplan.planner.cluster import get_preset
+from ptplan.planner.costs import CostTable
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.schedule import peak_inflight
+from ptplan.planner.stage import OPTIMIZER_STATE_FACTOR, PhaseShape, StageModel, links_for
+from ptplan.planner.strategy import Strategy, gather_bytes, splittable, tp_allreduce_coeffs
+from ptplan.planner.synthetic import synthetic_profile
+
+
+def model(prof, *, K=2, M=4, b=2, D=4, tp=1, fsdp=False, recompute=False, frozen=0, cluster="dgx-h100"):
+    cl = get_preset(cluster)
+    shape = PhaseShape(K=K, M=M, b=b, D=D, frozen=frozen, cache=False, inflight=peak_inflight("1f1b", K, M),
+                       tp=tp, fsdp=fsdp, recompute=recompute, tp_ar=tp_allreduce_coeffs(cl, tp))
+    return StageModel(CostTable(prof), shape, links_for(cl, K)), cl
+
+
+def test_labels_round_trip_and_bad_strategies_are_refused():
+    for st in (Strategy(), Strategy(tp=2), Strategy(tp=4, fsdp=True, recompute=True), Strategy(fsdp=True)):
+        assert Strategy.parse(st.label) == st
+    assert Strategy(tp=2, fsdp=True, recompute=True).label == "tp2·fsdp·rc"
+    assert Strategy().label == "dp" and Strategy().is_default
+    for bad in (dict(tp=3), dict(tp=0), dict(fsdp=1)):
+        with pytest.raises(PtplanError):
+            Strategy(**bad)
+    with pytest.raises(PtplanError, match="unknown part"):
+        Strategy.parse("tp2·zero")
+    with pytest.raises(PtplanError, match="inside a node"):
+        tp_allreduce_coeffs(get_preset("dgx-h100"), 16)
+
+
+def test_tensor_parallel_terms_by_hand():
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
+    base, _ = model(prof)
+    m, cl = model(prof, tp=2)
+    ranges = [(0, 5), (5, prof.num_layers)]
+    t = CostTable(prof)
+    a = splittable(t)
+    assert list(a[:3]) == [0, 1, 1] and a[-1] == 0  # embedding replicated, attention / MLP split, head replicated
+    lat, per = tp_allreduce_coeffs(cl, 2)
+    assert lat > 0 and per > 0
+    tm = t.at(2)
+    div = np.where(a > 0, 2.0, 1.0)
+    for (lo, hi), c, c0 in zip(ranges, m.stage_costs(ranges), base.stage_costs(ranges)):
+        comm = float((a[lo:hi] * (lat + 2 * t.out_per_sample[lo:hi] * per)).sum())
+        assert c.forward_s == pytest.approx(float((tm.fwd[lo:hi] / div[lo:hi]).sum()) + comm
+                                            + (c0.forward_s - float(tm.fwd[lo:hi].sum())), rel=1e-9)
+        assert c.backward_s == pytest.approx(float((tm.bwd[lo:hi] / div[lo:hi]).sum()) + comm
+                                             + (c0.backward_s - float(tm.bwd[lo:hi].sum())), rel=1e-9)
+    for (lo, hi), mb, mb0 in zip(ranges, m.stage_memory(ranges), base.stage_memory(ranges)):
+        w = float((t.param_bytes[lo:hi] / div[lo:hi]).sum())
+        assert mb.weights == int(w)
+        assert mb.optimizer == int(OPTIMIZER_STATE_FACTOR["adamw"] * w)
+        assert mb.activations == mb0.activations  # conservative: activations are not split
+        assert mb.total < mb0.total
+
+
+def test_fsdp_shards_state_and_reduce_scatters():
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
+    ranges = [(0, 5), (5, prof.num_layers)]
+    base, _ = model(prof, D=4)
+    m, _ = model(prof, D=4, fsdp=True)
+    t = CostTable(prof)
+    extra = gather_bytes(t, Strategy(fsdp=True))
+    assert extra == 2 * t.param_bytes.max() + t.grad_bytes.max()
+    for (lo, hi), mb, mb0, c, c0 in zip(ranges, m.stage_memory(ranges), base.stage_memory(ranges),
+                                        m.stage_costs(ranges), base.stage_costs(ranges)):
+        assert mb.weights == int(mb0.weights / 4) or abs(mb.weights - mb0.weights / 4) <= 1
+        assert abs(mb.gradients - mb0.gradients / 4) <= 1 and abs(mb.optimizer - mb0.optimizer / 4) <= 1
+        assert mb.buffers - mb0.buffers == pytest.approx(extra, abs=2)
+        # all-gathers per micro-batch make forward and backward slower; the sync is a reduce-scatter
+        assert c.forward_s > c0.forward_s and c.backward_s > c0.backward_s
+        L = m.links
+        s = 0 if lo == 0 else 1
+        assert c.allreduce_s == pytest.approx(L.ar_lat[s] + (t.cum_grad[hi] - t.cum_grad[lo]) / 2 * L.ar_per_byte[s])
+
+
+def test_frozen_prefix_has_no_gradient_terms_under_any_strategy():
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
+    n0 = prof.frozen_boundary(2)
+    for tp, fsdp in ((1, False), (2, False), (2, True)):
+        m, _ = model(prof, tp=tp, fsdp=fsdp, frozen=n0)
+        ranges = [(n0, n0 + 2), (n0 + 2, prof.num_layers)]
+        mem = m.stage_memory(ranges)
+        t = m.t
+        assert mem[0].gradients == int(t.cum_grad[n0 + 2] - t.cum_grad[n0])  # active layers only
+        assert mem[0].weights == int(t.cum_param[n0 + 2])  # + the frozen prefix's (sharded) weights, no state
+
+
+def test_a_layer_larger_than_a_gpu_fits_only_with_tensor_parallel_and_fsdp():
+    """Memory-bound case: one MLP half of hidden 32768 has 8·h² = 8.6e9 parameters; its weights,
+    gradients and AdamW state alone (128.0 GiB) exceed an 80 GiB H100, so no pipeline split can hold it;
+    tp8·fsdp·rc over 4 nodes (D=4) holds the whole model in 44.5 GiB per GPU (K=1, M=1, b=1)."""
+    prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000)
+    cap = get_preset("h100-4node").gpu_memory_bytes
+    n = prof.num_layers
+    plain, _ = model(prof, K=1, M=1, b=1, D=1, cluster="h100-4node")
+    one_layer = np.diff(plain.cum_state)  # weights + gradients + optimizer state of each layer alone
+    assert one_layer.max() > cap and prof.layers[int(one_layer.argmax())].kind == "mlp"
+    hybrid, _ = model(prof, K=1, M=1, b=1, D=4, tp=8, fsdp=True, recompute=True, cluster="h100-4node")
+    assert max(x.total for x in hybrid.stage_memory([(0, n)])) < cap
