@@ -44,6 +44,7 @@ from .config import AUTO_SCHEDULES, INTERLEAVED_V
 from .schedule import Schedule, ScheduleError, build_schedule, check_sizes, peak_inflight, stage_to_rank
 from .simulate import SimResult, StageCost, simulate
 from .stage import Links, PhaseShape, StageModel, cache_setup_s, links_for
+from .strategy import Strategy, strategy_table, tp_allreduce_coeffs
 
 GiB = float(1 << 30)
 
@@ -69,6 +70,14 @@ class Candidate:
     schedule: str = "1f1b"
     V: int = 1
     """Stages (chunks) per pipeline position: K·V stages in all."""
+    tp: int = 1
+    """Tensor-parallel width of every stage (``strategy.py``): K·D·tp GPUs."""
+    fsdp: bool = False
+    recompute: bool = False
+
+    @property
+    def strategy(self) -> Strategy:
+        return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute)
 
     @property
     def B(self) -> int:
@@ -107,8 +116,19 @@ def _seconds_per_sample(c: Candidate, steady: float, fill: float, visit: Visit, 
 class PhaseSearch:
     """Searches every phase of one profile + cluster + training config (memoises what phases share)."""
 
-    def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig) -> None:
+    def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig, *, strategies: str = "off") -> None:
+        """``strategies``: "off" (every stage plain data parallel, the search as before) or "auto" (every
+        tp inside a node that divides the GPUs, FSDP on/off, recomputation on/off, one strategy per phase)."""
         self.p, self.c, self.cfg = profile, cluster, cfg
+        if strategies not in ("off", "auto"):
+            raise PtplanError(f"strategies={strategies!r}; use off or auto")
+        G = cluster.gpus_per_node
+        tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= G and G % t == 0] if strategies == "auto" else [1]
+        self.strategies = tuple(Strategy(tp=t, fsdp=fs, recompute=rc) for t in tps
+                                for fs in ((False, True) if strategies == "auto" else (False,))
+                                for rc in ((False, True) if strategies == "auto" else (False,)))
+        """The strategies searched (the default first)."""
+        self._tables: dict[tuple, CostTable] = {}
         self.t = CostTable(profile, time_scale=cluster.concurrency_slowdown)
         self.n = profile.num_layers
         self.W = cluster.world_size
@@ -116,7 +136,7 @@ class PhaseSearch:
         self._links: dict[tuple[int, str, int], Links] = {}
         self._stage0: dict[int, int] = {}
         self._fbmax: dict[int, np.ndarray] = {}
-        self._hint: dict[bool | None, tuple[int, int, bool, str, int]] = {}
+        self._hint: dict[bool | None, tuple] = {}
         self.schedules = self._schedules()
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
@@ -129,11 +149,26 @@ class PhaseSearch:
             return (self.cfg.schedule,)
         return tuple(s for s in AUTO_SCHEDULES if not s.startswith("zb") or self.t.backward_split_measured)
 
-    def links(self, K: int, schedule: str = "1f1b", V: int = 1) -> Links:
-        key = (K, schedule, V)
+    def links(self, K: int, schedule: str = "1f1b", V: int = 1, tp: int = 1) -> Links:
+        """Links of K positions; with tp > 1 each position is a tp-wide group of one node, laid out as one
+        device of a cluster with gpus_per_node / tp devices per node (its pipeline sends costed as one link)."""
+        key = (K, schedule, V) if tp == 1 else (K, schedule, V, tp)
         if key not in self._links:
-            self._links[key] = links_for(self.c, K, stage_to_rank(schedule, K, V))
+            cl = self.c if tp == 1 else replace(self.c, gpus_per_node=self.c.gpus_per_node // tp)
+            self._links[key] = links_for(cl, K, stage_to_rank(schedule, K, V))
         return self._links[key]
+
+    def table_for(self, c: Candidate) -> CostTable:
+        """The per-shard cost table of candidate c's strategy (``strategy.strategy_table``; the profile's own
+        table for the default strategy)."""
+        if c.tp == 1 and not c.fsdp:
+            return self.t
+        key = (c.tp, c.fsdp, c.D, c.K, c.schedule, c.V)
+        if key not in self._tables:
+            L = self.links(c.K, c.schedule, c.V, c.tp)
+            self._tables[key] = strategy_table(self.t, c.strategy, c.D, tp_allreduce_coeffs(self.c, c.tp),
+                                               (float(np.mean(L.ar_lat)), float(np.mean(L.ar_per_byte))))
+        return self._tables[key]
 
     def schedule(self, c: Candidate) -> Schedule:
         return build_schedule(c.schedule, c.K, c.M, c.V)
@@ -149,8 +184,10 @@ class PhaseSearch:
                            optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
                            weight_versions=2 if cand.schedule == "2bw" else 1, own_p2p=cand.schedule == "2bw",
                            action_overhead_s=self.c.action_overhead_s,
-                           host_read_bandwidth=self.cfg.host_read_bandwidth)
-        return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V), fill_from=fill_from)
+                           host_read_bandwidth=self.cfg.host_read_bandwidth,
+                           tp=cand.tp, fsdp=cand.fsdp, recompute=cand.recompute,
+                           tp_ar=tp_allreduce_coeffs(self.c, cand.tp))
+        return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from)
 
     def shapes(self, K: int, M: int, n_active: int) -> list[tuple[str, int]]:
         """(schedule, V) pairs that exist for K positions and M micro-batches and leave every stage a layer."""
@@ -203,8 +240,8 @@ class PhaseSearch:
         out: list[Candidate] = []
         reasons: list[str] = []
         pin_m_used = cfg.pin_M is None
-        for K in ks:
-            D = self.W // K
+        for st, K in ((st, K) for st in self.strategies for K in ks if (self.W // st.tp) % K == 0):
+            D = self.W // (K * st.tp)
             bp = self.pipeline_batch(D)
             if bp is None:
                 reasons.append(f"K={K}: global batch {cfg.batch} does not split over D={D} pipelines")
@@ -227,7 +264,8 @@ class PhaseSearch:
             for M in ms:
                 for name, V in self.shapes(K, M, n_active):
                     for cache in caches:
-                        out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V))
+                        out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
+                                             tp=st.tp, fsdp=st.fsdp, recompute=st.recompute))
         if not pin_m_used:
             notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
         return out, reasons, notes
@@ -274,15 +312,16 @@ class PhaseSearch:
         stage 0's prefix and first layer with its optimizer step (``simulate``'s floor is the slowest
         rank's work itself).
         """
-        tm = self.t.at(c.b)
+        t = self.table_for(c)
+        tm = t.at(c.b)
         K, M, S = c.K, c.M, c.S
         zb = c.schedule.startswith("zb")
         ovh = self.c.action_overhead_s if K > 1 else 0.0
-        n, t = self.n, self.t
+        n = self.n
         prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
         setup = cache_setup_s(t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
                               fill_from=fill_from) if c.cache else 0.0
-        L = self.links(K, c.schedule, c.V)
+        L = self.links(K, c.schedule, c.V, c.tp)
         sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
         sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])
         sw = float(tm.cum_bwd_weight[n] - tm.cum_bwd_weight[n0]) if zb else 0.0
@@ -297,7 +336,7 @@ class PhaseSearch:
             pipe = max(pipe, T + (M - 1) * F / K + max(0, M - K) * Bw / K)
         if M > 1 and not zb:  # head and tail over the S stages (a W may end a zero-bubble stage's work)
             pipe = max(pipe, setup + (F + Bw) / -math.expm1(S * math.log1p(-1.0 / M)))
-        fb_max = float(self._fb_suffix_max(c.b)[n0])
+        fb_max = float(self._fb_suffix_max(c.b, t)[n0])
         big = M * (fb_max + 2 * ovh)
         if c.schedule == "2bw":
             work = M * (F + Bw) + setup + float(t.cum_opt_s[n] - t.cum_opt_s[n0])
@@ -317,13 +356,16 @@ class PhaseSearch:
             return max(pipe, big, stage0 + last0, tail) + self.c.step_overhead_s
         return max(max(pipe, big, stage0) + last0, tail) + self.c.step_overhead_s
 
-    def _fb_suffix_max(self, b: int) -> np.ndarray:
-        """``[i]``: the largest forward + backward of one layer among layers [i, n) at micro-batch size b."""
-        got = self._fbmax.get(b)
+    def _fb_suffix_max(self, b: int, table: CostTable | None = None) -> np.ndarray:
+        """``[i]``: the largest forward + backward of one layer among layers [i, n) at micro-batch size b
+        (in ``table``, default the profile's)."""
+        table = self.t if table is None else table
+        key = b if table is self.t else (b, id(table))
+        got = self._fbmax.get(key)
         if got is None:
-            tm = self.t.at(b)
+            tm = table.at(b)
             got = np.maximum.accumulate((tm.fwd + tm.bwd)[::-1])[::-1]
-            self._fbmax[b] = got
+            self._fbmax[key] = got
         return got
 
     def split_bound(self, c: Candidate, costs: Sequence[StageCost]) -> float:
@@ -426,7 +468,7 @@ class PhaseSearch:
         peak = max(sim.rank_peak_memory_bytes)
         assert peak <= self.limit * (1 + 1e-9), "the simulator and the partitioner disagree on memory"
         return Choice(cand=c, ranges=ranges, costs=costs, sim=sim, fill_costs=fill_costs, fill_sim=fill_sim,
-                      memory=tuple(model.stage_memory(ranges)), links=self.links(c.K, c.schedule, c.V),
+                      memory=tuple(model.stage_memory(ranges)), links=self.links(c.K, c.schedule, c.V, c.tp),
                       objective=_seconds_per_sample(c, sim.iteration_s, fill_s, visit, self.cfg.samples_per_epoch))
 
     def search(self, f: int, visit: Visit, *, free: bool = False, cache: bool | None = None) -> Choice:
@@ -458,7 +500,7 @@ class PhaseSearch:
         heap = [(self.objective_bound(c, n0, visit), i, c) for i, c in enumerate(fits)]
         # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
         hint = self._hint.get(cache)
-        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V) == hint]
+        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.strategy) == hint]
         heapq.heapify(heap)
         best: Choice | None = None
 
@@ -482,7 +524,8 @@ class PhaseSearch:
                 consider(c)
         if best is None:
             return [str(r) for r in reasons]
-        self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V)
+        self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
+                             best.cand.strategy)
         return replace(best, notes=tuple(notes))
 
     def _infeasible(self, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
@@ -494,13 +537,15 @@ class PhaseSearch:
             f"({self.W} {self.c.device_noun}s x {self.c.gpu_memory_bytes / GiB:.1f} GiB, "
             f"{self.cfg.memory_fraction:.0%} usable):\n  {shown or 'no candidate (K, M)'}{prefix}\n"
             f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
-            f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs.")
+            f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs"
+            f"{'' if len(self.strategies) > 1 else '; or --strategies auto (tensor parallel, FSDP, recomputation)'}.")
 
 
 def _order(ch: Choice) -> tuple:
-    """How choices compare: the objective, then (deterministic ties) smaller K, M, no cache, name, V."""
+    """How choices compare: the objective, then (deterministic ties) smaller K, M, no cache, name, V,
+    then the simpler strategy (smaller tp, no FSDP, no recomputation)."""
     c = ch.cand
-    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V
+    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.fsdp, c.recompute
 
 
 class _Reason:

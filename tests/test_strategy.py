@@ -104,3 +104,76 @@ def test_a_layer_larger_than_a_gpu_fits_only_with_tensor_parallel_and_fsdp():
     assert one_layer.max() > cap and prof.layers[int(one_layer.argmax())].kind == "mlp"
     hybrid, _ = model(prof, K=1, M=1, b=1, D=4, tp=8, fsdp=True, recompute=True, cluster="h100-4node")
     assert max(x.total for x in hybrid.stage_memory([(0, n)])) < cap
+
+
+# ---- the search with strategies (planner/search.py, strategies="auto") ----------------------------
+import random  # noqa: E402
+import time  # noqa: E402
+
+from ptplan.planner.cluster import Cluster  # noqa: E402
+from ptplan.planner.config import TrainingConfig  # noqa: E402
+from ptplan.planner.errors import InfeasibleError  # noqa: E402
+from ptplan.planner.search import PhaseSearch, Visit, exhaustive  # noqa: E402
+from tests.test_search import random_case  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_search_with_strategies_picks_what_exhaustive_simulation_picks(seed):
+    """Every candidate (K, M, cache, schedule, tp, fsdp, rc) split and simulated: the bounded search agrees."""
+    rng = random.Random(100 + seed)
+    compared = 0
+    for _ in range(6):
+        prof, cluster, cfg = random_case(rng)
+        for f in sorted({0, rng.randint(0, prof.num_blocks)}):
+            visit = Visit(samples=float(cfg.samples_per_epoch), fill_from=0)
+            ref = exhaustive(PhaseSearch(prof, cluster, cfg, strategies="auto"), f, visit)
+            s = PhaseSearch(prof, cluster, cfg, strategies="auto")
+            if ref is None:
+                with pytest.raises(InfeasibleError):
+                    s.search(f, visit)
+                continue
+            got = s.search(f, visit)
+            assert (got.cand, got.ranges) == (ref.cand, ref.ranges), (seed, f, cfg)
+            compared += 1
+    assert compared >= 6
+
+
+def test_strategies_off_is_the_old_search_and_auto_is_never_worse():
+    prof = synthetic_profile(num_blocks=6, hidden=512, seq_len=128, vocab=4096)
+    cluster = Cluster.uniform(nodes=2, gpus_per_node=4)
+    cfg = TrainingConfig(epochs=2, samples_per_epoch=4096, batch=64)
+    old, off, auto = PhaseSearch(prof, cluster, cfg), PhaseSearch(prof, cluster, cfg, strategies="off"), \
+        PhaseSearch(prof, cluster, cfg, strategies="auto")
+    assert off.strategies == (Strategy(),) and len(auto.strategies) == 12  # tp 1, 2, 4 x fsdp x rc
+    for f in (0, 3, 6):
+        v = Visit(samples=4096.0)
+        a, b, c = old.search(f, v), off.search(f, v), auto.search(f, v)
+        assert (a.cand, a.ranges, a.objective) == (b.cand, b.ranges, b.objective)
+        assert c.objective <= a.objective * (1 + 1e-12)
+
+
+def test_memory_bound_model_is_refused_without_strategies_and_planned_with_them():
+    """The layer larger than an H100 (test above): pipeline x DP refuses with the numbers, auto plans it."""
+    prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
+    cluster = get_preset("h100-4node")
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=1024, batch=32, allow_extrapolation=True)
+    with pytest.raises(InfeasibleError, match=r"(?s)layer 2 alone needs 16\d\.\d\d GiB but a GPU has 72\.00 GiB"
+                                              r".*--strategies auto"):
+        PhaseSearch(prof, cluster, cfg).search(0, Visit(samples=64.0))
+    got = PhaseSearch(prof, cluster, cfg, strategies="auto").search(0, Visit(samples=64.0))
+    # measured: tp4·fsdp, K=1, D=8, M=2, 65.0 GiB per GPU
+    assert got.cand.tp > 1 or got.cand.fsdp
+    assert max(m.total for m in got.memory) <= cluster.gpu_memory_bytes * cfg.memory_fraction
+
+
+def test_48_blocks_on_64_gpus_all_phases_fast():
+    """Every phase of a 48-block model on 8 x 8 H100s with strategies: under 5 s on the 2-core box."""
+    prof = synthetic_profile(num_blocks=48, hidden=2048, batch_sizes=(1, 2, 4, 8, 16, 32))
+    s = PhaseSearch(prof, Cluster.uniform(nodes=8, like="dgx-h100"),
+                    TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=1024), strategies="auto")
+    t0 = time.perf_counter()
+    for f in range(49):
+        s.search(f, Visit(samples=1e6))
+    took = time.perf_counter() - t0
+    print(f"48 blocks, 64 GPUs, 49 phases, strategies auto: {took:.2f} s, {s.evaluated} candidates evaluated")
+    assert took < 5.0
