@@ -78,9 +78,10 @@ def format_plan_table(plan) -> str:
                  f"batch policy {tr.batch_policy}, optimizer {tr.optimizer}, cache {tr.cache}")
     used = {t.phase for t in plan.trajectory}
     mixed = len({(p.schedule, p.V) for p in plan.phases}) > 1 or tr.schedule == "auto"
+    strat = any(p.strategy_label != "dp" for p in plan.phases)
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<22} "
            f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}"
-           + (f" {'schedule':<18}" if mixed else ""))
+           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<12}" if strat else ""))
     lines.append(hdr)
     lines.append("-" * len(hdr))
     noted = []
@@ -99,7 +100,7 @@ def format_plan_table(plan) -> str:
         lines.append(f"{i:>4}{mark} {ph.frozen_blocks:>6} {ph.K:>4} {ph.D:>5} {ph.M:>4} {ph.micro_batch_size:>4}  "
                      f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "
                      f"{ph.predicted.bubble_fraction:>6.1%} {_gib(peak):>8} {'on' if ph.cache else 'off':>5}{note}"
-                     + (f"{sched:<18}" if mixed else ""))
+                     + (f"{sched:<18}" if mixed else "") + (f" {ph.strategy_label:<12}" if strat else ""))
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
                      f"for adaptive freezing)")
@@ -235,12 +236,16 @@ def freeze_from_options(freeze_policy: str, alpha: float, manual: str | None, fr
               help="Use this micro-batch count in every phase where it fits.")
 @click.option("--cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="AutoCache of the frozen prefix's outputs: auto caches where it saves time (fills included).")
+@click.option("--strategies", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="Per-phase parallel strategy: off = pipeline x data parallel; auto = also tensor parallel "
+                   "(inside a node), FSDP and activation recomputation, searched per phase (planning only: "
+                   "`ptplan run` does not run them yet).")
 @click.option("--out", "out", default="plan.json", show_default=True, help="Where to write the plan.")
 @click.option("--report", default=None, help="Also write the interactive HTML report here.")
 @click.option("--quiet", is_flag=True, help="Do not print the table (warnings are still printed).")
 def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
          freeze_every, adaptive, schedule, optimizer, pin_k, start_k, pin_m, cache, memory_fraction,
-         allow_extrapolation, out, report, quiet) -> None:
+         allow_extrapolation, strategies, out, report, quiet) -> None:
     """Plan elastic pipelined training for PROFILE (a profile file, a shipped profile name, or a model
     name with one shipped profile, e.g. bert-tiny).
 
@@ -264,7 +269,8 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     t0 = time.perf_counter()
     bar = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:
-        result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath), progress=bar.update)
+        result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath), progress=bar.update,
+                           strategies=strategies)
     finally:
         bar.close()
     dt = time.perf_counter() - t0

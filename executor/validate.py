@@ -41,7 +41,21 @@ def batch_policy_of(plan: Plan) -> str:
     return plan.inputs.training.batch_policy
 
 
+def check_strategies(plan: Plan) -> None:
+    """The executor runs plain data parallel stages only: refuse a plan whose phases use tensor
+    parallelism, FSDP or recomputation (``ptplan plan --strategies auto``, issue 14)."""
+    odd = [(i, ph) for i, ph in enumerate(plan.phases) if ph.tp > 1 or ph.fsdp or ph.recompute]
+    if odd:
+        shown = ", ".join(f"phase {i} ({ph.frozen_blocks} frozen blocks): {ph.strategy_label}" for i, ph in odd[:4])
+        raise PtplanError(
+            f"the plan uses parallel strategies the executor does not run yet: {shown}"
+            f"{f' (+{len(odd) - 4} more)' if len(odd) > 4 else ''}; `ptplan run` runs pipeline x data parallel "
+            f"only (tp=1, no FSDP, no recomputation); make the plan with `ptplan plan --strategies off`")
+
+
 def check_world(plan: Plan, world_size: int) -> None:
+    """The job's process count is the plan's (strategies are checked first: ``check_strategies``)."""
+    check_strategies(plan)
     want = plan.world_size
     if world_size != want:
         p = plan.phases[0]

@@ -128,6 +128,25 @@ class Phase:
     """The schedule as data: per pipeline position 0..K-1, its actions in order, space-separated in
     ``planner.schedule``'s text form (``2F0 2SEND_F0 ...``); what the simulator priced and what the
     executor runs. Empty in plans written before actions were stored."""
+    tp: int = 1
+    """Tensor-parallel width of every stage (issue 14): stage s of pipeline p runs on the tp ranks
+    ranks[p][s] .. ranks[p][s] + tp - 1 (one node); the phase uses K·D·tp ranks."""
+    fsdp: bool = False
+    """Sharded data parallel (ZeRO-3) over each stage's D replicas instead of a gradient all-reduce."""
+    recompute: bool = False
+    """Activation recomputation: each stage keeps only its input per micro-batch."""
+
+    @property
+    def world(self) -> int:
+        """Ranks the phase uses: K·D·tp."""
+        return self.K * self.D * self.tp
+
+    @property
+    def strategy_label(self) -> str:
+        """Short text of the strategy, e.g. ``tp2·fsdp·rc``; ``dp`` for plain data parallel."""
+        parts = ([f"tp{self.tp}"] if self.tp > 1 else []) + (["fsdp"] if self.fsdp else []) + \
+            (["rc"] if self.recompute else [])
+        return "·".join(parts) or "dp"
 
     @property
     def stages(self) -> int:
@@ -261,7 +280,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.phases[0].K * self.phases[0].D
+        return self.phases[0].world
 
     def phase_index(self, frozen_blocks: int) -> int:
         """Index of the phase for a frozen-block count (every count that can occur has one)."""
@@ -330,14 +349,19 @@ def _phase(f: Fields, num_layers: int) -> Phase:
         raise SchemaError(f.what, f"{f.path}.partition", f"covers layers up to {parts[-1][1]} but the model has "
                           f"{num_layers}", "Run `ptplan plan` again for this profile")
     ranks = f.list("ranks", length=D)
+    tp = f.int("tp", 1, min=1)
+    if tp & (tp - 1):
+        raise SchemaError(f.what, f"{f.path}.tp", f"is {tp}; the tensor-parallel width must be a power of two",
+                          "Re-run `ptplan plan`")
     seen: set[int] = set()
     for p, row in enumerate(ranks):
         if not isinstance(row, list) or len(row) != K or not all(
                 isinstance(x, int) and not isinstance(x, bool) for x in row):
             raise SchemaError(f.what, f"{f.path}.ranks[{p}]", f"expected {K} integer ranks, got {row!r}")
         seen.update(row)
-    if seen != set(range(K * D)):
-        raise SchemaError(f.what, f"{f.path}.ranks", f"must use each rank 0..{K * D - 1} exactly once")
+    if seen != set(range(0, K * D * tp, tp)):
+        raise SchemaError(f.what, f"{f.path}.ranks", f"must use each rank 0..{K * D * tp - 1} exactly once"
+                          + (f" (as the first rank of each group of tp={tp})" if tp > 1 else ""))
     tl = []
     for e in (f.objs("timeline") if "timeline" in f.obj else []):
         Fields(e.obj, e.what, e.path, allowed=_names(TimelineEvent))
@@ -363,7 +387,8 @@ def _phase(f: Fields, num_layers: int) -> Phase:
                  micro_batch_size=f.int("micro_batch_size", min=1), schedule=f.str("schedule", choices=SCHEDULES),
                  partition=tuple(parts), cache=f.bool("cache"),
                  ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes),
-                 V=V, actions=tuple(actions))
+                 V=V, actions=tuple(actions), tp=tp, fsdp=f.bool("fsdp", False),
+                 recompute=f.bool("recompute", False))
 
 
 def _profile_ref(f: Fields) -> ProfileRef:
@@ -413,13 +438,13 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
     phases = [_phase(p, num_layers) for p in top.objs("phases")]
     if not phases:
         raise SchemaError(source, "phases", "is empty: the plan has no phase", "Re-run `ptplan plan`")
-    world = phases[0].K * phases[0].D
+    world = phases[0].world
     if world != inputs.cluster.world_size:
-        raise SchemaError(source, "phases[0]", f"uses K*D = {world} ranks but the cluster has "
+        raise SchemaError(source, "phases[0]", f"uses K*D*tp = {world} ranks but the cluster has "
                           f"{inputs.cluster.world_size}")
     for i, ph in enumerate(phases):
-        if ph.K * ph.D != world:
-            raise SchemaError(source, f"phases[{i}]", f"uses K*D = {ph.K}*{ph.D} = {ph.K * ph.D} ranks but phase 0 "
+        if ph.world != world:
+            raise SchemaError(source, f"phases[{i}]", f"uses K*D*tp = {ph.K}*{ph.D}*{ph.tp} = {ph.world} ranks but phase 0 "
                               f"uses {world}")
         if ph.frozen_blocks > num_blocks:
             raise SchemaError(source, f"phases[{i}].frozen_blocks", f"{ph.frozen_blocks} exceeds the model's "

@@ -191,9 +191,11 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
     assert ch.links is not None
     sched = search.schedule(c)
     return Phase(frozen_blocks=f, frozen_layers=n0, K=c.K, D=c.D, M=c.M, micro_batch_size=c.b,
-                 schedule=c.schedule, partition=ch.ranges, cache=c.cache, ranks=ch.links.ranks,
+                 schedule=c.schedule, partition=ch.ranges, cache=c.cache,
+                 ranks=tuple(tuple(r * c.tp for r in row) for row in ch.links.ranks),
                  predicted=pred, timeline=timeline, notes=tuple(notes), V=c.V,
-                 actions=tuple(" ".join(map(str, acts)) for acts in sched.actions))
+                 actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
+                 tp=c.tp, fsdp=c.fsdp, recompute=c.recompute)
 
 
 def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, search: PhaseSearch,
@@ -247,8 +249,11 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
 
 
 def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, freeze: FreezePolicy, *,
-              profile_path: str | None = None, progress: Callable[[int, int], Any] | None = None) -> Plan:
-    """Compute the full plan: a phase per frozen count, the freeze steps, trajectory, totals, baselines."""
+              profile_path: str | None = None, progress: Callable[[int, int], Any] | None = None,
+              strategies: str = "off") -> Plan:
+    """Compute the full plan: a phase per frozen count, the freeze steps, trajectory, totals, baselines.
+    ``strategies``: "off" (pipeline x data parallel) or "auto" (also tensor parallel, FSDP and
+    recomputation per phase; ``search.PhaseSearch``)."""
     profile = _checked_profile(profile)
     L, W = profile.num_blocks, cluster.world_size
     last_T = _last_freeze_step(training, freeze, W)
@@ -257,7 +262,7 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
         raise PtplanError(f"the freeze cadence gives more than {MAX_FREEZE_STEPS:,} freeze steps before the count "
                           f"settles; freeze less often (--freeze-every) or per epoch")
     expected = visits(table, training, freeze, W)
-    search = PhaseSearch(profile, cluster, training)
+    search = PhaseSearch(profile, cluster, training, strategies=strategies)
     visited = sorted(expected)
     chosen = trajectory_phases(search, visited, expected)
     if progress is not None:

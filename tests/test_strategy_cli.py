@@ -1,0 +1,67 @@
+"""``ptplan plan --strategies`` (issue 14): the memory-bound model refused off and planned auto, the plan's
+strategy fields round-trip and are validated on load, and ``ptplan run``'s check refuses them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ptplan.cli.main import cli
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.jsonio import SchemaError
+from ptplan.planner.plan import load_plan, save_plan
+from ptplan.planner.profile import save_profile
+from ptplan.planner.synthetic import synthetic_profile
+
+ARGS = ["--cluster", "h100-4node", "--batch", "32", "--samples-per-epoch", "1024", "--epochs", "2",
+        "--allow-extrapolation"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("strategies")
+    prof = d / "big.json"
+    save_profile(synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4)), prof)
+    off = CliRunner().invoke(cli, ["plan", str(prof), *ARGS, "--out", str(d / "off.json")])
+    auto = CliRunner().invoke(cli, ["plan", str(prof), *ARGS, "--strategies", "auto", "--out", str(d / "auto.json")])
+    return d, off, auto
+
+
+def test_off_refuses_the_memory_bound_model_and_auto_plans_it(planned):
+    d, off, auto = planned
+    assert off.exit_code == 2, off.output
+    assert "layer 2 alone needs" in off.output and "--strategies auto" in off.output
+    assert not (d / "off.json").exists()
+    assert auto.exit_code == 0, auto.output
+    assert "strategy" in auto.output and "tp" in auto.output
+    plan = load_plan(d / "auto.json")
+    assert all(ph.tp > 1 or ph.fsdp for ph in plan.phases)
+    assert plan.world_size == 32 and all(ph.world == 32 for ph in plan.phases)
+    assert all(ph.predicted.peak_memory_bytes <= 80 * 2**30 * 0.9 for ph in plan.phases)
+
+
+def test_strategy_fields_round_trip_and_are_validated(planned, tmp_path):
+    d, _, _ = planned
+    plan = load_plan(d / "auto.json")
+    save_plan(plan, tmp_path / "again.json")
+    again = load_plan(tmp_path / "again.json")
+    assert [(p.tp, p.fsdp, p.recompute, p.ranks) for p in again.phases] == \
+        [(p.tp, p.fsdp, p.recompute, p.ranks) for p in plan.phases]
+    raw = json.loads((d / "auto.json").read_text())
+    raw["phases"][0]["tp"] = 3
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(SchemaError, match="power of two"):
+        load_plan(tmp_path / "bad.json")
+    raw["phases"][0]["tp"] = 1  # then the ranks no longer cover the world
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(SchemaError):
+        load_plan(tmp_path / "bad.json")
+
+
+def test_run_refuses_a_plan_with_strategies(planned):
+    from ptplan.executor.validate import check_world
+
+    d, _, _ = planned
+    with pytest.raises(PtplanError, match=r"does not run yet: phase 0 \(0 frozen blocks\): tp\d.*--strategies off"):
+        check_world(load_plan(d / "auto.json"), 32)
