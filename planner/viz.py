@@ -450,7 +450,8 @@ def cluster_figure(plan: Plan) -> go.Figure:
         where = {}
         for p, pipeline in enumerate(ph.ranks):
             for s, r in enumerate(pipeline):
-                where[r] = (p, s)
+                for t in range(ph.tp):  # a tp group: the tp ranks from its first one (issue 14)
+                    where[r + t] = (p, s)
         z = np.full((shown_rows, cols), np.nan)
         text = [[""] * cols for _ in range(shown_rows)]
         hover = [[f"no rank (unused {noun})"] * cols for _ in range(shown_rows)]

@@ -65,3 +65,11 @@ def test_run_refuses_a_plan_with_strategies(planned):
     d, _, _ = planned
     with pytest.raises(PtplanError, match=r"does not run yet: phase 0 \(0 frozen blocks\): tp\d.*--strategies off"):
         check_world(load_plan(d / "auto.json"), 32)
+
+
+def test_report_draws_a_plan_with_tensor_parallel_groups(planned):
+    from ptplan.planner.viz import report_html
+
+    d, _, _ = planned
+    html = report_html(load_plan(d / "auto.json"))
+    assert "Rank 31" in html  # every rank of every tp group is drawn, not only each group's first
