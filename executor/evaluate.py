@@ -78,7 +78,7 @@ def batch_counts(model: torch.nn.Module, output: Tensor, labels: Tensor) -> tupl
     """(loss sum, count, correct) of one micro-batch: the model's mean loss times what it averages over
     (samples, or next-token labels other than -100), and the correct arg-max predictions (classification)."""
     loss = float(model.loss(output, labels))
-    if getattr(model, "family", None) == "gpt2":
+    if getattr(model, "family", None) in ("gpt2", "llama"):
         count = float((labels[:, 1:] != -100).sum())
         return loss * count, count, 0.0
     correct = float((output.argmax(dim=-1) == labels).sum())
@@ -89,10 +89,10 @@ def finish(model: torch.nn.Module, loss_sum: float, count: float, correct: float
            seconds: float = 0.0) -> Metrics:
     """Metrics from the summed counts (shared by the pipelined and the single-process evaluation)."""
     if count <= 0:
-        raise PtplanError(f"the eval set has no {'predicted tokens' if getattr(model, 'family', None) == 'gpt2' else 'samples'} "
+        raise PtplanError(f"the eval set has no {'predicted tokens' if getattr(model, 'family', None) in ('gpt2', 'llama') else 'samples'} "
                           f"to score ({samples} samples)")
     loss = loss_sum / count
-    if getattr(model, "family", None) == "gpt2":
+    if getattr(model, "family", None) in ("gpt2", "llama"):
         return Metrics(loss=loss, samples=samples, perplexity=math.exp(min(loss, 700.0)), seconds=seconds)
     return Metrics(loss=loss, samples=samples, accuracy=correct / samples, seconds=seconds)
 

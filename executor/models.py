@@ -30,6 +30,12 @@ Per family:
   **The LM head is untied**: Hugging Face ties it to ``wte``, but a pipeline cannot share one
   parameter between its first and last stage, so the head is a separate Parameter initialised as a
   copy of ``wte``. The two then train independently (the head's parameters are counted separately).
+- **llama** (like ``LlamaForCausalLM``; Mistral and Qwen2 have the same structure and run through the
+  same layers): ``embeddings`` (``embed_tokens`` only) -> blocks (pre-RMSNorm halves, grouped-query
+  attention with RoPE for positions 0..S-1, recomputed in each attention half from the shared
+  ``rotary_emb``, which has no parameters, and the same explicit causal + padding mask as GPT-2) ->
+  ``norm`` -> ``head`` (``lm_head``). Loss as GPT-2's. A checkpoint with tied embeddings is untied
+  the same way (the head becomes a copy of ``embed_tokens``).
 
 Names: ``*-tiny`` are small configs for tests (4 blocks, hidden 64); ``*-small`` (4 blocks, hidden
 256; ViT 64x64 pixels in 8x8 patches) are big enough for compute to outweigh framework overheads on
@@ -55,8 +61,10 @@ from torch import Tensor, nn
 from ptplan.planner.errors import PtplanError
 
 MODEL_NAMES: tuple[str, ...] = ("bert-tiny", "bert-base", "bert-large", "vit-tiny", "vit-base", "vit-large",
-                                "gpt2-tiny", "gpt2", "gpt2-medium", "bert-small", "vit-small")
-FAMILIES = ("bert", "vit", "gpt2")
+                                "gpt2-tiny", "gpt2", "gpt2-medium", "bert-small", "vit-small", "llama-tiny")
+FAMILIES = ("bert", "vit", "gpt2", "llama")
+CAUSAL_FAMILIES = ("gpt2", "llama")
+"""Families whose head is a language-model head: next-token loss, labels = token ids."""
 GRANULARITIES = ("block", "half")
 
 _TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256)
@@ -79,17 +87,22 @@ _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                 eos_token_id=1023)),
     "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12)),
     "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16)),
+    # Llama family (RoPE, RMSNorm, grouped-query attention); Mistral and Qwen2 share the block structure.
+    "llama-tiny": ("llama", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                 intermediate_size=128, vocab_size=1024, max_position_embeddings=512)),
 }
-_DEFAULT_SEQ_LEN = {"bert": 128, "gpt2": 128}
+_DEFAULT_SEQ_LEN = {"bert": 128, "gpt2": 128, "llama": 128}
 _DROPOUT_FIELDS = {
     "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"),
     "vit": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "llama": ("attention_dropout",),
 }
 # Keys a base-model checkpoint may lack: the task head, initialised from the seed instead.
 _HEAD_KEYS = {"bert": {"classifier.weight", "classifier.bias"},
               "vit": {"classifier.weight", "classifier.bias"},
-              "gpt2": {"lm_head.weight"}}
+              "gpt2": {"lm_head.weight"},
+              "llama": {"lm_head.weight"}}
 
 
 @dataclass(frozen=True)
@@ -322,6 +335,76 @@ class LMHead(nn.Module):
         return F.linear(x, self.weight)
 
 
+# ---- Llama-family layers (Llama, Mistral, Qwen2) ----------------------------------------------
+
+class LlamaEmbeddingLayer(nn.Module):
+    """Token ids ``[B, S]`` -> ``embed_tokens(ids)`` (positions enter each attention as RoPE)."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.embed_tokens(x)
+
+
+class LlamaAttentionHalf(nn.Module):
+    """``x + self_attn(input_layernorm(x))`` with RoPE for positions 0..S-1 and a causal (and padding) mask.
+
+    The rotary tables are recomputed per layer from the shared ``rotary_emb`` (no parameters), so a
+    stage needs nothing but the hidden states.
+    """
+
+    def __init__(self, block: nn.Module, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = block.input_layernorm
+        self.self_attn = block.self_attn
+        object.__setattr__(self, "_rotary", rotary_emb)  # buffers only; not a submodule of every layer
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        pos = torch.arange(x.shape[1], device=x.device)[None]
+        rotary = self._rotary.to(x.device)
+        pe = rotary(x, position_ids=pos)
+        h, _ = self.self_attn(self.input_layernorm(x), position_embeddings=pe,
+                              attention_mask=causal_additive_mask(x, attention_mask))
+        return x + h
+
+
+class LlamaMLPHalf(nn.Module):
+    """``x + mlp(post_attention_layernorm(x))``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.post_attention_layernorm = block.post_attention_layernorm
+        self.mlp = block.mlp
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBlockLayer(nn.Module):
+    """One whole decoder layer: the attention half then the MLP half."""
+
+    def __init__(self, block: nn.Module, rotary_emb: nn.Module) -> None:
+        super().__init__()
+        self.attn = LlamaAttentionHalf(block, rotary_emb)
+        self.mlp = LlamaMLPHalf(block)
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.mlp(self.attn(x, attention_mask), attention_mask)
+
+
+class LinearHead(nn.Module):
+    """A bias-free linear head used as is (Llama's ``lm_head``, untied in the presets)."""
+
+    def __init__(self, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.lm_head(x)
+
+
 # ---- the adapter -------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -391,7 +474,7 @@ class LayeredModel(nn.Module):
 
     def loss(self, output: Tensor, labels: Tensor) -> Tensor:
         """Mean cross-entropy (GPT-2: next-token, ignoring label -100), computed in float32."""
-        if self.family == "gpt2":
+        if self.family in CAUSAL_FAMILIES:
             logits = output[:, :-1, :].float()
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                    ignore_index=-100)
@@ -416,7 +499,7 @@ class LayeredModel(nn.Module):
             return x.to(p.device, p.dtype), y.to(p.device), None
         ids = torch.randint(1, self.config.vocab_size, (B, S), generator=generator)
         mask = torch.ones(B, S, dtype=torch.long)
-        y = ids.clone() if self.family == "gpt2" else torch.randint(0, self.num_labels, (B,), generator=generator)
+        y = ids.clone() if self.family in CAUSAL_FAMILIES else torch.randint(0, self.num_labels, (B,), generator=generator)
         return ids.to(p.device), y.to(p.device), mask.to(p.device)
 
 
@@ -444,7 +527,8 @@ def _classes(family: str):
 
     return {"bert": (tf.BertConfig, tf.BertForSequenceClassification),
             "vit": (tf.ViTConfig, tf.ViTForImageClassification),
-            "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel)}[family]
+            "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[family]
 
 
 def _apply_overrides(config: Any, family: str, *, num_labels: int, dropout: float | None,
@@ -548,6 +632,20 @@ def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Modu
                 add(ViTBlock(blk), f"block{i}", "block", i)
         add(NormLayer(base.layernorm), "layernorm", "norm")
         add(ClassifierHead(hf.classifier, first_token=True), "head", "head")
+    elif family == "llama":
+        base = hf.model
+        add(LlamaEmbeddingLayer(base.embed_tokens), "embeddings", "embedding")
+        for i, blk in enumerate(base.layers):
+            if half:
+                add(LlamaAttentionHalf(blk, base.rotary_emb), f"block{i}.attn", "attention", i)
+                add(LlamaMLPHalf(blk), f"block{i}.mlp", "mlp", i)
+            else:
+                add(LlamaBlockLayer(blk, base.rotary_emb), f"block{i}", "block", i)
+        add(NormLayer(base.norm), "norm", "norm")
+        if hf.lm_head.weight is base.embed_tokens.weight:  # tied: a pipeline cannot share it, untie
+            hf.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
+            hf.config.tie_word_embeddings = False
+        add(LinearHead(hf.lm_head), "head", "head")
     else:
         base = hf.transformer
         add(GPT2EmbeddingLayer(base.wte, base.wpe, base.drop), "embeddings", "embedding")

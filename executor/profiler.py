@@ -395,7 +395,7 @@ def head_num_labels(name: str, num_labels: int | None) -> int | None:
     is an error, since its head is the language-model head.
     """
     family = model_family(name)
-    if family == "gpt2":
+    if family in ("gpt2", "llama"):
         if num_labels is not None:
             raise PtplanError(f"{name} has a language-model head (one logit per vocabulary token), not a "
                               f"classifier, so --num-labels does not apply; leave it out (it is for bert and vit "

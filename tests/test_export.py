@@ -35,7 +35,7 @@ def _build(name: str):
     return build_model(name, granularity="half", dropout=0.0, seed=0, num_labels=3, **kw)
 
 
-@pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny", "gpt2-tiny"])
+@pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny", "gpt2-tiny", "llama-tiny"])
 def test_exported_folder_loads_and_predicts_as_the_executor(name, tmp_path):
     import transformers as tf
 
@@ -55,8 +55,8 @@ def test_exported_folder_loads_and_predicts_as_the_executor(name, tmp_path):
 
     res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
     assert res.ok, res.explain()
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"] if name == \
-        "gpt2-tiny" else sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"] if name in \
+        ("gpt2-tiny", "llama-tiny") else sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".exported.tmp-")]
     ref = _build(name)
     final = torch.load(tmp_path / "final.pt")
@@ -64,7 +64,7 @@ def test_exported_folder_loads_and_predicts_as_the_executor(name, tmp_path):
     start = _build(name)
     assert any(not torch.equal(final[k], v) for k, v in start.state_dict().items() if k in final)  # it trained
     auto = {"bert-tiny": tf.AutoModelForSequenceClassification, "vit-tiny": tf.AutoModelForImageClassification,
-            "gpt2-tiny": tf.AutoModelForCausalLM}[name]
+            "gpt2-tiny": tf.AutoModelForCausalLM, "llama-tiny": tf.AutoModelForCausalLM}[name]
     hf = auto.from_pretrained(out, local_files_only=True).eval()
     x, _, m = ref.make_batch(4, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():

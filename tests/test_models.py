@@ -10,9 +10,9 @@ import transformers as tf
 from ptplan.executor.models import MODEL_NAMES, LayeredModel, LayerSpec, build_model
 from ptplan.planner.errors import PtplanError
 
-TINY = ("bert-tiny", "vit-tiny", "gpt2-tiny")
+TINY = ("bert-tiny", "vit-tiny", "gpt2-tiny", "llama-tiny")
 HF_CLASS = {"bert": tf.BertForSequenceClassification, "vit": tf.ViTForImageClassification,
-            "gpt2": tf.GPT2LMHeadModel}
+            "gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}
 ATOL = 1e-5
 
 
@@ -49,7 +49,8 @@ def test_flat_layers_match_hugging_face(name, granularity):
     emb = m.layers[0]
     ref_emb = {"bert": lambda: ref.bert.embeddings.word_embeddings.weight,
                "vit": lambda: ref.vit.embeddings.patch_embeddings.projection.weight,
-               "gpt2": lambda: ref.transformer.wte.weight}[m.family]()
+               "gpt2": lambda: ref.transformer.wte.weight,
+               "llama": lambda: ref.model.embed_tokens.weight}[m.family]()
     assert any(torch.equal(p, ref_emb) for p in emb.parameters())
     x, labels, mask = m.make_batch(3, torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -70,9 +71,9 @@ def test_flat_layers_match_hugging_face(name, granularity):
 @pytest.mark.parametrize("name", TINY)
 def test_block_boundaries_match_hidden_states(name):
     m = _tiny(name, "half")
-    base = {"bert": tf.BertModel, "vit": tf.ViTModel, "gpt2": tf.GPT2Model}[m.family]
+    base = {"bert": tf.BertModel, "vit": tf.ViTModel, "gpt2": tf.GPT2Model, "llama": tf.LlamaModel}[m.family]
     ref = _reference(m)
-    sub = getattr(ref, {"bert": "bert", "vit": "vit", "gpt2": "transformer"}[m.family])
+    sub = getattr(ref, {"bert": "bert", "vit": "vit", "gpt2": "transformer", "llama": "model"}[m.family])
     assert isinstance(sub, base)
     x, _, mask = m.make_batch(2, torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -100,8 +101,9 @@ def test_bert_padding_mask_matches_and_matters():
         torch.testing.assert_close(m(x2, mask), out, atol=ATOL, rtol=1e-5)
 
 
-def test_gpt2_padding_mask_matches_on_real_tokens():
-    m = _tiny("gpt2-tiny")
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_causal_padding_mask_matches_on_real_tokens(name):
+    m = _tiny(name)
     ref = _reference(m)
     x, _, _ = m.make_batch(2, torch.Generator().manual_seed(4))
     mask = _padding_mask(2, x.shape[1])
@@ -112,9 +114,10 @@ def test_gpt2_padding_mask_matches_on_real_tokens():
     torch.testing.assert_close(out[keep], want[keep], atol=ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize("granularity", ["half", "block"])
-def test_gpt2_is_causal_layer_by_layer(granularity):
-    m = _tiny("gpt2-tiny", granularity)
+def test_causal_lm_is_causal_layer_by_layer(name, granularity):
+    m = _tiny(name, granularity)
     x, _, mask = m.make_batch(2, torch.Generator().manual_seed(5))
     t = 7
     x2 = x.clone()
@@ -140,10 +143,12 @@ def test_gradients_match_hugging_face(name):
     # a weight in the middle of the model: the second block's MLP output projection
     got = {"bert": lambda: m.layers[4].output.dense.weight.grad,
            "vit": lambda: m.layers[4].mlp.fc2.weight.grad,
-           "gpt2": lambda: m.layers[4].mlp.c_proj.weight.grad}[m.family]()
+           "gpt2": lambda: m.layers[4].mlp.c_proj.weight.grad,
+           "llama": lambda: m.layers[4].mlp.down_proj.weight.grad}[m.family]()
     want = {"bert": lambda: ref.bert.encoder.layer[1].output.dense.weight.grad,
             "vit": lambda: ref.vit.layers[1].mlp.fc2.weight.grad,
-            "gpt2": lambda: ref.transformer.h[1].mlp.c_proj.weight.grad}[m.family]()
+            "gpt2": lambda: ref.transformer.h[1].mlp.c_proj.weight.grad,
+            "llama": lambda: ref.model.layers[1].mlp.down_proj.weight.grad}[m.family]()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
@@ -196,7 +201,7 @@ def test_make_batch_shapes_and_dtypes():
 
 def test_defaults_and_real_sizes():
     assert set(MODEL_NAMES) == {"bert-tiny", "bert-small", "bert-base", "bert-large", "vit-tiny", "vit-small",
-                                "vit-base", "vit-large", "gpt2-tiny", "gpt2", "gpt2-medium"}
+                                "vit-base", "vit-large", "gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny"}
     m = build_model("bert-tiny")
     assert m.seq_len == 128 and m.granularity == "half" and m.family == "bert"
     assert not m.training  # built in eval mode
@@ -268,3 +273,32 @@ def test_bad_names_and_options():
         build_model("vit-tiny", image_size=30)
     with pytest.raises(PtplanError, match="ViT models only"):
         build_model("bert-tiny", image_size=32)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_llama_adapter_runs_mistral_and_qwen2(family):
+    """Mistral and Qwen2 share Llama's decoder structure: the same layer list computes their logits
+    (grouped-query attention: 4 heads over 2 key/value heads; right padding on one sample)."""
+    from ptplan.executor.models import _flatten
+
+    cfg_cls, model_cls = {"mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+                          "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[family]
+    cfg = cfg_cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512, max_position_embeddings=64,
+                  tie_word_embeddings=family == "qwen2")
+    torch.manual_seed(0)
+    hf = model_cls(cfg).eval()
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(7))
+    mask = _padding_mask(2, 12)
+    for granularity in ("half", "block"):
+        layers, specs = _flatten("llama", hf, granularity)
+        assert len(layers) == (2 * 2 if granularity == "half" else 2) + 3
+        x = ids
+        with torch.no_grad():
+            for layer in layers:
+                x = layer(x, attention_mask=mask)
+            want = hf(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(x[mask.bool()], want[mask.bool()], atol=ATOL, rtol=1e-5)
+        # a tied head is untied into a copy (a pipeline cannot share one parameter between stages)
+        assert layers[-1].lm_head.weight is not layers[0].embed_tokens.weight
+        assert torch.equal(layers[-1].lm_head.weight, layers[0].embed_tokens.weight) == (family == "qwen2")
