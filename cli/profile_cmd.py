@@ -68,7 +68,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
 
     \b
     MODEL: bert-tiny bert-small bert-base bert-large vit-tiny vit-small vit-base vit-large
-           gpt2-tiny gpt2 gpt2-medium
+           gpt2-tiny gpt2 gpt2-medium llama-tiny
     Example: ptplan profile bert-base --device cpu --out p.json   (sizes 1, 2, 4, ... 64 as memory allows)
              ptplan profile bert-base --project h100 --dtype bfloat16   (projected, in seconds)
     """
