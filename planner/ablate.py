@@ -316,8 +316,8 @@ class FixedWidthSearch(PhaseSearch):
                 continue
             self.parts[K] = _OneK(profile, sub, sub_cfg, K)
 
-    def links(self, K: int, schedule: str = "1f1b", V: int = 1) -> Links:
-        return self.parts[K].links(K, schedule, V)
+    def links(self, K: int, schedule: str = "1f1b", V: int = 1, tp: int = 1) -> Links:
+        return self.parts[K].links(K, schedule, V, tp)
 
     def stage0_per_node(self, K: int) -> int:
         return self.parts[K].stage0_per_node(K)

@@ -133,9 +133,9 @@ class PhaseSearch:
         self.n = profile.num_layers
         self.W = cluster.world_size
         self.limit = cluster.gpu_memory_bytes * cfg.memory_fraction
-        self._links: dict[tuple[int, str, int], Links] = {}
+        self._links: dict[tuple[int, str, int] | tuple[int, str, int, int], Links] = {}
         self._stage0: dict[int, int] = {}
-        self._fbmax: dict[int, np.ndarray] = {}
+        self._fbmax: dict[int | tuple[int, int], np.ndarray] = {}
         self._hint: dict[bool | None, tuple] = {}
         self.schedules = self._schedules()
         self.evaluated = 0
@@ -152,7 +152,7 @@ class PhaseSearch:
     def links(self, K: int, schedule: str = "1f1b", V: int = 1, tp: int = 1) -> Links:
         """Links of K positions; with tp > 1 each position is a tp-wide group of one node, laid out as one
         device of a cluster with gpus_per_node / tp devices per node (its pipeline sends costed as one link)."""
-        key = (K, schedule, V) if tp == 1 else (K, schedule, V, tp)
+        key: tuple[int, str, int] | tuple[int, str, int, int] = (K, schedule, V) if tp == 1 else (K, schedule, V, tp)
         if key not in self._links:
             cl = self.c if tp == 1 else replace(self.c, gpus_per_node=self.c.gpus_per_node // tp)
             self._links[key] = links_for(cl, K, stage_to_rank(schedule, K, V))
@@ -360,7 +360,7 @@ class PhaseSearch:
         """``[i]``: the largest forward + backward of one layer among layers [i, n) at micro-batch size b
         (in ``table``, default the profile's)."""
         table = self.t if table is None else table
-        key = b if table is self.t else (b, id(table))
+        key: int | tuple[int, int] = b if table is self.t else (b, id(table))
         got = self._fbmax.get(key)
         if got is None:
             tm = table.at(b)
