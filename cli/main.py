@@ -99,6 +99,7 @@ def cli() -> None:
     run      replay a plan as real elastic training (torchrun)
     compare  predicted versus measured, phase by phase
     ablate   the paper's ablation (freeze, AutoPipe, AutoDP, AutoCache) for a model and cluster
+    data     tokenize a CSV/JSONL of texts (and labels) into the training format
     """
 
 
@@ -107,7 +108,8 @@ def _register() -> None:
     import importlib
 
     for mod, name in (("profile_cmd", "profile"), ("plan_cmd", "plan"), ("show_cmd", "show"),
-                      ("run_cmd", "run"), ("compare_cmd", "compare"), ("ablate_cmd", "ablate")):
+                      ("run_cmd", "run"), ("compare_cmd", "compare"), ("ablate_cmd", "ablate"),
+                      ("data_cmd", "data")):
         try:
             m = importlib.import_module(f"ptplan.cli.{mod}")
         except ModuleNotFoundError as e:

@@ -1,0 +1,69 @@
+"""``ptplan data``: tokenize a CSV/JSONL file of texts (and labels) into the .pt file ``ptplan run --data`` reads."""
+from __future__ import annotations
+
+import os
+
+import click
+
+from ptplan.planner.errors import PtplanError
+
+
+@click.command("data")
+@click.argument("src", metavar="IN", type=click.Path(dir_okay=False))
+@click.option("--tokenizer", required=True, type=click.Path(),
+              help="Local Hugging Face model or tokenizer folder (the --weights folder of the run).")
+@click.option("--seq-len", type=int, default=None,
+              help="Tokens per sample: pad or cut every text to it (the plan's sequence length).")
+@click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
+              help="Take --seq-len from this plan's profile instead.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Training file to write (.pt).")
+@click.option("--text-column", default="text", show_default=True)
+@click.option("--label-column", default="label", show_default=True, help="Classification only.")
+@click.option("--label-map", default="auto", show_default=True,
+              help="'auto' (the distinct labels: numbers in numeric order, else sorted), a JSON file (a list of "
+                   "names in class order, or {name: id}) or a .pt file written by ptplan data (its map).")
+@click.option("--task", type=click.Choice(["classification", "causal-lm"]), default=None,
+              help="[default: causal-lm when the folder's config.json is a decoder-only model (gpt2, llama, "
+                   "mistral, qwen2), else classification]. causal-lm: no labels, next-token loss on the ids.")
+@click.option("--split", type=float, default=0.0, help="Hold out this share of the rows (stratified by class).")
+@click.option("--eval-out", type=click.Path(dir_okay=False), default=None,
+              help="Held-out file to write with --split (ptplan run --eval-data).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the split.")
+def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, out: str, text_column: str,
+         label_column: str, label_map: str, task: str | None, split: float, eval_out: str | None, seed: int) -> None:
+    """Tokenize IN (.csv with a header line, or .jsonl) into the training format of ``ptplan run --data``.
+
+    \b
+    ptplan data reviews.csv --tokenizer ./minilm --seq-len 64 --out train.pt --split 0.2 --eval-out eval.pt
+    ptplan data corpus.jsonl --tokenizer ./llama --plan plan.json --out lm.pt      (causal LM: no labels)
+    """
+    from ptplan.cli.main import check_outputs
+
+    if (seq_len is None) == (plan_path is None):
+        raise PtplanError("give the sequence length: --seq-len N, or --plan PLAN to use the plan's")
+    if plan_path is not None:
+        from ptplan.planner.plan import load_plan
+
+        seq_len = load_plan(plan_path).inputs.profile.seq_len
+    assert seq_len is not None
+    if label_map != "auto" and not os.path.isfile(label_map):
+        raise PtplanError(f"--label-map {label_map}: no such file; give 'auto' or a JSON/.pt file")
+    check_outputs([("input", src), ("--label-map file", None if label_map == "auto" else label_map),
+                   ("plan", plan_path)], [("--out", out), ("--eval-out", eval_out)])
+    if not out.endswith(".pt") or (eval_out is not None and not eval_out.endswith(".pt")):
+        raise PtplanError(f"--out {out}{'' if eval_out is None else f' / --eval-out {eval_out}'}: write .pt files "
+                          f"(what ptplan run --data reads)")
+    from ptplan.executor.dataprep import prepare_data
+
+    got = prepare_data(src, tokenizer=tokenizer, seq_len=seq_len, out=out, text_column=text_column,
+                       label_column=label_column, label_map=label_map, task=task, split=split, eval_out=eval_out,
+                       seed=seed)
+    where = out if eval_out is None else f"{out} and {got.eval_samples} held out to {eval_out}"
+    click.echo(f"ptplan data: {got.samples} samples of {got.seq_len} tokens ({got.task}) to {where}")
+    if got.truncated:
+        click.echo(f"  {got.truncated} texts were longer than {got.seq_len} tokens and were cut")
+    if got.task == "classification":
+        shown = ", ".join(f"{c}={n}" for c, n in enumerate(got.label_names[:20]))
+        more = f", ... ({len(got.label_names)} in all)" if len(got.label_names) > 20 else ""
+        click.echo(f"  labels: {shown}{more}; train with --num-labels {len(got.label_names)} "
+                   f"(the map is recorded in {out}: --label-map {out} reuses it)")
