@@ -8,7 +8,7 @@ each, 20 % held out, stratified). Everything runs offline from the two packages.
 
 What it runs, all through the CLI a user would type (printed as it goes):
 
-1. tokenizes the statements with the model folder's tokenizer into ``train.pt`` / ``held.pt``;
+1. ``ptplan data`` tokenizes the statements with the model folder's tokenizer into ``train.pt`` / ``held.pt``;
 2. ``ptplan profile bert-base --weights MODEL --seq-len L --num-labels C`` (this machine, one thread);
 3. two plans on ``cpu:P``: ``--freeze none`` (the baseline) and ptplan's (``--freeze geometric``,
    the AutoCache on auto), the same epochs, data and global batch;
@@ -73,27 +73,22 @@ def statements(topics: tuple[str, ...], per_class: int, seed: int) -> list[tuple
 
 def prepare(work: Path, model_dir: Path, topics: tuple[str, ...], per_class: int, seq_len: int, seed: int
             ) -> tuple[int, int]:
-    """Write train.pt and held.pt (20 % of each topic, stratified); returns (train, held) sizes."""
-    import torch
-    from transformers import AutoTokenizer
-
+    """Write the statements as ``statements.jsonl`` and tokenize them with ``ptplan data`` into train.pt and
+    held.pt (20 % of each topic held out, stratified; class c is ``topics[c]``); returns (train, held) sizes."""
     pairs = statements(topics, per_class, seed)
-    rng = random.Random(seed + 1)
-    train, held = [], []
-    for label in range(len(topics)):
-        mine = [p for p in pairs if p[1] == label]
-        rng.shuffle(mine)
-        k = max(1, round(0.2 * len(mine)))
-        held += mine[:k]
-        train += mine[k:]
-    rng.shuffle(train)
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    for name, part in (("train", train), ("held", held)):
-        enc = tok([t for t, _ in part], padding="max_length", truncation=True, max_length=seq_len,
-                  return_tensors="pt")
-        torch.save({"inputs": enc["input_ids"], "attention_mask": enc["attention_mask"],
-                    "labels": torch.tensor([y for _, y in part], dtype=torch.long)}, work / f"{name}.pt")
-    return len(train), len(held)
+    src = work / "statements.jsonl"
+    src.write_text("".join(json.dumps({"text": t, "topic": topics[y]}) + "\n" for t, y in pairs), encoding="utf-8")
+    labels = work / "topics.json"
+    labels.write_text(json.dumps(list(topics)))
+    for f in ("train.pt", "held.pt"):
+        (work / f).unlink(missing_ok=True)
+    out, _ = sh([sys.executable, "-m", "ptplan.cli.main", "data", str(src), "--tokenizer", str(model_dir),
+                 "--seq-len", str(seq_len), "--label-column", "topic", "--label-map", str(labels), "--split", "0.2",
+                 "--seed", str(seed + 1), "--out", str(work / "train.pt"), "--eval-out", str(work / "held.pt")])
+    m = re.search(r"ptplan data: (\d+) samples .* and (\d+) held out", out)
+    if m is None:
+        sys.exit(f"error: unexpected output of ptplan data:\n{out}")
+    return int(m[1]), int(m[2])
 
 
 def sh(cmd: list[str], log: Path | None = None) -> tuple[str, float]:

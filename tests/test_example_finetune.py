@@ -1,5 +1,5 @@
-"""``examples/finetune_minilm.py``'s data preparation: real ChatterBot statements tokenized by the pretrained
-MiniLM's tokenizer into the training format that ``ptplan run`` checks (the full example takes minutes;
+"""``examples/finetune_minilm.py``'s data preparation: real ChatterBot statements tokenized by ``ptplan data`` with the
+pretrained MiniLM's tokenizer into the training format that ``ptplan run`` checks (the full example takes minutes;
 its measured numbers are in the README and ``bench/results/finetune_minilm.json``)."""
 from __future__ import annotations
 
@@ -41,5 +41,6 @@ def test_prepared_data_is_stratified_real_text_the_run_accepts(example, minilm_d
         _, y, m = ds.batch(torch.arange(len(ds)))
         assert len(ds) == n and m.shape == (n, 16)
         assert torch.bincount(y, minlength=3).tolist() == [n // 3] * 3  # 20 % of each topic held out
+        assert torch.load(tmp_path / f"{name}.pt", weights_only=True)["meta"]["label_names"] == list(topics)
     with pytest.raises(SystemExit, match="no topic 'nonsense'"):
         example.statements(("nonsense",), per_class=5, seed=0)
