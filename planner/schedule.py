@@ -181,13 +181,14 @@ class Schedule:
 
 # ---- generators ---------------------------------------------------------------------------
 @lru_cache(maxsize=1 << 20)
-def _act(stage: int, kind: ActionKind, mb: int) -> Action:
+def _act(stage: int, kind: ActionKind, mb: int, sl: int = 0) -> Action:
     """Actions are immutable, so generators share them (building a K=64, M=256 schedule creates
     ~65k actions; most are already cached from other (K, M) pairs)."""
-    return Action(stage, kind, mb)
+    return Action(stage, kind, mb, sl)
 
 
-def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]], minibatches: int = 1) -> Schedule:
+def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]], minibatches: int = 1,
+           slices: int = 1) -> Schedule:
     """A schedule from per-rank compute orders (F, B, W only): each F gets the receive of its input
     just before it and the send of its output just after it, each B likewise for gradients, where
     the neighbouring stage lives on another rank (neighbours on the same rank exchange nothing);
@@ -198,25 +199,25 @@ def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]],
     for r, order in enumerate(compute):
         acts: list[Action] = []
         for a in order:
-            s, k, m = a.stage, a.kind, a.mb
+            s, k, m, sl = a.stage, a.kind, a.mb, a.slice
             if k is ActionKind.F:
                 if s > 0 and s2r[s - 1] != r:
-                    acts.append(_act(s, ActionKind.RECV_F, m))
+                    acts.append(_act(s, ActionKind.RECV_F, m, sl))
                 acts.append(a)
                 if s < S - 1 and s2r[s + 1] != r:
-                    acts.append(_act(s, ActionKind.SEND_F, m))
+                    acts.append(_act(s, ActionKind.SEND_F, m, sl))
             elif k is ActionKind.B:
                 if s < S - 1 and s2r[s + 1] != r:
-                    acts.append(_act(s, ActionKind.RECV_B, m))
+                    acts.append(_act(s, ActionKind.RECV_B, m, sl))
                 acts.append(a)
                 if s > 0 and s2r[s - 1] != r:
-                    acts.append(_act(s, ActionKind.SEND_B, m))
+                    acts.append(_act(s, ActionKind.SEND_B, m, sl))
             else:
                 acts.append(a)
         acts += [_act(s, ActionKind.ALLREDUCE, -1) for s in range(S) if s2r[s] == r]
         ranks.append(tuple(acts))
     return _generated(Schedule(name=name, K=S, M=M, stage_to_rank=s2r, actions=tuple(ranks),
-                               minibatches=minibatches))
+                               minibatches=minibatches, slices=slices))
 
 
 def _sizes(name: str, K: int, M: int, V: int = 1) -> tuple[int, int, int]:
@@ -252,6 +253,23 @@ def gpipe(K: int, M: int, *, reverse_backward: bool = False) -> Schedule:
     compute = [[_act(s, ActionKind.F, m) for m in range(M)] + [_act(s, ActionKind.B, m) for m in order]
                for s in range(K)]
     return _lower("gpipe", M, tuple(range(K)), compute)
+
+
+def terapipe(K: int, M: int, slices: int) -> Schedule:
+    """TeraPipe's token-sliced GPipe: each micro-batch's sequence is cut into ``slices`` token slices that
+    flow through the K stages one after another. Every stage runs the forwards of (micro-batch 0, slice
+    0), (0, 1), ... (M-1, S-1), then the backwards micro-batch by micro-batch (0..M-1, as ``gpipe``),
+    each micro-batch's slices in reverse order S-1..0 (a slice's keys and values feed the later slices,
+    whose backwards give their gradient first). Actions carry the slice (``2F0.1``); slice lengths are
+    the plan's (``Phase.token_slices``), not the schedule's. With S = 1 it is ``gpipe``'s lists."""
+    K, M, _ = _sizes("terapipe", K, M)
+    if not isinstance(slices, numbers.Integral) or isinstance(slices, bool) or slices < 1:
+        raise ScheduleError(f"terapipe: slices must be an integer >= 1, got {slices!r}")
+    S = int(slices)
+    F, B = ActionKind.F, ActionKind.B
+    compute = [[_act(s, F, m, sl) for m in range(M) for sl in range(S)]
+               + [_act(s, B, m, sl) for m in range(M) for sl in range(S - 1, -1, -1)] for s in range(K)]
+    return _lower("terapipe", M, tuple(range(K)), compute, slices=S)
 
 
 def _one_f_one_b_order(K: int, M: int, r: int, *, defer_w: int | None = None) -> list[Action]:
