@@ -81,7 +81,7 @@ def format_plan_table(plan) -> str:
     strat = any(p.strategy_label != "dp" for p in plan.phases)
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<22} "
            f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}"
-           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<12}" if strat else ""))
+           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<12} {'mesh K×D×tp':<12}" if strat else ""))
     lines.append(hdr)
     lines.append("-" * len(hdr))
     noted = []
@@ -100,7 +100,8 @@ def format_plan_table(plan) -> str:
         lines.append(f"{i:>4}{mark} {ph.frozen_blocks:>6} {ph.K:>4} {ph.D:>5} {ph.M:>4} {ph.micro_batch_size:>4}  "
                      f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "
                      f"{ph.predicted.bubble_fraction:>6.1%} {_gib(peak):>8} {'on' if ph.cache else 'off':>5}{note}"
-                     + (f"{sched:<18}" if mixed else "") + (f" {ph.strategy_label:<12}" if strat else ""))
+                     + (f"{sched:<18}" if mixed else "")
+                     + (f" {ph.strategy_label:<12} {f'{ph.K}×{ph.D}×{ph.tp}':<12}" if strat else ""))
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
                      f"for adaptive freezing)")

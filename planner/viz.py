@@ -169,11 +169,37 @@ def _layers(lo: int, hi: int) -> str:
 
 
 def _schedule_name(s: str) -> str:
-    return {"gpipe": "GPipe", "1f1b": "1F1B"}.get(s, s)
+    return {"gpipe": "GPipe", "1f1b": "1F1B", "2bw": "PipeDream-2BW (flush-free)"}.get(s, s)
+
+
+def _has_strategy(ph: Phase) -> bool:
+    """Whether the phase runs a hybrid strategy (tensor parallel, FSDP or recomputation), not plain DP."""
+    return ph.strategy_label != "dp"
+
+
+def _mesh(ph: Phase) -> str:
+    """The phase's device mesh, K × D × tp: 'mesh 4 × 2 × tp4' (tp ranks of a stage inside one node)."""
+    return f"mesh K × D × tp = {ph.K} × {ph.D} × {ph.tp}"
+
+
+def _strategy_words(ph: Phase) -> str:
+    """The strategy in words, for hovers and notes: 'tensor parallel over 4 ranks (one node), FSDP
+    (ZeRO-3) over the D replicas, activation recomputation'; 'plain data parallel' without one."""
+    parts = []
+    if ph.tp > 1:
+        parts.append(f"tensor parallel over {ph.tp} ranks inside one node")
+    if ph.fsdp:
+        parts.append(f"FSDP (sharded over the D={ph.D} replicas)")
+    if ph.recompute:
+        parts.append("activation recomputation")
+    return ", ".join(parts) or "plain data parallel"
 
 
 def _phase_title(i: int, ph: Phase) -> str:
-    return f"phase {i}: {ph.frozen_blocks} frozen blocks · K={ph.K} × D={ph.D} · M={ph.M}"
+    title = f"phase {i}: {ph.frozen_blocks} frozen blocks · K={ph.K} × D={ph.D} · M={ph.M}"
+    if _has_strategy(ph):
+        title += f" · {ph.strategy_label} ({_mesh(ph)})"
+    return title
 
 
 def _ranges(xs: Sequence[int]) -> str:
@@ -451,7 +477,7 @@ def cluster_figure(plan: Plan) -> go.Figure:
         for p, pipeline in enumerate(ph.ranks):
             for s, r in enumerate(pipeline):
                 for t in range(ph.tp):  # a tp group: the tp ranks from its first one (issue 14)
-                    where[r + t] = (p, s)
+                    where[r + t] = (p, s, t)
         z = np.full((shown_rows, cols), np.nan)
         text = [[""] * cols for _ in range(shown_rows)]
         hover = [[f"no rank (unused {noun})"] * cols for _ in range(shown_rows)]
@@ -460,15 +486,22 @@ def cluster_figure(plan: Plan) -> go.Figure:
         for s in range(ph.K):
             prefix = f" + prefix 0–{ph.frozen_layers - 1}" if s == 0 and ph.frozen_layers else ""
             stage_words.append(f"{_position_layers(ph, s)}{prefix} · peak {_bytes(mem[s])} ({mem[s] / cap:.0%})")
+        groups = []  # tp groups as outlines: (row, first col), tp cells each (tp divides the row width)
         for r in range(world):
             node, local = divmod(r, gpn)
             row, col = node * rows_per_node + local // cols, local % cols
             if row >= shown_rows:
                 continue
-            p, s = where[r]
+            p, s, t = where[r]
             z[row, col] = ph.K - 1 - s  # reversed, so the colour bar lists stage 0 at the top
-            text[row][col] = f"s={s}<br>p={p}"
+            text[row][col] = f"s={s}<br>p={p}" + (f"<br>t={t}" if ph.tp > 1 else "")
             hover[row][col] = f"<b>Rank {r}</b> · node {node}, {noun} {local}<br>p={p}, s={s}: {stage_words[s]}"
+            if ph.tp > 1:
+                first = r - t
+                hover[row][col] += (f"<br>tensor-parallel rank t={t} of the tp group {_nouns(plan)} {first}–"
+                                    f"{first + ph.tp - 1} (node {node})")
+                if t == 0:
+                    groups.append((row, col))
         K = ph.K
         scale = []
         for v in range(K):
@@ -484,19 +517,29 @@ def cluster_figure(plan: Plan) -> go.Figure:
         if ph.frozen_layers:
             how = ("<br>stage 0 reads the frozen prefix from the AutoCache" if ph.cache
                    else "<br>stage 0 recomputes the frozen prefix under no_grad")
+        tp_words = f", tensor-parallel rank t of tp={ph.tp}" if ph.tp > 1 else ""
+        strategy = f"<br>strategy {ph.strategy_label}: {_strategy_words(ph)}" if _has_strategy(ph) else ""
         data.append({"z": [z], "text": [text], "hovertext": [hover], "zmax": [K - 0.5], "colorscale": [scale],
-                     "hovertemplate": [f"%{{hovertext}}<extra>pipeline p of D={ph.D}, stage s of K={K}{how}</extra>"],
+                     "hovertemplate": [f"%{{hovertext}}<extra>pipeline p of D={ph.D}, stage s of K={K}{tp_words}"
+                                       f"{how}{strategy}</extra>"],
                      "colorbar.tickvals": [tickvals], "colorbar.ticktext": [ticktext],
                      "colorbar.title.text": [f"Stage (K={K})"], "name": [f"phase {i}"]})
         note = ""
+        if ph.tp > 1:
+            note += (f"<br><sup>{_strategy_words(ph)}: each outlined group of {ph.tp} {_nouns(plan)} (one node) "
+                     f"holds one stage of one pipeline, t its tensor-parallel rank</sup>")
         if shown_rows < total_rows:
-            note = (f"<br><sup>Showing the first {shown_rows * cols} of {_plural(nodes * gpn, noun)}; the other "
-                    f"nodes repeat the same stage layout</sup>")
-        layouts.append({"title.text": f"{noun} assignment — {_phase_title(i, ph)}{note}"})
+            note += (f"<br><sup>Showing the first {shown_rows * cols} of {_plural(nodes * gpn, noun)}; the other "
+                     f"nodes repeat the same stage layout</sup>")
+        outlines = [dict(type="rect", xref="x", yref="y", x0=col - 0.47, x1=col + ph.tp - 0.53, y0=row - 0.47,
+                         y1=row + 0.47, line=dict(color="#1f2933", width=2), fillcolor="rgba(0,0,0,0)", layer="above")
+                    for row, col in groups]
+        layouts.append({"title.text": f"{noun} assignment — {_phase_title(i, ph)}{note}", "shapes": outlines})
     height = int(min(900, max(200, 130 + 34 * shown_rows * (1.6 if show_text else 1))))
+    top = 60 + 22 * (shown_rows < total_rows) + 22 * any(ph.tp > 1 for ph in plan.phases)
+    height += top - 60
     _base_layout(fig, f"{noun} assignment", height + 90)
-    fig.update_layout(margin=dict(l=150 if rows_per_node > 1 else 80, r=30, t=80 if shown_rows < total_rows else 60,
-                                  b=40))
+    fig.update_layout(margin=dict(l=150 if rows_per_node > 1 else 80, r=30, t=top, b=40))
     fig.update_xaxes(side="top", showgrid=False)
     fig.update_yaxes(autorange="reversed", showgrid=False, title_text="")
     _add_data_selector(fig, _phase_labels(plan), data, layouts, "Frozen blocks: ")
@@ -688,9 +731,61 @@ def _block_label(b: Block) -> str:
     return _span(r) if r is not None else ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class SteadyState:
+    """One period of a flush-free (PipeDream-2BW) phase's steady state, located on its timeline."""
+
+    minibatch: int
+    """t0: the mini-batch whose period is marked (one the simulator averages its period over)."""
+    minibatches: int
+    """N: mini-batches in the simulated window (``schedule.TWOBW_WINDOW``)."""
+    start: float
+    """Seconds: stage 0's first forward of mini-batch t0 (``simulate``'s S0[t0])."""
+    period: float
+    """Seconds between consecutive mini-batches on the timeline: the simulator's steady-state period."""
+    iteration_s: float
+    """The phase's predicted iteration time: ``period`` plus the fixed per-step overhead
+    (``Cluster.step_overhead_s``, which the timeline does not draw) -- one mini-batch per period."""
+
+    @property
+    def end(self) -> float:
+        return self.start + self.period
+
+
+def steady_state(ph: Phase, step_overhead_s: float = 0.0) -> SteadyState | None:
+    """Where a flush-free phase's steady state is on its timeline: the simulator measures the period as
+    the mean spacing of stage 0's first forwards of the window's last mini-batches (``simulate``,
+    flush-free), so the marked period starts at the first of those, mini-batch t0 = N - 1 - min(3, N - 2),
+    and lasts the predicted iteration time less ``step_overhead_s`` (the plan's cluster's).
+    None for a flushed schedule or a phase without a timeline."""
+    if ph.schedule != "2bw" or not ph.timeline:
+        return None
+    firsts: dict[int, float] = {}
+    for e in ph.timeline:
+        if e.stage == 0 and e.kind in ("PREFIX", "F") and e.mb % ph.M == 0:
+            t = e.mb // ph.M
+            firsts[t] = min(firsts.get(t, math.inf), e.start)
+    N = max(e.mb for e in ph.timeline) // ph.M + 1
+    if N < 3 or sorted(firsts) != list(range(N)):
+        return None
+    t0 = N - 1 - min(3, N - 2)
+    it = ph.predicted.iteration_s
+    return SteadyState(minibatch=t0, minibatches=N, start=firsts[t0], period=max(it - step_overhead_s, 0.0),
+                       iteration_s=it)
+
+
+def _steady_events(tl: list[TimelineEvent], st: SteadyState) -> list[TimelineEvent]:
+    """The events a flush-free phase's timeline draws: those overlapping its marked period with a
+    quarter period either side (the fill before and the drain after are not an iteration)."""
+    lo, hi = st.start - st.period / 4, st.end + st.period / 4
+    return [e for e in tl if e.end > lo and e.start < hi]
+
+
 def timeline_figure(plan: Plan) -> go.Figure:
     """One iteration of pipeline 0 per phase: compute on the upper lane of each rank, communication below;
-    phases with many micro-batches in merged blocks (``timeline_blocks``)."""
+    phases with many micro-batches in merged blocks (``timeline_blocks``). A flush-free (2BW) phase has
+    no iteration of its own: it shows one period of its steady state (``steady_state``), marked, with a
+    quarter period of context either side."""
     fig = go.Figure()
     # the idle legend entry: rows are drawn on an idle-coloured band, so gaps read as bubbles
     fig.add_trace(go.Bar(x=[None], y=[None], orientation="h", marker_color=IDLE_COLOUR, name="Idle (pipeline bubble)",
@@ -701,11 +796,16 @@ def timeline_figure(plan: Plan) -> go.Figure:
     styles_used: set[str] = set()
     for i, ph in enumerate(plan.phases):
         tl = sorted(ph.timeline, key=lambda e: (e.start, e.rank))
-        cut = len(tl) > MAX_TIMELINE_EVENTS
+        steady = steady_state(ph, plan.inputs.cluster.step_overhead_s)
+        recorded = len(tl)
+        if steady is not None:
+            tl = _steady_events(tl, steady)
+        n_drawable = len(tl)
+        cut = n_drawable > MAX_TIMELINE_EVENTS
         tl = tl[:MAX_TIMELINE_EVENTS]
         first = len(fig.data)
         ranks0 = ph.ranks[0]
-        span = max((e.end for e in tl), default=0.0)
+        span = max((e.end for e in tl), default=0.0) - (min(e.start for e in tl) if steady is not None and tl else 0.0)
         blocks, tols = timeline_blocks(tl)
         # micro-batch numbers inside bars only where every bar is wide enough (~18 px of a ~700 px axis)
         compute = [b.end - b.start for b in blocks if b.lane == "compute"]
@@ -761,7 +861,7 @@ def timeline_figure(plan: Plan) -> go.Figure:
                    "the plan did not store this phase's timeline (too many events)")
             anns.append(_placeholder(f"No timeline recorded for this phase:<br>{why}"))
         elif cut:
-            anns.append(dict(text=f"showing the first {MAX_TIMELINE_EVENTS} of {len(ph.timeline)} events",
+            anns.append(dict(text=f"showing the first {MAX_TIMELINE_EVENTS} of {n_drawable} events",
                              x=1, y=1.0, xref="paper", yref="paper", xanchor="right", yanchor="bottom",
                              showarrow=False, font=dict(size=11, color="#6b7280")))
         pr = ph.predicted
@@ -770,16 +870,45 @@ def timeline_figure(plan: Plan) -> go.Figure:
             gap = tols.get("compute", tols.get("comm", 0.0))
             merged = f" · {len(tl):,} events as {len(blocks):,} blocks (idle gaps under {_duration(gap)} merged)"
         fill = f" · AutoCache fill iteration {_duration(pr.fill_iteration_s)}" if pr.fill_iteration_s > 0 else ""
+        x_range = [0, end_ms * 1.02 if end_ms > 0 else 1]
+        x_title = "Time within one iteration (ms)"
+        if steady is None:
+            title = (f"Iteration timeline of pipeline 0 — {_phase_title(i, ph)} · "
+                     f"{_schedule_name(ph.schedule)}<br><sup>{_duration(pr.iteration_s)} per iteration · "
+                     f"bubble {pr.bubble_fraction:.0%}"
+                     + (f" · exposed all-reduce {_duration(pr.allreduce_s)}" if ph.D > 1 else "")
+                     + fill + merged + "</sup>")
+        else:
+            lo_ms, hi_ms = (steady.start - steady.period / 4) * 1e3, (steady.end + steady.period / 4) * 1e3
+            x_range = [lo_ms, hi_ms]
+            x_title = (f"Time in the simulated {steady.minibatches}-mini-batch flush-free window (ms); "
+                       f"shaded: one steady-state period")
+            t0, M = steady.minibatch, ph.M
+            overhead = steady.iteration_s - steady.period
+            per = (f"one mini-batch (iteration) per period: {_duration(pr.iteration_s)} per iteration"
+                   + (f" (the pipeline's {steady.period:.6g} s + {_duration(overhead)} fixed step overhead, not "
+                      f"drawn)" if overhead > 0 else ""))
+            title = (f"Flush-free steady state of pipeline 0: one period = {_duration(steady.iteration_s)} — "
+                     f"{_phase_title(i, ph)} · {_schedule_name(ph.schedule)}<br><sup>{per} · "
+                     f"bubble {pr.bubble_fraction:.0%} · "
+                     f"shaded from stage 0's first forward of mini-batch {t0} (micro-batches {t0 * M}–"
+                     f"{t0 * M + M - 1}); the pipeline fills and drains once per phase, not per iteration · "
+                     f"{len(tl):,} of {recorded:,} events drawn" + merged + "</sup>")
+            shapes.append(dict(type="rect", xref="x", x0=steady.start * 1e3, x1=steady.end * 1e3, yref="paper",
+                               y0=0, y1=1, fillcolor="rgba(238,202,59,0.28)", line=dict(width=0), layer="below"))
+            shapes += [dict(type="line", xref="x", x0=x * 1e3, x1=x * 1e3, yref="paper", y0=0, y1=1,
+                            line=dict(color="#8A5300", width=1.5, dash="dash"), layer="above")
+                       for x in (steady.start, steady.end)]
+            anns.append(dict(text=f"one period: {_duration(steady.iteration_s)} (mini-batch {t0})",
+                             x=(steady.start + steady.period / 2) * 1e3, xref="x", y=1.0, yref="paper",
+                             yanchor="bottom", showarrow=False, font=dict(size=11, color="#8A5300")))
         layouts.append({
-            "title.text": (f"Iteration timeline of pipeline 0 — {_phase_title(i, ph)} · "
-                           f"{_schedule_name(ph.schedule)}<br><sup>{_duration(pr.iteration_s)} per iteration · "
-                           f"bubble {pr.bubble_fraction:.0%}"
-                           + (f" · exposed all-reduce {_duration(pr.allreduce_s)}" if ph.D > 1 else "")
-                           + fill + merged + "</sup>"),
+            "title.text": title,
             "yaxis.tickvals": list(range(K)),
             "yaxis.ticktext": [f"Stage {s} · rank {ph.ranks[0][s]}" for s in range(K)],
             "yaxis.range": [K - 0.5, -0.5],
-            "xaxis.range": [0, end_ms * 1.02 if end_ms > 0 else 1],
+            "xaxis.range": x_range,
+            "xaxis.title.text": x_title,
             "shapes": shapes if tl else [],
             "annotations": anns,
             "xaxis.visible": bool(tl), "yaxis.visible": bool(tl),
@@ -1213,6 +1342,18 @@ footer { color:var(--muted); font-size:12px; text-align:center; margin-top:24px;
 def _sections(plan: Plan) -> dict[str, tuple[str, str]]:
     """Each figure's heading and the note under it, in the plan's words (GPU or CPU process)."""
     noun, nouns = _noun(plan), _nouns(plan)
+    ff = [ph for ph in plan.phases if ph.schedule == "2bw"]
+    timeline_heading = ("Pipeline timeline of one iteration" if not ff else
+                        "Pipeline timeline: one steady-state period (flush-free)" if len(ff) == len(plan.phases)
+                        else "Pipeline timeline of one iteration or steady-state period")
+    flush_free = ("" if not ff else
+                  ". PipeDream-2BW runs without a flush, so it has no iteration of its own: its phases show the "
+                  "continuous pipeline's steady state, one mini-batch per period (shaded), the iteration time "
+                  "being the period; the fill and the drain happen once per phase and are left out")
+    strategies = ("" if not any(_has_strategy(ph) for ph in plan.phases) else
+                  f" With tensor parallelism (tp > 1) each stage of a pipeline runs on an outlined group of tp "
+                  f"{nouns} inside one node (t is the tensor-parallel rank): the mesh is K × D × tp. Hover a "
+                  f"{noun} for its phase's strategy (tp, FSDP, recomputation).")
     return {
         "trajectory": ("Freeze trajectory",
                        f"As bottom blocks freeze, the active layers fit in fewer stages (K falls) and the freed "
@@ -1223,10 +1364,10 @@ def _sections(plan: Plan) -> dict[str, tuple[str, str]]:
         "cluster": ("Cluster layout per phase",
                     f"Every {noun} coloured by the pipeline stage s it holds; p is its pipeline (data-parallel "
                     f"replica). Stage 0 also runs the frozen prefix. Hover a {noun} for its layers and predicted "
-                    f"memory; move the slider to change phase."),
-        "timeline": ("Pipeline timeline of one iteration",
+                    f"memory; move the slider to change phase.{strategies}"),
+        "timeline": (timeline_heading,
                      f"Pipeline 0 only (the others are identical), a steady iteration (a fill iteration's time "
-                     f"is in the title). Compute on each stage's upper lane (numbers are micro-batches), "
+                     f"is in the title){flush_free}. Compute on each stage's upper lane (numbers are micro-batches), "
                      f"communication on the thin lower lane, idle (bubbles) light grey. At large M (more than "
                      f"{TIMELINE_BARS_PER_LANE} compute events on a rank) a rank's consecutive events merge into "
                      f"blocks where the idle gap between them is under a threshold, the smallest from 0.1 % of "
@@ -1337,8 +1478,10 @@ def _phase_table(plan: Plan) -> str:
     runs: dict[int, list[Run]] = {}
     for r in trajectory_runs(plan):
         runs.setdefault(r.phase, []).append(r)
+    strat = any(_has_strategy(ph) for ph in [*plan.phases, plan.baseline.phase])
     head = ("<tr><th class='l'>Phase</th><th>Frozen</th><th>K</th><th>D</th><th>M × b</th>"
-            "<th class='l'>Partition (layers per stage)</th><th>Cache</th><th>Iteration</th><th>Bubble</th>"
+            + ("<th class='l'>Strategy (mesh K × D × tp)</th>" if strat else "")
+            + "<th class='l'>Partition (layers per stage)</th><th>Cache</th><th>Iteration</th><th>Bubble</th>"
             "<th>Samples/s</th><th>Max peak memory</th><th class='l'>On the trajectory</th></tr>")
 
     def row(name: str, ph: Phase, where: str, cls: str = "") -> str:
@@ -1353,12 +1496,16 @@ def _phase_table(plan: Plan) -> str:
                             if pr.cache_host_bytes_per_node else "")
         it = _esc(_duration(pr.iteration_s)) + (f"<br><span class='sub'>fill {_esc(_duration(pr.fill_iteration_s))}"
                                                 f"</span>" if pr.fill_iteration_s else "")
+        if ph.schedule == "2bw":
+            it += "<br><span class='sub'>steady-state period (flush-free)</span>"
+        strategy = (f"<td class='l wrap'>{_esc(ph.strategy_label)}<br><span class='sub'>{ph.K} × {ph.D} × {ph.tp}: "
+                    f"{_esc(_strategy_words(ph))}</span></td>" if strat else "")
         notes = "".join(f"<li>{_esc(n)}</li>" for n in ph.notes)
         tr_cls = f"{cls} has-notes" if ph.notes else cls
-        note_row = (f"<tr class='notes {cls}'><td></td><td colspan='11' class='notes'><b>Note"
+        note_row = (f"<tr class='notes {cls}'><td></td><td colspan='{11 + strat}' class='notes'><b>Note"
                     f"{'s' if len(ph.notes) > 1 else ''}:</b><ul>{notes}</ul></td></tr>" if notes else "")
         return (f"<tr class='{tr_cls}'><td class='l'>{_esc(name)}</td><td>{ph.frozen_blocks}</td><td>{ph.K}</td>"
-                f"<td>{ph.D}</td><td>{ph.M} × {ph.micro_batch_size}</td><td class='mono'>{_esc(part)}</td>"
+                f"<td>{ph.D}</td><td>{ph.M} × {ph.micro_batch_size}</td>{strategy}<td class='mono'>{_esc(part)}</td>"
                 f"<td class='wrap'>{cache}</td><td>{it}</td>"
                 f"<td>{pr.bubble_fraction:.0%}</td><td>{pr.samples_per_s:,.0f}</td>"
                 f"<td class='{'over' if over else ''}'>{memtxt}</td><td class='l wrap'>{where}</td></tr>{note_row}")

@@ -73,3 +73,24 @@ def test_report_draws_a_plan_with_tensor_parallel_groups(planned):
     d, _, _ = planned
     html = report_html(load_plan(d / "auto.json"))
     assert "Rank 31" in html  # every rank of every tp group is drawn, not only each group's first
+
+
+def test_table_and_report_show_each_phase_mesh(planned, tmp_path):
+    """The CLI table gives each phase's mesh K×D×tp beside its strategy, and ``ptplan show`` names both in
+    the report (titles and the phase table)."""
+    d, _, auto = planned
+    plan = load_plan(d / "auto.json")
+    lines = auto.output.splitlines()
+    head = next(line for line in lines if line.lstrip().startswith("phase") and "strategy" in line)
+    assert "mesh K×D×tp" in head
+    col = head.index("mesh K×D×tp")
+    for i, ph in enumerate(plan.phases):
+        row = next(line for line in lines if line.startswith(f"{i:>4}") and ph.strategy_label in line)
+        assert row[col:].split()[0] == f"{ph.K}×{ph.D}×{ph.tp}", row
+        assert ph.K * ph.D * ph.tp == plan.world_size
+    out = CliRunner().invoke(cli, ["show", str(d / "auto.json"), "--out", str(tmp_path / "r.html")])
+    assert out.exit_code == 0, out.output
+    html = (tmp_path / "r.html").read_text()
+    for ph in plan.phases:
+        assert f"{ph.strategy_label} (mesh K × D × tp = {ph.K} × {ph.D} × {ph.tp})" in html
+    assert "Strategy (mesh K × D × tp)" in html

@@ -474,3 +474,146 @@ def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path, plan):
     res = runner.invoke(cli, ["show", str(tmp_path / "empty.json"), "--out", str(tmp_path / "x" / "r.html")])
     assert res.exit_code == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)  # no report, no temp file
+
+
+# ---- schedules and strategies the report must show (issues 13, 14, 15) -----------------------------
+def _pinned_plan(profile: str, cluster: str, schedule: str, K: int, M: int, batch: int):
+    """One phase that matters (no freezing), K and M pinned, made by the product's planner."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.profile import load_profile
+    from ptplan.profiles import shipped
+
+    return make_plan(load_profile(shipped(profile)), get_preset(cluster),
+                     TrainingConfig(epochs=1, samples_per_epoch=8 * batch, batch=batch, pin_K=K, pin_M=M,
+                                    schedule=schedule), FreezePolicy(policy="none"))
+
+
+def test_two_bw_report_shows_one_steady_state_period():
+    """PipeDream-2BW has no flush, so no iteration of its own: the timeline shows the continuous pipeline's
+    steady state with one period (one mini-batch) shaded, the simulator's period, and says so -- where the
+    flushed schedules' timeline is one iteration."""
+    from ptplan.planner.schedule import TWOBW_WINDOW
+    from ptplan.planner.viz import _duration, steady_state
+
+    plan = _pinned_plan("gpt2_cpu_fp32", "cpu:4", "2bw", K=4, M=8, batch=32)
+    ph = plan.phases[0]
+    assert (ph.schedule, ph.K, ph.M) == ("2bw", 4, 8) and ph.timeline
+    overhead = plan.inputs.cluster.step_overhead_s
+    st = steady_state(ph, overhead)
+    assert st is not None and st.minibatches == TWOBW_WINDOW and st.iteration_s == ph.predicted.iteration_s
+    # the period is the spacing of the pipeline's mini-batches once it has settled (simulate's S0[t])
+    s0 = [min(e.start for e in ph.timeline if e.stage == 0 and e.kind == "F" and e.mb == t * ph.M)
+          for t in range(st.minibatches)]
+    assert st.start == s0[st.minibatch]
+    assert s0[st.minibatch + 1] - s0[st.minibatch] == pytest.approx(ph.predicted.iteration_s - overhead, rel=1e-9)
+    # in the shaded period every rank runs one mini-batch: M forwards and M backwards, no fill, no drain
+    for r in range(ph.K):
+        for kind in ("F", "B"):
+            n = sum(1 for e in ph.timeline if e.rank == r and e.kind == kind and st.start <= e.start < st.end)
+            assert n == ph.M, (r, kind, n)
+    figs = build_figures(plan)
+    lay = figs["timeline"].layout.sliders[0].steps[0].args[1]
+    title = lay["title.text"]
+    assert title.startswith(f"Flush-free steady state of pipeline 0: one period = {_duration(st.iteration_s)}")
+    assert f"{_duration(ph.predicted.iteration_s)} per iteration" in title and "Iteration timeline" not in title
+    shaded = [s for s in lay["shapes"] if s["type"] == "rect" and s["xref"] == "x"]
+    assert len(shaded) == 1
+    assert shaded[0]["x0"] == pytest.approx(st.start * 1e3)
+    assert shaded[0]["x1"] - shaded[0]["x0"] == pytest.approx((ph.predicted.iteration_s - overhead) * 1e3)
+    lo, hi = lay["xaxis.range"]
+    assert lo < shaded[0]["x0"] and shaded[0]["x1"] < hi and hi - lo == pytest.approx(1.5 * st.period * 1e3)
+    shown = _shown(figs["timeline"], 0)
+    starts = np.concatenate([np.asarray(t.base, dtype=float) for t in shown])
+    assert starts.min() > s0[1] * 1e3  # the fill is not drawn as if it were an iteration
+    body = _body(report_html(plan, figs))
+    assert "one steady-state period (flush-free)" in body and "Pipeline timeline of one iteration" not in body
+    assert "steady-state period (flush-free)</span>" in body  # the phase table's iteration time says what it is
+
+
+def test_flushed_plans_keep_the_one_iteration_timeline(plan, figs):
+    from ptplan.planner.viz import steady_state
+
+    assert all(steady_state(ph) is None for ph in plan.phases)
+    first = next(i for i, ph in enumerate(plan.phases) if ph.timeline)
+    lay = figs["timeline"].layout.sliders[0].steps[first].args[1]
+    assert lay["title.text"].startswith("Iteration timeline of pipeline 0")
+    assert not [s for s in lay["shapes"] if s["xref"] == "x"]
+
+
+def test_zero_bubble_timeline_draws_the_weight_gradients():
+    """ZB-H1 splits each backward into B (input gradient) and W (weight gradient): at small K and M every
+    W action of the plan is its own bar, after its micro-batch's B on the same stage."""
+    plan = _pinned_plan("bert-tiny_cpu_fp32", "cpu:4", "zb-h1", K=4, M=4, batch=16)
+    ph = plan.phases[0]
+    assert (ph.schedule, ph.K, ph.M) == ("zb-h1", 4, 4)
+    assert all(f"{s}W{m}" in ph.actions[s].split() for s in range(ph.K) for m in range(ph.M))
+    ws = [e for e in ph.timeline if e.kind == "W"]
+    assert len(ws) == ph.K * ph.M and all(e.end > e.start for e in ws)
+    for w in ws:
+        b = next(e for e in ph.timeline if e.kind == "B" and e.stage == w.stage and e.mb == w.mb)
+        assert b.end <= w.start + 1e-12
+    fig = build_figures(plan)["timeline"]
+    bars = {t.name: t for t in _shown(fig, 0)}
+    assert {"Forward", "Backward", "Weight gradient"} <= set(bars)
+    w_bars = bars["Weight gradient"]
+    drawn = sorted(zip(np.asarray(w_bars.base, dtype=float), np.asarray(w_bars.x, dtype=float)))
+    expect = sorted((e.start * 1e3, (e.end - e.start) * 1e3) for e in ws)
+    assert np.allclose(drawn, expect)
+    assert sum(_n(t.x) for t in bars.values()) == len(ph.timeline)
+
+
+@pytest.fixture(scope="module")
+def tp_plan():
+    """A model whose layer does not fit on one H100 (2 blocks of width 32,768), planned with strategies on
+    4 nodes of 8 H100s: tensor parallel (tp4, tp2) with FSDP, phase by phase."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.synthetic import synthetic_profile
+
+    prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
+    return make_plan(prof, get_preset("h100-4node"),
+                     TrainingConfig(epochs=2, samples_per_epoch=1024, batch=32, allow_extrapolation=True),
+                     FreezePolicy(alpha=1 / 3), strategies="auto")
+
+
+def test_report_shows_each_phase_strategy_and_mesh(tp_plan):
+    """Titles name each phase's strategy and mesh; the rank grid outlines every tensor-parallel group (tp
+    cells of one node, one pipeline stage) and numbers its ranks t; hovers say what the strategy does."""
+    p = tp_plan
+    gpn = p.inputs.cluster.gpus_per_node
+    assert any(ph.tp > 1 for ph in p.phases) and any(ph.fsdp for ph in p.phases)
+    figs = build_figures(p)
+    for i, ph in enumerate(p.phases):
+        mesh = f"{ph.strategy_label} (mesh K × D × tp = {ph.K} × {ph.D} × {ph.tp})"
+        for key in ("cluster", "timeline", "memory"):
+            assert mesh in figs[key].layout.sliders[0].steps[i].args[1]["title.text"], (key, i)
+        d = _step_data(figs["cluster"], i)
+        text, hover = d["text"][0], d["hovertext"][0]
+        assert f"strategy {ph.strategy_label}" in d["hovertemplate"][0]
+        outlines = figs["cluster"].layout.sliders[0].steps[i].args[1]["shapes"]
+        assert len(outlines) == ph.K * ph.D  # one per tp group: every stage of every pipeline
+        covered = set()
+        for o in outlines:
+            row, c0 = round(o["y0"] + 0.47), round(o["x0"] + 0.47)
+            assert round(o["x1"] + 0.53) - c0 == ph.tp
+            cells = [text[row][c] for c in range(c0, c0 + ph.tp)]
+            assert len({c.rsplit("<br>t=", 1)[0] for c in cells}) == 1  # one (stage, pipeline) per group
+            assert [c.rsplit("<br>t=", 1)[1] for c in cells] == [str(t) for t in range(ph.tp)]
+            assert all("tensor-parallel rank" in hover[row][c] for c in range(c0, c0 + ph.tp))
+            covered |= {row * gpn + c for c in range(c0, c0 + ph.tp)}  # the grid is node by node here
+        assert covered == set(range(ph.world))
+    body = _body(report_html(p, figs))
+    assert "Strategy (mesh K × D × tp)" in body
+    assert all(escape(ph.strategy_label) in body for ph in p.phases)
+
+
+def test_plain_data_parallel_plans_name_no_strategy(plan, figs):
+    assert all(ph.strategy_label == "dp" for ph in plan.phases)
+    assert "mesh" not in figs["cluster"].layout.sliders[0].steps[0].args[1]["title.text"]
+    assert not figs["cluster"].layout.sliders[0].steps[0].args[1]["shapes"]
+    assert "Strategy (mesh" not in _body(report_html(plan, figs))
