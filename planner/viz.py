@@ -866,8 +866,8 @@ def timeline_figure(plan: Plan) -> go.Figure:
                              showarrow=False, font=dict(size=11, color="#6b7280")))
         pr = ph.predicted
         merged = ""
+        gap = tols.get("compute", tols.get("comm", 0.0))
         if tols:
-            gap = tols.get("compute", tols.get("comm", 0.0))
             merged = f" · {len(tl):,} events as {len(blocks):,} blocks (idle gaps under {_duration(gap)} merged)"
         fill = f" · AutoCache fill iteration {_duration(pr.fill_iteration_s)}" if pr.fill_iteration_s > 0 else ""
         x_range = [0, end_ms * 1.02 if end_ms > 0 else 1]
@@ -881,8 +881,7 @@ def timeline_figure(plan: Plan) -> go.Figure:
         else:
             lo_ms, hi_ms = (steady.start - steady.period / 4) * 1e3, (steady.end + steady.period / 4) * 1e3
             x_range = [lo_ms, hi_ms]
-            x_title = (f"Time in the simulated {steady.minibatches}-mini-batch flush-free window (ms); "
-                       f"shaded: one steady-state period")
+            x_title = f"Time in the simulated {steady.minibatches}-mini-batch flush-free window (ms)"
             t0, M = steady.minibatch, ph.M
             overhead = steady.iteration_s - steady.period
             per = (f"one mini-batch (iteration) per period: {_duration(pr.iteration_s)} per iteration"
@@ -890,10 +889,11 @@ def timeline_figure(plan: Plan) -> go.Figure:
                       f"drawn)" if overhead > 0 else ""))
             title = (f"Flush-free steady state of pipeline 0: one period = {_duration(steady.iteration_s)} — "
                      f"{_phase_title(i, ph)} · {_schedule_name(ph.schedule)}<br><sup>{per} · "
-                     f"bubble {pr.bubble_fraction:.0%} · "
-                     f"shaded from stage 0's first forward of mini-batch {t0} (micro-batches {t0 * M}–"
-                     f"{t0 * M + M - 1}); the pipeline fills and drains once per phase, not per iteration · "
-                     f"{len(tl):,} of {recorded:,} events drawn" + merged + "</sup>")
+                     f"bubble {pr.bubble_fraction:.0%}</sup><br><sup>shaded: mini-batch {t0}'s period (micro-batches "
+                     f"{t0 * M}–{t0 * M + M - 1}) from stage 0's first forward; fill and drain happen once per phase"
+                     f" · {len(tl):,} of {recorded:,} events" + (f" as {len(blocks):,} blocks (gaps under "
+                                                                   f"{_duration(gap)} merged)" if tols else "")
+                     + "</sup>")
             shapes.append(dict(type="rect", xref="x", x0=steady.start * 1e3, x1=steady.end * 1e3, yref="paper",
                                y0=0, y1=1, fillcolor="rgba(238,202,59,0.28)", line=dict(width=0), layer="below"))
             shapes += [dict(type="line", xref="x", x0=x * 1e3, x1=x * 1e3, yref="paper", y0=0, y1=1,
@@ -914,10 +914,11 @@ def timeline_figure(plan: Plan) -> go.Figure:
             "xaxis.visible": bool(tl), "yaxis.visible": bool(tl),
         })
     legend_px = 27 * (len(styles_used) + 1)  # the legend must fit beside the plot without scrolling
-    height = int(min(800, max(260 + legend_px, 190 + 56 * Kmax)))
+    flush_free = any(ph.schedule == "2bw" for ph in plan.phases)  # a three-line title
+    height = int(min(800, max(260 + legend_px, 190 + 56 * Kmax))) + (28 if flush_free else 0)
     _base_layout(fig, "Iteration timeline", height)
     fig.update_layout(barmode="overlay", bargap=0, uniformtext=dict(minsize=8, mode="hide"),
-                      margin=dict(l=130, r=30, t=72, b=60), hovermode="closest")
+                      margin=dict(l=130, r=30, t=100 if flush_free else 72, b=60), hovermode="closest")
     fig.update_xaxes(title_text="Time within one iteration (ms)", zeroline=False)
     fig.update_yaxes(showgrid=False, zeroline=False)
     first_drawn = next((i for i, ph in enumerate(plan.phases) if ph.timeline), 0)
