@@ -11,7 +11,12 @@ over all parameters stays valid (``optim``: it keeps state only for this rank's 
 phase gives each rank one stage, or V chunks at one pipeline position (``stage``), run by the plan's
 action lists (``actions``) on torch.distributed.pipelining's custom-schedule runtime; their
 gradients are averaged over the position's data-parallel group by one flat all-reduce after the
-schedule's step (never DDP around a stage).
+schedule's step (never DDP around a stage). A phase with ``Phase.fsdp`` (D > 1) instead trains FSDP2-sharded
+copies of the stage's active layers over that group (``hybrid.ShardedStage``: gradients reduce-scattered in
+the backward, the optimizer stepping the shards); it is left -- full weights and optimizer state gathered
+back into the canonical layers -- before a switch, a gather, a cache change and at the end, so everything
+below moves plain full tensors. A phase with ``Phase.recompute`` runs each stage's active layers under
+``torch.utils.checkpoint`` (``stage.StageModule``).
 Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
 frees what it only sent, destroys the old groups and creates the new ones in the same order on
@@ -46,6 +51,7 @@ from ptplan.planner.plan import Phase, Plan
 from .actions import phase_schedule
 from .cache import ActivationCache, prefix_forward
 from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups
+from .hybrid import ShardedStage, local
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
 from .transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
@@ -101,6 +107,9 @@ class ElasticRuntime:
         """With clipping: the last step's global gradient norm before clipping."""
         self._norms: list[float] | None = None
         """2BW, while a step asked for gradient norms: per block, the squared norms of its updates so far."""
+        self.sharded: ShardedStage | None = None
+        """In a phase with FSDP (``Phase.fsdp``, D > 1): this rank's active layers sharded over its
+        data-parallel group (``hybrid``); None otherwise, and between leaving and re-entering a phase."""
         self.memory_hook: Callable[[str, Tensor], None] | None = None
         """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
         (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
@@ -144,6 +153,7 @@ class ElasticRuntime:
         new = self.plan.phases[index]
         t0 = time.perf_counter()
         self.drain()
+        self._unshard()
         self.module = self.schedule = None  # the old stage and its receive buffers go first
         self.chunks = {}
         self.opt.zero_grad(set_to_none=True)
@@ -186,8 +196,25 @@ class ElasticRuntime:
         return {"seconds": total, "parts": {"weights": w, "optimizer_state": s, "groups": g, "rebuild": r},
                 "bytes": {"weights": int(bw), "optimizer_state": int(bs)}}
 
+    def _unshard(self) -> None:
+        """Leave FSDP (collective over the data-parallel group): full weights and optimizer state back in
+        the canonical layers, the stage dropped (rebuilt by ``_build_stage``)."""
+        if self.sharded is not None:
+            self.module = self.schedule = None
+            self.chunks = {}
+            self.sharded.leave()
+            self.sharded = None
+
     def _build_stage(self, ph: Phase, index: int) -> None:
-        self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph))
+        twins = None
+        if ph.fsdp and ph.D > 1:
+            self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt,
+                                        self.groups.dp_group, ph.dp_groups()[self.groups.place.stage], self.device,
+                                        release=self.store.release,
+                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False))
+            self.sharded.enter()
+            twins = self.sharded.copies
+        self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
                        for c in chunks_of(ph, self.groups.place.stage)}
         mods = list(self.chunks.values())
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
@@ -199,6 +226,11 @@ class ElasticRuntime:
             return
         self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
                                        self.model.loss)
+
+    def _reshard(self) -> None:
+        """After a gather in an FSDP phase: shard the stage again (``_unshard`` dropped it)."""
+        if self.phase is not None and self.phase.fsdp and self.phase.D > 1 and self.sharded is None:
+            self._build_stage(self.phase, self.phase_index)
 
     def drain(self) -> None:
         """A 2BW phase: run its outstanding backwards and updates (collective over the phase's ranks)."""
@@ -228,13 +260,23 @@ class ElasticRuntime:
         the current stage is rebuilt)."""
         self.cache = cache
         if self.phase is not None:
+            self._unshard()
             self.held = holdings(self.phase, self.rank, self.n, cached_prefix=self._caches(self.phase))
             self._settle(self.held, also=set(), current=None)
             self._build_stage(self.phase, self.phase_index)
 
     # ---- one optimizer step ----------------------------------------------------------------
+    def _live_params(self, i: int) -> list[torch.nn.Parameter]:
+        """Layer i's parameters as they train now (FSDP: the sharded ones)."""
+        return self.layer_params[i] if self.sharded is None else self.sharded.params(i)
+
+    def _counts_norms(self) -> bool:
+        """Whether this rank adds its gradients' squares to a whole-model norm: one replica per stage
+        (pipeline 0), or with FSDP every rank its own shard."""
+        return self.sharded is not None or self.groups.place.pipeline == 0
+
     def _owned_grads(self) -> list[Tensor]:
-        return [p.grad for i in self.owned for p in self.layer_params[i] if p.grad is not None]
+        return [p.grad for i in self.owned for p in self._live_params(i) if p.grad is not None]
 
     def _allreduce_grads(self) -> None:
         ph = self.phase
@@ -263,9 +305,9 @@ class ElasticRuntime:
         assert self.clip_grad_norm is not None
         grads = self._owned_grads()
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.groups.place.pipeline == 0:
+        if self._counts_norms():
             for g in grads:
-                sq += g.double().pow(2).sum()
+                sq += local(g).double().pow(2).sum()
         dist.all_reduce(sq)
         norm = math.sqrt(float(sq.item()))
         self.last_grad_norm = norm
@@ -304,7 +346,8 @@ class ElasticRuntime:
         ends = {"target": y, "losses": losses} if last else {}
         self.schedule.step(*args, return_outputs=False, **ends, **kw)
         t0 = time.perf_counter()
-        self._allreduce_grads()
+        if self.sharded is None:  # FSDP reduce-scattered each layer's gradient in the backward
+            self._allreduce_grads()
         self.last_allreduce_s = time.perf_counter() - t0
         if self.clip_grad_norm is not None:
             self._clip()
@@ -313,14 +356,14 @@ class ElasticRuntime:
         vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
         if last:
             vec[0] = torch.stack([loss.double() for loss in losses]).mean()
-        if want_norms and place.pipeline == 0:  # one replica per stage counts its (averaged) gradients
+        if want_norms and self._counts_norms():  # one replica per stage counts its (averaged) gradients
             for i in self.owned:
                 b = self.block_of[i]
                 if b is None:
                     continue
-                for p in self.layer_params[i]:
+                for p in self._live_params(i):
                     if p.grad is not None:
-                        vec[1 + b] += p.grad.double().pow(2).sum()
+                        vec[1 + b] += local(p.grad).double().pow(2).sum()
         dist.all_reduce(vec)
         vec = vec.cpu()
         return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
@@ -354,6 +397,7 @@ class ElasticRuntime:
         time) and frees it again before returning: the returned tensors are then the only copies.
         """
         self.drain()
+        self._unshard()
         ph = self.phase
         to0 = [frozenset({0})] * self.n
         weights_t = self._transfers(self.current, to0, state=False)
@@ -370,6 +414,7 @@ class ElasticRuntime:
             for src in sorted({t.src for t in transfers}):
                 self._exchange([t for t in transfers if t.src == src], state=state)
         if self.rank != 0:
+            self._reshard()
             return {}, {}
 
         def out(p: Tensor, t: Tensor) -> Tensor:  # a held layer's tensors stay in use: copy them
@@ -385,6 +430,7 @@ class ElasticRuntime:
                     state[self.names[id(p)]] = {k: out(p, v) for k, v in zip(keys, ensure_state(self.opt, p))}
         drop_state(self.opt, self._params_of(self.owned))
         self._settle(self.held, also=set(), current=None)
+        self._reshard()
         return weights, state
 
     def held_bytes(self) -> dict[str, int]:
@@ -408,6 +454,7 @@ class ElasticRuntime:
     def close(self) -> None:
         """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
         self.drain()
+        self._unshard()
         destroy_groups(self.groups)
         self.groups = None
 

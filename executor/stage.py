@@ -80,13 +80,20 @@ class LayerStore:
 
 
 class StageModule(nn.Module):
-    """Layers ``[lo, hi)`` of a layered model, preceded on stage 0 by the frozen prefix."""
+    """Layers ``[lo, hi)`` of a layered model, preceded on stage 0 by the frozen prefix.
 
-    def __init__(self, layers: nn.ModuleList, lo: int, hi: int, prefix: int) -> None:
+    ``recompute`` (``Phase.recompute``, issue 14): the active layers run as one
+    ``torch.utils.checkpoint`` unit (non-reentrant), so a micro-batch in flight keeps only the stage's
+    input (and output) and its backward first reruns the stage's forward -- ``planner/stage.py``'s
+    recomputation terms. The frozen prefix runs under ``no_grad`` either way (it saves nothing).
+    """
+
+    def __init__(self, layers: nn.ModuleList | list[nn.Module], lo: int, hi: int, prefix: int, *,
+                 recompute: bool = False, active: list[nn.Module] | None = None) -> None:
         super().__init__()
-        self.lo, self.hi, self.prefix_len = lo, hi, prefix
+        self.lo, self.hi, self.prefix_len, self.recompute = lo, hi, prefix, recompute
         self.prefix = nn.ModuleList(layers[:prefix])
-        self.active = nn.ModuleList(layers[lo:hi])
+        self.active = nn.ModuleList(layers[lo:hi] if active is None else active)
 
     def train(self, mode: bool = True) -> "StageModule":
         super().train(mode)
@@ -98,20 +105,30 @@ class StageModule(nn.Module):
             with torch.no_grad():
                 for layer in self.prefix:
                     x = layer(x, attention_mask=attention_mask)
+        if self.recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._run_active, x, attention_mask, use_reentrant=False)
+        return self._run_active(x, attention_mask)
+
+    def _run_active(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         for layer in self.active:
             x = layer(x, attention_mask=attention_mask)
         return x
 
 
-def stage_module(model: nn.Module, phase: Phase, stage: int, *, cached_prefix: bool = False) -> StageModule:
+def stage_module(model: nn.Module, phase: Phase, stage: int, *, cached_prefix: bool = False,
+                 twins: dict[int, nn.Module] | None = None) -> StageModule:
     """The module for stage (chunk) ``stage`` of ``phase``, made of ``model.layers`` (views, not copies).
 
     ``cached_prefix``: the caller feeds stage 0 the frozen prefix's output (AutoCache), so the module
     holds no prefix; the frozen layers are put in eval mode all the same, as they run when computed.
+    ``twins``: layer index -> the module that runs in its place (FSDP's sharded copies, ``hybrid``).
     """
     lo, hi = phase.partition[stage]
     prefix = phase.frozen_layers if stage == 0 and not cached_prefix else 0
-    mod = StageModule(model.layers, lo, hi, prefix)
+    active = None if not twins else [twins.get(i, model.layers[i]) for i in range(lo, hi)]
+    mod = StageModule(model.layers, lo, hi, prefix, recompute=phase.recompute, active=active)
     mod.train()
     if cached_prefix:
         for layer in model.layers[:phase.frozen_layers]:

@@ -42,15 +42,27 @@ def batch_policy_of(plan: Plan) -> str:
 
 
 def check_strategies(plan: Plan) -> None:
-    """The executor runs plain data parallel stages only: refuse a plan whose phases use tensor
-    parallelism, FSDP or recomputation (``ptplan plan --strategies auto``, issue 14)."""
-    odd = [(i, ph) for i, ph in enumerate(plan.phases) if ph.tp > 1 or ph.fsdp or ph.recompute]
+    """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
+
+    Runs: recomputation (``Phase.recompute``) and FSDP (``Phase.fsdp``) with every schedule but
+    PipeDream-2BW. Refused: tensor parallelism (tp > 1), and recomputation or FSDP in a 2BW phase (its
+    own loop runs each micro-batch on its weight version through ``functional_call``: a checkpoint's rerun
+    in the backward would see the newest version, and FSDP's hooks are not wired into it)."""
+    odd = [(i, ph) for i, ph in enumerate(plan.phases) if ph.tp > 1]
     if odd:
         shown = ", ".join(f"phase {i} ({ph.frozen_blocks} frozen blocks): {ph.strategy_label}" for i, ph in odd[:4])
         raise PtplanError(
             f"the plan uses parallel strategies the executor does not run yet: {shown}"
             f"{f' (+{len(odd) - 4} more)' if len(odd) > 4 else ''}; `ptplan run` runs pipeline x data parallel "
-            f"only (tp=1, no FSDP, no recomputation); make the plan with `ptplan plan --strategies off`")
+            f"with FSDP and recomputation but not tensor parallelism (tp=1); make the plan with "
+            f"`ptplan plan --strategies off`")
+    bad = [i for i, ph in enumerate(plan.phases) if (ph.recompute or ph.fsdp) and ph.schedule == "2bw"]
+    if bad:
+        ph = plan.phases[bad[0]]
+        raise PtplanError(
+            f"plan phase {bad[0]} ({ph.frozen_blocks} frozen blocks): 2bw with {ph.strategy_label} is not run by "
+            f"the executor ({len(bad)} such phase(s)); make the plan with another --schedule (gpipe, 1f1b, "
+            f"zb-h1, interleaved-1f1b) or with `ptplan plan --strategies off`")
 
 
 def check_world(plan: Plan, world_size: int) -> None:
