@@ -18,21 +18,40 @@ largest rank's peak; ``w0`` stage 0's weights (every version, the frozen prefix 
 mini-batches 39..59 of a 60-mini-batch run, on 230 random non-uniform cases (the number quoted in
 ``schedule.TWOBW_WINDOW``'s docstring).
 
+Part 2 (``--part 2``, real runs, about a minute on a quiet 2-core box): the shipped ``bert-tiny_cpu_fp32``
+profile (measured on this machine: AMD EPYC, one thread per process), one plan each for flushed 1F1B
+and PipeDream-2BW pinned to K = 2, M = 4 micro-batches of b = 8 on ``cpu:2`` (two processes, one per
+core), no freezing; each is run for real (``ptplan run``, gloo; 2BW on its own point-to-point loop,
+``executor/twobw.py``) and its median step time compared with the prediction (``planner.compare``,
+first step left out; for 2BW the prediction is the simulator's steady-state period, one mini-batch
+per step). Runs during which other processes used the CPU are repeated once (``calibrate``'s rule)
+or marked contended. Writes ``bench/results/twobw_bench_runs.json``.
+
     python bench/twobw_bench.py [--out bench/results/twobw_bench.json] [--window-check]
+    python bench/twobw_bench.py --part 2 [--steps 16] [--out bench/results/twobw_bench_runs.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import random
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import calibrate
+
 from ptplan.planner.cluster import get_preset
+from ptplan.planner.compare import compare, read_run_log
 from ptplan.planner.config import TrainingConfig
+from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.partition import split_stages
+from ptplan.planner.plan import save_plan
+from ptplan.planner.planner import make_plan
 from ptplan.planner.profile import load_profile
 from ptplan.planner.schedule import TWOBW_WINDOW, two_bw
 from ptplan.planner.search import Candidate, PhaseSearch
@@ -116,13 +135,82 @@ def window_check(cases: int = 230, long: int = 60) -> dict:
     return {"cases": cases, "window": TWOBW_WINDOW, "long_run": long, "worst_relative_error": worst}
 
 
+RUN_SCHEDULES = ("1f1b", "2bw")
+
+
+def runs(args) -> list[dict]:
+    """Part 2: 1F1B and 2BW run for real on cpu:2 against their predictions (module docstring)."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prof = load_profile(args.profile)
+    cluster = get_preset("cpu:2")
+    K, M, b = 2, 4, args.b
+    out = []
+    for name in RUN_SCHEDULES:
+        cfg = TrainingConfig(epochs=1, samples_per_epoch=M * b * args.steps, batch=M * b, schedule=name, pin_K=K,
+                             pin_M=M, cache="off")
+        plan = make_plan(prof, cluster, cfg, FreezePolicy(policy="none"))
+        ph = plan.phases[0]
+        if (ph.K, ph.M, ph.micro_batch_size, ph.schedule) != (K, M, b, name):
+            sys.exit(f"{name}: the planner chose K={ph.K} M={ph.M} b={ph.micro_batch_size} {ph.schedule}, "
+                     f"not K={K} M={M} b={b}")
+        plan_path, log_path = work / f"{name}.plan.json", work / f"{name}.run.jsonl"
+        save_plan(plan, plan_path)
+        for attempt in range(1 + args.retries):
+            calibrate.wait_quiet(args.max_wait)
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            foreign = calibrate._sh(["ptplan", "run", str(plan_path), "--model", prof.model.name,
+                                     "--nproc-per-node", "2", "--steps-per-epoch", str(args.steps), "--epochs", "1",
+                                     "--log", str(log_path), "--no-progress", "--timeout", "120"],
+                                    work / f"{name}.run.log")
+            wall = time.perf_counter() - t0
+            if foreign <= calibrate.FOREIGN_LIMIT:
+                break
+            print(f"  {name}: other processes used {foreign:.2f} cores; "
+                  + ("again" if attempt < args.retries else "kept (contended)"), flush=True)
+        comp = compare(plan, read_run_log(log_path), warmup=1).phases[0]
+        row = {"schedule": name, "model": prof.model.name, "K": K, "M": M, "b": b, "steps": comp.steps,
+               "predicted_s": comp.predicted_iteration_s, "measured_s": comp.measured_iteration_s,
+               "error": comp.measured_iteration_s / comp.predicted_iteration_s - 1, "foreign_cores": foreign,
+               "contended": foreign > calibrate.FOREIGN_LIMIT, "load_average_1min": load, "wall_s": wall}
+        print(f"  {name:<5} predicted {row['predicted_s'] * 1e3:8.1f} ms, measured {row['measured_s'] * 1e3:8.1f} ms "
+              f"per iteration ({row['error']:+.1%}, median of {comp.steps} steps)"
+              + (f" contended ({foreign:.2f} foreign cores)" if row["contended"] else ""), flush=True)
+        out.append(row)
+    one, two = out
+    print(f"  2BW over 1F1B: predicted {one['predicted_s'] / two['predicted_s']:.3f}x, measured "
+          f"{one['measured_s'] / two['measured_s']:.3f}x")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--b", type=int, default=4, help="samples per micro-batch")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "twobw_bench.json"))
+    ap.add_argument("--part", choices=("1", "2"), default="1",
+                    help="1: predictions (default); 2: real CPU runs of 1F1B and 2BW against their predictions")
+    ap.add_argument("--b", type=int, default=None, help="samples per micro-batch (default: 4 in part 1, 8 in part 2)")
+    ap.add_argument("--out", default=None, help="default: bench/results/twobw_bench.json (part 1), "
+                                                "bench/results/twobw_bench_runs.json (part 2)")
     ap.add_argument("--window-check", action="store_true", help="also check the simulator's 2BW window")
+    ap.add_argument("--profile", default=str(ROOT / "profiles" / "bert-tiny_cpu_fp32.json"), help="part 2's profile")
+    ap.add_argument("--steps", type=int, default=16, help="part 2: steps per real run (the first is left out)")
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "ptplan-twobw-runs"),
+                    help="part 2: plans, run logs and worker logs")
+    ap.add_argument("--max-wait", type=float, default=60, help="part 2: seconds to wait for a quiet machine")
+    ap.add_argument("--retries", type=int, default=1, help="part 2: repeats of a contended run")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.part == "2":
+        args.b = args.b or 8
+        out_path = args.out or str(ROOT / "bench" / "results" / "twobw_bench_runs.json")
+        print(f"real runs: {Path(args.profile).stem}, cpu:2, K=2, M=4, b={args.b}", flush=True)
+        result = {"runs": runs(args), "command": " ".join(["python"] + sys.argv),
+                  "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        Path(out_path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"\nwrote {out_path} in {time.perf_counter() - t0:.1f} s")
+        return
+    args.b = args.b or 4
+    args.out = args.out or str(ROOT / "bench" / "results" / "twobw_bench.json")
     rows = predictions(args.b)
     print_table(rows)
     out = {"rows": rows, "command": "python bench/twobw_bench.py" + (" --window-check" if args.window_check else ""),
