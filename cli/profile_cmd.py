@@ -59,11 +59,14 @@ def parse_batch_sizes(text: str) -> list[int]:
               help="Do not measure: project the times for a GPU you do not have from its datasheet (h100, h200, a100, "
                    "v100, rtx5000, l4) by counting every operation on the meta device; memory fields stay exact. "
                    "The profile is marked projected and every plan made from it says so.")
+@click.option("--slices", is_flag=True,
+              help="Causal LMs: also time a decoder block on token slices (s tokens after c cached ones, a (b, s, c) "
+                   "grid) and store TeraPipe's fitted slice cost in the profile (executor/slice_profile.py).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
             batch_sizes: str | None, num_labels: int | None, granularity: str, warmup: int, repeats: int,
             threads: int | None, timer: str, dropout: float | None, weights: str | None, out: str | None,
-            project: str | None, quiet: bool) -> None:
+            project: str | None, quiet: bool, slices: bool = False) -> None:
     """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
 
     \b
@@ -126,6 +129,11 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         return
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()))
+    if slices:
+        from ptplan.executor.slice_profile import profile_slices, with_slices
+
+        prof = with_slices(prof, profile_slices(model, device=device, warmup=warmup, repeats=repeats, timer=timer,
+                                                command=prof.provenance.command))
     save_profile(prof, path)
     _print_summary(prof, agreement(prof))
     if prof.measurement.get("skipped_reason"):

@@ -82,8 +82,9 @@ def _checked(name: str, K: int, M: int, V: int, stage_to_rank: tuple[int, ...], 
         sched = Schedule(name=name, K=K * V, M=M, stage_to_rank=stage_to_rank, actions=lists)
     check_schedule(sched)
     if sched.slices != 1 or any(a.slice for acts in sched.actions for a in acts):
-        raise ScheduleError("token slices (TeraPipe) have no form in torch.distributed.pipelining; the executor "
-                            "cannot run them")
+        raise ScheduleError("token slices (TeraPipe) have no form in torch.distributed.pipelining, and the elastic "
+                            "runtime does not dispatch them yet; executor/sliced.py runs a token-sliced schedule "
+                            "(planner.schedule.terapipe) in its own point-to-point loop")
     check_message_order(sched)
     return sched
 

@@ -152,6 +152,55 @@ class Provenance:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SlicePoint:
+    """One measured token slice: s tokens of b sequences after c cached tokens, through one decoder block."""
+
+    b: int
+    s: int
+    c: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceFit:
+    """TeraPipe's linear slice cost t = const + per_token·b·s + per_context·b·c + per_pair·b·s·c seconds, plus
+    per_square·b·s² (the slice's attention over its own tokens; 0 in TeraPipe's form)."""
+
+    const: float
+    per_token: float
+    per_context: float
+    per_pair: float
+    fit_error: float
+    """Median relative error of the fit on the measured points."""
+    max_error: float
+    """Largest relative error of the fit on the measured points."""
+    per_square: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceProfile:
+    """Token-slice costs (TeraPipe) of one decoder block of a causal LM, measured on a (b, s, c) grid, and
+    the linear fits of its forward and backward (``planner/terapipe.py`` turns them into a SliceCost)."""
+
+    unit: str
+    """What one measured unit is: ``block`` (a whole Transformer block: attention and MLP)."""
+    points: tuple[SlicePoint, ...]
+    forward: SliceFit
+    backward: SliceFit
+    device: str
+    """Where the slices were measured (may differ from the layers' device when added to an older profile)."""
+    date: str
+    command: str = ""
+    timer: str = ""
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest s + c measured: beyond it the fit extrapolates."""
+        return max(p.s + p.c for p in self.points)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Profile:
     """A measured profile. Construct via ``load_profile`` or the executor's profiler."""
 
@@ -165,6 +214,8 @@ class Profile:
     """How it was measured: warmup, repeats, timer, statistic."""
     provenance: Provenance = field(default_factory=Provenance)
     """Measured, projected or synthetic, and the command that wrote it."""
+    token_slices: SliceProfile | None = None
+    """Causal LMs: a decoder block's token-slice costs (TeraPipe); None where not measured."""
     schema: str = SCHEMA
 
     # ---- derived views -------------------------------------------------------------------
@@ -233,13 +284,15 @@ class Profile:
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (lists, not tuples), ready for json.dumps or the validator."""
         d = json.loads(json.dumps(asdict(self)))
+        if d["token_slices"] is None:  # optional: absent, as in files written before it existed
+            del d["token_slices"]
         return {"schema": d.pop("schema"), **d}
 
 
 def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     """Validate a decoded JSON object and build a Profile; errors name the bad field."""
     top = Fields(obj, source, allowed=("schema", "model", "device", "batch_sizes", "layers",
-                                       "whole_model", "measurement", "provenance"))
+                                       "whole_model", "measurement", "provenance", "token_slices"))
     schema = top.str("schema")
     if schema != SCHEMA:
         raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
@@ -315,8 +368,36 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
                                 device_model=None if dm is None else pv.str("device_model"))
     else:  # files written before provenance existed
         provenance = Provenance(source="synthetic" if device.name == "synthetic" else "measured")
+    slices = None
+    if top.raw("token_slices", None) is not None:
+        slices = _slice_profile(top.obj_("token_slices", allowed=[f for f in SliceProfile.__dataclass_fields__]),
+                                source)
     return Profile(model=model, device=device, batch_sizes=tuple(bsz), layers=tuple(layers),
-                   whole_model=whole, measurement=meas, provenance=provenance)
+                   whole_model=whole, measurement=meas, provenance=provenance, token_slices=slices)
+
+
+def _slice_fit(f: Fields) -> SliceFit:
+    kw = {k: f.float(k, min=None, max=MAX_SECONDS) for k in ("const", "per_token", "per_context", "per_pair")}
+    return SliceFit(**kw, fit_error=f.float("fit_error", min=0.0), max_error=f.float("max_error", min=0.0),
+                    per_square=f.float("per_square", 0.0, min=None, max=MAX_SECONDS))
+
+
+def _slice_profile(ts: Fields, source: str) -> SliceProfile:
+    names = [f for f in SliceFit.__dataclass_fields__]
+    points = []
+    for pf in ts.objs("points"):
+        Fields(pf.obj, source, pf.path, allowed=[f for f in SlicePoint.__dataclass_fields__])
+        points.append(SlicePoint(b=pf.int("b", min=1, max=MAX_BATCH), s=pf.int("s", min=1), c=pf.int("c", min=0),
+                                 forward_s=pf.float("forward_s", min=0.0, max=MAX_SECONDS),
+                                 backward_s=pf.float("backward_s", min=0.0, max=MAX_SECONDS)))
+    if len(points) < 4:
+        raise SchemaError(source, "token_slices.points", f"has {len(points)} points; the fit needs at least 4",
+                          "Measure the slices again with `ptplan profile MODEL --slices`")
+    return SliceProfile(unit=ts.str("unit", choices=("block",)), points=tuple(points),
+                        forward=_slice_fit(ts.obj_("forward", allowed=names)),
+                        backward=_slice_fit(ts.obj_("backward", allowed=names)),
+                        device=ts.str("device"), date=ts.str("date"), command=ts.str("command", ""),
+                        timer=ts.str("timer", ""))
 
 
 def load_profile(path: str | os.PathLike) -> Profile:

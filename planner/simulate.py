@@ -50,6 +50,12 @@ Model (what the numbers mean):
   communication the period is M·(f+b) + optimizer_s against 1F1B's (M+K-1)·(f+b) + optimizer_s
   (``two_bw_closed_form``); a phase pays 1F1B's fill and drain once, not per mini-batch. Busy
   seconds and the bubble are per mini-batch of the window.
+- Token slices (TeraPipe: ``Schedule.slices`` = S > 1, the ``terapipe`` schedule): each (stage, slice)
+  has its own compute time (``SliceCosts``: a slice after c earlier tokens attends to c + s keys, so
+  it costs more than its share); messages carry the slice's share of the micro-batch; the frozen
+  prefix runs once per micro-batch before its first slice. On K uniform stages with backward ∝ forward
+  and no communication the iteration is TeraPipe's M·Σ t + (K−1)·max t. A micro-batch counts as in
+  flight from its first slice's forward to its last slice's backward.
 - Memory on rank r (``rank_peak_memory_bytes``): its stages' fixed bytes summed, plus the larger of
   (a) the most activation bytes its stages hold at once — at each point of its list, Σ over its
   stages of (micro-batches in flight × that stage's per-micro-batch bytes), the maximum over the
@@ -256,9 +262,8 @@ def _compile(schedule: Schedule) -> _Program:
     cached = schedule.__dict__.get(_PROGRAM_ATTR)
     if cached is not None:
         return cached
-    if schedule.slices != 1:
-        raise ScheduleError(f"schedule {schedule.name!r} uses {schedule.slices} token slices; the simulator does "
-                            f"not model token slices yet (StageCost is per micro-batch)")
+    if schedule.slices != 1 and schedule.minibatches != 1:
+        raise ScheduleError(f"schedule {schedule.name!r}: token slices with flush-free mini-batches are not modelled")
     if not is_generated(schedule):
         check_schedule(schedule)  # raises ScheduleError on any problem, deadlocks included
     prog = _flatten(schedule)
@@ -288,6 +293,7 @@ def _flatten(schedule: Schedule) -> _Program:
     count_f, count_b, count_bi, count_w = [0] * K, [0] * K, [0] * K, [0] * K
     live, peak = [0] * K, [0] * K
     N, Mb = schedule.minibatches, schedule.M
+    S = schedule.slices  # duration slots per (stage, slice): (stage * S + slice) * _NSLOT + kind slot
     flush_free = N >= 3
     grads_done: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> micro-batches whose gradient is done
     ar_id: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> its all-reduce's id
@@ -312,7 +318,7 @@ def _flatten(schedule: Schedule) -> _Program:
                     t = a.mb // Mb
                     updated.add((s, t))
                     op.append(_UPDATE)
-                    slot.append(s * _NSLOT + 7)
+                    slot.append(s * S * _NSLOT + 7)
                     chan.append(-1)
                     msg.append(ar_id[(s, t - 2)])
                     rank.append(r)
@@ -328,8 +334,9 @@ def _flatten(schedule: Schedule) -> _Program:
                 else:
                     c = -1
                     mid = -1
+                    base = (s * S + a.slice) * _NSLOT
                     if k is F:
-                        o, sl = _COMPUTE, s * _NSLOT
+                        o, sl = _COMPUTE, base
                         count_f[s] += 1
                         live[s] += 1
                         if live[s] > peak[s]:
@@ -337,24 +344,24 @@ def _flatten(schedule: Schedule) -> _Program:
                         rank_rows[r].add(tuple(live[x] for x in rank_stages[r]))
                     elif k is B:
                         if (s, a.mb, a.slice) in split:  # input gradient only; the W releases the activations
-                            o, sl = _COMPUTE, s * _NSLOT + 2
+                            o, sl = _COMPUTE, base + 2
                             count_bi[s] += 1
                         else:
-                            o, sl = _COMPUTE, s * _NSLOT + 1
+                            o, sl = _COMPUTE, base + 1
                             count_b[s] += 1
                             live[s] -= 1
                     elif k is W:
-                        o, sl = _COMPUTE, s * _NSLOT + 3
+                        o, sl = _COMPUTE, base + 3
                         count_w[s] += 1
                         live[s] -= 1
                     elif k is SF or k is SB:
                         fwd = k is SF
                         dst = s + 1 if fwd else s - 1
-                        o, sl = _SEND, s * _NSLOT + (4 if fwd else 5)
+                        o, sl = _SEND, base + (4 if fwd else 5)
                         c = links.setdefault((r, s2r[dst]), len(links))
                         mid = sent[(dst, fwd, a.mb, a.slice)] = len(sent)
                     elif k is AR:
-                        o, sl = _ALLREDUCE, s * _NSLOT + 6
+                        o, sl = _ALLREDUCE, s * S * _NSLOT + 6
                     else:  # pragma: no cover - every kind is handled above (Action rejects others)
                         raise ScheduleError(f"the simulator cannot run {a}")
                     if flush_free and k is F and s == 0 and a.mb % Mb == 0:
@@ -372,7 +379,7 @@ def _flatten(schedule: Schedule) -> _Program:
                     if n_done == Mb * schedule.slices and t < N - 1:  # mini-batch t's gradient: all-reduce it
                         ar_id[(s, t)] = len(ar_id)
                         op.append(_ALLREDUCE)
-                        slot.append(s * _NSLOT + 6)
+                        slot.append(s * S * _NSLOT + 6)
                         chan.append(-1)
                         msg.append(ar_id[(s, t)])
                         rank.append(r)
@@ -384,6 +391,9 @@ def _flatten(schedule: Schedule) -> _Program:
         if not progressed:  # pragma: no cover - check_schedule finds deadlocks first
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks; run check_schedule for details")
         sweep += 1
+    if S > 1:  # in flight in whole micro-batches: a micro-batch's slices are held until its last backward
+        peak = [-(-p // S) for p in peak]
+        rank_rows = [{tuple(-(-x // S) for x in row) for row in rows} for rows in rank_rows]
     return _Program(op=tuple(op), rank=tuple(rank), slot=tuple(slot), chan=tuple(chan), msg=tuple(msg),
                     actions=tuple(acts), num_msgs=len(sent), num_links=len(links),
                     count_f=tuple(count_f), count_b=tuple(count_b), count_bi=tuple(count_bi),
@@ -408,11 +418,44 @@ def _undominated(rows: set[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
 
 
 # ---- simulation ---------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class SliceCosts:
+    """Token-sliced schedules (TeraPipe): what each token slice costs on each stage. A slice of s tokens after
+    c earlier ones costs more than its share s/L of the micro-batch (its attention spans c + s keys), so
+    the compute is given per (stage, slice); messages carry the slice's share of the micro-batch's
+    activation (``send_*_s`` × s/L); the frozen prefix (``prefix_s``) runs unsliced, once per
+    micro-batch, before its first slice."""
+
+    tokens: tuple[int, ...]
+    """Slice lengths, in order (L = their sum)."""
+    forward_s: tuple[tuple[float, ...], ...]
+    """forward_s[stage][slice]."""
+    backward_s: tuple[tuple[float, ...], ...]
+    """backward_s[stage][slice]."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "forward_s", tuple(tuple(float(x) for x in row) for row in self.forward_s))
+        object.__setattr__(self, "backward_s", tuple(tuple(float(x) for x in row) for row in self.backward_s))
+        if not self.tokens or min(self.tokens) < 1:
+            raise PtplanError(f"SliceCosts.tokens must be slice lengths >= 1, got {list(self.tokens)}")
+        for name in ("forward_s", "backward_s"):
+            rows = getattr(self, name)
+            if any(len(r) != len(self.tokens) for r in rows) or any(not math.isfinite(x) or x < 0 for r in rows
+                                                                    for x in r):
+                raise PtplanError(f"SliceCosts.{name} needs one finite time >= 0 per stage and slice "
+                                  f"({len(self.tokens)} slices)")
+
+
 def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = False,
-             step_overhead_s: float = 0.0) -> SimResult:
+             step_overhead_s: float = 0.0, slice_costs: SliceCosts | None = None) -> SimResult:
     """Simulate one iteration of ``schedule`` with per-stage ``costs`` (see the module docstring).
 
     ``step_overhead_s``: fixed seconds per iteration added at the end (see UPDATE above).
+    ``slice_costs``: for a token-sliced schedule (``schedule.slices`` > 1), each slice's compute per
+    stage (``SliceCosts``); ``costs`` then give the rest (messages per micro-batch, prefix, setup,
+    all-reduce, optimizer, memory: in-flight micro-batches count a micro-batch from its first slice's
+    forward to its last slice's backward, rounded up from slices to whole micro-batches).
 
     The schedule is checked (``check_schedule``; skipped for the generators' own output, which the
     tests check) and flattened once per schedule object; later calls only run the event loop, and
@@ -430,10 +473,24 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
         raise PtplanError(f"simulate: step_overhead_s must be a finite number of seconds >= 0, got {step_overhead_s!r}")
     prog = _compile(schedule)
     dur: list[float] = []
-    for c in costs:
-        w = min(c.backward_weight_s, c.backward_s)
-        dur += (c.forward_s + c.prefix_s, c.backward_s, c.backward_s - w, w, c.send_forward_s, c.send_backward_s,
-                c.allreduce_s, c.optimizer_s)
+    S = schedule.slices
+    if S == 1 and slice_costs is None:
+        for c in costs:
+            w = min(c.backward_weight_s, c.backward_s)
+            dur += (c.forward_s + c.prefix_s, c.backward_s, c.backward_s - w, w, c.send_forward_s, c.send_backward_s,
+                    c.allreduce_s, c.optimizer_s)
+    else:
+        if slice_costs is None or len(slice_costs.tokens) != S or len(slice_costs.forward_s) != K \
+                or len(slice_costs.backward_s) != K:
+            raise ScheduleError(f"simulate: schedule {schedule.name!r} has {S} token slices on {K} stages; give "
+                              f"slice_costs with {S} slices and one row per stage")
+        total = sum(slice_costs.tokens)
+        for s, c in enumerate(costs):
+            share = c.backward_weight_s / c.backward_s if c.backward_s > 0 else 0.0
+            for j, n in enumerate(slice_costs.tokens):
+                f, b = slice_costs.forward_s[s][j], slice_costs.backward_s[s][j]
+                dur += (f + (c.prefix_s if j == 0 else 0.0), b, b * (1 - share), b * share,
+                        c.send_forward_s * n / total, c.send_backward_s * n / total, c.allreduce_s, c.optimizer_s)
 
     R = schedule.num_ranks
     s2r = schedule.stage_to_rank
@@ -487,8 +544,16 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
     for s, c in enumerate(costs):
         opt[s2r[s]] += c.optimizer_s
     iteration = max(max(t, d) + o for t, d, o in zip(T, D, opt)) + step_overhead_s
-    busy = tuple(costs[s].setup_s + prog.count_f[s] * dur[s * _NSLOT] + prog.count_b[s] * dur[s * _NSLOT + 1]
-                 + prog.count_bi[s] * dur[s * _NSLOT + 2] + prog.count_w[s] * dur[s * _NSLOT + 3] for s in range(K))
+    if S == 1:
+        busy = tuple(costs[s].setup_s + prog.count_f[s] * dur[s * _NSLOT] + prog.count_b[s] * dur[s * _NSLOT + 1]
+                     + prog.count_bi[s] * dur[s * _NSLOT + 2] + prog.count_w[s] * dur[s * _NSLOT + 3]
+                     for s in range(K))
+    else:
+        acc = [c.setup_s for c in costs]
+        for o, d, a in zip(prog.op, prog.slot, prog.actions):
+            if o == _COMPUTE:
+                acc[a.stage] += dur[d]
+        busy = tuple(acc)
     if prog.marks:  # flush-free: the steady state's period (module docstring)
         N = schedule.minibatches
         busy = tuple(costs[s].setup_s + (x - costs[s].setup_s) / N for s, x in enumerate(busy))
@@ -558,7 +623,7 @@ def _events(schedule: Schedule, prog: _Program, costs: Sequence[StageCost], dur:
         t = start[i]
         d = dur[prog.slot[i]]
         if o == _COMPUTE:
-            p = costs[a.stage].prefix_s if a.kind is ActionKind.F else 0.0
+            p = costs[a.stage].prefix_s if a.kind is ActionKind.F and a.slice == 0 else 0.0
             if p > 0:
                 out.append(TimelineEvent(rank=r, stage=a.stage, kind="PREFIX", mb=a.mb, start=t, end=t + p))
             out.append(TimelineEvent(rank=r, stage=a.stage, kind=a.kind.value, mb=a.mb, start=t + p, end=t + d))

@@ -9,7 +9,8 @@ s_{i-1}) flowing through K stages one after another, the pipeline's latency is T
 
     T = Σ_i t(s_i, c_i) + (K − 1) · max_i t(s_i, c_i)
 
-(every slice passes every stage once; the slowest slice sets the fill and drain). A later slice
+(every slice passes every stage once; the slowest slice sets the fill and drain). With M micro-batches
+whose slices all flow through one after another (``repeat`` = M) it is M·Σ t + (K − 1)·max t. A later slice
 attends to more context, so the best slices are non-uniform: shorter towards the end.
 
 ``optimal_slices`` solves it exactly (TeraPipe's algorithm): for each candidate bound τ on the
@@ -22,6 +23,9 @@ composition of L (tests, L ≤ 16).
 
 The cost model (``SliceCost``) is TeraPipe's: linear in b·s, b·c and b·s·c plus a constant, fitted by
 least squares to measured (b, s, c, seconds) points (``fit_slice_cost``, with its relative error).
+``square=True`` adds a b·s² term: the slice's attention over its own tokens (s·s/2 pairs), which
+TeraPipe's form misses and which dominates long slices on a CPU (on the shipped gpt2 block: median
+error 4-6 % with it, 14-17 % without; ``relative=True`` fits relative rather than absolute errors).
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ from .errors import PtplanError
 
 @dataclass(frozen=True)
 class SliceCost:
-    """t(s, c) = const + per_token·b·s + per_context·b·c + per_pair·b·s·c seconds, for b samples."""
+    """t(s, c) = const + per_token·b·s + per_context·b·c + per_pair·b·s·c (+ per_square·b·s²) seconds, for b
+    samples."""
 
     const: float
     per_token: float
@@ -46,27 +51,35 @@ class SliceCost:
     b: int = 1
     fit_error: float | None = None
     """Median relative error of the fit on its own points (None when not fitted)."""
+    per_square: float = 0.0
+    """The b·s² term (0 in TeraPipe's form)."""
 
     def __call__(self, s: np.ndarray | float, c: np.ndarray | float) -> np.ndarray | float:
         b = self.b
-        return self.const + b * (self.per_token * s + self.per_context * c + self.per_pair * s * c)
+        return self.const + b * (self.per_token * s + self.per_context * c + self.per_pair * s * c
+                                 + self.per_square * s * s)
 
 
-def fit_slice_cost(points: Sequence[tuple[int, int, int, float]]) -> SliceCost:
+def fit_slice_cost(points: Sequence[tuple[int, int, int, float]], *, square: bool = False,
+                   relative: bool = False) -> SliceCost:
     """Least-squares fit of ``SliceCost`` to (b, s, c, seconds) points; b of the result is 1 (set it with
-    ``dataclasses.replace``). Needs at least 4 points that pin the 4 coefficients."""
-    if len(points) < 4:
-        raise PtplanError(f"fitting the slice cost needs at least 4 measured (b, s, c) points, got {len(points)}")
-    A = np.array([[1.0, b * s, b * c, b * s * c] for b, s, c, _ in points], dtype=float)
+    ``dataclasses.replace``). Needs at least 4 points (5 with ``square``) that pin the coefficients.
+    ``relative``: minimise the relative errors (rows weighted by 1 / seconds) instead of the absolute."""
+    n = 5 if square else 4
+    if len(points) < n:
+        raise PtplanError(f"fitting the slice cost needs at least {n} measured (b, s, c) points, got {len(points)}")
+    A = np.array([[1.0, b * s, b * c, b * s * c] + ([b * s * s] if square else []) for b, s, c, _ in points],
+                 dtype=float)
     y = np.array([t for *_, t in points], dtype=float)
-    if np.linalg.matrix_rank(A) < 4:
-        raise PtplanError("the measured (b, s, c) points do not pin the slice cost's 4 coefficients; measure "
+    if np.linalg.matrix_rank(A) < n:
+        raise PtplanError(f"the measured (b, s, c) points do not pin the slice cost's {n} coefficients; measure "
                           "several slice lengths s and contexts c")
-    coef, *_ = np.linalg.lstsq(A, y, rcond=None)
+    w = 1.0 / np.maximum(np.abs(y), 1e-12) if relative else np.ones_like(y)
+    coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
     pred = A @ coef
     err = float(np.median(np.abs(pred - y) / np.maximum(np.abs(y), 1e-12)))
     return SliceCost(const=float(coef[0]), per_token=float(coef[1]), per_context=float(coef[2]),
-                     per_pair=float(coef[3]), b=1, fit_error=err)
+                     per_pair=float(coef[3]), b=1, fit_error=err, per_square=float(coef[4]) if square else 0.0)
 
 
 @dataclass(frozen=True)
@@ -82,12 +95,12 @@ class Slicing:
     """Bounds τ the search evaluated (the rest were pruned)."""
 
 
-def _latency(cost, slices: Sequence[int], K: int) -> tuple[float, float]:
+def _latency(cost, slices: Sequence[int], K: int, repeat: int = 1) -> tuple[float, float]:
     c, ts = 0, []
     for s in slices:
         ts.append(float(cost(s, c)))
         c += s
-    return sum(ts) + (K - 1) * max(ts), max(ts)
+    return repeat * sum(ts) + (K - 1) * max(ts), max(ts)
 
 
 def _table(cost, n: int, g: int) -> np.ndarray:
@@ -102,11 +115,14 @@ def _table(cost, n: int, g: int) -> np.ndarray:
     return t
 
 
-def optimal_slices(cost, L: int, K: int, *, granularity: int = 1, batch: int = 256, prune: bool = True) -> Slicing:
+def optimal_slices(cost, L: int, K: int, *, granularity: int = 1, batch: int = 256, prune: bool = True,
+                   repeat: int = 1) -> Slicing:
     """The slicing of L tokens (multiples of ``granularity``) minimising T for K stages (module docstring).
-    ``prune=False`` evaluates every candidate bound (tests of the pruning)."""
-    if L < 1 or K < 1:
-        raise PtplanError(f"token slicing needs L >= 1 tokens and K >= 1 stages, got L={L}, K={K}")
+    ``prune=False`` evaluates every candidate bound (tests of the pruning). ``repeat``: M, the number of
+    micro-batches sliced alike (T = M·Σ t + (K − 1)·max t; ``latency_s`` is that T)."""
+    if L < 1 or K < 1 or repeat < 1:
+        raise PtplanError(f"token slicing needs L >= 1 tokens, K >= 1 stages and M >= 1 micro-batches, got L={L}, "
+                          f"K={K}, M={repeat}")
     g = granularity
     if g < 1 or L % g:
         raise PtplanError(f"the sequence length {L} is not a multiple of the slice granularity {g}; use a divisor "
@@ -128,13 +144,13 @@ def optimal_slices(cost, L: int, K: int, *, granularity: int = 1, batch: int = 2
             col = t[:i, i]  # slices ending at unit i, from every start j < i
             ok = col[None, :] <= chunk[:, None]
             f[:, i] = np.min(np.where(ok, f[:, :i] + col[None, :], np.inf), axis=1)
-        total = f[:, n] + (K - 1) * chunk
+        total = repeat * f[:, n] + (K - 1) * chunk
         k = int(np.argmin(total))
         if total[k] < best:
             best, best_tau = float(total[k]), float(chunk[k])
     assert best_tau is not None
     slices = _backtrack(t, n, best_tau)
-    lat, slow = _latency(cost, [s * g for s in slices], K)
+    lat, slow = _latency(cost, [s * g for s in slices], K, repeat)
     return Slicing(slices=tuple(s * g for s in slices), latency_s=lat, slowest_s=slow, candidates=used)
 
 
@@ -154,7 +170,7 @@ def _backtrack(t: np.ndarray, n: int, tau: float) -> list[int]:
     return [int(s) for s in out[::-1]]
 
 
-def brute_force_slices(cost, L: int, K: int) -> Slicing:
+def brute_force_slices(cost, L: int, K: int, repeat: int = 1) -> Slicing:
     """Every composition of L (2^(L-1) of them): the exact optimum by enumeration (tests; L <= 16)."""
     if L > 16:
         raise PtplanError(f"brute force over 2^{L - 1} slicings is for tests (L <= 16), not L={L}")
@@ -168,7 +184,7 @@ def brute_force_slices(cost, L: int, K: int) -> Slicing:
             else:
                 run += 1
         slices.append(run)
-        lat, slow = _latency(cost, slices, K)
+        lat, slow = _latency(cost, slices, K, repeat)
         if best is None or lat < best[0]:
             best = (lat, slow, tuple(slices))
     assert best is not None
@@ -181,3 +197,202 @@ def uniform_slices(cost, L: int, K: int, n: int) -> Slicing:
     slices = [q + (1 if i < r else 0) for i in range(n)]
     lat, slow = _latency(cost, slices, K)
     return Slicing(slices=tuple(slices), latency_s=lat, slowest_s=slow)
+
+
+# ---- from a profile to a pipeline's token slicing ---------------------------------------------------
+
+def profile_slice_cost(profile, b: int = 1, part: str = "both") -> SliceCost:
+    """The profile's measured block slice cost (``Profile.token_slices``) for b samples: the forward, the
+    backward or both (TeraPipe's t is a slice's forward plus backward), with the fit's error."""
+    sp = profile.token_slices
+    if sp is None:
+        raise PtplanError(f"profile {profile.model.name} has no token-slice costs; measure them with `ptplan profile "
+                          f"{profile.model.name} --slices` (or python -m ptplan.executor.slice_profile)")
+    fits = {"forward": (sp.forward,), "backward": (sp.backward,), "both": (sp.forward, sp.backward)}
+    if part not in fits:
+        raise PtplanError(f"part must be forward, backward or both, got {part!r}")
+    fs = fits[part]
+    return SliceCost(const=sum(f.const for f in fs), per_token=sum(f.per_token for f in fs),
+                     per_context=sum(f.per_context for f in fs), per_pair=sum(f.per_pair for f in fs), b=b,
+                     fit_error=max(f.fit_error for f in fs), per_square=sum(f.per_square for f in fs))
+
+
+@dataclass(frozen=True)
+class StageSliceModel:
+    """Per stage k of a token-sliced pipeline: forward_k(s, c) = blocks_k · F(s, c) + token_fwd_k · s and
+    backward_k likewise, with F, B the profile's block slice fits (for b samples) and token_* the
+    per-token seconds of the stage's token-wise layers (embedding, norm, head: the profile's time at
+    its sequence length, divided by it). Attention and MLP halves count half a block each."""
+
+    blocks: tuple[float, ...]
+    token_forward_s: tuple[float, ...]
+    token_backward_s: tuple[float, ...]
+    forward: SliceCost
+    backward: SliceCost
+
+    def times(self, s, c) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds, shape [K, *broadcast(s, c)]."""
+        s, c = np.asarray(s, dtype=float), np.asarray(c, dtype=float)
+        nb = np.asarray(self.blocks).reshape((-1,) + (1,) * np.broadcast(s, c).ndim)
+        tf = np.asarray(self.token_forward_s).reshape(nb.shape)
+        tb = np.asarray(self.token_backward_s).reshape(nb.shape)
+        return nb * self.forward(s, c) + tf * s, nb * self.backward(s, c) + tb * s
+
+    def slowest(self, s, c):
+        """TeraPipe's t(s, c): the slowest stage's forward + backward of the slice."""
+        f, b = self.times(s, c)
+        return np.max(f + b, axis=0)
+
+
+def stage_slice_model(profile, ranges: Sequence[tuple[int, int]], b: int) -> StageSliceModel:
+    """``StageSliceModel`` of the stages covering layer ranges [lo, hi) of the profile, for b samples."""
+    blocks, tf, tb = [], [], []
+    for lo, hi in ranges:
+        nb, f, bw = 0.0, 0.0, 0.0
+        for r in profile.layers[lo:hi]:
+            if r.kind == "block":
+                nb += 1.0
+            elif r.kind in ("attention", "mlp"):
+                nb += 0.5
+            else:
+                f += profile.forward_s(r.index, b) / profile.model.seq_len
+                bw += profile.backward_s(r.index, b) / profile.model.seq_len
+        blocks.append(nb)
+        tf.append(f)
+        tb.append(bw)
+    return StageSliceModel(blocks=tuple(blocks), token_forward_s=tuple(tf), token_backward_s=tuple(tb),
+                           forward=profile_slice_cost(profile, b, "forward"),
+                           backward=profile_slice_cost(profile, b, "backward"))
+
+
+def balanced_ranges(costs: Sequence[float], lo: int, K: int) -> tuple[tuple[int, int], ...]:
+    """The contiguous split of layers lo .. lo+len(costs)-1 into K stages minimising the slowest stage's
+    summed cost (an O(n²K) dynamic program; n is a few dozen layers)."""
+    n = len(costs)
+    if not 1 <= K <= n:
+        raise PtplanError(f"{n} active layers cannot fill K={K} stages; use K <= {n}")
+    pre = np.concatenate(([0.0], np.cumsum(costs)))
+    best = np.full((K + 1, n + 1), np.inf)
+    arg = np.zeros((K + 1, n + 1), dtype=int)
+    best[0, 0] = 0.0
+    for k in range(1, K + 1):
+        for i in range(k, n + 1):
+            js = np.arange(k - 1, i)
+            v = np.maximum(best[k - 1, js], pre[i] - pre[js])
+            a = int(np.argmin(v))
+            best[k, i], arg[k, i] = v[a], js[a]
+    out: list[tuple[int, int]] = []
+    end = n
+    for k in range(K, 0, -1):
+        start = int(arg[k, end])
+        out.append((lo + start, lo + end))
+        end = start
+    return tuple(out[::-1])
+
+
+@dataclass(frozen=True)
+class SlicedPhase:
+    """One pipeline's token slicing for a phase and what the simulator predicts for it."""
+
+    K: int
+    D: int
+    M: int
+    b: int
+    """Samples per micro-batch."""
+    ranges: tuple[tuple[int, int], ...]
+    """Per stage, its active layers [lo, hi)."""
+    slices: tuple[int, ...]
+    """The chosen token slices (``(L,)``: unsliced)."""
+    iteration_s: float
+    """Simulated iteration with the chosen slices (terapipe schedule)."""
+    unsliced_s: float
+    """Simulated iteration of the same phase without token slicing (GPipe)."""
+    objective_s: float
+    """TeraPipe's objective for the chosen slices: M·Σ t + (K − 1)·max t."""
+
+
+def sliced_phase(profile, *, L: int, K: int, M: int, b: int, D: int = 1, frozen_blocks: int = 0,
+                 granularity: int = 16, slicing: str = "auto", allreduce_bandwidth: float | None = None,
+                 link_bandwidth: float | None = None, cache: bool = False) -> SlicedPhase:
+    """Token slicing for one phase: the active layers (after ``frozen_blocks`` frozen ones) split into K
+    stages balanced at full length, TeraPipe's optimal slices for that pipeline (``optimal_slices`` on
+    the slowest stage's slice cost, with ``repeat`` = M), and the simulated iteration with and without
+    them (the ``terapipe`` schedule and ``SliceCosts``; ``slicing="auto"`` keeps the unsliced run where
+    the simulator says it is faster, so the choice is never worse than not slicing; "off" never slices).
+
+    The frozen prefix runs unsliced on stage 0 under no_grad, once per micro-batch (the executor's
+    ``SlicedStage.run_prefix``): its blocks cost the forward fit at (L, 0) each — or nothing with
+    ``cache`` (the AutoCache holds the prefix's output; reading it is not priced here). ``link_bandwidth``
+    (bytes/s) prices the activations sent between stages (hidden · 4 bytes per token and sample; None:
+    free); ``allreduce_bandwidth`` the ring all-reduce of a stage's gradients over D replicas (None:
+    free). Memory is not checked here."""
+    from .simulate import SliceCosts, StageCost, simulate
+    from .schedule import terapipe
+
+    if slicing not in ("auto", "off"):
+        raise PtplanError(f"token slicing must be auto or off, got {slicing!r}")
+    if L % granularity:
+        raise PtplanError(f"sequence length {L} is not a multiple of the slice granularity {granularity}")
+    n0 = profile.frozen_boundary(frozen_blocks)
+    fwd_full = profile_slice_cost(profile, b, "forward")
+    both_full = profile_slice_cost(profile, b, "both")
+    costs = []
+    for r in profile.layers[n0:]:
+        share = 1.0 if r.kind == "block" else 0.5 if r.kind in ("attention", "mlp") else 0.0
+        tok = (profile.forward_s(r.index, b) + profile.backward_s(r.index, b)) / profile.model.seq_len
+        costs.append(share * float(both_full(L, 0)) / 2 + (0.0 if share else tok * L))  # the attention's c ~ L/2
+    ranges = balanced_ranges(costs, n0, K)
+    model = stage_slice_model(profile, ranges, b)
+    prefix = 0.0
+    for r in ([] if cache else profile.layers[:n0]):
+        share = 1.0 if r.kind == "block" else 0.5 if r.kind in ("attention", "mlp") else 0.0
+        prefix += share * float(fwd_full(L, 0)) + (0.0 if share else
+                                                 profile.nograd_forward_s(r.index, b) / profile.model.seq_len * L)
+    hidden = int(profile.model.config.get("n_embd") or profile.model.config.get("hidden_size") or 0)
+    send = 0.0 if link_bandwidth is None or K == 1 else b * L * hidden * 4 / link_bandwidth
+    grad_bytes = [sum(r.grad_bytes for r in profile.layers[lo:hi]) for lo, hi in ranges]
+
+    def simulated(slices: Sequence[int]) -> float:
+        offs = np.cumsum([0, *slices[:-1]])
+        f, bw = model.times(np.asarray(slices, dtype=float), offs.astype(float))
+        stage = [StageCost(forward_s=float(np.sum(f[k])) / len(slices), backward_s=float(np.sum(bw[k])) / len(slices),
+                           prefix_s=prefix if k == 0 else 0.0, send_forward_s=send, send_backward_s=send,
+                           allreduce_s=0.0 if D == 1 or allreduce_bandwidth is None else
+                           2 * (D - 1) / D * grad_bytes[k] / allreduce_bandwidth) for k in range(K)]
+        sc = SliceCosts(tokens=tuple(slices), forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
+        return simulate(terapipe(K, M, len(slices)), stage, slice_costs=sc).iteration_s
+
+    unsliced = simulated((L,))
+    best = (L,)
+    obj = _latency(model.slowest, best, K, M)[0]
+    if slicing == "auto":
+        opt = optimal_slices(model.slowest, L, K, granularity=granularity, repeat=M)
+        t = simulated(opt.slices)
+        if t < unsliced:
+            return SlicedPhase(K=K, D=D, M=M, b=b, ranges=ranges, slices=opt.slices, iteration_s=t,
+                               unsliced_s=unsliced, objective_s=opt.latency_s)
+    return SlicedPhase(K=K, D=D, M=M, b=b, ranges=ranges, slices=best, iteration_s=unsliced, unsliced_s=unsliced,
+                       objective_s=obj)
+
+
+def search_sliced(profile, *, gpus: int, batch: int, L: int, frozen_blocks: int = 0, granularity: int = 16,
+                  slicing: str = "auto", **kw) -> SlicedPhase:
+    """The fastest (per sample) phase over K (dividing ``gpus``, D = gpus / K) and M (dividing the pipeline's
+    batch batch / D, b = batch / (D·M)), each with its token slicing (``sliced_phase``)."""
+    n_active = profile.num_layers - profile.frozen_boundary(frozen_blocks)
+    best: SlicedPhase | None = None
+    for K in range(1, gpus + 1):
+        if gpus % K or K > n_active or batch % (gpus // K):
+            continue
+        D = gpus // K
+        per = batch // D
+        for M in range(1, per + 1):
+            if per % M:
+                continue
+            ph = sliced_phase(profile, L=L, K=K, M=M, b=per // M, D=D, frozen_blocks=frozen_blocks,
+                              granularity=granularity, slicing=slicing, **kw)
+            if best is None or ph.iteration_s < best.iteration_s:
+                best = ph
+    if best is None:
+        raise PtplanError(f"no pipeline of {gpus} GPUs splits a batch of {batch} evenly over D = GPUs / K replicas")
+    return best

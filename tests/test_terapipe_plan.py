@@ -1,0 +1,133 @@
+"""Token slices in the simulator and the planner: the terapipe schedule checks as data, its simulation equals
+TeraPipe's closed form M·Σt + (K−1)·max t on uniform stages, S = 1 equals GPipe, and the planner's choice
+(``sliced_phase``/``search_sliced``) is never worse than not slicing, with K, D, M and frozen blocks."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.profile import SliceFit, SlicePoint, SliceProfile, load_profile
+from ptplan.planner.schedule import check_schedule, gpipe, terapipe
+from ptplan.planner.simulate import SliceCosts, StageCost, simulate
+from ptplan.planner.terapipe import balanced_ranges, profile_slice_cost, search_sliced, sliced_phase
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_terapipe_schedule_is_valid_data():
+    for K, M, S in [(1, 1, 1), (2, 1, 3), (4, 3, 5), (3, 2, 1)]:
+        s = terapipe(K, M, S)
+        check_schedule(s)
+        assert s.slices == S and s.K == K
+        assert [str(a) for a in s.actions[0] if a.kind.value == "B"][:S] == \
+            [f"0B0.{j}" if j else "0B0" for j in range(S - 1, -1, -1)]
+    assert terapipe(3, 2, 1).actions == gpipe(3, 2).actions
+
+
+def test_simulation_equals_terapipes_closed_form_on_uniform_stages():
+    rng = random.Random(5)
+    for _ in range(40):
+        K, M, S = rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 7)
+        t = [rng.uniform(0.1, 2.0) for _ in range(S)]
+        r = rng.uniform(0.5, 3.0)  # backward = r x forward on every slice: TeraPipe's t = f + b
+        f = [x / (1 + r) for x in t]
+        b = [x * r / (1 + r) for x in t]
+        sc = SliceCosts(tokens=tuple(rng.randint(1, 9) for _ in range(S)), forward_s=(tuple(f),) * K,
+                        backward_s=(tuple(b),) * K)
+        res = simulate(terapipe(K, M, S), [StageCost(forward_s=1.0, backward_s=1.0)] * K, slice_costs=sc)
+        assert res.iteration_s == pytest.approx(M * sum(t) + (K - 1) * max(t), rel=1e-12), (K, M, S)
+        assert res.peak_inflight == (M,) * K  # every slice of every micro-batch is held at the turn
+
+
+def test_one_slice_equals_gpipe_and_slices_need_their_costs():
+    costs = [StageCost(forward_s=1.0 + s, backward_s=2.0, send_forward_s=0.3, send_backward_s=0.2, prefix_s=0.5 * (s == 0))
+             for s in range(3)]
+    want = simulate(gpipe(3, 4), costs).iteration_s
+    assert simulate(terapipe(3, 4, 1), costs).iteration_s == pytest.approx(want)
+    sc = SliceCosts(tokens=(8,), forward_s=tuple((c.forward_s,) for c in costs), backward_s=((2.0,),) * 3)
+    assert simulate(terapipe(3, 4, 1), costs, slice_costs=sc).iteration_s == pytest.approx(want)
+    with pytest.raises(PtplanError, match="give slice_costs with 2 slices"):
+        simulate(terapipe(3, 1, 2), costs)
+    with pytest.raises(PtplanError, match="one finite time"):
+        SliceCosts(tokens=(1, 2), forward_s=((1.0,),), backward_s=((1.0, 1.0),))
+
+
+def test_messages_scale_with_the_slice_and_the_prefix_runs_once_per_micro_batch():
+    sc = SliceCosts(tokens=(3, 1), forward_s=((1.0, 1.0),) * 2, backward_s=((1.0, 1.0),) * 2)
+    base = [StageCost(forward_s=1.0, backward_s=1.0), StageCost(forward_s=1.0, backward_s=1.0)]
+    t0 = simulate(terapipe(2, 1, 2), base, slice_costs=sc).iteration_s
+    sent = [dataclasses.replace(base[0], send_forward_s=0.4, send_backward_s=0.4), base[1]]
+    t1 = simulate(terapipe(2, 1, 2), sent, slice_costs=sc).iteration_s
+    assert t1 - t0 == pytest.approx(0.4 * 3 / 4)  # the first slice's send (3 of 4 tokens) delays stage 1
+    pre = [dataclasses.replace(base[0], prefix_s=0.7), base[1]]
+    assert simulate(terapipe(2, 1, 2), pre, slice_costs=sc).iteration_s == pytest.approx(t0 + 0.7)
+
+
+def _profile(seed: int):
+    """The shipped gpt2 profile with a synthetic block slice fit (tests of the planner, not of the numbers)."""
+    rng = random.Random(seed)
+    prof = load_profile(ROOT / "profiles" / "gpt2_cpu_fp32.json")
+
+    def fit():
+        return SliceFit(const=rng.uniform(1e-4, 5e-3), per_token=rng.uniform(1e-5, 1e-3),
+                        per_context=rng.uniform(0, 1e-6), per_pair=rng.uniform(0, 1e-7), fit_error=0.0, max_error=0.0)
+
+    pts = tuple(SlicePoint(b=1, s=s, c=c, forward_s=1.0, backward_s=1.0) for s in (1, 2) for c in (0, 1))
+    return dataclasses.replace(prof, token_slices=SliceProfile(unit="block", points=pts, forward=fit(), backward=fit(),
+                                                               device="synthetic", date="-"))
+
+
+def test_planner_choice_is_never_worse_than_unsliced():
+    rng = random.Random(1)
+    wins = 0
+    for seed in range(12):
+        prof = _profile(seed)
+        K, M, f = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]), rng.choice([0, 0, 3, 6])
+        ph = sliced_phase(prof, L=512, K=K, M=M, b=rng.choice([1, 4]), frozen_blocks=f, granularity=32)
+        off = sliced_phase(prof, L=512, K=K, M=M, b=ph.b, frozen_blocks=f, granularity=32, slicing="off")
+        assert sum(ph.slices) == 512 and off.slices == (512,)
+        assert ph.iteration_s <= ph.unsliced_s + 1e-12 and ph.unsliced_s == pytest.approx(off.iteration_s)
+        assert ph.ranges[0][0] == prof.frozen_boundary(f) and ph.ranges[-1][1] == prof.num_layers
+        wins += ph.iteration_s < ph.unsliced_s
+    assert wins >= 3  # long sequences on deep pipelines do gain from slicing
+
+
+def test_slicing_shrinks_the_bubble_and_later_slices_are_shorter():
+    prof = _profile(0)
+    ph = sliced_phase(prof, L=1024, K=8, M=1, b=1, granularity=16)
+    assert len(ph.slices) > 1 and ph.iteration_s < 0.7 * ph.unsliced_s
+    assert ph.slices[0] >= ph.slices[-1]
+    # six frozen blocks: unsliced before the pipeline on stage 0, or read from the AutoCache
+    active = sliced_phase(prof, L=1024, K=4, M=1, b=1, granularity=16)
+    frozen = sliced_phase(prof, L=1024, K=4, M=1, b=1, frozen_blocks=6, granularity=16)
+    cached = sliced_phase(prof, L=1024, K=4, M=1, b=1, frozen_blocks=6, granularity=16, cache=True)
+    assert cached.iteration_s < active.iteration_s and cached.iteration_s < frozen.iteration_s
+    assert frozen.iteration_s - cached.iteration_s == pytest.approx(6 * float(
+        profile_slice_cost(prof, 1, "forward")(1024, 0)) + sum(prof.nograd_forward_s(i, 1) * 1024 / 128
+                                                              for i in range(prof.frozen_boundary(6))
+                                                              if prof.layers[i].kind == "embedding"), rel=1e-9)
+
+
+def test_search_combines_k_d_and_m():
+    prof = _profile(2)
+    best = search_sliced(prof, gpus=4, batch=4, L=256, granularity=32, allreduce_bandwidth=1e9)
+    for K in (1, 2, 4):
+        D = 4 // K
+        for M in [m for m in (1, 2, 4) if (4 // D) % m == 0]:
+            assert best.iteration_s <= sliced_phase(prof, L=256, K=K, M=M, b=4 // D // M, D=D, granularity=32,
+                                                    allreduce_bandwidth=1e9).iteration_s + 1e-12
+    with pytest.raises(PtplanError, match="splits a batch of 3"):
+        search_sliced(prof, gpus=4, batch=3, L=256, granularity=32, frozen_blocks=12)
+
+
+def test_balanced_ranges_minimise_the_slowest_stage():
+    costs = [3.0, 1.0, 1.0, 1.0, 2.0, 2.0]
+    r = balanced_ranges(costs, 10, 3)
+    assert r[0][0] == 10 and r[-1][1] == 16
+    assert max(sum(costs[a - 10:b - 10]) for a, b in r) == 4.0
+    with pytest.raises(PtplanError, match="cannot fill K=7"):
+        balanced_ranges(costs, 0, 7)
