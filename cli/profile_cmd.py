@@ -12,6 +12,22 @@ from ptplan.planner.errors import PtplanError
 
 DTYPES = ("float32", "bfloat16", "float16")
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_ALIASES = {short: full for full, short in _SHORT.items()}
+"""``--dtype bf16`` means bfloat16, and so on."""
+
+
+def dtype_name(text: str) -> str:
+    """``bf16`` / ``bfloat16`` -> ``bfloat16`` (and fp16, fp32); anything else is a PtplanError."""
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPES:
+        raise PtplanError(f"--dtype {text!r} is not one of {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)})")
+    return name
+
+
+def default_out(label: str, dev_kind: str, dtype: str) -> Path:
+    """``bert-base_cpu_fp32.json``; a hub name's ``/`` becomes ``--`` (``nreimers--MiniLM-L6-H384-uncased_...``)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in label.replace("/", "--")).strip(".") or "model"
+    return Path(f"{safe}_{dev_kind}_{_SHORT[dtype]}.json")
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -33,15 +49,16 @@ def parse_batch_sizes(text: str) -> list[int]:
 @click.command("profile")
 @click.argument("model_name", metavar="MODEL")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True)
-@click.option("--seq-len", type=int, default=None, help="Tokens per sample (BERT/GPT-2; default 128).")
+@click.option("--dtype", default="float32", show_default=True, metavar="[float32|bfloat16|float16|fp32|bf16|fp16]",
+              help="Parameter and activation dtype.")
+@click.option("--seq-len", type=int, default=None, help="Tokens per sample (text models; default 128).")
 @click.option("--image-size", type=int, default=None, help="ViT image side in pixels (default 224; tiny 32).")
 @click.option("--batch-sizes", default=None,
               help="Micro-batch sizes, comma-separated [default: 1, 2, 4, ... up to 64, stopping at the memory "
                    "limit (CUDA: the device's memory; CPU: the available RAM), estimated after each size].")
 @click.option("--num-labels", type=int, default=None,
-              help="Classes of the classification head (bert, vit) [default: bert 2, vit 1000 (ImageNet-1k)]; "
-                   "gpt2 has an LM head and takes none.")
+              help="Classes of the classification head (bert, roberta, distilbert, vit) [default: 2; vit 1000 "
+                   "(ImageNet-1k)]; the causal LMs (gpt2, llama, mistral, qwen2) have an LM head and take none.")
 @click.option("--granularity", type=click.Choice(("half", "block")), default="half", show_default=True,
               help="half: attention and MLP halves of each block; block: one layer per block.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed repeats per batch size.")
@@ -52,9 +69,11 @@ def parse_batch_sizes(text: str) -> list[int]:
 @click.option("--timer", type=click.Choice(("wall", "cpu")), default="wall", show_default=True,
               help="CPU only: wall clock, or process CPU time (needs --threads 1; robust on a shared machine).")
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability (default: the config's).")
-@click.option("--weights", type=click.Path(), default=None, help="Local Hugging Face model folder to load.")
+@click.option("--weights", type=click.Path(), default=None,
+              help="Local Hugging Face model folder whose weights to load (its config.json sets the sizes).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="Output file [default: MODEL_DEVICE_DTYPE.json, e.g. bert-base_cpu_fp32.json].")
+              help="Output file [default: NAME_DEVICE_DTYPE.json, e.g. bert-base_cpu_fp32.json; NAME is the "
+                   "model's name, a folder's Hugging Face name with / as --].")
 @click.option("--project", "project", default=None, metavar="DEVICE",
               help="Do not measure: project the times for a GPU you do not have from its datasheet (h100, h200, a100, "
                    "v100, rtx5000, l4) by counting every operation on the meta device; memory fields stay exact. "
@@ -70,11 +89,20 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
 
     \b
-    MODEL: bert-tiny bert-small bert-base bert-large vit-tiny vit-small vit-base vit-large
-           gpt2-tiny gpt2 gpt2-medium llama-tiny
+    MODEL: a local Hugging Face model folder (its config.json picks the adapter and is
+           enough: weights are loaded when the folder has them), or a name:
+      tests  bert-tiny bert-small roberta-tiny distilbert-tiny vit-tiny vit-small
+             gpt2-tiny llama-tiny mistral-tiny qwen2-tiny
+      sizes  bert-base(-uncased) bert-large(-uncased) bert-base-cased roberta-base
+             roberta-large distilroberta-base distilbert-base-uncased
+             vit-base(-patch16-224) vit-large(-patch16-224) vit-huge-patch14-224
+             gpt2 gpt2-medium gpt2-large gpt2-xl llama-2-7b llama-3.2-1b llama-3.1-8b
+             mistral-7b qwen2.5-0.5b qwen2.5-7b
     Example: ptplan profile bert-base --device cpu --out p.json   (sizes 1, 2, 4, ... 64 as memory allows)
-             ptplan profile bert-base --project h100 --dtype bfloat16   (projected, in seconds)
+             ptplan profile ./my-model --seq-len 64   (a local folder: its own name and family)
+             ptplan profile bert-base --project h100 --dtype bf16   (projected, in seconds)
     """
+    dtype = dtype_name(dtype)
     sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
     if warmup < 0:
         raise PtplanError(f"--warmup must be >= 0, got {warmup}")
@@ -89,8 +117,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         dev_model = get_device(project)
         dev_model.matmul_peak(dtype)  # the dtype exists on that device
         dev_kind = dev_model.key
-    path = Path(out) if out else Path(f"{model_name}_{dev_kind}_{_SHORT[dtype]}.json")
-    if not path.parent.is_dir():
+    path = Path(out) if out else None  # default: from the model's name, once built
+    if path is not None and not path.parent.is_dir():
         raise PtplanError(f"output folder does not exist: {path.parent}")
 
     import torch  # torch only when profiling: the other commands stay fast
@@ -111,6 +139,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
+    path = path or default_out(model.name, dev_kind, dtype)
     if project is not None:
         import datetime
 

@@ -15,6 +15,8 @@ import torch
 
 from ptplan.planner.errors import PtplanError
 
+from .models import CAUSAL_FAMILIES
+
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """(inputs, labels, attention_mask or None), first dim = samples."""
 
@@ -150,7 +152,7 @@ def check_data(ds: Dataset, model, what: str = "the data") -> None:
     if tuple(y.shape[1:]) != tuple(ry.shape[1:]):
         raise PtplanError(f"{what}: labels of shape {list(y.shape)} but {model.name} takes "
                           f"[samples{''.join(f', {d}' for d in ry.shape[1:])}]")
-    if family in ("gpt2", "llama"):  # models.CAUSAL_FAMILIES
+    if family in CAUSAL_FAMILIES:
         vocab = int(model.config.vocab_size)
         ok = (y == -100) | ((y >= 0) & (y < vocab))
         if not bool(ok.all()):

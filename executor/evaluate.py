@@ -33,6 +33,7 @@ from torch import Tensor
 from ptplan.planner.errors import PtplanError
 
 from .data import Dataset
+from .models import CAUSAL_FAMILIES
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8
@@ -78,7 +79,7 @@ def batch_counts(model: torch.nn.Module, output: Tensor, labels: Tensor) -> tupl
     """(loss sum, count, correct) of one micro-batch: the model's mean loss times what it averages over
     (samples, or next-token labels other than -100), and the correct arg-max predictions (classification)."""
     loss = float(model.loss(output, labels))
-    if getattr(model, "family", None) in ("gpt2", "llama"):
+    if getattr(model, "family", None) in CAUSAL_FAMILIES:
         count = float((labels[:, 1:] != -100).sum())
         return loss * count, count, 0.0
     correct = float((output.argmax(dim=-1) == labels).sum())
@@ -89,10 +90,10 @@ def finish(model: torch.nn.Module, loss_sum: float, count: float, correct: float
            seconds: float = 0.0) -> Metrics:
     """Metrics from the summed counts (shared by the pipelined and the single-process evaluation)."""
     if count <= 0:
-        raise PtplanError(f"the eval set has no {'predicted tokens' if getattr(model, 'family', None) in ('gpt2', 'llama') else 'samples'} "
+        raise PtplanError(f"the eval set has no {'predicted tokens' if getattr(model, 'family', None) in CAUSAL_FAMILIES else 'samples'} "
                           f"to score ({samples} samples)")
     loss = loss_sum / count
-    if getattr(model, "family", None) in ("gpt2", "llama"):
+    if getattr(model, "family", None) in CAUSAL_FAMILIES:
         return Metrics(loss=loss, samples=samples, perplexity=math.exp(min(loss, 700.0)), seconds=seconds)
     return Metrics(loss=loss, samples=samples, accuracy=correct / samples, seconds=seconds)
 

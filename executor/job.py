@@ -64,7 +64,7 @@ def build_for_plan(plan: Plan, cfg: RunConfig):
     """The model adapter ``cfg.model`` at the plan's granularity and sequence length, with the classifier
     size ``cfg.num_labels`` (None: the plan's profile's, see ``plan_num_labels``)."""
     from .models import build_model
-    from .profiler import head_num_labels
+    from .profiler import head_num_labels, model_family
 
     prof = plan.inputs.profile
     gran = prof.granularity
@@ -74,7 +74,7 @@ def build_for_plan(plan: Plan, cfg: RunConfig):
               else plan_num_labels(plan, cfg.model, cfg.plan))
     common = dict(granularity=gran, dtype=dtype, dropout=cfg.dropout, weights=cfg.weights, seed=cfg.seed,
                   **({} if labels is None else {"num_labels": labels}))
-    if cfg.model.startswith("vit"):
+    if model_family(cfg.model) == "vit":  # a preset name or a local ViT folder
         model = build_model(cfg.model, image_size=cfg.image_size, **common)
         if cfg.image_size is None and isinstance(seq, int) and seq != model.seq_len and seq > 1:
             side = math.isqrt(seq - 1)

@@ -48,11 +48,12 @@ missing or mismatched weight is an error.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -60,49 +61,127 @@ from torch import Tensor, nn
 
 from ptplan.planner.errors import PtplanError
 
-MODEL_NAMES: tuple[str, ...] = ("bert-tiny", "bert-base", "bert-large", "vit-tiny", "vit-base", "vit-large",
-                                "gpt2-tiny", "gpt2", "gpt2-medium", "bert-small", "vit-small", "llama-tiny")
-FAMILIES = ("bert", "vit", "gpt2", "llama")
-CAUSAL_FAMILIES = ("gpt2", "llama")
+FAMILIES = ("bert", "vit", "gpt2", "llama", "roberta", "distilbert", "mistral", "qwen2")
+"""The Hugging Face ``model_type``s ptplan has an adapter for; a model's family is its config's model_type."""
+CAUSAL_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 """Families whose head is a language-model head: next-token loss, labels = token ids."""
+CLASSIFIER_FAMILIES = ("bert", "roberta", "distilbert", "vit")
+"""Families whose head is a classifier (``num_labels`` classes, cross-entropy on ``[B]`` labels)."""
+ADAPTERS = {"bert": "bert", "roberta": "bert", "distilbert": "distilbert", "vit": "vit", "gpt2": "gpt2",
+            "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+"""model_type -> the layer structure that runs it (RoBERTa's blocks are BERT's; Mistral's and Qwen2's Llama's)."""
+REFUSED_FAMILIES = {
+    "deberta-v2": (
+        "DeBERTa-v2/v3 cannot be cut into a pipeline's layer list: every block's disentangled attention reads "
+        "the encoder's one relative-position table (encoder.rel_embeddings, with its LayerNorm), a parameter "
+        "shared by all blocks, and a pipeline cannot share one parameter between stages (copying it per block "
+        "would train L different tables, unlike the model; configs with conv_kernel_size > 0 also add the "
+        "embedding output back after block 0, a second tensor a stage boundary cannot carry)"),
+    "deberta": ("DeBERTa (v1) cannot be cut into a pipeline's layer list: its blocks share one relative-position "
+                "table (encoder.rel_embeddings), a parameter a pipeline cannot share between stages"),
+}
+"""model_type -> why it has no adapter (``build_model`` refuses it with this reason)."""
 GRANULARITIES = ("block", "half")
 
 _TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=256)
 _SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
-# name -> (family, config keyword arguments). Real sizes from the published checkpoints.
+_BERT_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+_BERT_LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+_ROBERTA = dict(vocab_size=50265, max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5,
+                pad_token_id=1, bos_token_id=0, eos_token_id=2)
+_LLAMA_TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=128, vocab_size=1024, max_position_embeddings=512)
+_LLAMA3_ROPE = dict(rope_type="llama3", high_freq_factor=4.0, low_freq_factor=1.0,
+                    original_max_position_embeddings=8192)
+# name -> (family, config keyword arguments). Real sizes from the published checkpoints' config.json
+# (written here, no network); tests/test_models.py checks their parameter counts against the published ones.
 _PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "bert-tiny": ("bert", dict(_TINY, vocab_size=1024)),
     "bert-small": ("bert", dict(_SMALL, vocab_size=1024)),
-    "bert-base": ("bert", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                               intermediate_size=3072)),
-    "bert-large": ("bert", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                intermediate_size=4096)),
+    "bert-base": ("bert", dict(_BERT_BASE)),
+    "bert-large": ("bert", dict(_BERT_LARGE)),
     "vit-tiny": ("vit", dict(_TINY, image_size=32, patch_size=8)),
     "vit-small": ("vit", dict(_SMALL, image_size=64, patch_size=8)),
-    "vit-base": ("vit", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                             intermediate_size=3072, image_size=224, patch_size=16)),
-    "vit-large": ("vit", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                              intermediate_size=4096, image_size=224, patch_size=16)),
+    "vit-base": ("vit", dict(_BERT_BASE, image_size=224, patch_size=16)),
+    "vit-large": ("vit", dict(_BERT_LARGE, image_size=224, patch_size=16)),
     "gpt2-tiny": ("gpt2", dict(n_embd=64, n_layer=4, n_head=4, vocab_size=1024, bos_token_id=1023,
                                 eos_token_id=1023)),
     "gpt2": ("gpt2", dict(n_embd=768, n_layer=12, n_head=12)),
     "gpt2-medium": ("gpt2", dict(n_embd=1024, n_layer=24, n_head=16)),
     # Llama family (RoPE, RMSNorm, grouped-query attention); Mistral and Qwen2 share the block structure.
-    "llama-tiny": ("llama", dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                 intermediate_size=128, vocab_size=1024, max_position_embeddings=512)),
+    "llama-tiny": ("llama", dict(_LLAMA_TINY)),
+    # the other families' test sizes
+    "roberta-tiny": ("roberta", dict(_TINY, vocab_size=1024, max_position_embeddings=514, type_vocab_size=1,
+                                     layer_norm_eps=1e-5, pad_token_id=1, bos_token_id=0, eos_token_id=2)),
+    "distilbert-tiny": ("distilbert", dict(dim=64, n_layers=4, n_heads=4, hidden_dim=256, vocab_size=1024)),
+    "mistral-tiny": ("mistral", dict(_LLAMA_TINY, sliding_window=None)),
+    "qwen2-tiny": ("qwen2", dict(_LLAMA_TINY, tie_word_embeddings=True)),
+    # Hugging Face names (the published configs' sizes)
+    "bert-base-uncased": ("bert", dict(_BERT_BASE)),
+    "bert-large-uncased": ("bert", dict(_BERT_LARGE)),
+    "bert-base-cased": ("bert", dict(_BERT_BASE, vocab_size=28996)),
+    "roberta-base": ("roberta", dict(_BERT_BASE, **_ROBERTA)),
+    "roberta-large": ("roberta", dict(_BERT_LARGE, **_ROBERTA)),
+    "distilroberta-base": ("roberta", dict(_BERT_BASE, num_hidden_layers=6, **_ROBERTA)),
+    "distilbert-base-uncased": ("distilbert", dict(dim=768, n_layers=6, n_heads=12, hidden_dim=3072,
+                                                   vocab_size=30522)),
+    "gpt2-large": ("gpt2", dict(n_embd=1280, n_layer=36, n_head=20)),
+    "gpt2-xl": ("gpt2", dict(n_embd=1600, n_layer=48, n_head=25)),
+    "vit-base-patch16-224": ("vit", dict(_BERT_BASE, image_size=224, patch_size=16)),
+    "vit-large-patch16-224": ("vit", dict(_BERT_LARGE, image_size=224, patch_size=16)),
+    "vit-huge-patch14-224": ("vit", dict(hidden_size=1280, num_hidden_layers=32, num_attention_heads=16,
+                                         intermediate_size=5120, image_size=224, patch_size=14)),
+    "llama-2-7b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                 num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+                                 max_position_embeddings=4096, rms_norm_eps=1e-5)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                   rope_parameters=dict(_LLAMA3_ROPE, rope_theta=500000.0, factor=32.0))),
+    "llama-3.1-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                                   max_position_embeddings=131072, rms_norm_eps=1e-5,
+                                   rope_parameters=dict(_LLAMA3_ROPE, rope_theta=500000.0, factor=8.0))),
+    "mistral-7b": ("mistral", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                   num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                                   max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096,
+                                   rope_theta=10000.0)),
+    "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                   max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                   rope_theta=1000000.0)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                                 max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0)),
 }
-_DEFAULT_SEQ_LEN = {"bert": 128, "gpt2": 128, "llama": 128}
+_ALIASES = {"vit-huge": "vit-huge-patch14-224", "distilbert-base": "distilbert-base-uncased",
+            "mistral-7b-v0.1": "mistral-7b", "qwen2-0.5b": "qwen2.5-0.5b", "qwen2-7b": "qwen2.5-7b"}
+"""Other spellings of preset names."""
+_FIRST = ("bert-tiny", "bert-base", "bert-large", "vit-tiny", "vit-base", "vit-large", "gpt2-tiny", "gpt2",
+          "gpt2-medium", "bert-small", "vit-small", "llama-tiny")
+MODEL_NAMES: tuple[str, ...] = _FIRST + tuple(n for n in _PRESETS if n not in _FIRST)
+"""Every preset name (``_ALIASES`` spell some of them otherwise; a local folder is a model too)."""
+_DEFAULT_SEQ_LEN = {f: 128 for f in FAMILIES if f != "vit"}
 _DROPOUT_FIELDS = {
     "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"),
+    "roberta": ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout"),
+    "distilbert": ("dropout", "attention_dropout", "seq_classif_dropout"),
     "vit": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "llama": ("attention_dropout",),
+    "mistral": ("attention_dropout",),
+    "qwen2": ("attention_dropout",),
 }
 # Keys a base-model checkpoint may lack: the task head, initialised from the seed instead.
 _HEAD_KEYS = {"bert": {"classifier.weight", "classifier.bias"},
+              "roberta": {"classifier.dense.weight", "classifier.dense.bias", "classifier.out_proj.weight",
+                          "classifier.out_proj.bias"},
+              "distilbert": {"pre_classifier.weight", "pre_classifier.bias", "classifier.weight", "classifier.bias"},
               "vit": {"classifier.weight", "classifier.bias"},
               "gpt2": {"lm_head.weight"},
-              "llama": {"lm_head.weight"}}
+              "llama": {"lm_head.weight"},
+              "mistral": {"lm_head.weight"},
+              "qwen2": {"lm_head.weight"}}
 
 
 @dataclass(frozen=True)
@@ -126,10 +205,14 @@ def bert_additive_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Ten
     return (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
-def causal_additive_mask(x: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """``[B|1, 1, S, S]`` additive mask: causal, and also dropping padded keys when a mask is given."""
+def causal_additive_mask(x: Tensor, attention_mask: Tensor | None, window: int | None = None) -> Tensor:
+    """``[B|1, 1, S, S]`` additive mask: causal (within ``window`` earlier tokens when given), and also
+    dropping padded keys when a mask is given."""
     S = x.shape[1]
-    keep = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()[None, None]
+    keep = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+    if window is not None:
+        keep = keep.triu(-(window - 1))
+    keep = keep[None, None]
     if attention_mask is not None:
         keep = keep & attention_mask[:, None, None, :].to(torch.bool)
     zeros = torch.zeros(keep.shape, dtype=x.dtype, device=x.device)
@@ -207,6 +290,73 @@ class ClassifierHead(nn.Module):
         if self.first_token:
             x = x[:, 0, :]
         return self.classifier(self.dropout(x))
+
+
+# ---- RoBERTa and DistilBERT layers (RoBERTa's embeddings and blocks run through the BERT layers) ----------
+
+class TokenZeroDense(nn.Module):
+    """Token 0 of ``[B, S, H]`` -> dropout (when given) -> dense -> activation: ``[B, H]``.
+
+    The first part of RoBERTa's ``RobertaClassificationHead`` (dropout, dense, tanh) and of DistilBERT's
+    classifier (``pre_classifier``, ReLU); it takes the ``norm`` slot, as BERT's pooler does.
+    """
+
+    def __init__(self, dense: nn.Module, activation: str, dropout: nn.Module | None = None) -> None:
+        super().__init__()
+        self.dropout = dropout if dropout is not None else nn.Identity()
+        self.dense = dense
+        self.activation = activation
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        h = self.dense(self.dropout(x[:, 0, :]))
+        return torch.tanh(h) if self.activation == "tanh" else F.relu(h)
+
+
+class DistilBertEmbeddingLayer(nn.Module):
+    """Token ids ``[B, S]`` -> word + position embeddings, LayerNorm, dropout (no token types)."""
+
+    def __init__(self, embeddings: nn.Module) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.embeddings(x)
+
+
+class DistilBertAttentionHalf(nn.Module):
+    """``sa_layer_norm(x + attention(x))`` (post-LN), with the padding mask."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.attention = block.attention
+        self.sa_layer_norm = block.sa_layer_norm
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        h, _ = self.attention(x, attention_mask=bert_additive_mask(attention_mask, x.dtype))
+        return self.sa_layer_norm(h + x)
+
+
+class DistilBertMLPHalf(nn.Module):
+    """``output_layer_norm(x + ffn(x))`` (post-LN)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.ffn = block.ffn
+        self.output_layer_norm = block.output_layer_norm
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.output_layer_norm(self.ffn(x) + x)
+
+
+class DistilBertBlock(nn.Module):
+    """One whole DistilBERT ``TransformerBlock``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.block(x, attention_mask=bert_additive_mask(attention_mask, x.dtype))
 
 
 # ---- ViT layers --------------------------------------------------------------------------------
@@ -348,25 +498,36 @@ class LlamaEmbeddingLayer(nn.Module):
         return self.embed_tokens(x)
 
 
+def sliding_window(self_attn: nn.Module) -> int | None:
+    """The attention's sliding window (Mistral: the config's ``sliding_window``; Qwen2: its layer's, set
+    only for ``sliding_attention`` layers), None when it attends to every earlier token."""
+    w = getattr(self_attn, "sliding_window", None)
+    if w is None and type(self_attn).__name__.startswith("Mistral"):
+        w = getattr(self_attn.config, "sliding_window", None)
+    return int(w) if w else None
+
+
 class LlamaAttentionHalf(nn.Module):
     """``x + self_attn(input_layernorm(x))`` with RoPE for positions 0..S-1 and a causal (and padding) mask.
 
     The rotary tables are recomputed per layer from the shared ``rotary_emb`` (no parameters), so a
-    stage needs nothing but the hidden states.
+    stage needs nothing but the hidden states. With a sliding window (Mistral, Qwen2's sliding layers)
+    the mask is banded as Hugging Face's: token i sees tokens j with i - window < j <= i.
     """
 
     def __init__(self, block: nn.Module, rotary_emb: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = block.input_layernorm
         self.self_attn = block.self_attn
+        self.window = sliding_window(block.self_attn)
         object.__setattr__(self, "_rotary", rotary_emb)  # buffers only; not a submodule of every layer
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         pos = torch.arange(x.shape[1], device=x.device)[None]
         rotary = self._rotary.to(x.device)
         pe = rotary(x, position_ids=pos)
-        h, _ = self.self_attn(self.input_layernorm(x), position_embeddings=pe,
-                              attention_mask=causal_additive_mask(x, attention_mask))
+        mask = causal_additive_mask(x, attention_mask, window=self.window)
+        h, _ = self.self_attn(self.input_layernorm(x), position_embeddings=pe, attention_mask=mask)
         return x + h
 
 
@@ -444,7 +605,8 @@ class LayeredModel(nn.Module):
 
     def __init__(self, *, name: str, family: str, granularity: str, config: Any, seq_len: int,
                  num_blocks: int, layers: list[nn.Module], specs: list[LayerSpec], num_labels: int,
-                 image_size: int | None = None) -> None:
+                 image_size: int | None = None, loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+                 batch_fn: Callable[..., tuple[Tensor, Tensor, Tensor | None]] | None = None) -> None:
         super().__init__()
         assert len(layers) == len(specs)
         self.name, self.family, self.granularity = name, family, granularity
@@ -454,6 +616,14 @@ class LayeredModel(nn.Module):
         self.image_size = image_size
         self.layers = nn.ModuleList(layers)
         self.specs = tuple(specs)
+        # plain attributes, not submodules (a loss module has no weights to train or move)
+        object.__setattr__(self, "loss_fn", loss_fn)
+        object.__setattr__(self, "batch_fn", batch_fn)
+
+    @property
+    def custom(self) -> bool:
+        """Made by ``custom_model`` (the user's layers or loss), not by ``build_model``."""
+        return self.loss_fn is not None or self.batch_fn is not None
 
     def forward(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """Run every layer in order: raw inputs -> logits."""
@@ -473,7 +643,10 @@ class LayeredModel(nn.Module):
         return x
 
     def loss(self, output: Tensor, labels: Tensor) -> Tensor:
-        """Mean cross-entropy (GPT-2: next-token, ignoring label -100), computed in float32."""
+        """Mean cross-entropy (causal LMs: next-token, ignoring label -100), computed in float32; or the
+        ``loss_fn`` given to ``custom_model``."""
+        if self.loss_fn is not None:
+            return self.loss_fn(output, labels)
         if self.family in CAUSAL_FAMILIES:
             logits = output[:, :-1, :].float()
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
@@ -491,6 +664,10 @@ class LayeredModel(nn.Module):
         if batch_size < 1:
             raise PtplanError(f"batch size must be >= 1, got {batch_size}")
         p = next(self.parameters())
+        if self.batch_fn is not None:
+            bx, by, bm = self.batch_fn(batch_size, generator)
+            bx = bx.to(p.device, p.dtype) if bx.is_floating_point() else bx.to(p.device)
+            return bx, by.to(p.device), None if bm is None else bm.to(p.device)
         B, S = batch_size, self.seq_len
         if self.family == "vit":
             c = self.config
@@ -523,17 +700,22 @@ def _quiet_transformers():
 
 
 def _classes(family: str):
+    """(config class, task model class) of a family (a Hugging Face model_type)."""
     import transformers as tf
 
     return {"bert": (tf.BertConfig, tf.BertForSequenceClassification),
+            "roberta": (tf.RobertaConfig, tf.RobertaForSequenceClassification),
+            "distilbert": (tf.DistilBertConfig, tf.DistilBertForSequenceClassification),
             "vit": (tf.ViTConfig, tf.ViTForImageClassification),
             "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
-            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM)}[family]
+            "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[family]
 
 
 def _apply_overrides(config: Any, family: str, *, num_labels: int, dropout: float | None,
                      image_size: int | None) -> None:
-    if family in ("bert", "vit"):
+    if family in CLASSIFIER_FAMILIES:
         config.num_labels = num_labels
     if dropout is not None:
         for f in _DROPOUT_FIELDS[family]:
@@ -542,27 +724,151 @@ def _apply_overrides(config: Any, family: str, *, num_labels: int, dropout: floa
         config.image_size = image_size
 
 
-def _load_pretrained(family: str, weights: str | os.PathLike, overrides: dict[str, Any]) -> nn.Module:
+# ---- which model: a preset name or a local folder ----------------------------------------------
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's architecture and weights come from, and what profiles call it."""
+
+    label: str
+    """The model's name in profiles, plans and logs: the preset name, or for a folder its Hugging Face
+    name (config.json's ``_name_or_path`` when that is a hub name) or else the folder's name."""
+    family: str
+    """The Hugging Face ``model_type`` (picks the adapter: ``ADAPTERS``)."""
+    preset: dict[str, Any] | None
+    """Config keyword arguments of a preset (None for a folder)."""
+    folder: Path | None
+    """A Hugging Face model folder (config.json; None for a preset)."""
+    load_weights: bool
+    """Load the folder's weight files (else every weight is initialised from the seed)."""
+
+
+def is_model_folder(name: str | os.PathLike) -> bool:
+    """Whether ``name`` names a local folder (a Hugging Face model folder, or meant as one)."""
+    return Path(name).is_dir()
+
+
+def _weight_files(d: Path) -> list[Path]:
+    return sorted([*d.glob("*.safetensors"), *d.glob("pytorch_model*.bin")])
+
+
+def _check_family(model_type: Any, where: str) -> str:
+    if model_type in REFUSED_FAMILIES:
+        raise PtplanError(f"{where} is a {model_type!r} model, which ptplan refuses: {REFUSED_FAMILIES[model_type]}. "
+                          f"Supported: {', '.join(FAMILIES)}")
+    if model_type not in FAMILIES:
+        raise PtplanError(f"{where} is a {model_type!r} model; ptplan has adapters for the model types "
+                          f"{', '.join(FAMILIES)}")
+    return str(model_type)
+
+
+def read_folder_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a Hugging Face model folder as a dict, its model_type checked (PtplanError otherwise)."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise PtplanError(f"model folder not found: {d}")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise PtplanError(f"{d} has no config.json; expected a Hugging Face model folder (save_pretrained output)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PtplanError(f"cannot read {cfg_path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise PtplanError(f"{cfg_path} is not a JSON object")
+    _check_family(raw.get("model_type"), f"{cfg_path}")
+    return raw
+
+
+def folder_label(folder: str | os.PathLike, raw: dict[str, Any]) -> str:
+    """A folder model's name: config.json's ``_name_or_path`` when it is a hub name (``org/name`` or
+    ``name``, not a local path), else the folder's own name."""
+    d = Path(folder).absolute()
+    hub = raw.get("_name_or_path")
+    if (isinstance(hub, str) and hub.strip() and hub == hub.strip() and hub.count("/") <= 1
+            and not hub.startswith(("/", ".", "~")) and "\\" not in hub and not Path(hub).exists()):
+        return hub
+    return d.name or str(d)
+
+
+def _preset(name: str) -> tuple[str, dict[str, Any]] | None:
+    key = _ALIASES.get(name, name)
+    return _PRESETS.get(key)
+
+
+def _unknown(name: str) -> PtplanError:
+    hint = (f"; {name} looks like a path but is not a folder" if any(c in name for c in "/\\") or name.startswith(".")
+            else "")
+    return PtplanError(f"unknown model {name!r}{hint}; choose one of {', '.join(MODEL_NAMES)}, or give a local "
+                       f"Hugging Face model folder (its config.json is enough; weights are loaded when present)")
+
+
+def model_source(name: str | os.PathLike, weights: str | os.PathLike | None = None) -> ModelSource:
+    """Resolve ``name`` (a preset, an alias, or a local model folder) and ``weights`` (a folder of weights
+    whose config.json sets the architecture) into a ModelSource; PtplanError when neither works.
+
+    The adapter follows the folder's config.json ``model_type``; a preset name given with ``weights`` of
+    another layer structure (e.g. ``gpt2`` with a BERT folder) is refused, one of the same structure
+    (``llama-tiny`` with a Mistral folder) is run with the folder's own model type.
+    """
+    name = str(name)
+    preset = _preset(name)
+    if preset is None and not is_model_folder(name):
+        raise _unknown(name)
+    if weights is None:
+        if preset is not None:
+            return ModelSource(label=_ALIASES.get(name, name), family=preset[0], preset=dict(preset[1]),
+                               folder=None, load_weights=False)
+        raw = read_folder_config(name)
+        d = Path(name)
+        return ModelSource(label=folder_label(d, raw), family=raw["model_type"], preset=None, folder=d,
+                           load_weights=bool(_weight_files(d)))
     d = Path(weights)
     if not d.is_dir():
         raise PtplanError(f"weights folder not found: {d}")
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise PtplanError(f"weights folder {d} has no config.json; expected a Hugging Face model folder")
+    raw = read_folder_config(d)
+    family = raw["model_type"]
+    named = preset[0] if preset is not None else read_folder_config(name)["model_type"]
+    if ADAPTERS[named] != ADAPTERS[family]:
+        raise PtplanError(f"weights in {d} are a {family!r} model but {name} is a {named!r} model; give the folder "
+                          f"itself as the model (ptplan profile {d} / ptplan run --model {d}) or pick a {family} "
+                          f"model name")
+    if not _weight_files(d):
+        raise PtplanError(f"weights folder {d} has no *.safetensors or pytorch_model*.bin weight files; to build "
+                          f"the model from its config.json alone (random init), give the folder as the model "
+                          f"(ptplan profile {d})")
+    return ModelSource(label=folder_label(d, raw), family=family, preset=None, folder=d, load_weights=True)
+
+
+def family_of(name: str | os.PathLike) -> str | None:
+    """The family (model_type) of a preset name or model folder; None when ``name`` is neither (or the
+    folder's config cannot be read)."""
+    preset = _preset(str(name))
+    if preset is not None:
+        return preset[0]
+    if not is_model_folder(name):
+        return None
     try:
-        model_type = json.loads(cfg_path.read_text()).get("model_type")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise PtplanError(f"cannot read {cfg_path}: {e}") from None
-    if model_type != family:
-        raise PtplanError(f"weights in {d} are a {model_type!r} model but the adapter is a {family!r} model; "
-                          f"pick a {model_type} model name or another folder")
-    if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
-        raise PtplanError(f"weights folder {d} has no *.safetensors or *.bin weight files")
-    config_cls, model_cls = _classes(family)
+        return str(read_folder_config(name)["model_type"])
+    except PtplanError:
+        return None
+
+
+def preset_config(name: str) -> Any:
+    """The Hugging Face config of a preset (or alias), as ``build_model`` builds it (before overrides)."""
+    preset = _preset(name)
+    if preset is None:
+        raise _unknown(name)
+    family, kw = preset
+    with _quiet_transformers():
+        return _classes(family)[0](**kw)
+
+
+def _load_pretrained(family: str, d: Path, config: Any) -> nn.Module:
+    """The task model of ``family`` with the weights in folder ``d`` (config: the folder's, overridden)."""
+    model_cls = _classes(family)[1]
     try:
         with _quiet_transformers():
-            config = config_cls.from_pretrained(d, local_files_only=True)
-            _apply_overrides(config, family, **overrides)
             hf, info = model_cls.from_pretrained(d, config=config, local_files_only=True,
                                                  output_loading_info=True, ignore_mismatched_sizes=True)
     except (OSError, ValueError, RuntimeError, KeyError) as e:
@@ -596,12 +902,17 @@ def _seq_len_for(family: str, config: Any, seq_len: int | None) -> int:
         return n
     s = _DEFAULT_SEQ_LEN[family] if seq_len is None else seq_len
     limit = config.max_position_embeddings
+    if family == "roberta":  # positions start after the padding index (RoBERTa's 514 = 512 + 2)
+        limit -= config.pad_token_id + 1
     if not 1 <= s <= limit:
-        raise PtplanError(f"sequence length {s} is outside 1..{limit} (max_position_embeddings of this model)")
+        raise PtplanError(f"sequence length {s} is outside 1..{limit} (the position embeddings of this model)")
     return s
 
 
 def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Module], list[LayerSpec]]:
+    """The task model ``hf`` of ``family`` as the flat layer list (the layers hold hf's own submodules)."""
+    if family in REFUSED_FAMILIES:
+        raise PtplanError(REFUSED_FAMILIES[family])
     layers: list[nn.Module] = []
     specs: list[LayerSpec] = []
 
@@ -609,9 +920,71 @@ def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Modu
         layers.append(m)
         specs.append(LayerSpec(name, kind, block))
 
-    half = granularity == "half"
+    def add_backbone() -> None:
+        blayers, bspecs = backbone_layers(hf, granularity)
+        layers.extend(blayers)
+        specs.extend(bspecs)
+
+    adapter = ADAPTERS[family]
+    add_backbone()
     if family == "bert":
-        base = hf.bert
+        add(BertPoolerLayer(hf.bert.pooler), "pooler", "norm")
+        add(ClassifierHead(hf.classifier, hf.dropout), "head", "head")
+    elif family == "roberta":  # RobertaClassificationHead: token 0, dropout, dense, tanh | dropout, out_proj
+        c = hf.classifier
+        add(TokenZeroDense(c.dense, "tanh", c.dropout), "pooler", "norm")
+        add(ClassifierHead(c.out_proj, c.dropout), "head", "head")
+    elif family == "distilbert":  # token 0, pre_classifier, ReLU | dropout, classifier
+        add(TokenZeroDense(hf.pre_classifier, "relu"), "pre_classifier", "norm")
+        add(ClassifierHead(hf.classifier, hf.dropout), "head", "head")
+    elif adapter == "llama":
+        if hf.lm_head.weight is hf.model.embed_tokens.weight:  # tied: a pipeline cannot share it, untie
+            hf.lm_head.weight = nn.Parameter(hf.model.embed_tokens.weight.detach().clone())
+            hf.config.tie_word_embeddings = False
+        add(LinearHead(hf.lm_head), "head", "head")
+    elif family == "vit":
+        add(ClassifierHead(hf.classifier, first_token=True), "head", "head")
+    else:
+        add(LMHead(hf.transformer.wte.weight), "head", "head")  # untied: see the module docstring
+    return layers, specs
+
+
+def _base_model(hf: nn.Module) -> tuple[str, nn.Module]:
+    """(family, base model) of a Hugging Face model: the base model itself (``BertModel``) or a task model's
+    (``BertForSequenceClassification.bert``)."""
+    config = getattr(hf, "config", None)
+    family = getattr(config, "model_type", None)
+    if family in REFUSED_FAMILIES:
+        raise PtplanError(REFUSED_FAMILIES[family])
+    if family not in FAMILIES:
+        raise PtplanError(f"{type(hf).__name__} is a {family!r} model; ptplan can cut {', '.join(FAMILIES)} models "
+                          f"into layers (or give custom_model your own layer list)")
+    base = getattr(hf, "base_model", hf)
+    return str(family), base
+
+
+def backbone_layers(hf: nn.Module, granularity: str = "half") -> tuple[list[nn.Module], list[LayerSpec]]:
+    """A Hugging Face model's embedding, blocks and (pre-LN families) final norm as ptplan layers.
+
+    ``hf``: a base model (``BertModel``, ``RobertaModel``, ``DistilBertModel``, ``ViTModel``,
+    ``GPT2Model``, ``LlamaModel``, ``MistralModel``, ``Qwen2Model``) or a task model holding one. The
+    layers wrap hf's own submodules (training them trains hf). Post-LN encoders (BERT, RoBERTa,
+    DistilBERT) end with their last block; ViT, GPT-2 and the Llama family with their final norm.
+    Add a head and a loss and hand them to ``custom_model``.
+    """
+    if granularity not in GRANULARITIES:
+        raise PtplanError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
+    family, base = _base_model(hf)
+    adapter = ADAPTERS[family]
+    half = granularity == "half"
+    layers: list[nn.Module] = []
+    specs: list[LayerSpec] = []
+
+    def add(m: nn.Module, name: str, kind: str, block: int | None = None) -> None:
+        layers.append(m)
+        specs.append(LayerSpec(name, kind, block))
+
+    if adapter == "bert":
         add(BertEmbeddingLayer(base.embeddings), "embeddings", "embedding")
         for i, blk in enumerate(base.encoder.layer):
             if half:
@@ -619,10 +992,15 @@ def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Modu
                 add(BertMLPHalf(blk.intermediate, blk.output), f"block{i}.mlp", "mlp", i)
             else:
                 add(BertBlock(blk), f"block{i}", "block", i)
-        add(BertPoolerLayer(base.pooler), "pooler", "norm")
-        add(ClassifierHead(hf.classifier, hf.dropout), "head", "head")
-    elif family == "vit":
-        base = hf.vit
+    elif adapter == "distilbert":
+        add(DistilBertEmbeddingLayer(base.embeddings), "embeddings", "embedding")
+        for i, blk in enumerate(base.transformer.layer):
+            if half:
+                add(DistilBertAttentionHalf(blk), f"block{i}.attn", "attention", i)
+                add(DistilBertMLPHalf(blk), f"block{i}.mlp", "mlp", i)
+            else:
+                add(DistilBertBlock(blk), f"block{i}", "block", i)
+    elif adapter == "vit":
         add(ViTEmbeddingLayer(base.embeddings), "embeddings", "embedding")
         for i, blk in enumerate(base.layers):
             if half:
@@ -631,9 +1009,7 @@ def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Modu
             else:
                 add(ViTBlock(blk), f"block{i}", "block", i)
         add(NormLayer(base.layernorm), "layernorm", "norm")
-        add(ClassifierHead(hf.classifier, first_token=True), "head", "head")
-    elif family == "llama":
-        base = hf.model
+    elif adapter == "llama":
         add(LlamaEmbeddingLayer(base.embed_tokens), "embeddings", "embedding")
         for i, blk in enumerate(base.layers):
             if half:
@@ -642,12 +1018,7 @@ def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Modu
             else:
                 add(LlamaBlockLayer(blk, base.rotary_emb), f"block{i}", "block", i)
         add(NormLayer(base.norm), "norm", "norm")
-        if hf.lm_head.weight is base.embed_tokens.weight:  # tied: a pipeline cannot share it, untie
-            hf.lm_head.weight = nn.Parameter(base.embed_tokens.weight.detach().clone())
-            hf.config.tie_word_embeddings = False
-        add(LinearHead(hf.lm_head), "head", "head")
     else:
-        base = hf.transformer
         add(GPT2EmbeddingLayer(base.wte, base.wpe, base.drop), "embeddings", "embedding")
         for i, blk in enumerate(base.h):
             if half:
@@ -656,31 +1027,34 @@ def _flatten(family: str, hf: nn.Module, granularity: str) -> tuple[list[nn.Modu
             else:
                 add(GPT2BlockLayer(blk), f"block{i}", "block", i)
         add(NormLayer(base.ln_f), "ln_f", "norm")
-        add(LMHead(base.wte.weight), "head", "head")  # untied: see the module docstring
     return layers, specs
 
 
-def build_model(name: str, *, granularity: str = "half", seq_len: int | None = None, image_size: int | None = None,
-                num_labels: int = 2, dtype: torch.dtype = torch.float32, dropout: float | None = None,
-                weights: str | os.PathLike | None = None, seed: int = 0) -> LayeredModel:
-    """Build the adapter for ``name`` (one of MODEL_NAMES), on the CPU, in ``dtype``.
+def build_model(name: str | os.PathLike, *, granularity: str = "half", seq_len: int | None = None,
+                image_size: int | None = None, num_labels: int = 2, dtype: torch.dtype = torch.float32,
+                dropout: float | None = None, weights: str | os.PathLike | None = None, seed: int = 0) -> LayeredModel:
+    """Build the adapter for ``name`` on the CPU, in ``dtype``.
 
-    ``seq_len``: tokens per sample (BERT/GPT-2; default 128). ``image_size``: ViT pixels per side
-    (default the config's: 224, tiny 32). ``dropout``: None keeps the config's, a number sets every
-    dropout of the model. ``weights``: a local Hugging Face model folder to load (its config.json
-    sets the sizes). ``seed``: initialises every weight not loaded from ``weights``.
+    ``name``: a preset (``MODEL_NAMES``, or an alias such as ``vit-huge``) or a local Hugging Face model
+    folder: its config.json sets the architecture and picks the adapter (by ``model_type``), and its
+    weights are loaded when the folder has weight files (else every weight is initialised from
+    ``seed``: enough for profiling). ``seq_len``: tokens per sample (text models; default 128).
+    ``image_size``: ViT pixels per side (default the config's: 224, tiny 32). ``dropout``: None keeps
+    the config's, a number sets every dropout of the model. ``weights``: a local folder whose weights
+    to load (its config.json sets the sizes, as ``from_pretrained`` does). ``seed``: initialises every
+    weight not loaded. The model's ``name`` is the preset name, or the folder's model name
+    (``folder_label``); its ``family`` is the Hugging Face model_type.
     """
-    if name not in _PRESETS:
-        raise PtplanError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     if granularity not in GRANULARITIES:
         raise PtplanError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
     if num_labels < 1:
         raise PtplanError(f"num_labels must be >= 1, got {num_labels}")
     if dropout is not None and not 0.0 <= dropout < 1.0:
         raise PtplanError(f"dropout must be in [0, 1), got {dropout}")
-    family, preset = _PRESETS[name]
+    src = model_source(name, weights)
+    family = src.family
     if image_size is not None and family != "vit":
-        raise PtplanError(f"--image-size applies to ViT models only, not {name}")
+        raise PtplanError(f"--image-size applies to ViT models only, not {src.label} (a {family} model)")
     if image_size is not None and image_size < 1:
         raise PtplanError(f"image size must be >= 1, got {image_size}")
     if seq_len is not None and seq_len < 1:
@@ -689,24 +1063,85 @@ def build_model(name: str, *, granularity: str = "half", seq_len: int | None = N
     config_cls, model_cls = _classes(family)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if weights is not None:
-            hf = _load_pretrained(family, weights, overrides)
+        with _quiet_transformers():
+            if src.folder is not None:
+                try:
+                    config = config_cls.from_pretrained(src.folder, local_files_only=True)
+                except (OSError, ValueError, TypeError, KeyError) as e:
+                    raise PtplanError(f"cannot read the {family} config in {src.folder}: {e}") from None
+            else:
+                config = config_cls(**(src.preset or {}))
+        _apply_overrides(config, family, **overrides)
+        _seq_len_for(family, config, seq_len)  # validate before paying for the weights
+        if src.folder is not None and src.load_weights:
+            hf = _load_pretrained(family, src.folder, config)
             config = hf.config
         else:
-            config = config_cls(**preset)
-            _apply_overrides(config, family, **overrides)
-            _seq_len_for(family, config, seq_len)  # validate before paying for the weights
             with _quiet_transformers():
                 hf = model_cls(config)
     n = _seq_len_for(family, config, seq_len)
     hf.eval()
     layers, specs = _flatten(family, hf, granularity)
-    model = LayeredModel(name=name, family=family, granularity=granularity, config=config, seq_len=n,
+    model = LayeredModel(name=src.label, family=family, granularity=granularity, config=config, seq_len=n,
                          num_blocks=config.num_hidden_layers, layers=layers, specs=specs,
                          num_labels=num_labels, image_size=config.image_size if family == "vit" else None)
     model.to(dtype=dtype)
     model.eval()
     return model
+
+
+# ---- your own model: layers, head and loss --------------------------------------------------------
+
+def custom_model(layers: Sequence[nn.Module], specs: Sequence[LayerSpec], loss: Callable[[Tensor, Tensor], Tensor],
+                 *, name: str, config: Any, seq_len: int, num_labels: int = 2, family: str | None = None,
+                 granularity: str = "half", image_size: int | None = None,
+                 make_batch: Callable[..., tuple[Tensor, Tensor, Tensor | None]] | None = None) -> LayeredModel:
+    """Your own model as the ``LayeredModel`` that the profiler, ``ptplan``'s planner (through its
+    profile) and the elastic runtime (``training.run_training``) take.
+
+    ``layers``: the model in execution order, each an ``nn.Module`` with ``forward(x, attention_mask=None)``
+    (one tensor in, one out; the ``[B, S]`` 0/1 padding mask reaches every layer), e.g.
+    ``backbone_layers(hf_model)`` plus your head. ``specs``: one ``LayerSpec`` per layer; layers of
+    Transformer block i have ``block=i`` (blocks numbered 0..L-1 in order, each block's layers
+    contiguous): freezing counts blocks, and a block's layers freeze together with everything before
+    them. ``loss(output_of_last_layer, labels) -> scalar`` (the mean over the micro-batch: the runtime
+    averages micro-batches). ``config``: the backbone's Hugging Face config (``hidden_size`` and
+    ``vocab_size`` are read). ``family``: the backbone's model_type (default ``config.model_type``):
+    it says what the inputs are (token ids, or pixels for ``vit``). ``make_batch(batch_size,
+    generator) -> (inputs, labels, attention_mask or None)``: synthetic data of your shapes (the
+    profiler and the data checks use it); default: the family's (ids ``[B, seq_len]`` with class
+    labels ``[B]`` in ``0..num_labels-1``).
+    """
+    layers, specs = list(layers), list(specs)
+    if not layers or len(layers) != len(specs):
+        raise PtplanError(f"custom_model needs one LayerSpec per layer; got {len(layers)} layers and {len(specs)} specs")
+    for i, (m, sp) in enumerate(zip(layers, specs)):
+        if not isinstance(m, nn.Module):
+            raise PtplanError(f"layer {i} is a {type(m).__name__}, not an nn.Module")
+        if not isinstance(sp, LayerSpec):
+            raise PtplanError(f"spec {i} is a {type(sp).__name__}, not a LayerSpec")
+        params = inspect.signature(m.forward).parameters
+        if "attention_mask" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            raise PtplanError(f"layer {i} ({sp.name}, {type(m).__name__}) must take forward(x, attention_mask=None)")
+    blocks = [sp.block for sp in specs if sp.block is not None]
+    if not blocks:
+        raise PtplanError("custom_model needs at least one layer with a block index (LayerSpec.block)")
+    runs = [b for j, b in enumerate(blocks) if j == 0 or b != blocks[j - 1]]
+    if runs != list(range(len(runs))):
+        raise PtplanError(f"block indices must run 0, 1, ..., L-1 in order with each block's layers contiguous; "
+                          f"got {blocks}")
+    if len({sp.name for sp in specs}) != len(specs):
+        raise PtplanError("layer names (LayerSpec.name) must be unique")
+    fam = family or getattr(config, "model_type", None)
+    if fam not in FAMILIES:
+        raise PtplanError(f"family {fam!r}: give the backbone's model_type, one of {', '.join(FAMILIES)}")
+    if not callable(loss):
+        raise PtplanError("loss must be callable as loss(output, labels) -> scalar tensor")
+    if num_labels < 1 or seq_len < 1:
+        raise PtplanError(f"num_labels and seq_len must be >= 1, got {num_labels} and {seq_len}")
+    return LayeredModel(name=name, family=str(fam), granularity=granularity, config=config, seq_len=seq_len,
+                        num_blocks=len(runs), layers=layers, specs=specs, num_labels=num_labels,
+                        image_size=image_size, loss_fn=loss, batch_fn=make_batch)
 
 
 def config_summary(model: LayeredModel) -> dict[str, Any]:

@@ -68,7 +68,7 @@ from torch import Tensor
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
-from .models import FAMILIES, LayeredModel, config_summary
+from .models import CAUSAL_FAMILIES, LayeredModel, config_summary, family_of
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ADAMW_STATE_BYTES_PER_PARAM = 8
@@ -376,30 +376,31 @@ def check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
 
 # ---- classification heads ----------------------------------------------------------------------
 
-DEFAULT_NUM_LABELS = {"bert": 2, "vit": 1000}
-"""The usual classification head per family: BERT a 2-class sequence classifier (as
+DEFAULT_NUM_LABELS = {"bert": 2, "roberta": 2, "distilbert": 2, "vit": 1000}
+"""The usual classification head per family: the text encoders a 2-class sequence classifier (as
 ``BertForSequenceClassification``), ViT ImageNet-1k's 1000 classes (as the published ViT
-checkpoints). GPT-2 has a language-model head instead (one logit per vocabulary token)."""
+checkpoints). The causal families (``models.CAUSAL_FAMILIES``) have a language-model head instead
+(one logit per vocabulary token)."""
 
 
 def model_family(name: str) -> str | None:
-    """``bert-base`` -> ``bert``, ``gpt2-medium`` -> ``gpt2``; None when the name is of no known family."""
-    family = name.split("-", 1)[0]
-    return family if family in FAMILIES else None
+    """The family (Hugging Face model_type) of a preset name or a local model folder: ``bert-base`` ->
+    ``bert``, ``gpt2-medium`` -> ``gpt2``, a Mistral folder -> ``mistral``; None when ``name`` is neither."""
+    return family_of(name)
 
 
 def head_num_labels(name: str, num_labels: int | None) -> int | None:
     """The classifier size for model ``name``: ``num_labels`` when given, else the family's usual head.
 
-    None for GPT-2 (and for unknown names, which ``build_model`` refuses); GPT-2 with ``num_labels``
-    is an error, since its head is the language-model head.
+    None for a causal LM (and for unknown names, which ``build_model`` refuses); a causal LM with
+    ``num_labels`` is an error, since its head is the language-model head.
     """
     family = model_family(name)
-    if family in ("gpt2", "llama"):
+    if family in CAUSAL_FAMILIES:
         if num_labels is not None:
             raise PtplanError(f"{name} has a language-model head (one logit per vocabulary token), not a "
-                              f"classifier, so --num-labels does not apply; leave it out (it is for bert and vit "
-                              f"models)")
+                              f"classifier, so --num-labels does not apply; leave it out (it is for "
+                              f"{', '.join(DEFAULT_NUM_LABELS)} models)")
         return None
     if num_labels is not None and (isinstance(num_labels, bool) or num_labels < 1):
         raise PtplanError(f"--num-labels must be at least 1, got {num_labels}")

@@ -7,12 +7,26 @@ import pytest
 import torch
 import transformers as tf
 
-from ptplan.executor.models import MODEL_NAMES, LayeredModel, LayerSpec, build_model
+from ptplan.executor.models import (MODEL_NAMES, LayeredModel, LayerSpec, _apply_overrides, _flatten, backbone_layers,
+                                    build_model, model_source, preset_config)
 from ptplan.planner.errors import PtplanError
 
-TINY = ("bert-tiny", "vit-tiny", "gpt2-tiny", "llama-tiny")
+TINY = ("bert-tiny", "vit-tiny", "gpt2-tiny", "llama-tiny", "roberta-tiny", "distilbert-tiny", "mistral-tiny",
+        "qwen2-tiny")
 HF_CLASS = {"bert": tf.BertForSequenceClassification, "vit": tf.ViTForImageClassification,
-            "gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM}
+            "gpt2": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM,
+            "roberta": tf.RobertaForSequenceClassification, "distilbert": tf.DistilBertForSequenceClassification,
+            "mistral": tf.MistralForCausalLM, "qwen2": tf.Qwen2ForCausalLM}
+BASE = {"bert": (tf.BertModel, "bert"), "vit": (tf.ViTModel, "vit"), "gpt2": (tf.GPT2Model, "transformer"),
+        "llama": (tf.LlamaModel, "model"), "roberta": (tf.RobertaModel, "roberta"),
+        "distilbert": (tf.DistilBertModel, "distilbert"), "mistral": (tf.MistralModel, "model"),
+        "qwen2": (tf.Qwen2Model, "model")}
+"""family -> (the HF base model class, its attribute in the task model)."""
+MLP_OUT = {"bert": ("output.dense", "encoder.layer.1.output.dense"), "roberta": ("output.dense", "encoder.layer.1.output.dense"),
+           "distilbert": ("ffn.lin2", "transformer.layer.1.ffn.lin2"), "vit": ("mlp.fc2", "layers.1.mlp.fc2"),
+           "gpt2": ("mlp.c_proj", "h.1.mlp.c_proj"), "llama": ("mlp.down_proj", "layers.1.mlp.down_proj"),
+           "mistral": ("mlp.down_proj", "layers.1.mlp.down_proj"), "qwen2": ("mlp.down_proj", "layers.1.mlp.down_proj")}
+"""family -> (the second block's MLP output projection in layer 4 of the half model, the same in the HF base model)."""
 ATOL = 1e-5
 
 
@@ -27,10 +41,13 @@ def _tiny(name: str, granularity: str = "half", **kw) -> LayeredModel:
 
 
 def _reference(m: LayeredModel) -> torch.nn.Module:
-    """The Hugging Face task model with the same config and seed (so the same initial weights)."""
+    """The Hugging Face task model with the preset's own config (a tied head stays tied: qwen2-tiny) and the
+    same seed, so the same initial weights."""
+    cfg = preset_config(m.name)
+    _apply_overrides(cfg, m.family, num_labels=m.num_labels, dropout=0.0, image_size=m.image_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        ref = HF_CLASS[m.family](m.config)
+        ref = HF_CLASS[m.family](cfg)
     return ref.eval()
 
 
@@ -47,10 +64,9 @@ def test_flat_layers_match_hugging_face(name, granularity):
     ref = _reference(m)
     # same initial weights: the comparison below is meaningful
     emb = m.layers[0]
-    ref_emb = {"bert": lambda: ref.bert.embeddings.word_embeddings.weight,
-               "vit": lambda: ref.vit.embeddings.patch_embeddings.projection.weight,
-               "gpt2": lambda: ref.transformer.wte.weight,
-               "llama": lambda: ref.model.embed_tokens.weight}[m.family]()
+    ref_emb = next(iter(getattr(ref, BASE[m.family][1]).get_input_embeddings().parameters()))
+    if m.family == "vit":
+        ref_emb = ref.vit.embeddings.patch_embeddings.projection.weight
     assert any(torch.equal(p, ref_emb) for p in emb.parameters())
     x, labels, mask = m.make_batch(3, torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -71,9 +87,9 @@ def test_flat_layers_match_hugging_face(name, granularity):
 @pytest.mark.parametrize("name", TINY)
 def test_block_boundaries_match_hidden_states(name):
     m = _tiny(name, "half")
-    base = {"bert": tf.BertModel, "vit": tf.ViTModel, "gpt2": tf.GPT2Model, "llama": tf.LlamaModel}[m.family]
+    base, attr = BASE[m.family]
     ref = _reference(m)
-    sub = getattr(ref, {"bert": "bert", "vit": "vit", "gpt2": "transformer", "llama": "model"}[m.family])
+    sub = getattr(ref, attr)
     assert isinstance(sub, base)
     x, _, mask = m.make_batch(2, torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -83,25 +99,28 @@ def test_block_boundaries_match_hidden_states(name):
             torch.testing.assert_close(got, hs[i + 1], atol=ATOL, rtol=1e-5)
 
 
-def test_bert_padding_mask_matches_and_matters():
-    m = _tiny("bert-tiny")
+@pytest.mark.parametrize("name", ["bert-tiny", "roberta-tiny", "distilbert-tiny"])
+def test_encoder_padding_mask_matches_and_matters(name):
+    m = _tiny(name)
     ref = _reference(m)
     x, _, _ = m.make_batch(2, torch.Generator().manual_seed(3))
     mask = _padding_mask(2, x.shape[1])
     with torch.no_grad():
         out = m(x, mask)
         torch.testing.assert_close(out, ref(input_ids=x, attention_mask=mask).logits, atol=ATOL, rtol=1e-5)
-        # the mask is really used: without it the padded sample changes, the full one does not
-        free = m(x, None)
-        assert not torch.allclose(free[0], out[0], atol=1e-4)
-        torch.testing.assert_close(free[1], out[1], atol=ATOL, rtol=1e-5)
+        # the mask is really used: without it the padded sample's token 0 (what the head reads) changes after
+        # the blocks, the full sample's does not
+        top = len(m.layers) - 2
+        free, kept = m.run_layers(x, 0, top, None)[:, 0], m.run_layers(x, 0, top, mask)[:, 0]
+        assert not torch.allclose(free[0], kept[0], atol=1e-3)
+        torch.testing.assert_close(free[1], kept[1], atol=ATOL, rtol=1e-5)
         # changing a padded token does not change the output
         x2 = x.clone()
         x2[0, -1] = (x2[0, -1] % 1000) + 1
         torch.testing.assert_close(m(x2, mask), out, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "mistral-tiny", "qwen2-tiny"])
 def test_causal_padding_mask_matches_on_real_tokens(name):
     m = _tiny(name)
     ref = _reference(m)
@@ -114,7 +133,7 @@ def test_causal_padding_mask_matches_on_real_tokens(name):
     torch.testing.assert_close(out[keep], want[keep], atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "mistral-tiny"])
 @pytest.mark.parametrize("granularity", ["half", "block"])
 def test_causal_lm_is_causal_layer_by_layer(name, granularity):
     m = _tiny(name, granularity)
@@ -141,15 +160,14 @@ def test_gradients_match_hugging_face(name):
     kw = {} if m.family == "vit" else {"attention_mask": mask}
     ref(**{key: x}, labels=labels, **kw).loss.backward()
     # a weight in the middle of the model: the second block's MLP output projection
-    got = {"bert": lambda: m.layers[4].output.dense.weight.grad,
-           "vit": lambda: m.layers[4].mlp.fc2.weight.grad,
-           "gpt2": lambda: m.layers[4].mlp.c_proj.weight.grad,
-           "llama": lambda: m.layers[4].mlp.down_proj.weight.grad}[m.family]()
-    want = {"bert": lambda: ref.bert.encoder.layer[1].output.dense.weight.grad,
-            "vit": lambda: ref.vit.layers[1].mlp.fc2.weight.grad,
-            "gpt2": lambda: ref.transformer.h[1].mlp.c_proj.weight.grad,
-            "llama": lambda: ref.model.layers[1].mlp.down_proj.weight.grad}[m.family]()
+    ours, theirs = MLP_OUT[m.family]
+    got = m.layers[4].get_submodule(ours).weight.grad
+    want = getattr(ref, BASE[m.family][1]).get_submodule(theirs).weight.grad
+    assert got is not None and float(got.abs().max()) > 0
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # and the first layer (the embedding) and the head, the ends of the gradient path
+    emb = next(p for p in m.layers[0].parameters() if p.grad is not None)
+    assert float(emb.grad.abs().max()) > 0
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -200,8 +218,9 @@ def test_make_batch_shapes_and_dtypes():
 
 
 def test_defaults_and_real_sizes():
-    assert set(MODEL_NAMES) == {"bert-tiny", "bert-small", "bert-base", "bert-large", "vit-tiny", "vit-small",
-                                "vit-base", "vit-large", "gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny"}
+    assert {"bert-tiny", "bert-small", "bert-base", "bert-large", "vit-tiny", "vit-small", "vit-base", "vit-large",
+            "gpt2-tiny", "gpt2", "gpt2-medium", "llama-tiny", "roberta-tiny", "distilbert-tiny", "mistral-tiny",
+            "qwen2-tiny", "roberta-base", "gpt2-large", "vit-huge-patch14-224"} <= set(MODEL_NAMES)
     m = build_model("bert-tiny")
     assert m.seq_len == 128 and m.granularity == "half" and m.family == "bert"
     assert not m.training  # built in eval mode
@@ -239,14 +258,15 @@ def test_pretrained_minilm_matches_hugging_face(minilm_dir):
 
 
 def test_pretrained_errors(minilm_dir, tmp_path):
-    with pytest.raises(PtplanError, match="'bert' model but the adapter is a 'gpt2'"):
+    with pytest.raises(PtplanError, match="'bert' model but gpt2-tiny is a 'gpt2' model; give the folder itself"):
         build_model("gpt2-tiny", weights=minilm_dir)
     with pytest.raises(PtplanError, match="weights folder not found"):
         build_model("bert-tiny", weights=tmp_path / "nope")
     with pytest.raises(PtplanError, match="no config.json"):
         build_model("bert-tiny", weights=tmp_path)
     (tmp_path / "config.json").write_text((minilm_dir / "config.json").read_text())
-    with pytest.raises(PtplanError, match="no \\*.safetensors or \\*.bin"):
+    with pytest.raises(PtplanError, match=r"no \*.safetensors or pytorch_model\*.bin weight files; to build the "
+                                          r"model from its config.json alone \(random init\), give the folder"):
         build_model("bert-tiny", weights=tmp_path)
     # a checkpoint whose shapes do not fit its config
     cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -263,6 +283,9 @@ def test_bad_names_and_options():
     with pytest.raises(PtplanError) as e:
         build_model("bert-huge")
     assert "unknown model 'bert-huge'" in str(e.value) and all(n in str(e.value) for n in MODEL_NAMES)
+    assert "or give a local Hugging Face model folder" in str(e.value)
+    with pytest.raises(PtplanError, match="looks like a path but is not a folder"):
+        build_model("./no-such-model")
     with pytest.raises(PtplanError, match="granularity"):
         build_model("bert-tiny", granularity="quarter")
     with pytest.raises(PtplanError, match="sequence length 1000 is outside"):
@@ -302,3 +325,155 @@ def test_llama_adapter_runs_mistral_and_qwen2(family):
         # a tied head is untied into a copy (a pipeline cannot share one parameter between stages)
         assert layers[-1].lm_head.weight is not layers[0].embed_tokens.weight
         assert torch.equal(layers[-1].lm_head.weight, layers[0].embed_tokens.weight) == (family == "qwen2")
+
+
+# ---- sliding windows, local folders, names, sizes, refusals --------------------------------------
+
+def test_mistral_sliding_window_matches_hugging_face():
+    """A window shorter than the sequence: the banded mask gives HF's logits, and differs from no window."""
+    cfg = tf.MistralConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=512, max_position_embeddings=64, sliding_window=4)
+    torch.manual_seed(0)
+    hf = tf.MistralForCausalLM(cfg).eval()
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(7))
+    mask = _padding_mask(2, 12)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+    for granularity in ("half", "block"):
+        layers, _ = _flatten("mistral", hf, granularity)
+        assert layers[1].window == 4 if granularity == "half" else layers[1].attn.window == 4
+        x = ids
+        with torch.no_grad():
+            for layer in layers:
+                x = layer(x, attention_mask=mask)
+        torch.testing.assert_close(x[mask.bool()], want[mask.bool()], atol=ATOL, rtol=1e-5)
+    cfg.sliding_window = None
+    with torch.no_grad():
+        wide = tf.MistralForCausalLM(cfg).eval()
+        wide.load_state_dict(hf.state_dict())
+        assert not torch.allclose(wide(input_ids=ids, attention_mask=mask).logits[0, 8:], want[0, 8:], atol=1e-4)
+
+
+def _save(hf_model, folder, weights: bool = True):
+    hf_model.save_pretrained(folder)
+    if not weights:
+        for f in folder.glob("*.safetensors"):
+            f.unlink()
+    return folder
+
+
+@pytest.mark.parametrize("family", ["roberta", "distilbert", "mistral", "qwen2"])
+def test_local_folder_picks_its_adapter_and_loads_its_weights(family, tmp_path):
+    """A folder is a model: its config.json's model_type picks the adapter, its weights are loaded, and the
+    layer list computes what the folder's own Hugging Face model computes."""
+    cfg = preset_config(f"{family}-tiny")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)  # not build_model's seed: the weights must come from the folder
+        hf = HF_CLASS[family](cfg).eval()
+    d = _save(hf, tmp_path / f"my-{family}")
+    m = build_model(str(d), seq_len=12, dropout=0.0)
+    assert (m.family, m.name, m.num_blocks) == (family, f"my-{family}", 4)
+    x, _, mask = m.make_batch(2, torch.Generator().manual_seed(1))
+    mask = _padding_mask(2, 12)
+    with torch.no_grad():
+        out, want = m(x, mask), hf(input_ids=x, attention_mask=mask).logits
+    keep = mask.bool() if family in ("mistral", "qwen2") else slice(None)
+    torch.testing.assert_close(out[keep], want[keep], atol=ATOL, rtol=1e-5)
+    # the same folder as --weights under a name of the same layer structure
+    if family in ("mistral", "qwen2"):
+        same = build_model("llama-tiny", weights=d, seq_len=12, dropout=0.0)
+        assert same.family == family and same.name == f"my-{family}"
+        with torch.no_grad():
+            torch.testing.assert_close(same(x, mask), out, atol=0, rtol=0)
+
+
+def test_config_only_folder_builds_with_random_init(tmp_path):
+    """A config alone is enough (profiling needs no trained weights): random init from the seed."""
+    cfg = preset_config("roberta-tiny")
+    d = tmp_path / "cfg-only"
+    d.mkdir()
+    cfg.save_pretrained(d)
+    a, b = build_model(str(d), seq_len=8, seed=0), build_model(str(d), seq_len=8, seed=0)
+    c = build_model(str(d), seq_len=8, seed=1)
+    assert a.family == "roberta" and a.name == "cfg-only"
+    pa, pc = dict(a.named_parameters()), dict(c.named_parameters())
+    assert all(torch.equal(p, dict(b.named_parameters())[k]) for k, p in pa.items())
+    assert not torch.equal(pa["layers.1.attention.self.query.weight"], pc["layers.1.attention.self.query.weight"])
+    # and it is the preset's architecture
+    ref = build_model("roberta-tiny", seq_len=8)
+    assert [n for n, _ in a.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert [p.shape for p in a.parameters()] == [p.shape for p in ref.parameters()]
+
+
+def test_real_model_name_recorded(minilm_dir, tmp_path):
+    """The MiniLM is called by its Hugging Face name, not 'bert-base'; its family is still bert."""
+    by_weights = build_model("bert-base", weights=minilm_dir, seq_len=8)
+    by_folder = build_model(str(minilm_dir), seq_len=8)
+    assert by_weights.name == by_folder.name == "nreimers/MiniLM-L6-H384-uncased"
+    assert by_folder.family == "bert" and by_folder.num_blocks == 6
+    wa, wb = dict(by_weights.named_parameters()), dict(by_folder.named_parameters())
+    assert all(torch.equal(wa[k], wb[k]) for k in wa if not k.startswith(f"layers.{len(by_folder.layers) - 1}."))
+    src = model_source("vit-huge")  # an alias records the name it stands for
+    assert (src.label, src.family, src.preset["patch_size"]) == ("vit-huge-patch14-224", "vit", 14)
+
+
+def test_unsupported_families_are_refused_with_the_reason(tmp_path):
+    d = tmp_path / "deberta"
+    d.mkdir()
+    tf.DebertaV2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                       vocab_size=512).save_pretrained(d)
+    with pytest.raises(PtplanError, match=r"'deberta-v2' model, which ptplan refuses: .*rel_embeddings.*shared by "
+                                          r"all blocks.*cannot share one parameter between stages"):
+        build_model(str(d))
+    e = tmp_path / "t5"
+    e.mkdir()
+    tf.T5Config(d_model=64, num_layers=1, num_heads=2, d_ff=128, vocab_size=100).save_pretrained(e)
+    with pytest.raises(PtplanError, match="'t5' model; ptplan has adapters for the model types bert, vit"):
+        build_model(str(e))
+    with pytest.raises(PtplanError, match="rel_embeddings"):
+        backbone_layers(tf.DebertaV2Model(tf.DebertaV2Config(hidden_size=64, num_hidden_layers=1,
+                                                             num_attention_heads=4, intermediate_size=128,
+                                                             vocab_size=64)))
+
+
+PUBLISHED = {  # parameters of the Hugging Face base model (no task head), from the published checkpoints
+    "bert-base-uncased": 109_482_240, "bert-large-uncased": 335_141_888, "bert-base-cased": 108_310_272,
+    "roberta-base": 124_645_632, "roberta-large": 355_359_744, "distilroberta-base": 82_118_400,
+    "distilbert-base-uncased": 66_362_880, "gpt2": 124_439_808, "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200, "vit-base-patch16-224": 86_389_248,
+    "vit-large-patch16-224": 304_351_232, "vit-huge-patch14-224": 632_404_480,
+    # decoders: the published totals less the untied LM head (vocab x hidden); tied ones equal their totals
+    "llama-2-7b": 6_738_415_616 - 32000 * 4096, "llama-3.1-8b": 8_030_261_248 - 128256 * 4096,
+    "llama-3.2-1b": 1_235_814_400, "mistral-7b": 7_241_732_096 - 32000 * 4096,
+    "qwen2.5-0.5b": 494_032_768, "qwen2.5-7b": 7_615_616_512 - 152064 * 3584,
+}
+
+
+def test_hugging_face_sizes_have_the_published_parameter_counts():
+    """Each named config, instantiated on the meta device (no memory), has its checkpoint's parameter count."""
+    assert set(PUBLISHED) <= set(MODEL_NAMES)
+    for name, want in PUBLISHED.items():
+        cfg = preset_config(name)
+        with torch.device("meta"):
+            base = tf.AutoModel.from_config(cfg)
+        assert sum(p.numel() for p in base.parameters()) == want, name
+
+
+@pytest.mark.parametrize("name", ["roberta-tiny", "distilbert-tiny", "mistral-tiny", "qwen2-tiny"])
+def test_new_families_export_to_folders_transformers_loads(name, tmp_path):
+    """``export_hf`` writes the family's own Hugging Face class (a Mistral is a MistralForCausalLM), and
+    ``AutoModelFor...from_pretrained`` of it predicts what the layer list predicts."""
+    from ptplan.executor.export import export_hf
+
+    m = _tiny(name, **({"num_labels": 3} if "bert" in name else {}))
+    with torch.no_grad():  # weights unlike the init: what a run would have trained
+        for p in m.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    export_hf(m, {k: v.detach().clone() for k, v in m.named_parameters()}, tmp_path / "out")
+    auto = tf.AutoModelForCausalLM if m.family in ("mistral", "qwen2") else tf.AutoModelForSequenceClassification
+    hf = auto.from_pretrained(tmp_path / "out").eval()
+    assert type(hf) is HF_CLASS[m.family]
+    x, _, _ = m.make_batch(2, torch.Generator().manual_seed(9))
+    mask = _padding_mask(2, x.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, mask), hf(input_ids=x, attention_mask=mask).logits, atol=ATOL, rtol=1e-5)
