@@ -67,6 +67,17 @@ from ptplan.planner.errors import PtplanError
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
               help="Write the final model here as a Hugging Face folder (from_pretrained loads it; with "
                    "--weights, that folder's tokenizer files too). Must not exist or be empty.")
+@click.option("--export-best", is_flag=True,
+              help="Write --export at the best held-out evaluation (accuracy; loss for causal LMs) instead of "
+                   "the end; needs --eval-data.")
+@click.option("--save-model-every", type=int, default=0, show_default=True,
+              help="Every N optimizer steps, write the model only (a Hugging Face folder, no optimizer state) to "
+                   "--save-model-dir/model-stepNNNNNN.")
+@click.option("--save-model-dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for --save-model-every [default: --checkpoint-dir].")
+@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="bf16: forward passes under torch.autocast in bfloat16 (weights, gradients and optimizer state "
+                   "stay float32); on CUDA (a GPU with bf16) or CPU.")
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model.")
 @click.option("--num-labels", type=int, default=None,
               help="Classes of the classification head (bert, vit) [default: the plan's profile's].")
@@ -98,7 +109,8 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
         decay_all: bool, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
         resume: bool, log_path: str, data: str, no_shuffle: bool, eval_data: str | None, eval_every: int,
-        eval_batch_size: int, export_dir: str | None, dropout: float | None, num_labels: int | None,
+        eval_batch_size: int, export_dir: str | None, export_best: bool, save_model_every: int,
+        save_model_dir: str | None, precision: str, dropout: float | None, num_labels: int | None,
         device: str, timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None,
         cache_budget: str | None, cache_spill_dir: str | None, cache_allow_nondeterministic: bool,
         dry_run: bool) -> None:
@@ -116,16 +128,20 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)
-    cfg = RunConfig(plan=os.path.abspath(plan_path), model=model, weights=weights, epochs=epochs,
+    # Every path the workers read or write is made absolute here: they may start in another directory.
+    save_model_dir = save_model_dir or (checkpoint_dir if save_model_every else None)
+    cfg = RunConfig(plan=os.path.abspath(plan_path), model=model, weights=_absolute(weights), epochs=epochs,
                     steps_per_epoch=steps_per_epoch, optimizer=optimizer,
                     lr=lr if lr is not None else (5e-5 if optimizer == "adamw" else 0.01), lr_schedule=lr_schedule,
                     warmup_steps=warmup_steps, clip_grad_norm=clip_grad_norm, decay_all=decay_all, momentum=momentum,
                     weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every,
                     alpha=alpha, checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
                     checkpoint_every=checkpoint_every, resume=resume,
-                    log=os.path.abspath(log_path) if log_path else None, data=data, shuffle=not no_shuffle,
+                    log=os.path.abspath(log_path) if log_path else None,
+                    data=data if data == "synthetic" else os.path.abspath(data), shuffle=not no_shuffle,
                     eval_data=os.path.abspath(eval_data) if eval_data else None, eval_every=eval_every,
-                    eval_batch_size=eval_batch_size, export=os.path.abspath(export_dir) if export_dir else None,
+                    eval_batch_size=eval_batch_size, export=_absolute(export_dir), export_best=export_best,
+                    save_model_every=save_model_every, save_model_dir=_absolute(save_model_dir), precision=precision,
                     dropout=dropout, num_labels=num_labels, device=device, timeout_s=timeout_s,
                     progress=not no_progress, cache=cache_mode,
                     cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
@@ -139,9 +155,16 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
         click.echo(shlex.join(command(cfg, rdzv)))
         return
     outcome = launch(cfg, rdzv, worker_log=wlog)
+    if outcome.swept:
+        click.echo(f"note: removed {len(outcome.swept)} file(s) left by ended ptplan jobs: "
+                   f"{', '.join(outcome.swept)}", err=True)
     if outcome.code:
         click.echo(f"error: {outcome.message}", err=True)
         sys.exit(outcome.code)
+
+
+def _absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
 
 
 def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
@@ -176,10 +199,23 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
                           f"(/dev/shm)")
     if data_file is not None and not os.path.exists(data_file):
         raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
-    if cfg.export is not None:
+    if cfg.export is not None and not (cfg.export_best and cfg.resume):  # a resumed --export-best: the best so far
         from ptplan.executor.export import check_export_dir
 
         check_export_dir(cfg.export)
+    if cfg.weights is not None and not os.path.isdir(cfg.weights):
+        raise PtplanError(f"--weights {cfg.weights}: no such folder; give a local Hugging Face model folder")
+    if cfg.save_model_dir is not None:
+        if os.path.exists(cfg.save_model_dir) and not os.path.isdir(cfg.save_model_dir):
+            raise PtplanError(f"--save-model-dir {cfg.save_model_dir} is a file, not a folder")
+        check_outputs([], [("model checkpoint", os.path.join(cfg.save_model_dir, "model-step000000"))],
+                      make_folders=True)
+    if cfg.precision == "bf16" and cfg.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise PtplanError(f"--precision bf16: {torch.cuda.get_device_name(0)} has no bfloat16 support; run "
+                              f"with --precision fp32")
     if cfg.eval_data is not None and not os.path.exists(cfg.eval_data):
         raise PtplanError(f"--eval-data {cfg.eval_data}: no such file; pass a .pt/.npz file in the --data format")
     model = build_for_plan(plan, cfg)

@@ -13,6 +13,7 @@ from .optim import OPTIMIZERS
 FREEZE_MODES = ("planned", "adaptive")
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_MODES = ("auto", "off")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +78,17 @@ class RunConfig:
     """Samples per evaluation micro-batch on each pipeline."""
     export: str | None = None
     """Folder to write the final model to as a Hugging Face folder (``export.export_hf``); None: none."""
+    export_best: bool = False
+    """Write ``export`` at the best held-out evaluation instead of the end (accuracy, ties and causal LMs by
+    loss; needs ``eval_data``): rewritten each time an evaluation beats the best so far."""
+    save_model_every: int = 0
+    """Every N optimizer steps, write the model only (a Hugging Face folder, no optimizer state) to
+    ``save_model_dir/model-step<N>`` (0: never)."""
+    save_model_dir: str | None = None
+    """Folder for the ``save_model_every`` model-only checkpoints."""
+    precision: str = "fp32"
+    """``fp32``, or ``bf16``: the forward passes under ``torch.autocast`` in bfloat16 (CUDA, or CPU), with the
+    weights, gradients and optimizer state kept in ``dtype``."""
     dropout: float | None = None
     """Set every dropout of the model (None: keep the config's)."""
     image_size: int | None = None
@@ -149,6 +161,15 @@ class RunConfig:
             raise PtplanError(f"unknown cache mode {self.cache!r}; use one of {', '.join(CACHE_MODES)}")
         if self.num_labels is not None and self.num_labels < 1:
             raise PtplanError(f"--num-labels must be at least 1, got {self.num_labels}")
+        if self.precision not in PRECISIONS:
+            raise PtplanError(f"unknown --precision {self.precision!r}; use one of {', '.join(PRECISIONS)}")
+        if self.export_best and not (self.export and self.eval_data):
+            raise PtplanError("--export-best needs --export DIR (where to write) and --eval-data (what 'best' is "
+                              "measured on)")
+        if self.save_model_every < 0:
+            raise PtplanError(f"--save-model-every must be >= 0, got {self.save_model_every}")
+        if self.save_model_every and not self.save_model_dir:
+            raise PtplanError("--save-model-every needs a folder: --save-model-dir DIR (or --checkpoint-dir)")
         if self.cache_budget is not None and self.cache_budget < 0:
             raise PtplanError(f"--cache-budget must be >= 0 bytes, got {self.cache_budget}")
 

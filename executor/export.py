@@ -74,11 +74,20 @@ def hf_model(model: nn.Module, weights: dict[str, Tensor]) -> nn.Module:
 
 
 def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLike,
-              source: str | os.PathLike | None = None) -> Path:
-    """Write ``weights`` as a Hugging Face folder at ``out`` (atomically); returns its path."""
-    check_export_dir(out)
-    hf = hf_model(model, weights)
+              source: str | os.PathLike | None = None, *, replace: bool = False) -> Path:
+    """Write ``weights`` as a Hugging Face folder at ``out`` (atomically); returns its path.
+
+    ``replace``: ``out`` may hold an earlier export (``--export-best``, model-only checkpoints): the new
+    folder is written beside it and swapped in, so ``out`` always holds one whole export."""
     dest = Path(out).absolute()
+    if replace:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PtplanError(f"cannot create {dest.parent}: {e.strerror or e}; write elsewhere") from None
+    if not (replace and dest.is_dir()):
+        check_export_dir(out)
+    hf = hf_model(model, weights)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
@@ -87,9 +96,15 @@ def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLi
                 f = Path(source) / name
                 if f.is_file():
                     shutil.copy2(f, tmp / name)
-        if dest.exists():
-            dest.rmdir()  # empty (check_export_dir)
-        os.replace(tmp, dest)
+        if dest.exists() and replace and any(dest.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, old / "x")
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if dest.exists():
+                dest.rmdir()  # empty (check_export_dir)
+            os.replace(tmp, dest)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PtplanError(f"cannot write the export {dest}: {e.strerror or e}; free space or export elsewhere") from None

@@ -7,6 +7,7 @@ progress bar live here too. Every rank calls ``run_training`` with the same argu
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -63,6 +64,8 @@ class Position:
     norm_sum: list[float] = field(default_factory=list)
     """Per block: sum of per-step gradient norms since the last decision (adaptive)."""
     norm_count: int = 0
+    best_eval: list[float] = field(default_factory=list)
+    """``--export-best``: the best evaluation's score (``_score``) and step, once one was exported."""
 
 
 @dataclass
@@ -111,10 +114,13 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
         raise PtplanError(f"the data has {N} samples, fewer than one global batch of "
                           f"{min(ph.global_batch for ph in plan.phases)}")
     check_data(dataset, model)
-    if cfg.export:  # before any training: the same refusal on every rank (rank 0 writes the export)
-        from .export import check_export_dir
+    if cfg.export and not (cfg.export_best and cfg.resume):  # before any training: the same refusal on every
+        from .export import check_export_dir                   # rank (rank 0 writes the export)
 
         check_export_dir(cfg.export)
+    if cfg.export_best and eval_dataset is None:
+        raise PtplanError("--export-best needs --eval-data (the held-out set that says which model is best)")
+    amp = autocast(cfg, device)
     if eval_dataset is not None:
         check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
     backend = dist.get_backend()
@@ -141,6 +147,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                    optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
                    freeze_every=fs.every, batch_policy=training.batch_policy, epochs=epochs,
                    steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=N, plan=cfg.plan,
+                   **({"precision": cfg.precision} if cfg.precision != "fp32" else {}),
                    phases=[dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size,
                                 schedule=p.schedule) for p in plan.phases])
     cache = None
@@ -187,11 +194,17 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
 
     def run_eval() -> None:
         assert eval_dataset is not None
-        m = evaluate(rt, eval_dataset, cfg.eval_batch_size)
+        with amp():
+            m = evaluate(rt, eval_dataset, cfg.eval_batch_size)
         evals.append(m)
         evals_at.append(pos.global_step)
         log.write({"type": "eval", "epoch": pos.epoch, "step": pos.global_step, "phase": rt.phase_index,
                    **m.to_record()})
+        if cfg.export_best and (not pos.best_eval or _score(m) > tuple(pos.best_eval[:2])):
+            pos.best_eval = [*_score(m), float(pos.global_step)]  # the same Metrics on every rank: same decision
+            _export(cfg, rt, cfg.export, replace=True)
+            log.write({"type": "export", "step": pos.global_step, "path": cfg.export, "kind": "best",
+                       **{k: v for k, v in m.to_record().items() if k in ("loss", "accuracy", "perplexity")}})
 
     try:
         while pos.epoch < epochs:
@@ -221,7 +234,8 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 for g in opt.param_groups:
                     g["lr"] = lr
                 t0 = time.perf_counter()
-                loss, norms = rt.train_step(dataset.batch(mine), want_norms=cfg.freeze == "adaptive", ids=mine)
+                with amp():
+                    loss, norms = rt.train_step(dataset.batch(mine), want_norms=cfg.freeze == "adaptive", ids=mine)
                 secs = time.perf_counter() - t0
                 measured = {} if mem is None else (mem.stop() or mem.record())  # collective
                 if cfg.freeze == "adaptive":
@@ -241,6 +255,11 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 bar.set_postfix(loss=f"{loss:.4f}", f=ph.frozen_blocks, K=ph.K, D=ph.D, refresh=False)
                 if eval_dataset is not None and cfg.eval_every and pos.global_step % cfg.eval_every == 0:
                     run_eval()
+                if cfg.save_model_every and pos.global_step % cfg.save_model_every == 0:
+                    assert cfg.save_model_dir is not None  # RunConfig checks it
+                    where = model_checkpoint_path(cfg.save_model_dir, pos.global_step)
+                    _export(cfg, rt, where, replace=True)
+                    log.write({"type": "export", "step": pos.global_step, "path": where, "kind": "model"})
                 if cfg.checkpoint_dir and cfg.checkpoint_every and pos.global_step % cfg.checkpoint_every == 0:
                     _save(cfg, plan, rt, pos, run_id)
                     log.sync()
@@ -260,8 +279,9 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                 last_ckpt = pos.global_step
         if hooks.snapshots:
             _snapshot(rt, hooks, "final", pos.global_step)
-        if cfg.export:
-            _export(cfg, rt)
+        if cfg.export and not (cfg.export_best and pos.best_eval):
+            _export(cfg, rt, cfg.export)
+            log.write({"type": "export", "step": pos.global_step, "path": cfg.export, "kind": "final"})
         dist.barrier()
         if cache is not None:
             cache.finish(ok=True)
@@ -313,15 +333,40 @@ def _snapshot(rt: ElasticRuntime, hooks: Hooks, event: str, step: int) -> None:
         hooks.on_snapshot(event, step, weights)
 
 
-def _export(cfg: RunConfig, rt: ElasticRuntime) -> None:
-    """Gather the final model to rank 0 and write it as a Hugging Face folder; every rank raises rank 0's error."""
+def autocast(cfg: RunConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A context factory for the forward passes: ``torch.autocast`` in bfloat16 on ``device`` for
+    ``--precision bf16`` (the weights, gradients and optimizer state stay in ``cfg.dtype``), else nothing.
+    Refuses bf16 on a GPU without it (PtplanError on every rank)."""
+    if cfg.precision == "fp32":
+        return contextlib.nullcontext
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise PtplanError(f"--precision bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support; run "
+                          f"with --precision fp32")
+    if cfg.dtype != "float32":
+        raise PtplanError(f"--precision bf16 autocasts a float32 model; this run's model is {cfg.dtype}")
+    return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _score(m: Metrics) -> tuple[float, float]:
+    """Larger is better: (accuracy, -loss) for classification, (-loss, 0) for causal LM."""
+    return (m.accuracy, -m.loss) if m.accuracy is not None else (-m.loss, 0.0)
+
+
+def model_checkpoint_path(folder: str, step: int) -> str:
+    """Where ``--save-model-every`` writes the model after ``step`` optimizer steps."""
+    return os.path.join(folder, f"model-step{step:06d}")
+
+
+def _export(cfg: RunConfig, rt: ElasticRuntime, out: str, *, replace: bool = False) -> None:
+    """Gather the model to rank 0 and write it as a Hugging Face folder at ``out``; every rank raises rank 0's
+    error. ``replace``: ``out`` may hold an earlier export (the best so far, a model checkpoint)."""
     from .export import export_hf
 
     weights, _ = rt.gather(with_state=False)
     problem = None
     if rt.rank == 0:
         try:
-            export_hf(rt.model, weights, cfg.export, source=cfg.weights)
+            export_hf(rt.model, weights, out, source=cfg.weights, replace=replace)
         except PtplanError as e:
             problem = str(e)
         del weights

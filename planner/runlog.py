@@ -28,7 +28,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "header": {"schema": "str", "plan_fingerprint": "str?", "model": "str", "world_size": "int",
                "backend": "str?", "optimizer": "str?", "lr": "float?", "seed": "int?", "freeze": "str?",
                "freeze_every": "int?", "batch_policy": "str?", "epochs": "int?", "steps_per_epoch": "int?",
-               "data": "str?", "samples": "int?", "plan": "str?", "phases": "list"},
+               "data": "str?", "samples": "int?", "plan": "str?", "phases": "list", "precision": "str?"},
     "step": {"epoch": "int", "step": "int", "phase": "int", "frozen_blocks": "int", "K": "int", "D": "int",
              "seconds": "float", "samples": "int", "loss": "float", "allreduce_seconds": "float?",
              "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?", "lr": "float?",
@@ -42,6 +42,10 @@ FIELDS: dict[str, dict[str, str]] = {
     "epoch_end": {"epoch": "int", "steps": "int", "reason": "str"},
     "eval": {"epoch": "int", "step": "int", "phase": "int", "loss": "float", "samples": "int", "seconds": "float",
              "accuracy": "float?", "perplexity": "float?"},
+    # a Hugging Face folder written: kind "final" (--export), "best" (--export-best, with the evaluation that
+    # made it best) or "model" (--save-model-every)
+    "export": {"step": "int", "path": "str", "kind": "str", "loss": "float?", "accuracy": "float?",
+               "perplexity": "float?"},
     "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
                     "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
                     "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",

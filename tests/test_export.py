@@ -88,3 +88,61 @@ def test_export_destination_is_checked(tmp_path):
     with pytest.raises(PtplanError, match="cannot create it"):
         check_export_dir(tmp_path / "missing" / "deeper")
     check_export_dir(tmp_path / "new")
+
+
+def _hf_eval(folder, x, y, m) -> tuple[float, float]:
+    """(accuracy, mean loss) of the Hugging Face folder on a held-out batch, computed by transformers alone."""
+    import transformers as tf
+
+    hf = tf.AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=x, attention_mask=m).logits
+    return (logits.argmax(-1) == y).float().mean().item(), torch.nn.functional.cross_entropy(logits, y).item()
+
+
+def test_export_best_and_model_only_checkpoints(tmp_path):
+    """--save-model-every 1 writes each step's model as a Hugging Face folder; --export-best writes the one
+    whose held-out accuracy (then loss) is best -- checked here with transformers alone on the same data."""
+    from safetensors.torch import load_file
+
+    from ptplan.executor.runlog import read_records
+    from ptplan.executor.training import model_checkpoint_path
+
+    name = "bert-tiny"
+    model = _build(name)
+    plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1])
+    x, y, m = model.make_batch(64, generator=torch.Generator().manual_seed(1))
+    y = x[:, 1] % 3  # the class: the first word's id mod 3
+    held = TensorDataset(x[40:], y[40:], m[40:])
+    out, ck = tmp_path / "best", tmp_path / "models"
+    cfg = RunConfig(plan="(test)", model=name, optimizer="adamw", lr=3e-3, seed=0, freeze_every=3, steps_per_epoch=6,
+                    epochs=1, progress=False, timeout_s=60, log=str(tmp_path / "run.jsonl"), export=str(out),
+                    export_best=True, eval_data="held.pt", eval_every=1, save_model_every=1, save_model_dir=str(ck))
+
+    def worker(rank: int, world: int) -> None:
+        run_training(cfg, plan, model, TensorDataset(x[:40], y[:40], m[:40]), eval_dataset=held)
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    recs = read_records(tmp_path / "run.jsonl")
+    evals = {r["step"]: r for r in recs if r["type"] == "eval"}
+    assert sorted(evals) == [1, 2, 3, 4, 5, 6]
+    assert sorted(os.listdir(ck)) == [os.path.basename(model_checkpoint_path(str(ck), s)) for s in range(1, 7)]
+    scores = {}
+    for s, e in evals.items():
+        folder = model_checkpoint_path(str(ck), s)
+        assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]  # the model only
+        acc, loss = _hf_eval(folder, *held.batch(torch.arange(len(held))))
+        assert acc == pytest.approx(e["accuracy"], abs=1e-6) and loss == pytest.approx(e["loss"], rel=1e-4)
+        scores[s] = (acc, -loss)
+    best = max(scores, key=lambda s: (scores[s], -s))  # the first of equals: a later tie does not replace it
+    assert [r["step"] for r in recs if r["type"] == "export" and r["kind"] == "model"] == list(range(1, 7))
+    exports = [r for r in recs if r["type"] == "export" and r["kind"] != "model"]
+    assert exports[-1]["step"] == best and all(r["kind"] == "best" for r in exports)
+    assert [r["step"] for r in exports] == sorted(r["step"] for r in exports)
+    got = load_file(out / "model.safetensors")
+    want = load_file(os.path.join(model_checkpoint_path(str(ck), best), "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    print(f"export-best: step {best} of 6 (accuracy, -loss per step: {scores})")
+    assert best < 6 and len({tuple(v) for v in scores.values()}) > 1  # an earlier step than the last one won
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n or ".old-" in n]

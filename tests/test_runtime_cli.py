@@ -121,3 +121,127 @@ def test_an_export_folder_in_use_is_refused_before_launch(plan_file, tmp_path):
     r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run",
                                  "--export", str(tmp_path / "out")])
     assert r.exit_code == 2 and "exists and is not an empty folder" in r.output, r.output
+
+
+# ---- paths, precision (issue 12) ------------------------------------------------------------------
+
+def _worker_config(output: str) -> dict:
+    """The RunConfig JSON the dry run would hand every worker (``--config``)."""
+    import json
+    import shlex
+
+    words = shlex.split(output.strip().splitlines()[-1])
+    return json.loads(words[words.index("--config") + 1])
+
+
+def test_paths_reach_the_workers_absolute(plan_file, tmp_path, monkeypatch):
+    from ptplan.executor.export import hf_model
+
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    (tmp_path / "in").mkdir()
+    hf_model(model, {k: v.detach() for k, v in model.named_parameters()}).save_pretrained(tmp_path / "in" / "bert-tiny")
+    x, y, m = model.make_batch(16, generator=torch.Generator().manual_seed(7))
+    torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "in" / "train.pt")
+    torch.save({"inputs": x[:6], "labels": y[:6], "attention_mask": m[:6]}, tmp_path / "in" / "held.pt")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run",
+                                 "--weights", "in/bert-tiny", "--data", "in/train.pt", "--eval-data", "in/held.pt",
+                                 "--export", "exported", "--export-best", "--checkpoint-dir", "ck",
+                                 "--save-model-every", "2", "--log", "logs/run.jsonl", "--precision", "bf16"])
+    assert r.exit_code == 0, r.output
+    cfg = _worker_config(r.output)
+    want = {"weights": "in/bert-tiny", "data": "in/train.pt", "eval_data": "in/held.pt", "export": "exported",
+            "checkpoint_dir": "ck", "save_model_dir": "ck", "log": "logs/run.jsonl"}
+    assert {k: cfg[k] for k in want} == {k: str(tmp_path / v) for k, v in want.items()}
+    assert cfg["precision"] == "bf16" and cfg["export_best"] is True and cfg["save_model_every"] == 2
+    r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run"])
+    assert _worker_config(r.output)["data"] == "synthetic"
+    for args, msg in ((["--weights", "in/nope"], "--weights"), (["--data", "nope.pt"], "no such file"),
+                      (["--export-best"], "--export-best needs --export DIR"),
+                      (["--save-model-every", "2"], "--save-model-every needs a folder")):
+        r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2",
+                                     "--dry-run", *args])
+        assert r.exit_code == 2 and msg in r.output and r.output.count("\n") == 1, r.output
+
+
+def _reference(name: str, data, *, bf16: bool, lr: float = 0.05):
+    """One process: the run's 4 steps (epoch 0's order, 2 micro-batches of 2, block 0 frozen after step 2), SGD;
+    forward under CPU bfloat16 autocast when ``bf16``. Returns (final weights, losses)."""
+    import contextlib
+
+    model = build_model(name, seq_len=8, dropout=0.0, seed=0)
+    model.train()
+    opt = torch.optim.SGD(list(model.parameters()), lr=lr, momentum=0.9)
+    x, y, m = data
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0 * 7919 + 0))
+    losses = []
+    for t in range(4):
+        if t == 2:
+            first = next(i for i, s in enumerate(model.specs) if s.block is not None and s.block >= 1)
+            for i, layer in enumerate(model.layers):
+                for p in layer.parameters():
+                    p.requires_grad_(i >= first)
+        ids = order[4 * t:4 * t + 4]
+        opt.zero_grad(set_to_none=True)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        with ctx:
+            loss = sum(model.loss(model(a, attention_mask=c), b)
+                       for a, b, c in zip(x[ids].chunk(2), y[ids].chunk(2), m[ids].chunk(2))) / 2
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, losses
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["bert-tiny", "llama-tiny"])
+def test_bf16_autocast_run_matches_a_single_process_autocast_reference(name, tmp_path):
+    import math
+
+    from ptplan.executor.config import RunConfig
+    from ptplan.executor.data import TensorDataset
+    from ptplan.executor.testing import max_rel_diff, run_world
+    from ptplan.executor.training import Hooks, run_training
+
+    model = build_model(name, seq_len=8, dropout=0.0, seed=0)
+    plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1])
+    data = model.make_batch(16, generator=torch.Generator().manual_seed(3))
+    cfg = RunConfig(plan="(test)", model=name, optimizer="sgd", lr=0.05, seed=0, freeze_every=2, steps_per_epoch=4,
+                    epochs=1, progress=False, timeout_s=60, log=str(tmp_path / "run.jsonl"), precision="bf16")
+
+    def worker(rank: int, world: int) -> None:
+        def save(event, step, weights):
+            if event == "final":
+                torch.save(weights, tmp_path / "final.pt")
+
+        seen = set()
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.register_forward_hook(lambda m, i, o: seen.add(str(o.dtype)))
+        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save))
+        (tmp_path / f"dtypes{rank}.txt").write_text(",".join(sorted(seen)))
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    assert [(tmp_path / f"dtypes{r}.txt").read_text() for r in (0, 1)] == ["torch.bfloat16"] * 2  # every matmul
+    final = torch.load(tmp_path / "final.pt")
+    assert all(v.dtype == torch.float32 for v in final.values())  # master weights stay float32
+    ref, ref_losses = _reference(name, data, bf16=True)
+    fp32, fp32_losses = _reference(name, data, bf16=False)
+    losses = [r["loss"] for r in read_records(tmp_path / "run.jsonl") if r["type"] == "step"]
+    # Step 0 starts from the same weights: the loss is the autocast reference's, not float32's.
+    assert abs(losses[0] - ref_losses[0]) <= 1e-6 * abs(ref_losses[0]) < abs(losses[0] - fp32_losses[0]) / 10, \
+        (losses[0], ref_losses[0], fp32_losses[0])
+    # Later steps: one bfloat16 rounding of a weight that differs in its last float32 bit (summation order) can
+    # change, so the run follows the reference within bfloat16's resolution, not bit for bit.
+    assert all(math.isclose(a, b, rel_tol=5e-4) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    d, where = max_rel_diff(final, ref)
+    start = {k: v.detach() for k, v in build_model(name, seq_len=8, dropout=0.0, seed=0).named_parameters()}
+    dist = sum(((final[k] - ref[k]).double() ** 2).sum() for k in ref).sqrt()
+    update = sum(((ref[k] - start[k]).double() ** 2).sum() for k in ref).sqrt()
+    print(f"bf16 {name}: step-0 loss {losses[0]:.7f} (autocast reference {ref_losses[0]:.7f}, fp32 "
+          f"{fp32_losses[0]:.7f}); final weights: max relative difference {d:.1e}, distance {dist / update:.1e} "
+          f"of the update")
+    assert d <= 3e-2 and dist <= 0.02 * update, (d, where, float(dist / update))
+
+
