@@ -15,7 +15,7 @@ The launcher (``ptplan run``, one per node) owns what its workers start and make
   and the launcher's job folder ``<temp dir>/ptplan-job-<tag>-*`` (also torchrun's and the workers' TMPDIR, so
   torchrun's log folders go with it). After torchrun exits (whatever the
   reason), the launcher removes its cache folders, the temp files of dead workers and the job folder.
-  A start first removes those whose owner is gone (``sweep_stale``): what a SIGKILL of the launcher or
+  A start first removes those whose owner is gone (``sweep`` without a tag, in ``launch``): what a SIGKILL of the launcher or
   a power cut left.
 - **Messages.** Workers write ``a<attempt>-r<rank>.start`` (their pid) when they start and
   ``a<attempt>-r<rank>.json`` (kind, exception type, message, time) when they fail, into the job folder
@@ -288,6 +288,9 @@ class Outcome:
     worker_log: str
     removed: tuple[str, ...] = ()
     """Files and folders the launcher removed after the run (the job's caches, dead workers' temp files)."""
+    swept: tuple[str, ...] = ()
+    """Files and folders of ended ptplan jobs on this host that the launcher removed before starting
+    (``sweep`` with no tag: what a SIGKILL of an earlier launcher or a power cut left)."""
 
 
 class _Signals:
@@ -397,6 +400,7 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
     """Run torchrun for this node as the owner of its workers (module docstring) and say how it ended."""
     tag = owner_tag()
     folders = job_folders(cfg)
+    swept, _ = sweep(folders)  # what ended jobs left (their owner is gone): a SIGKILLed launcher, a power cut
     job_dir = tempfile.mkdtemp(prefix=f"ptplan-job-{tag}-")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -424,7 +428,7 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
         shutil.rmtree(job_dir, ignore_errors=True)
     outcome = summarise(rc, starts, fails, worker_log=worker_log, signals=sigs.received, cfg=cfg)
     return Outcome(code=outcome.code, message=outcome.message, worker_log=worker_log,
-                   removed=tuple(p for p in removed if not p.startswith(job_dir)))
+                   removed=tuple(p for p in removed if not p.startswith(job_dir)), swept=tuple(swept))
 
 
 # ---- one message for how it ended ---------------------------------------------------------------------

@@ -20,7 +20,6 @@ import uuid
 import pytest
 import torch
 
-from ptplan.executor.launch import sweep
 from ptplan.executor.models import build_model
 from ptplan.executor.testing import make_plan, spec
 from ptplan.planner.plan import save_plan
@@ -68,12 +67,13 @@ def _processes(mark: str) -> list[tuple[int, str]]:
 class Run:
     """One ``ptplan run`` started in the background, with the paths it writes."""
 
-    def __init__(self, files, tmp_path, *extra: str, epochs: int = 5000):
+    def __init__(self, files, tmp_path, *extra: str, epochs: int = 5000, cache_dir=None, ckpt=None):
         self.mark = uuid.uuid4().hex
+        tmp_path.mkdir(exist_ok=True)
         self.log = tmp_path / "run.jsonl"
-        self.cache_dir = tmp_path / "shm"
+        self.cache_dir = cache_dir or tmp_path / "shm"
         self.cache_dir.mkdir(exist_ok=True)
-        self.ckpt = tmp_path / "ck"
+        self.ckpt = ckpt or tmp_path / "ck"
         cmd = [sys.executable, "-m", "ptplan.cli.main", "run", str(files / "plan.json"), "--model", "bert-tiny",
                "--nproc-per-node", "2", "--data", str(files / "data.pt"), "--epochs", str(epochs),
                "--freeze-every", "4", "--optimizer", "sgd", "--lr", "0.01", "--timeout", "30", "--no-progress",
@@ -171,8 +171,13 @@ def test_kill_9_of_the_launcher_takes_the_workers_down_and_a_start_sweeps_the_ca
     print(f"kill -9 launcher -> every process gone in {took:.2f} s")
     assert took < 15
     left = os.listdir(run.cache_dir)  # nobody was left to remove it ...
-    removed, freed = sweep([str(run.cache_dir), tempfile.gettempdir()])  # ... until the next start does
-    assert left and {os.path.basename(p) for p in removed} >= set(left)
+    jobs = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("ptplan-job-") and f"-{run.proc.pid}-" in n]
+    assert left and jobs, (left, jobs, os.listdir(tempfile.gettempdir()))
+    # ... until the next start on this host does: a new (short) `ptplan run` with the same folders
+    again = Run(files, tmp_path / "again", epochs=1, cache_dir=run.cache_dir, ckpt=run.ckpt)
+    again.finish(timeout=300)
+    assert again.proc.returncode == 0, again.err
+    assert "removed" in again.err and all(n in again.err for n in left), again.err
     assert os.listdir(run.cache_dir) == []
     assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("ptplan-job-") and f"-{run.proc.pid}-" in n]
 
