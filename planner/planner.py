@@ -93,6 +93,11 @@ def walk(phases: list[Phase], index: dict[int, int], table: list[int], training:
     points: list[TrajectoryPoint] = []
     fill_left: dict[int, int] = {}
     step = 0
+    # per freeze step T, the first later freeze step whose count differs (None: the count never changes
+    # again), so a run of steps is cut only where the frozen count changes, not at every freeze step
+    change_at: list[int | None] = [None] * len(table)
+    for T in range(len(table) - 2, -1, -1):
+        change_at[T] = T + 1 if table[T + 1] != table[T] else change_at[T + 1]
     for e in range(training.epochs):
         cursor = 0
         while True:
@@ -110,7 +115,9 @@ def walk(phases: list[Phase], index: dict[int, int], table: list[int], training:
                 break
             run = (N - cursor) // B
             if freeze.every != "epoch":
-                run = min(run, (T + 1) * int(freeze.every) - step)
+                nxt = change_at[min(T, len(table) - 1)]
+                if nxt is not None:
+                    run = min(run, nxt * int(freeze.every) - step)
             if ph.cache and f not in fill_left:
                 fill_left[f] = N // B  # one pass over the data: every sample missed once
             fill = min(run, fill_left.get(f, 0))

@@ -107,10 +107,22 @@ def test_step_based_freezing_is_planned_run_by_run():
     plan = make_plan(prof, get_preset("paper"), cfg, FreezePolicy(alpha=0.5, every=5))
     assert plan.freeze_steps[:4] == (0, 4, 6, 7)
     assert sum(t.iterations for t in plan.trajectory) == 48
-    for t in plan.trajectory:
-        assert plan.frozen_at(t.step // 5) == t.frozen_blocks
-        assert t.step // 5 == (t.step + t.iterations - 1) // 5  # a run never crosses a freeze step
+    for t in plan.trajectory:  # a run never crosses a change of the frozen count
+        assert {plan.frozen_at(s // 5) for s in range(t.step, t.step + t.iterations)} == {t.frozen_blocks}
     assert len([t for t in plan.trajectory if t.epoch == 0]) == 4  # steps 0-4, 5-9, 10-14, 15
+
+
+def test_step_based_freezing_cuts_runs_only_where_the_count_changes():
+    """The audit's case: a freeze step every optimizer step over 25 M steps. Runs are cut where the frozen
+    count changes and at epoch ends, not at every freeze step, so the plan stays small."""
+    prof = synthetic_profile(num_blocks=8)
+    cfg = TrainingConfig(epochs=10, samples_per_epoch=5_000_000, batch=2)
+    plan = make_plan(prof, get_preset("cpu:2"), cfg, FreezePolicy(alpha=0.5, every=1))
+    assert sum(t.iterations for t in plan.trajectory) == 10 * 2_500_000
+    assert len(plan.trajectory) <= 10 + len(plan.freeze_steps)
+    for a, b in zip(plan.trajectory, plan.trajectory[1:]):
+        assert a.epoch != b.epoch or a.frozen_blocks != b.frozen_blocks  # neighbours in an epoch differ
+    assert len(json.dumps(plan.to_json())) < 200_000
 
 
 def test_memory_bound_model_pipelines_first_and_compresses_as_blocks_freeze():
