@@ -379,3 +379,55 @@ def test_run_refuses_num_labels_for_gpt2(tmp_path):
     assert r.exit_code == 2 and "language-model head" in r.output
     r = CliRunner().invoke(cli, ["run", str(path), "--model", "gpt2-tiny", "--nproc-per-node", "1", "--dry-run"])
     assert r.exit_code == 0, r.output
+
+
+# ---- local model folders: the real name, the family apart, a config alone ----------------------------
+
+def test_profile_records_the_real_model_name_and_family(minilm_dir, tmp_path, monkeypatch):
+    """The MiniLM is recorded as itself (its Hugging Face name), with its family (bert) apart; the CLI's
+    default file name follows."""
+    monkeypatch.chdir(tmp_path)
+    prof = _profile(build_model("bert-base", weights=minilm_dir, seq_len=8), batch_sizes=[1], warmup=0, repeats=1)
+    assert (prof.model.name, prof.model.family, prof.model.num_blocks) == ("nreimers/MiniLM-L6-H384-uncased",
+                                                                           "bert", 6)
+    r = CliRunner().invoke(cli, ["profile", str(minilm_dir), "--seq-len", "8", "--batch-sizes", "1", "--warmup", "0",
+                                 "--repeats", "1", "--quiet", "--project", "h100", "--dtype", "bf16"])
+    assert r.exit_code == 0, r.output
+    assert "wrote nreimers--MiniLM-L6-H384-uncased_h100_bf16.json" in r.output
+    out = load_profile(tmp_path / "nreimers--MiniLM-L6-H384-uncased_h100_bf16.json")
+    assert (out.model.name, out.model.family, out.model.dtype) == ("nreimers/MiniLM-L6-H384-uncased", "bert",
+                                                                  "bfloat16")
+    assert out.fingerprint() == prof.fingerprint()
+
+
+@pytest.mark.parametrize("alias, name", [("bf16", "bfloat16"), ("fp16", "float16"), ("FP32", "float32")])
+def test_cli_dtype_aliases(alias, name, tmp_path):
+    r, out = _cli_profile(tmp_path, "bert-tiny", "--seq-len", "8", "--dtype", alias)
+    assert r.exit_code == 0, r.output
+    assert load_profile(out).model.dtype == name
+    r, _ = _cli_profile(tmp_path, "bert-tiny", "--dtype", "int8")
+    assert r.exit_code == 2 and "--dtype 'int8' is not one of float32, bfloat16, float16 (or fp32, bf16, fp16)" in r.output
+
+
+def test_cli_profiles_a_config_only_folder_and_runs_it(tmp_path):
+    """``ptplan profile DIR`` with only a config.json (random init), then ``ptplan run --model DIR`` accepts
+    a plan for it; the family comes from the config (a Qwen2 model, with an LM head)."""
+    import transformers as tf
+
+    d = tmp_path / "tiny-qwen"
+    d.mkdir()
+    tf.Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=64, vocab_size=128, max_position_embeddings=64).save_pretrained(d)
+    assert [p.name for p in d.iterdir()] == ["config.json"]
+    r, out = _cli_profile(tmp_path, str(d), "--seq-len", "8")
+    assert r.exit_code == 0, r.output
+    prof = load_profile(out)
+    assert (prof.model.name, prof.model.family, prof.model.num_blocks, prof.num_layers) == ("tiny-qwen", "qwen2", 2, 7)
+    model = build_model(str(d), seq_len=8)
+    plan, path = _plan_with_profile(tmp_path, model, out)
+    assert plan.inputs.profile.model == "tiny-qwen"
+    r = CliRunner().invoke(cli, ["run", str(path), "--model", str(d), "--nproc-per-node", "1", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["run", str(path), "--model", str(d), "--nproc-per-node", "1", "--dry-run",
+                                 "--num-labels", "3"])
+    assert r.exit_code == 2 and "language-model head" in r.output
