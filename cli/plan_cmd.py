@@ -72,7 +72,7 @@ def format_plan_table(plan) -> str:
     lines = []
     inp = plan.inputs
     prof, cl, tr = inp.profile, inp.cluster, inp.training
-    unit = cl.device_noun + "s"
+    unit = cl.device_noun_plural
     lines.append(f"model {prof.model} ({prof.num_blocks} blocks, {prof.num_layers} layers, profiled on {prof.device}, "
                  f"{prof.source}) on cluster {cl.name} ({plan.world_size} {unit}); schedule {tr.schedule}, "
                  f"batch policy {tr.batch_policy}, optimizer {tr.optimizer}, cache {tr.cache}")

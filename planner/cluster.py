@@ -94,6 +94,11 @@ class Cluster:
         """What one rank is, for messages: ``GPU`` or ``CPU process``."""
         return "CPU process" if self.device_is_host else "GPU"
 
+    @property
+    def device_noun_plural(self) -> str:
+        """``GPUs`` or ``CPU processes``."""
+        return "CPU processes" if self.device_is_host else "GPUs"
+
     def __post_init__(self) -> None:
         if self.device_kind not in DEVICE_KINDS:
             raise PtplanError(f"cluster {self.name!r}: device_kind is {self.device_kind!r}; use one of "

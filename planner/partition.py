@@ -419,24 +419,24 @@ def _memory_message(model: _StageFamily, K: int, limit: float) -> str:
     a, n = model.start, model.n
     if K == 1:
         whole = _one(model, 0, a, n)[1]
-        return (f"the whole model as one stage needs {whole / GiB:.2f} GiB but a GPU has {limit / GiB:.2f} GiB; "
+        return (f"the whole model as one stage needs {whole / GiB:.2f} GiB but one device has {limit / GiB:.2f} GiB; "
                 "use a longer pipeline (larger K), a smaller micro-batch, or GPUs with more memory")
     first = _one(model, 0, a, a + 1)[1]
     alone = _one(model, 1, a, a + 1)[1]
     if first > limit:
         return (f"stage 0 needs at least {first / GiB:.2f} GiB (what stage 0 always holds, the frozen prefix's "
                 f"weights or the cached shard, {(first - alone) / GiB:.2f} GiB, + layer {a} "
-                f"{alone / GiB:.2f} GiB) but a GPU has {limit / GiB:.2f} GiB; use a smaller micro-batch, cache "
+                f"{alone / GiB:.2f} GiB) but one device has {limit / GiB:.2f} GiB; use a smaller micro-batch, cache "
                 f"the frozen prefix, or GPUs with more memory")
     I = np.arange(a + 1, n)
     single = np.asarray(model.evaluate(1, model.prepare(I, I + 1))[1])
     big = int(np.argmax(single)) if single.size else 0
     if single.size and single[big] > limit:
-        return (f"layer {a + 1 + big} alone needs {single[big] / GiB:.2f} GiB but a GPU has "
+        return (f"layer {a + 1 + big} alone needs {single[big] / GiB:.2f} GiB but one device has "
                 f"{limit / GiB:.2f} GiB; use a smaller micro-batch or GPUs with more memory")
     need = split_stages(_MemoryAsTime(model), K).bottleneck
     return (f"no split of {n - a} layers into K={K} stages fits: the best split's largest stage needs "
-            f"{need / GiB:.2f} GiB but a GPU has {limit / GiB:.2f} GiB; use a longer pipeline (larger K), a "
+            f"{need / GiB:.2f} GiB but one device has {limit / GiB:.2f} GiB; use a longer pipeline (larger K), a "
             f"smaller micro-batch, or GPUs with more memory")
 
 

@@ -534,7 +534,7 @@ class PhaseSearch:
                   f"cached)." if n0 else "")
         return InfeasibleError(
             f"no pipeline configuration fits with {f} frozen blocks on {self.c.name} "
-            f"({self.W} {self.c.device_noun}s x {self.c.gpu_memory_bytes / GiB:.1f} GiB, "
+            f"({self.W} {self.c.device_noun_plural} x {self.c.gpu_memory_bytes / GiB:.1f} GiB, "
             f"{self.cfg.memory_fraction:.0%} usable):\n  {shown or 'no candidate (K, M)'}{prefix}\n"
             f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
             f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs"

@@ -177,27 +177,27 @@ def test_more_stages_than_layers_is_infeasible_with_numbers():
 
 
 def test_layer_too_big_for_a_gpu():
-    with pytest.raises(InfeasibleError, match=r"layer 2 alone needs 20.00 GiB but a GPU has 16.00 GiB"):
+    with pytest.raises(InfeasibleError, match=r"layer 2 alone needs 20.00 GiB but one device has 16.00 GiB"):
         optimal_partition([1.0] * 4, 2, memory=[GiB, GiB, 20 * GiB, GiB], memory_limit=16 * GiB)
 
 
 def test_stage0_prefix_too_big():
     with pytest.raises(InfeasibleError, match=r"stage 0 needs at least 17.00 GiB \(.*15.00 GiB, "
-                                              r"\+ layer 0 2.00 GiB\) but a GPU has 16.00 GiB"):
+                                              r"\+ layer 0 2.00 GiB\) but one device has 16.00 GiB"):
         optimal_partition([1.0] * 4, 2, memory=[2 * GiB] * 4, stage0_extra_memory=15 * GiB,
                           memory_limit=16 * GiB)
 
 
 def test_no_split_fits_reports_best_largest_stage():
     # 6 layers of 5 GiB in 2 stages: the best split needs 15 GiB per GPU, the GPU has 12
-    with pytest.raises(InfeasibleError, match=r"best split's largest stage needs 15.00 GiB but a GPU has "
+    with pytest.raises(InfeasibleError, match=r"best split's largest stage needs 15.00 GiB but one device has "
                                               r"12.00 GiB.*larger K"):
         optimal_partition([1.0] * 6, 2, memory=[5 * GiB] * 6, memory_limit=12 * GiB)
 
 
 def test_no_split_fits_although_the_total_would():
     # 16 GiB in total fits two 8.5 GiB GPUs, but no contiguous split does: the best needs 10 GiB
-    with pytest.raises(MemoryInfeasibleError, match=r"best split's largest stage needs 10.00 GiB but a GPU has "
+    with pytest.raises(MemoryInfeasibleError, match=r"best split's largest stage needs 10.00 GiB but one device has "
                                                     r"8.50 GiB"):
         optimal_partition([1.0] * 4, 2, memory=[5 * GiB, 5 * GiB, 5 * GiB, GiB], memory_limit=8.5 * GiB)
     assert issubclass(MemoryInfeasibleError, InfeasibleError)

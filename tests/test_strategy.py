@@ -108,7 +108,6 @@ def test_a_layer_larger_than_a_gpu_fits_only_with_tensor_parallel_and_fsdp():
 
 # ---- the search with strategies (planner/search.py, strategies="auto") ----------------------------
 import random  # noqa: E402
-import time  # noqa: E402
 
 from ptplan.planner.cluster import Cluster  # noqa: E402
 from ptplan.planner.config import TrainingConfig  # noqa: E402
@@ -157,7 +156,7 @@ def test_memory_bound_model_is_refused_without_strategies_and_planned_with_them(
     prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
     cluster = get_preset("h100-4node")
     cfg = TrainingConfig(epochs=1, samples_per_epoch=1024, batch=32, allow_extrapolation=True)
-    with pytest.raises(InfeasibleError, match=r"(?s)layer 2 alone needs 16\d\.\d\d GiB but a GPU has 72\.00 GiB"
+    with pytest.raises(InfeasibleError, match=r"(?s)layer 2 alone needs 16\d\.\d\d GiB but one device has 72\.00 GiB"
                                               r".*--strategies auto"):
         PhaseSearch(prof, cluster, cfg).search(0, Visit(samples=64.0))
     got = PhaseSearch(prof, cluster, cfg, strategies="auto").search(0, Visit(samples=64.0))
@@ -166,14 +165,15 @@ def test_memory_bound_model_is_refused_without_strategies_and_planned_with_them(
     assert max(m.total for m in got.memory) <= cluster.gpu_memory_bytes * cfg.memory_fraction
 
 
-def test_48_blocks_on_64_gpus_all_phases_fast():
-    """Every phase of a 48-block model on 8 x 8 H100s with strategies: under 5 s on the 2-core box."""
+def test_48_blocks_on_64_gpus_all_phases_prune_to_a_few_exact_evaluations():
+    """Every phase of a 48-block model on 8 x 8 H100s with strategies: the bounds let only a small share of
+    the ~44,000 candidates through to the exact split and the simulator (the time target, 5 s on the
+    2-core box, is measured by ``python bench/plan_bench.py``: its ``hybrid`` row)."""
     prof = synthetic_profile(num_blocks=48, hidden=2048, batch_sizes=(1, 2, 4, 8, 16, 32))
     s = PhaseSearch(prof, Cluster.uniform(nodes=8, like="dgx-h100"),
                     TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=1024), strategies="auto")
-    t0 = time.perf_counter()
+    total = sum(len(s.candidates(f, prof.frozen_boundary(f))[0]) for f in range(49))
     for f in range(49):
         s.search(f, Visit(samples=1e6))
-    took = time.perf_counter() - t0
-    print(f"48 blocks, 64 GPUs, 49 phases, strategies auto: {took:.2f} s, {s.evaluated} candidates evaluated")
-    assert took < 5.0
+    print(f"48 blocks, 64 GPUs, 49 phases, strategies auto: {s.evaluated} of {total} candidates evaluated")
+    assert total > 10_000 and s.evaluated < total / 100
