@@ -1,4 +1,5 @@
-"""Model adapters: Hugging Face BERT, ViT and GPT-2 as a flat list of layers plus a loss.
+"""Model adapters: Hugging Face BERT, RoBERTa, DistilBERT, ViT, GPT-2, Llama, Mistral and Qwen2 as a flat
+list of layers plus a loss; or your own layers and loss (``custom_model``).
 
 Every adapter has the same shape, whatever the family (L = number of Transformer blocks)::
 
@@ -11,7 +12,7 @@ so a "half" model has 2L + 3 layers and a "block" model L + 3. Every layer is an
 themselves (built from a transformers config, or loaded with ``from_pretrained`` from a local folder),
 so they compute exactly what the Hugging Face model computes.
 
-Per family:
+Per family (a model's family is its Hugging Face config's ``model_type``, which picks the adapter):
 
 - **bert** (like ``BertForSequenceClassification``): ``embeddings`` (word + position + token type,
   LayerNorm) -> blocks; a block's attention half is ``BertAttention`` (self-attention, dense,
@@ -19,6 +20,15 @@ Per family:
   residual, post-LN) -> ``pooler`` (dense + tanh on token 0; BERT is post-LN and has no final norm,
   so the pooler takes the ``norm`` slot and kind; its output is ``[B, H]``) -> ``head`` (dropout +
   linear classifier, ``[B, num_labels]``). Loss: cross-entropy on the labels ``[B]``.
+- **roberta** (like ``RobertaForSequenceClassification``): BERT's embedding and block layers (RoBERTa's
+  positions start after the padding id, from the ids themselves) -> ``pooler`` (the first half of
+  ``RobertaClassificationHead``: token 0, dropout, dense, tanh) -> ``head`` (dropout, ``out_proj``).
+- **distilbert** (like ``DistilBertForSequenceClassification``): ``embeddings`` (word + position,
+  LayerNorm) -> blocks (post-LN halves ``sa_layer_norm(x + attention(x))``,
+  ``output_layer_norm(x + ffn(x))``) -> ``pre_classifier`` (token 0, dense, ReLU; the ``norm`` slot)
+  -> ``head`` (dropout, classifier).
+- **deberta-v2** is refused (``REFUSED_FAMILIES`` says why: one relative-position table shared by
+  every block, which a pipeline cannot share between stages).
 - **vit** (like ``ViTForImageClassification``): ``embeddings`` (patches + CLS + positions) ->
   blocks (pre-LN halves: ``x + attn(LN(x))``, ``x + mlp(LN(x))``) -> ``layernorm`` -> ``head``
   (classifier on token 0). Inputs are pixels ``[B, 3, H, W]``; there is no attention mask.
@@ -30,8 +40,9 @@ Per family:
   **The LM head is untied**: Hugging Face ties it to ``wte``, but a pipeline cannot share one
   parameter between its first and last stage, so the head is a separate Parameter initialised as a
   copy of ``wte``. The two then train independently (the head's parameters are counted separately).
-- **llama** (like ``LlamaForCausalLM``; Mistral and Qwen2 have the same structure and run through the
-  same layers): ``embeddings`` (``embed_tokens`` only) -> blocks (pre-RMSNorm halves, grouped-query
+- **llama**, **mistral**, **qwen2** (like ``LlamaForCausalLM``, ``MistralForCausalLM``,
+  ``Qwen2ForCausalLM``: the same structure, run through the same layers; a sliding window becomes a
+  banded mask): ``embeddings`` (``embed_tokens`` only) -> blocks (pre-RMSNorm halves, grouped-query
   attention with RoPE for positions 0..S-1, recomputed in each attention half from the shared
   ``rotary_emb``, which has no parameters, and the same explicit causal + padding mask as GPT-2) ->
   ``norm`` -> ``head`` (``lm_head``). Loss as GPT-2's. A checkpoint with tied embeddings is untied
@@ -39,11 +50,16 @@ Per family:
 
 Names: ``*-tiny`` are small configs for tests (4 blocks, hidden 64); ``*-small`` (4 blocks, hidden
 256; ViT 64x64 pixels in 8x8 patches) are big enough for compute to outweigh framework overheads on
-a CPU (the calibration benchmark, ``bench/calibrate.py``); the others have the published sizes.
-With ``weights=DIR`` the architecture comes from ``DIR/config.json`` (as ``from_pretrained`` does),
-which must be of the named family; the name then only picks the family and the adapter's
-label. Missing head weights (a base-model checkpoint) are initialised from ``seed``; any other
-missing or mismatched weight is an error.
+a CPU (the calibration benchmark, ``bench/calibrate.py``); the others have the published sizes
+(Hugging Face's names: ``roberta-base``, ``gpt2-xl``, ``vit-huge-patch14-224``, ``mistral-7b``, ...).
+A local Hugging Face folder is a model too: its config.json sets the architecture and picks the
+adapter; its weights are loaded when it has weight files, else every weight is initialised from
+``seed`` (enough for profiling). With ``weights=DIR`` under a name, the architecture comes from
+``DIR/config.json`` (as ``from_pretrained`` does) and must have the named model's layer structure.
+A folder model is named by its Hugging Face name (config.json's ``_name_or_path`` when that is a hub
+name) or else its folder's name: profiles record it, and the family apart. Missing head weights (a
+base-model checkpoint) are initialised from ``seed``; any other missing or mismatched weight is an
+error.
 """
 from __future__ import annotations
 
