@@ -146,3 +146,116 @@ def test_export_best_and_model_only_checkpoints(tmp_path):
     print(f"export-best: step {best} of 6 (accuracy, -loss per step: {scores})")
     assert best < 6 and len({tuple(v) for v in scores.values()}) > 1  # an earlier step than the last one won
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n or ".old-" in n]
+
+
+# ---- done-when (issue 12): a 10-class image task and a Llama-family LM, through the CLI -------------------
+
+def _cli(*args: str, timeout: int = 300) -> str:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ptplan.cli.main", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, f"ptplan {args[0]} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    return r.stdout
+
+
+def _executor_model(name: str, ck, **kw):
+    """The executor's model holding the weights of the run's last checkpoint (written after the last step)."""
+    from ptplan.executor import checkpoint as ckpt
+
+    model = build_model(name, dropout=0.0, **kw)
+    model.load_state_dict(ckpt.load_checkpoint(str(ck))["model"], strict=True)
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_digits_vit_ten_classes_through_the_cli(tmp_path):
+    """scikit-learn's 8x8 digits (shipped in the package), upsampled to vit-tiny's 32x32: profile, plan and run
+    through the CLI with --num-labels 10 (2 processes, a freezing plan, 2 epochs); the export loads with
+    AutoModelForImageClassification and predicts what the executor's model predicts, and its held-out accuracy
+    is the one the run logged."""
+    import transformers as tf
+
+    datasets = pytest.importorskip("sklearn.datasets")
+    from ptplan.executor.runlog import read_records
+
+    digits = datasets.load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0
+    x = torch.nn.functional.interpolate(x, size=32, mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = (x - 0.5) / 0.5
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    tr, ev = order[:256], order[256:384]
+    torch.save({"inputs": x[tr].contiguous(), "labels": y[tr]}, tmp_path / "train.pt")
+    torch.save({"inputs": x[ev].contiguous(), "labels": y[ev]}, tmp_path / "eval.pt")
+    assert sorted(set(y[tr].tolist())) == list(range(10))
+    _cli("profile", "vit-tiny", "--num-labels", 10, "--batch-sizes", "4,8,16", "--warmup", 0, "--repeats", 1,
+         "--threads", 1, "--quiet", "--out", tmp_path / "prof.json")
+    _cli("plan", tmp_path / "prof.json", "--cluster", "cpu:2", "--epochs", 2, "--samples-per-epoch", 256, "--batch",
+         16, "--quiet", "--out", tmp_path / "plan.json")
+    out = _cli("run", tmp_path / "plan.json", "--model", "vit-tiny", "--num-labels", 10, "--nproc-per-node", 2,
+               "--data", tmp_path / "train.pt", "--eval-data", tmp_path / "eval.pt", "--lr", "1e-3", "--dropout", 0,
+               "--export", tmp_path / "exported", "--checkpoint-dir", tmp_path / "ck", "--log", tmp_path / "run.jsonl",
+               "--no-progress", "--timeout", 120)
+    assert "ptplan run: 32 steps" in out, out
+    recs = read_records(tmp_path / "run.jsonl")
+    assert len({(r["K"], r["D"]) for r in recs if r["type"] == "step"}) >= 1
+    final = [r for r in recs if r["type"] == "eval"][-1]
+    hf = tf.AutoModelForImageClassification.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
+    assert hf.config.num_labels == 10
+    ref = _executor_model("vit-tiny", tmp_path / "ck", num_labels=10)
+    xe, ye = x[ev], y[ev]
+    with torch.no_grad():
+        got = hf(pixel_values=xe).logits
+        want = ref.run_layers(xe, 0, len(ref.layers), None)
+    assert got.shape == (128, 10) and torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    acc = (got.argmax(-1) == ye).float().mean().item()
+    assert acc == pytest.approx(final["accuracy"], abs=1e-9), (acc, final)
+    print(f"digits vit-tiny: held-out accuracy {acc:.1%} after 2 epochs; export equals the executor's model")
+
+
+@pytest.mark.slow
+def test_llama_tiny_causal_lm_through_the_cli(tmp_path):
+    """Text tokenized by ``ptplan data`` (a BPE tokenizer trained here, in a Llama folder), llama-tiny profiled,
+    planned and trained through the CLI (2 processes, 2 epochs); the export loads with AutoModelForCausalLM and
+    gives the executor's logits on the real (unpadded) tokens, and the run's held-out loss."""
+    import json
+
+    import transformers as tf
+    from test_data_cmd import TEXTS, make_bpe_folder
+
+    from ptplan.executor.data import load_dataset
+    from ptplan.executor.runlog import read_records
+
+    parts = [t for ts in TEXTS.values() for t in ts]
+    lines = [f"{a}, then {b}" for a in parts for b in parts if a != b][:120]
+    tok = make_bpe_folder(tmp_path / "tok", lines)
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    _cli("profile", "llama-tiny", "--seq-len", 16, "--batch-sizes", "4,8", "--warmup", 0, "--repeats", 1,
+         "--threads", 1, "--quiet", "--out", tmp_path / "prof.json")
+    _cli("plan", tmp_path / "prof.json", "--cluster", "cpu:2", "--epochs", 2, "--samples-per-epoch", 96, "--batch",
+         8, "--quiet", "--out", tmp_path / "plan.json")
+    out = _cli("data", tmp_path / "corpus.jsonl", "--tokenizer", tok, "--plan", tmp_path / "plan.json", "--out",
+               tmp_path / "train.pt", "--split", 0.2, "--eval-out", tmp_path / "eval.pt")
+    assert "96 samples of 16 tokens (causal-lm)" in out and "24 held out" in out, out
+    out = _cli("run", tmp_path / "plan.json", "--model", "llama-tiny", "--nproc-per-node", 2, "--data",
+               tmp_path / "train.pt", "--eval-data", tmp_path / "eval.pt", "--lr", "3e-3", "--export",
+               tmp_path / "exported", "--checkpoint-dir", tmp_path / "ck", "--log", tmp_path / "run.jsonl",
+               "--no-progress", "--timeout", 120)
+    assert "ptplan run: 24 steps" in out, out
+    evals = [r for r in read_records(tmp_path / "run.jsonl") if r["type"] == "eval"]
+    assert evals[-1]["loss"] < evals[0]["loss"]  # it learned
+    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "exported", local_files_only=True).eval()
+    ref = _executor_model("llama-tiny", tmp_path / "ck", seq_len=16)
+    ds = load_dataset(tmp_path / "eval.pt")
+    x, y, m = ds.inputs, ds.labels, ds.attention_mask
+    with torch.no_grad():
+        res = hf(input_ids=x, attention_mask=m, labels=y)
+        want = ref.run_layers(x, 0, len(ref.layers), m)
+    real = m.bool()
+    assert torch.allclose(res.logits[real], want[real], atol=1e-5, rtol=1e-5), (res.logits[real] - want[real]).abs().max()
+    assert torch.equal(res.logits[real].argmax(-1), want[real].argmax(-1))
+    assert res.loss.item() == pytest.approx(evals[-1]["loss"], rel=1e-4), (res.loss.item(), evals[-1])
+    print(f"llama-tiny: held-out loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}; export equals the executor")
