@@ -221,3 +221,44 @@ def test_many_phases_dropdown_applies_every_phase(driver, tmp_path):
     assert len(labels) == plan.phases[0].K  # back on the first phase after the loop
     severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
     assert not severe, f"console errors: {severe}"
+
+
+def test_two_bw_steady_state_and_tensor_parallel_groups_as_drawn(driver, tmp_path):
+    """A 2BW plan's timeline is drawn as one shaded steady-state period titled so; a tensor-parallel plan's
+    rank grid draws one outline per tp group with the strategy and mesh in its title; every phase step of
+    both applies without an error."""
+    from selenium.webdriver.support.ui import WebDriverWait
+    from test_viz import _pinned_plan
+
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.synthetic import synthetic_profile
+
+    shapes_js = "return document.querySelectorAll(arguments[0] + ' .shapelayer path').length"
+    two_bw = _pinned_plan("gpt2_cpu_fp32", "cpu:4", "2bw", K=4, M=8, batch=32)
+    prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
+    tp = make_plan(prof, get_preset("h100-4node"),
+                   TrainingConfig(epochs=2, samples_per_epoch=1024, batch=32, allow_extrapolation=True),
+                   FreezePolicy(alpha=1 / 3), strategies="auto")
+    for name, plan in (("2bw", two_bw), ("tp", tp)):
+        report = tmp_path / f"{name}.html"
+        write_report(plan, report)
+        driver.get(report.resolve().as_uri())
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script(RENDERED_JS) == [len(FIGURES), len(FIGURES)])
+        ph = plan.phases[0]
+        if name == "2bw":
+            text, svg = driver.execute_script(DRAWN_TEXT_JS, "#fig-timeline")
+            assert any(t.startswith("Flush-free steady state of pipeline 0: one period =") for t in svg), svg[:5]
+            assert any(t.startswith("one period:") for t in svg)
+            assert driver.execute_script(shapes_js, "#fig-timeline") == ph.K + 3  # idle bands, period, its edges
+        else:
+            _, svg = driver.execute_script(DRAWN_TEXT_JS, "#fig-cluster")
+            assert any(f"{ph.strategy_label} (mesh K × D × tp = {ph.K} × {ph.D} × {ph.tp})" in t for t in svg)
+            assert driver.execute_script(shapes_js, "#fig-cluster") == ph.K * ph.D  # one outline per tp group
+        applied = driver.execute_async_script(STEPS_JS)
+        n = len(plan.phases)
+        assert applied == {"fig-cluster": n, "fig-timeline": n, "fig-memory": n}
+        severe = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
+        assert not severe, f"console errors: {severe}"
