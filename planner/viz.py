@@ -178,13 +178,13 @@ def _has_strategy(ph: Phase) -> bool:
 
 
 def _mesh(ph: Phase) -> str:
-    """The phase's device mesh, K × D × tp: 'mesh 4 × 2 × tp4' (tp ranks of a stage inside one node)."""
+    """The phase's device mesh: 'mesh K × D × tp = 4 × 2 × 4' (the tp ranks of a stage inside one node)."""
     return f"mesh K × D × tp = {ph.K} × {ph.D} × {ph.tp}"
 
 
 def _strategy_words(ph: Phase) -> str:
-    """The strategy in words, for hovers and notes: 'tensor parallel over 4 ranks (one node), FSDP
-    (ZeRO-3) over the D replicas, activation recomputation'; 'plain data parallel' without one."""
+    """The strategy in words, for hovers and notes: 'tensor parallel over 4 ranks inside one node, FSDP
+    (sharded over the D=8 replicas), activation recomputation'; 'plain data parallel' without one."""
     parts = []
     if ph.tp > 1:
         parts.append(f"tensor parallel over {ph.tp} ranks inside one node")
@@ -486,7 +486,7 @@ def cluster_figure(plan: Plan) -> go.Figure:
         for s in range(ph.K):
             prefix = f" + prefix 0–{ph.frozen_layers - 1}" if s == 0 and ph.frozen_layers else ""
             stage_words.append(f"{_position_layers(ph, s)}{prefix} · peak {_bytes(mem[s])} ({mem[s] / cap:.0%})")
-        groups = []  # tp groups as outlines: (row, first col), tp cells each (tp divides the row width)
+        groups: dict[tuple[int, int], list[int]] = {}  # (tp group's first rank, grid row) -> its columns there
         for r in range(world):
             node, local = divmod(r, gpn)
             row, col = node * rows_per_node + local // cols, local % cols
@@ -500,8 +500,7 @@ def cluster_figure(plan: Plan) -> go.Figure:
                 first = r - t
                 hover[row][col] += (f"<br>tensor-parallel rank t={t} of the tp group {_nouns(plan)} {first}–"
                                     f"{first + ph.tp - 1} (node {node})")
-                if t == 0:
-                    groups.append((row, col))
+                groups.setdefault((first, row), []).append(col)
         K = ph.K
         scale = []
         for v in range(K):
@@ -531,9 +530,9 @@ def cluster_figure(plan: Plan) -> go.Figure:
         if shown_rows < total_rows:
             note += (f"<br><sup>Showing the first {shown_rows * cols} of {_plural(nodes * gpn, noun)}; the other "
                      f"nodes repeat the same stage layout</sup>")
-        outlines = [dict(type="rect", xref="x", yref="y", x0=col - 0.47, x1=col + ph.tp - 0.53, y0=row - 0.47,
+        outlines = [dict(type="rect", xref="x", yref="y", x0=min(cs) - 0.47, x1=max(cs) + 0.47, y0=row - 0.47,
                          y1=row + 0.47, line=dict(color="#1f2933", width=2), fillcolor="rgba(0,0,0,0)", layer="above")
-                    for row, col in groups]
+                    for (_, row), cs in groups.items()]  # a group wider than a grid row: one outline per row
         layouts.append({"title.text": f"{noun} assignment — {_phase_title(i, ph)}{note}", "shapes": outlines})
     height = int(min(900, max(200, 130 + 34 * shown_rows * (1.6 if show_text else 1))))
     top = 60 + 22 * (shown_rows < total_rows) + 22 * any(ph.tp > 1 for ph in plan.phases)
