@@ -30,6 +30,8 @@ import math
 from dataclasses import replace
 from typing import Any, Callable
 
+import numpy as np
+
 from .cluster import Cluster
 from .config import TrainingConfig
 from .errors import InfeasibleError, PtplanError
@@ -192,7 +194,7 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
         bubble_fraction=min(max(sim.bubble_fraction, 0.0), 1.0), allreduce_s=sim.allreduce_s,
         stage_compute_s=tuple(sc.setup_s + c.M * (sc.forward_s + sc.backward_s + sc.prefix_s) for sc in ch.costs),
         stage_peak_memory_bytes=totals, stage_memory=ch.memory,
-        rank_peak_memory_bytes=tuple(int(x) for x in sim.rank_peak_memory_bytes),
+        rank_peak_memory_bytes=tuple(np.asarray(sim.rank_peak_memory_bytes, dtype=np.int64).tolist()),
         fill_iteration_s=ch.fill_sim.iteration_s if ch.fill_sim is not None else 0.0,
         cache_host_bytes_per_node=int(search.host_bytes_per_node(c, n0, 0)) if c.cache else 0)
     assert ch.links is not None

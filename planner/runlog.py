@@ -58,6 +58,10 @@ FIELDS: dict[str, dict[str, str]] = {
 }
 
 
+NONFINITE_OK = frozenset({"loss", "grad_norm", "perplexity"})
+"""Fields that may hold NaN or inf (what a diverging run measured); every other number must be finite."""
+
+
 def _check(f: Fields, key: str, kind: str) -> Any:
     optional = kind.endswith("?")
     kind = kind.rstrip("?")
@@ -69,9 +73,11 @@ def _check(f: Fields, key: str, kind: str) -> Any:
         v = f.raw(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise SchemaError(f.what, f"{f.path}.{key}", f"expected a number, got {v!r}")
-        if isinstance(v, float) and math.isnan(v):
-            return v  # a diverged loss is recorded as NaN; readers decide what to do with it
-        return f.float(key) if math.isfinite(v) else v
+        if not math.isfinite(v):
+            if key in NONFINITE_OK:
+                return v  # a diverged loss is recorded as NaN or inf; readers decide what to do with it
+            raise SchemaError(f.what, f"{f.path}.{key}", f"is {v!r}; a run log holds finite {key}")
+        return f.float(key)
     if kind == "str":
         return f.str(key)
     if kind == "bool":

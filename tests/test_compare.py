@@ -205,3 +205,26 @@ def test_real_run_logs_peak_memory_and_compares(tmp_path):
     assert all(r.measured_peak_memory_bytes for r in c.phases)
     assert c.median_abs_memory_error < 0.25  # the plan's memory model matches what the stage holds
     assert os.path.getsize(log) > 0
+
+
+@pytest.mark.parametrize("edit, field, want", [
+    (lambda r: r[1].update(bogus=1), "line 2.bogus", "unknown key"),
+    (lambda r: r[1].update(K="two"), "line 2.K", "integer"),
+    (lambda r: r[1].pop("loss"), "line 2.loss", "missing"),
+    (lambda r: r[1].update(seconds=float("nan")), "line 2.seconds", "finite"),
+    (lambda r: r[0].update(world_size=1.5), "line 1.world_size", "integer"),
+    (lambda r: r[1].update(type="stepp"), "line 2", "type"),
+])
+def test_run_log_records_are_checked_field_by_field(plan, tmp_path, edit, field, want):
+    """The run log's one reader (planner/runlog.py) refuses a bad record naming the line and the field, and
+    ``ptplan compare`` turns it into one message with exit code 2."""
+    recs = _records(plan, {0: [1.0, 1.0, 1.0]})
+    edit(recs)
+    path = _write(tmp_path / "run.jsonl", recs + _records(plan, {0: [1.0]})[1:])  # the bad line is not the last
+    with pytest.raises(PtplanError) as e:
+        read_run_log(path)
+    assert field in str(e.value) and want in str(e.value), str(e.value)
+    pp = tmp_path / "plan.json"
+    save_plan(plan, pp)
+    r = CliRunner().invoke(cli, ["compare", str(pp), path])
+    assert r.exit_code == 2 and field in r.output, r.output
