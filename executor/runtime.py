@@ -50,7 +50,7 @@ from ptplan.planner.plan import Phase, Plan
 
 from .actions import phase_schedule
 from .cache import ActivationCache, prefix_forward
-from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups
+from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups, dp_ranks_of, tp_ranks_of
 from .hybrid import ShardedStage, local
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
@@ -179,7 +179,8 @@ class ElasticRuntime:
         t2 = time.perf_counter()
         set_trainable(self.model, new.frozen_layers)
         old = self.phase
-        if old is None or self.groups is None or (old.K, old.D, old.ranks) != (new.K, new.D, new.ranks):
+        if old is None or self.groups is None or (old.K, old.D, old.tp, old.ranks) != (new.K, new.D, new.tp,
+                                                                                         new.ranks):
             destroy_groups(self.groups)
             self.groups = None
             self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
@@ -207,11 +208,14 @@ class ElasticRuntime:
 
     def _build_stage(self, ph: Phase, index: int) -> None:
         twins = None
-        if ph.fsdp and ph.D > 1:
-            self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt,
-                                        self.groups.dp_group, ph.dp_groups()[self.groups.place.stage], self.device,
-                                        release=self.store.release,
-                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False))
+        kind = "tp" if ph.tp > 1 else "fsdp" if ph.fsdp and ph.D > 1 else None
+        if kind is not None:
+            place = self.groups.place
+            group, ranks = ((self.groups.tp_group, tp_ranks_of(ph, place)) if kind == "tp" else
+                            (self.groups.dp_group, dp_ranks_of(ph, place)))
+            self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, group, ranks,
+                                        self.device, release=self.store.release,
+                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False), kind=kind)
             self.sharded.enter()
             twins = self.sharded.copies
         self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
@@ -229,7 +233,8 @@ class ElasticRuntime:
 
     def _reshard(self) -> None:
         """After a gather in an FSDP phase: shard the stage again (``_unshard`` dropped it)."""
-        if self.phase is not None and self.phase.fsdp and self.phase.D > 1 and self.sharded is None:
+        ph = self.phase
+        if ph is not None and (ph.tp > 1 or ph.fsdp and ph.D > 1) and self.sharded is None:
             self._build_stage(self.phase, self.phase_index)
 
     def drain(self) -> None:
@@ -270,10 +275,19 @@ class ElasticRuntime:
         """Layer i's parameters as they train now (FSDP: the sharded ones)."""
         return self.layer_params[i] if self.sharded is None else self.sharded.params(i)
 
-    def _counts_norms(self) -> bool:
-        """Whether this rank adds its gradients' squares to a whole-model norm: one replica per stage
-        (pipeline 0), or with FSDP every rank its own shard."""
-        return self.sharded is not None or self.groups.place.pipeline == 0
+    def _grad_sq(self, g: Tensor) -> Tensor:
+        """This rank's share of the squared norm of gradient ``g`` in a whole-model norm summed over the
+        world: each stage counted once -- on pipeline 0, or with FSDP on every replica (each its shard);
+        a tensor-parallel shard on every tp rank, a replicated tensor on tp index 0 only."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        place, ph = self.groups.place, self.phase
+        if not (place.pipeline == 0 or (ph.fsdp and ph.D > 1)):
+            return g.new_zeros((), dtype=torch.float64)
+        split = isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements)
+        if place.tp != 0 and not split:
+            return g.new_zeros((), dtype=torch.float64)
+        return local(g).double().pow(2).sum()
 
     def _owned_grads(self) -> list[Tensor]:
         return [p.grad for i in self.owned for p in self._live_params(i) if p.grad is not None]
@@ -282,7 +296,7 @@ class ElasticRuntime:
         ph = self.phase
         if ph.D == 1:
             return
-        grads = self._owned_grads()
+        grads = [local(g) for g in self._owned_grads()]  # tensor parallel: each rank its shards
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -305,9 +319,8 @@ class ElasticRuntime:
         assert self.clip_grad_norm is not None
         grads = self._owned_grads()
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self._counts_norms():
-            for g in grads:
-                sq += local(g).double().pow(2).sum()
+        for g in grads:
+            sq += self._grad_sq(g)
         dist.all_reduce(sq)
         norm = math.sqrt(float(sq.item()))
         self.last_grad_norm = norm
@@ -346,7 +359,7 @@ class ElasticRuntime:
         ends = {"target": y, "losses": losses} if last else {}
         self.schedule.step(*args, return_outputs=False, **ends, **kw)
         t0 = time.perf_counter()
-        if self.sharded is None:  # FSDP reduce-scattered each layer's gradient in the backward
+        if self.sharded is None or self.sharded.kind == "tp":  # FSDP reduce-scattered them in the backward
             self._allreduce_grads()
         self.last_allreduce_s = time.perf_counter() - t0
         if self.clip_grad_norm is not None:
@@ -354,16 +367,16 @@ class ElasticRuntime:
         self.opt.step()
         L = self.model.num_blocks
         vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
-        if last:
+        if last and place.tp == 0:  # a tensor-parallel group's ranks compute the same loss
             vec[0] = torch.stack([loss.double() for loss in losses]).mean()
-        if want_norms and self._counts_norms():  # one replica per stage counts its (averaged) gradients
+        if want_norms:  # one replica per stage counts its (averaged) gradients (``_grad_sq``)
             for i in self.owned:
                 b = self.block_of[i]
                 if b is None:
                     continue
                 for p in self._live_params(i):
                     if p.grad is not None:
-                        vec[1 + b] += local(p.grad).double().pow(2).sum()
+                        vec[1 + b] += self._grad_sq(p.grad)
         dist.all_reduce(vec)
         vec = vec.cpu()
         return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]

@@ -6,7 +6,8 @@ and at position 0 (which runs chunk 0) the frozen prefix -- on the device when i
 host memory when the AutoCache serves it (``planner/stage.py``). Every other layer has no storage on
 that rank (``executor/stage.py``'s ``LayerStore``). So a layer is needed (``needs``) exactly by the
 ranks of its chunk's position across pipelines, the data-parallel group (frozen layers: by the
-ranks at position 0), and once a phase starts, the ranks holding a current copy of a layer are
+ranks at position 0; with tensor parallelism every rank of each position's tp group -- each holds
+full copies between phases, ``hybrid`` splits them while the phase runs), and once a phase starts, the ranks holding a current copy of a layer are
 exactly the ranks that need it. A transition, a resume and a gather to rank 0 are the same operation: for each
 layer, send it from a current holder to every rank that needs it and lacks it, coalesced into one
 flat buffer per (source, destination, dtype), with sources chosen to balance bytes sent; the
@@ -51,7 +52,7 @@ def needs(phase: Phase, num_layers: int) -> list[frozenset[int]]:
     out = []
     for i in range(num_layers):
         s = layer_owner_stage(phase, i)
-        out.append(frozenset(groups[0 if s is None else where[s]]))
+        out.append(frozenset(r + j for r in groups[0 if s is None else where[s]] for j in range(phase.tp)))
     return out
 
 
@@ -67,7 +68,7 @@ def holdings(phase: Phase, rank: int, num_layers: int, *, cached_prefix: bool) -
     output, and a cache fill streams those layers through the device one at a time).
     """
     held = {i: DEVICE for i in owned_layers(phase, rank, num_layers)}
-    if any(row[0] == rank for row in phase.ranks):
+    if any(row[0] <= rank < row[0] + phase.tp for row in phase.ranks):
         held.update({i: HOST if cached_prefix else DEVICE for i in range(phase.frozen_layers)})
     return held
 
@@ -81,9 +82,9 @@ def owned_layers(phase: Phase, rank: int, num_layers: int) -> list[int]:
     """The active layers this rank trains in ``phase`` (its chunks' ranges, ascending)."""
     where = phase.stage_to_rank()
     for row in phase.ranks:
-        if rank in row:
-            k = row.index(rank)
-            return [i for c, (lo, hi) in enumerate(phase.partition) if where[c] == k for i in range(lo, hi)]
+        for k, r in enumerate(row):
+            if r <= rank < r + phase.tp:  # the ranks of a tensor-parallel group hold the same layers
+                return [i for c, (lo, hi) in enumerate(phase.partition) if where[c] == k for i in range(lo, hi)]
     raise ValueError(f"rank {rank} is not in the phase's layout {phase.ranks}")
 
 

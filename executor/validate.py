@@ -45,24 +45,29 @@ def check_strategies(plan: Plan) -> None:
     """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
 
     Runs: recomputation (``Phase.recompute``) and FSDP (``Phase.fsdp``) with every schedule but
-    PipeDream-2BW. Refused: tensor parallelism (tp > 1), and recomputation or FSDP in a 2BW phase (its
-    own loop runs each micro-batch on its weight version through ``functional_call``: a checkpoint's rerun
-    in the backward would see the newest version, and FSDP's hooks are not wired into it)."""
-    odd = [(i, ph) for i, ph in enumerate(plan.phases) if ph.tp > 1]
-    if odd:
-        shown = ", ".join(f"phase {i} ({ph.frozen_blocks} frozen blocks): {ph.strategy_label}" for i, ph in odd[:4])
-        raise PtplanError(
-            f"the plan uses parallel strategies the executor does not run yet: {shown}"
-            f"{f' (+{len(odd) - 4} more)' if len(odd) > 4 else ''}; `ptplan run` runs pipeline x data parallel "
-            f"with FSDP and recomputation but not tensor parallelism (tp=1); make the plan with "
-            f"`ptplan plan --strategies off`")
-    bad = [i for i, ph in enumerate(plan.phases) if (ph.recompute or ph.fsdp) and ph.schedule == "2bw"]
-    if bad:
-        ph = plan.phases[bad[0]]
-        raise PtplanError(
-            f"plan phase {bad[0]} ({ph.frozen_blocks} frozen blocks): 2bw with {ph.strategy_label} is not run by "
-            f"the executor ({len(bad)} such phase(s)); make the plan with another --schedule (gpipe, 1f1b, "
-            f"zb-h1, interleaved-1f1b) or with `ptplan plan --strategies off`")
+    PipeDream-2BW; tensor parallelism (``Phase.tp``) for the families ``hybrid.tp_families`` names, without
+    FSDP, 2BW or the AutoCache in the same phase. 2BW's own loop runs each micro-batch on its weight version
+    through ``functional_call``: a checkpoint's rerun in the backward would see the newest version, and
+    FSDP's and DTensor's hooks are not wired into it."""
+    from .hybrid import tp_families
+
+    family = plan.inputs.profile.family
+    for i, ph in enumerate(plan.phases):
+        what = f"plan phase {i} ({ph.frozen_blocks} frozen blocks, {ph.strategy_label})"
+        fix = "make the plan with `ptplan plan --strategies off`"
+        if ph.tp > 1 and family not in tp_families():
+            raise PtplanError(f"{what}: the executor splits {', '.join(tp_families())} layers for tensor parallelism "
+                              f"but this plan's model is a {family}; {fix}")
+        if ph.tp > 1 and ph.fsdp:
+            raise PtplanError(f"{what}: tensor parallelism with FSDP in one phase (a 2-D mesh) is not run by the "
+                              f"executor; {fix}")
+        if ph.tp > 1 and ph.cache:
+            raise PtplanError(f"{what}: tensor parallelism with the AutoCache is not run by the executor; {fix} "
+                              f"or with --cache off")
+        if ph.schedule == "2bw" and ph.strategy_label != "dp":
+            raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
+                              f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "
+                              f"`ptplan plan --strategies off`")
 
 
 def check_world(plan: Plan, world_size: int) -> None:

@@ -1,7 +1,9 @@
 """Issue 14's strategies run in the elastic runtime: recomputation (``torch.utils.checkpoint``), FSDP2
-(``fully_shard`` over each stage position's data-parallel group) -- each through phase transitions that
-switch the strategy on and off, 4 gloo processes against the single-process reference of
-``tests/test_runtime_parity.py`` (same model, data order, freeze schedule and optimizer).
+(``fully_shard`` over each stage position's data-parallel group) and tensor parallelism (DTensor
+``parallelize_module`` over each stage's tp group, BERT) -- each through phase transitions that switch the
+strategy on and off, 4 gloo processes against the single-process reference of
+``tests/test_runtime_parity.py`` (same model, data order, freeze schedule and optimizer); and the
+tensor-parallel rank layout as pure functions.
 """
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from ptplan.planner.plan import plan_from_json
 from tests.test_runtime_parity import (COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data,
                                        reference)
 
-pytestmark = pytest.mark.multiproc
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread(one_torch_thread):
@@ -27,10 +27,19 @@ def _one_thread(one_torch_thread):
 
 
 def with_strategies(plan, strategies):
-    """``plan`` with phase i's (fsdp, recompute) set to ``strategies[i]``, validated as a loaded plan is."""
-    phases = tuple(dataclasses.replace(ph, fsdp=f, recompute=r) for ph, (f, r) in zip(plan.phases, strategies))
+    """``plan`` with phase i's strategy ``strategies[i]``: (fsdp, recompute) or (tp, fsdp, recompute); with
+    tp the row-major layout's ranks become each tp group's first (r * tp) on a cluster of K*D*tp CPUs;
+    validated as a loaded plan is."""
+    from ptplan.planner.cluster import cpu_cluster
+
+    full = [s if len(s) == 3 else (1, *s) for s in strategies]
+    phases = tuple(dataclasses.replace(ph, tp=tp, fsdp=f, recompute=r,
+                                       ranks=tuple(tuple(x * tp for x in row) for row in ph.ranks))
+                   for ph, (tp, f, r) in zip(plan.phases, full))
     base = next(ph for ph in phases if ph.frozen_blocks == plan.baseline.phase.frozen_blocks)
-    plan = dataclasses.replace(plan, phases=phases, baseline=dataclasses.replace(plan.baseline, phase=base))
+    inputs = dataclasses.replace(plan.inputs, cluster=cpu_cluster(phases[0].world))
+    plan = dataclasses.replace(plan, phases=phases, inputs=inputs,
+                               baseline=dataclasses.replace(plan.baseline, phase=base))
     return plan_from_json(json.loads(json.dumps(plan.to_json())), source="test plan")
 
 
@@ -113,8 +122,11 @@ def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan
         assert [s[0] for s in sharded[r]] == list(range(1, 7))
         for step, n, loc, full in sharded[r]:
             ph = plan.phases[COUNTS[step - 1]]
-            if ph.fsdp and ph.D > 1:
-                assert n > 0 and loc <= -(-full // ph.D) + n and loc < full, (r, step, n, loc, full)
+            if ph.tp > 1 or ph.fsdp and ph.D > 1:
+                w = ph.tp if ph.tp > 1 else ph.D
+                assert n > 0 and loc < full, (r, step, n, loc, full)
+                if ph.fsdp:
+                    assert loc <= -(-full // w) + n, (r, step, n, loc, full)
             else:
                 assert n == 0, (r, step, n)
     ref, ref_losses = reference(name, optimizer, data)
@@ -129,7 +141,8 @@ def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan
     for r, want in zip(steps, ref_losses):
         assert math.isclose(r["loss"], want, rel_tol=1e-5), (r["step"], r["loss"], want)
     trans = [r for r in read_records(log) if r["type"] == "transition"]
-    assert all(t["bytes"]["optimizer_state"] > 0 for t in trans)  # state moved, not reset
+    assert trans[0]["bytes"]["optimizer_state"] > 0, trans  # state moved, not reset (every plan's first
+    # transition gives layers new owners; the tp plan's second leaves every layer where it was)
     return worst
 
 
@@ -137,6 +150,7 @@ RC = [(False, True), (False, False), (False, True)]
 """Recomputation on with K=4 (a 4-stage pipeline), off with K=2, D=2, on again with K=1, D=4."""
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "1f1b", "adamw"),
                                                       ("gpt2-tiny", "gpipe", "sgd"), ("gpt2-tiny", "gpipe", "adamw"),
                                                       ("vit-tiny", "zb-h1", "sgd")])
@@ -148,10 +162,31 @@ FS = [(True, False), (False, False), (True, True)]
 """FSDP on (K=2, D=2), off (K=4, D=1), on with recomputation (K=1, D=4)."""
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "1f1b", "adamw"),
                                                       ("gpt2-tiny", "gpipe", "adamw")])
 def test_fsdp_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
     _check(name, schedule, optimizer, FS, tmp_path, "fsdp", plan_of=_fsdp_plan)
+
+
+def _tp_plan(model, schedule: str, strategies):
+    """Tensor parallelism over 2 ranks in a 2-stage pipeline (K=2, D=1, tp=2: ranks 0,1 run stage 0 and 2,3
+    stage 1), then over 2 ranks per replica (K=1, D=2, tp=2), then none (K=1, D=4)."""
+    plan = make_plan(model, [spec(0, K=2, D=1, M=4, b=2, schedule=schedule),
+                             spec(1, K=1, D=2, M=2, b=2, schedule=schedule)], trajectory=[0, 1])
+    four = make_plan(model, [spec(2, K=1, D=4, M=2, b=1, schedule=schedule)], trajectory=[2])
+    plan = dataclasses.replace(plan, phases=plan.phases + four.phases, freeze_steps=(0, 1, 2))
+    return with_strategies(plan, strategies)
+
+
+TP = [(2, False, False), (2, False, True), (1, False, False)]
+"""tp2 (K=2), tp2 with recomputation (K=1, D=2), plain data parallel (K=1, D=4)."""
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "gpipe", "adamw")])
+def test_tensor_parallel_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
+    _check(name, schedule, optimizer, TP, tmp_path, "tp", plan_of=_tp_plan)
 
 
 def test_recompute_in_two_bw_phases_is_refused():
@@ -163,7 +198,7 @@ def test_recompute_in_two_bw_phases_is_refused():
     import tests.test_twobw as tb
 
     plan = with_strategies(tb._plan(tb._build("gpt2-tiny")), RC)
-    with pytest.raises(PtplanError, match=r"phase 0 \(0 frozen blocks\): 2bw with rc is not run.*--schedule"):
+    with pytest.raises(PtplanError, match=r"phase 0 \(0 frozen blocks, rc\): 2bw with rc is not run.*--schedule"):
         check_strategies(plan)
     with pytest.raises(PtplanError, match=r"2bw with fsdp is not run"):
         check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), [(False, False), (True, False)] * 2))
@@ -228,3 +263,43 @@ def test_recompute_keeps_only_the_stage_input_and_reruns_its_forward(name):
     assert got[False][1:] == (M, 0) and got[True][1:] == (M, M)  # the backward reran each micro-batch's forward
     for k in grads[False]:
         torch.testing.assert_close(grads[True][k], grads[False][k], rtol=1e-6, atol=1e-8)
+
+
+def test_tensor_parallel_layout_places_every_rank():
+    """K=2, D=2, tp=2 on 8 ranks (first ranks 0, 2 | 4, 6): each rank's place, its groups, the layers it holds."""
+    from ptplan.executor.groups import dp_members, dp_ranks_of, locate, pipeline_members, tp_members, tp_ranks_of
+    from ptplan.executor.transition import holdings, needs, owned_layers
+
+    model = _build("bert-tiny")
+    plan = make_plan(model, [spec(1, K=2, D=2, M=2, b=2)], trajectory=[1])
+    plan = with_strategies(plan, [(2, False, False)])
+    ph = plan.phases[0]
+    assert ph.ranks == ((0, 2), (4, 6)) and ph.world == 8
+    assert [(locate(ph, r).pipeline, locate(ph, r).stage, locate(ph, r).tp) for r in range(8)] == \
+        [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert pipeline_members(ph) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dp_members(ph) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert tp_members(ph) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp_ranks_of(ph, locate(ph, 3)) == [3, 7] and tp_ranks_of(ph, locate(ph, 7)) == [6, 7]
+    n = len(model.layers)
+    (lo0, hi0), (lo1, hi1) = ph.partition
+    assert needs(ph, n)[lo1] == frozenset({2, 3, 6, 7}) and needs(ph, 0 + 1)[0] == frozenset({0, 1, 4, 5})
+    for r in (0, 1, 4, 5):
+        assert owned_layers(ph, r, n) == list(range(lo0, hi0))
+        assert set(holdings(ph, r, n, cached_prefix=False)) == set(range(0, hi0))  # and the frozen prefix
+    for r in (2, 3, 6, 7):
+        assert owned_layers(ph, r, n) == list(range(lo1, hi1))
+        assert set(holdings(ph, r, n, cached_prefix=False)) == set(range(lo1, hi1))
+
+
+def test_tp_plan_splits_bert_layers_and_leaves_others_whole():
+    from ptplan.executor.hybrid import tp_plan
+
+    model = _build("bert-tiny")
+    plans = [tp_plan(layer, 2) for layer in model.layers]
+    assert [s.name for s, p in zip(model.specs, plans) if p is not None] == \
+        [s.name for s in model.specs if s.kind in ("attention", "mlp")]
+    assert sorted(plans[1]) == ["attention.output.dense", "attention.self.key", "attention.self.query",
+                                "attention.self.value"]
+    assert sorted(plans[2]) == ["intermediate.dense", "output.dense"]
+    assert tp_plan(model.layers[1], 3) is None  # 4 heads do not split 3 ways

@@ -1,5 +1,6 @@
 """``ptplan plan --strategies`` (issue 14): the memory-bound model refused off and planned auto, the plan's
-strategy fields round-trip and are validated on load, and ``ptplan run``'s check refuses them."""
+strategy fields round-trip and are validated on load, and ``ptplan run``'s check refuses what the executor
+does not run (tensor parallelism outside BERT)."""
 from __future__ import annotations
 
 import json
@@ -59,12 +60,20 @@ def test_strategy_fields_round_trip_and_are_validated(planned, tmp_path):
         load_plan(tmp_path / "bad.json")
 
 
-def test_run_refuses_a_plan_with_strategies(planned):
-    from ptplan.executor.validate import check_world
+def test_run_refuses_tensor_parallel_for_a_family_it_does_not_split(planned):
+    """The executor runs recomputation, FSDP and (for BERT) tensor parallelism (tests/test_hybrid_runtime.py);
+    the synthetic GPT's tp phases are refused with the fix, the same plan without tp passes the check."""
+    import dataclasses
+
+    from ptplan.executor.validate import check_strategies, check_world
 
     d, _, _ = planned
-    with pytest.raises(PtplanError, match=r"does not run yet: phase 0 \(0 frozen blocks\): tp\d.*--strategies off"):
-        check_world(load_plan(d / "auto.json"), 32)
+    plan = load_plan(d / "auto.json")
+    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d.*\): the executor splits bert layers "
+                                          r"for tensor parallelism but this plan's model is a gpt2.*--strategies off"):
+        check_world(plan, 32)
+    no_tp = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, tp=1) for ph in plan.phases))
+    check_strategies(no_tp)  # fsdp and recomputation run
 
 
 def test_report_draws_a_plan_with_tensor_parallel_groups(planned):
