@@ -257,6 +257,23 @@ def test_cache_beyond_host_memory_is_refused_or_turned_off():
     assert not any(p.cache for p in plan.phases)
 
 
+def test_cli_cache_beyond_host_memory_exits_2_and_writes_nothing(tmp_path):
+    """The same case through ``ptplan plan --cache on --report``: one message with the numbers and the fix,
+    exit code 2, neither the plan nor the report written."""
+    from ptplan.planner.profile import save_profile
+    prof = synthetic_profile(num_blocks=12, hidden=2048, seq_len=2048, batch_sizes=(1, 2, 4, 8))
+    save_profile(prof, tmp_path / "big.json")
+    n = int(2818 * GiB / prof.layers[3].output_bytes_per_sample) // 64 * 64
+    out, rep = tmp_path / "plan.json", tmp_path / "report.html"
+    r = CliRunner().invoke(cli, ["plan", str(tmp_path / "big.json"), "--cluster", "dgx-h100", "--cache", "on",
+                                 "--epochs", "3", "--samples-per-epoch", str(n), "--batch", "64", "--out", str(out),
+                                 "--report", str(rep)])
+    assert r.exit_code == 2, r.output
+    assert "host memory per node" in r.output and "GiB" in r.output and "Fix" in r.output, r.output
+    assert "Traceback" not in r.output
+    assert not out.exists() and not rep.exists()
+
+
 @pytest.mark.parametrize("bad", [dict(epochs=0), dict(epochs=10**9), dict(samples_per_epoch=10**15), dict(batch=0),
                                  dict(batch_policy="grow"), dict(schedule="zb"), dict(memory_fraction=1.5),
                                  dict(cache="maybe"), dict(optimizer="lamb"), dict(host_read_bandwidth=1e-300)])
