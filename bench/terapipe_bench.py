@@ -1,17 +1,24 @@
-"""TeraPipe token slicing: planning time at the issue's size, and what slicing buys.
+"""TeraPipe token slicing on the measured GPT-2 slice model: planning time at the issue's size, the chosen slices,
+and the predicted iteration time with and without token slicing for batch sizes 1-32.
 
-Legend: L tokens per sequence, K pipeline stages, g slice granularity (tokens), b samples.
+Legend: L tokens per sequence, K pipeline stages, g slice granularity (tokens), b samples per micro-batch,
+M micro-batches.
 
-1. Planning time of ``planner.terapipe.optimal_slices`` for L = 2048, K = 48 at g = 32, 16 and 8
-   (median of ``--repeats``), beside TeraPipe's own DP kernel on this machine: 81.6 s (the figure in
-   issue 16; not re-run here).
-2. For a GPT-2-sized causal block (hidden 768) on L = 2048, K = 48: the chosen slices and the
-   pipeline latency T against no token slicing (one slice) and the best uniform slicing, for
-   b = 1 .. 32. The slice cost is an ILLUSTRATIVE model with TeraPipe's form, t = a + b·(β·s + γ·c +
-   δ·s·c), with β from GPT-2's per-token FLOPs at an assumed 100 TFLOP/s (6·85M parameters per token
-   over 48 stages), δ from the attention's s·c term at the same rate, a = 20 µs per slice and γ = 0:
-   the shipped profiles measure no (s, c) grid yet (the profiler part of issue 16 is not built), so
-   these latencies show the shape of the trade-off, not a GPU's numbers.
+The slice cost is MEASURED: profiles/gpt2_cpu_fp32_slices.json holds a GPT-2 block (hidden 768) timed on
+this CPU on a (b, s, c) grid (b 1, 2; s 64, 256, 1024, 2048; c 0, 512, 1024; one thread, CPU time) and
+the fit t = const + per_token·b·s + per_context·b·c + per_pair·b·s·c + per_square·b·s² (coefficients
+>= 0, relative errors) of its forward and backward (``python -m ptplan.executor.slice_profile``). Batch
+sizes above 2 and contexts beyond 1024 extrapolate the fit (linear in b).
+
+1. Planning time of ``planner.terapipe.optimal_slices`` for L = 2048, K = 48 (one measured GPT-2 block per
+   stage: a 48-block GPT-2-width model) at g = 32, 16, 8 (median of ``--repeats``), beside TeraPipe's own DP
+   kernel on this machine: 81.6 s (the figure in issue 16; not re-run here).
+2. The same 48-stage pipeline, b = 1..32 in one micro-batch: TeraPipe's objective T = Σ t + (K−1)·max t for no
+   slicing, the best uniform slicing and the optimal slices (g = 8).
+3. The real 12-block GPT-2 (layers from profiles/gpt2_cpu_fp32.json, blocks from the slice model) on K = 4 and
+   K = 12 stages at L = 2048: the simulated iteration (planner.terapipe.sliced_phase: the terapipe schedule
+   in the discrete-event simulator) without slicing and with the chosen slices, for b = 1..32 in one
+   micro-batch (M = 1), and the best over M (b split into M micro-batches) with and without slicing.
 
     python bench/terapipe_bench.py [--repeats 3] [--out bench/results/terapipe_bench.json]
 """
@@ -22,20 +29,18 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from ptplan.planner.terapipe import SliceCost, optimal_slices, uniform_slices
+from ptplan.planner.profile import load_profile
+from ptplan.planner.terapipe import optimal_slices, profile_slice_cost, sliced_phase, uniform_slices
 
 L, K = 2048, 48
-PEAK = 100e12
-HIDDEN, PARAMS, LAYERS = 768, 85e6, 12
+PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "gpt2_cpu_fp32_slices.json"
+BATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def gpt2_cost() -> SliceCost:
-    per_token = 6 * PARAMS / K / PEAK  # forward + backward FLOPs of one token through one stage's share
-    per_pair = 6 * 2 * HIDDEN * (LAYERS / K) / PEAK  # attention scores and values: s·c pairs per layer
-    return SliceCost(const=20e-6, per_token=per_token, per_context=0.0, per_pair=per_pair, b=1)
+def _shown(slices) -> str:
+    return f"{len(slices)}: " + ",".join(map(str, slices[:5])) + (",…," + str(slices[-1]) if len(slices) > 5 else "")
 
 
 def main() -> None:
@@ -43,9 +48,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/terapipe_bench.json")
     args = ap.parse_args()
-    cost = gpt2_cost()
+    prof = load_profile(PROFILE)
+    sp = prof.token_slices
+    assert sp is not None
+    cost = profile_slice_cost(prof, b=1)
+    print(f"slice model: {PROFILE.name}, {len(sp.points)} points measured on {sp.device} ({sp.date}), fit median error "
+          f"forward {100 * sp.forward.fit_error:.1f} %, backward {100 * sp.backward.fit_error:.1f} %")
     timing = []
-    print(f"planning time, L={L}, K={K} (TeraPipe's own DP here: 81.6 s, issue 16)")
+    print(f"\n1. planning time, L={L}, K={K} (TeraPipe's own DP here: 81.6 s, issue 16)")
     for g in (32, 16, 8):
         secs = []
         for _ in range(args.repeats):
@@ -53,23 +63,48 @@ def main() -> None:
             res = optimal_slices(cost, L, K, granularity=g)
             secs.append(time.perf_counter() - t0)
         timing.append({"granularity": g, "median_s": statistics.median(secs), "min_s": min(secs),
-                       "candidates": res.candidates, "slices": len(res.slices)})
+                       "candidates": res.candidates, "slices": list(res.slices)})
         print(f"  g={g:>2}: {statistics.median(secs):7.3f} s (min {min(secs):.3f}), {res.candidates} bounds "
-              f"evaluated, {len(res.slices)} slices")
+              f"evaluated, slices {_shown(res.slices)}")
+
     rows = []
-    print(f"\n{'b':>3} {'no slicing ms':>14} {'best uniform ms':>16} {'n':>4} {'optimal ms':>11} {'gain':>6}  slices")
-    for b in (1, 2, 4, 8, 16, 32):
-        c = replace(cost, b=b)
+    print(f"\n2. {K} stages of one GPT-2 block, L={L}, M=1: TeraPipe's objective (s)")
+    print(f"{'b':>3} {'no slicing':>11} {'best uniform':>13} {'n':>4} {'optimal':>9} {'gain':>6}  slices")
+    for b in BATCHES:
+        c = profile_slice_cost(prof, b=b)
         one = uniform_slices(c, L, K, 1)
         uni = min((uniform_slices(c, L, K, n) for n in (2, 4, 8, 16, 32, 64, 128)), key=lambda s: s.latency_s)
-        opt = optimal_slices(c, L, K, granularity=16)
+        opt = optimal_slices(c, L, K, granularity=8)
         rows.append({"b": b, "unsliced_s": one.latency_s, "uniform_s": uni.latency_s, "uniform_n": len(uni.slices),
                      "optimal_s": opt.latency_s, "slices": list(opt.slices)})
-        shown = ",".join(map(str, opt.slices[:6])) + (",…" if len(opt.slices) > 6 else "")
-        print(f"{b:>3} {one.latency_s * 1e3:>14.2f} {uni.latency_s * 1e3:>16.2f} {len(uni.slices):>4} "
-              f"{opt.latency_s * 1e3:>11.2f} {one.latency_s / opt.latency_s:>5.2f}x  {len(opt.slices)}: {shown}")
-    Path(args.out).write_text(json.dumps({"command": " ".join(["python"] + sys.argv), "L": L, "K": K,
-                                          "cost": cost.__dict__, "timing": timing, "rows": rows}, indent=1))
+        print(f"{b:>3} {one.latency_s:>11.2f} {uni.latency_s:>13.2f} {len(uni.slices):>4} {opt.latency_s:>9.2f} "
+              f"{one.latency_s / opt.latency_s:>5.2f}x  {_shown(opt.slices)}")
+
+    phases = []
+    for k in (4, 12):
+        print(f"\n3. GPT-2 (12 blocks) on K={k}, L={L}: simulated iteration (s)")
+        print(f"{'b':>3} {'M=1 unsliced':>13} {'M=1 sliced':>11} {'gain':>6} {'best M unsliced':>16} "
+              f"{'best M sliced':>14} {'gain':>6}  slices (best sliced)")
+        for b in BATCHES:
+            t0 = time.perf_counter()
+            one = sliced_phase(prof, L=L, K=k, M=1, b=b, granularity=32)
+            cands = [sliced_phase(prof, L=L, K=k, M=m, b=b // m, granularity=32) for m in BATCHES if b % m == 0]
+            best_off = min(cands, key=lambda p: p.unsliced_s)
+            best_on = min(cands, key=lambda p: p.iteration_s)
+            secs = time.perf_counter() - t0
+            phases.append({"K": k, "b": b, "m1_unsliced_s": one.unsliced_s, "m1_sliced_s": one.iteration_s,
+                           "m1_slices": list(one.slices), "best_unsliced_s": best_off.unsliced_s,
+                           "best_unsliced_M": best_off.M, "best_sliced_s": best_on.iteration_s,
+                           "best_sliced_M": best_on.M, "best_slices": list(best_on.slices),
+                           "ranges": [list(r) for r in one.ranges], "planning_s": secs})
+            print(f"{b:>3} {one.unsliced_s:>13.2f} {one.iteration_s:>11.2f} {one.unsliced_s / one.iteration_s:>5.2f}x "
+                  f"{best_off.unsliced_s:>11.2f} M={best_off.M:<3} {best_on.iteration_s:>9.2f} M={best_on.M:<3} "
+                  f"{best_off.unsliced_s / best_on.iteration_s:>5.2f}x  {_shown(best_on.slices)}")
+    Path(args.out).write_text(json.dumps({
+        "command": " ".join(["python"] + sys.argv), "L": L, "K": K, "profile": PROFILE.name,
+        "slice_fit": {"forward": sp.forward.__dict__, "backward": sp.backward.__dict__, "device": sp.device,
+                      "date": sp.date},
+        "timing": timing, "block_pipeline": rows, "gpt2_phases": phases}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -10,7 +10,8 @@ keys and values are leaf tensors that require grad, so the backward also compute
 (the s·c term). The model is left as found (grads, flags, modes, RNG).
 
     python -m ptplan.executor.slice_profile gpt2 --base profiles/gpt2_cpu_fp32.json \\
-        --out profiles/gpt2_cpu_fp32_slices.json   # adds token_slices to an existing profile
+        --out profiles/gpt2_cpu_fp32_slices.json --slice-lengths 64,256,1024,2048 \\
+        --contexts 0,512,1024   # adds token_slices to an existing profile
 """
 from __future__ import annotations
 
@@ -88,9 +89,9 @@ def _point(layers: Sequence[torch.nn.Module], clock: _Clock, b: int, s: int, c: 
 
 def fit_points(points: Sequence[SlicePoint], part: str, *, square: bool = True) -> SliceFit:
     """The fit of ``part`` (``forward_s`` or ``backward_s``) over the points: TeraPipe's terms plus b·s²
-    (``square``), minimising relative errors (``planner.terapipe.fit_slice_cost``)."""
+    (``square``), minimising relative errors, coefficients >= 0 (``planner.terapipe.fit_slice_cost``)."""
     pts = [(q.b, q.s, q.c, getattr(q, part)) for q in points]
-    f = fit_slice_cost(pts, square=square, relative=True)
+    f = fit_slice_cost(pts, square=square, relative=True, nonnegative=True)
     errs = [abs(float(dataclasses.replace(f, b=b)(s, c)) - t) / max(t, 1e-12) for b, s, c, t in pts]
     return SliceFit(const=f.const, per_token=f.per_token, per_context=f.per_context, per_pair=f.per_pair,
                     fit_error=float(f.fit_error or 0.0), max_error=max(errs), per_square=f.per_square)
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--base", required=True, help="the profile to add token_slices to (its layers stay as they are)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-sizes", default="1,2")
-    ap.add_argument("--slice-lengths", default="64,256,1024")
+    ap.add_argument("--slice-lengths", default="64,256,1024,2048")
     ap.add_argument("--contexts", default="0,512,1024")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
@@ -161,17 +162,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     base = load_profile(args.base)
+    cmd = shlex.join(["python", "-m", "ptplan.executor.slice_profile", *(argv if argv is not None else sys.argv[1:])])
     if args.refit:
         if base.token_slices is None:
             raise PtplanError(f"{args.base} has no token_slices to refit")
         old = base.token_slices
         sp = dataclasses.replace(old, forward=fit_points(old.points, "forward_s"),
-                                 backward=fit_points(old.points, "backward_s"))
+                                 backward=fit_points(old.points, "backward_s"), command=f"{old.command}; {cmd}")
         save_profile(with_slices(base, sp), args.out)
         _report(sp, args.out)
         return
     model = build_model(args.model, granularity=base.model.granularity, dropout=0.0)
-    cmd = shlex.join(["python", "-m", "ptplan.executor.slice_profile", *(argv if argv is not None else sys.argv[1:])])
     sp = profile_slices(model, batch_sizes=_ints(args.batch_sizes), slice_lengths=_ints(args.slice_lengths),
                         contexts=_ints(args.contexts), warmup=args.warmup, repeats=args.repeats, timer=args.timer,
                         command=cmd)

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: typed actions per rank, their generators (GPipe, 1F1B, interleaved 1F1B,
-looped BFS, ZB-H1, ZB-V, PipeDream-2BW), and their checks.
+looped BFS, ZB-H1, ZB-V, PipeDream-2BW, TeraPipe's token slices), and their checks.
 
 Legend: K pipeline stages, M micro-batches per iteration, R ranks (R = K when each rank holds one
 stage). The generators take K as the number of *ranks* and V chunks per rank, and return a
@@ -113,7 +113,7 @@ class Schedule:
 
     Interleaved, looped and V placements give a rank several stages via ``stage_to_rank`` (K > R)
     and mix their actions in one list; zero-bubble schedules add one W per (stage, micro-batch)
-    after its B (the B is then only the input gradient). Still to come: TeraPipe sets ``slices``
+    after its B (the B is then only the input gradient). TeraPipe (``terapipe``) sets ``slices``
     > 1 and gives every compute and message action its token ``slice``. PipeDream-2BW (no flush
     between mini-batches) sets ``minibatches`` = N > 1: the lists then run N consecutive
     mini-batches of M micro-batches each, micro-batch m (0..N·M-1) belonging to mini-batch m // M

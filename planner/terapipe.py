@@ -25,7 +25,8 @@ The cost model (``SliceCost``) is TeraPipe's: linear in b·s, b·c and b·s·c p
 least squares to measured (b, s, c, seconds) points (``fit_slice_cost``, with its relative error).
 ``square=True`` adds a b·s² term: the slice's attention over its own tokens (s·s/2 pairs), which
 TeraPipe's form misses and which dominates long slices on a CPU (on the shipped gpt2 block: median
-error 4-6 % with it, 14-17 % without; ``relative=True`` fits relative rather than absolute errors).
+error 3-4 % with it, 17-25 % without; ``relative=True`` fits relative rather than absolute errors,
+``nonnegative=True`` keeps every coefficient >= 0).
 """
 from __future__ import annotations
 
@@ -61,10 +62,12 @@ class SliceCost:
 
 
 def fit_slice_cost(points: Sequence[tuple[int, int, int, float]], *, square: bool = False,
-                   relative: bool = False) -> SliceCost:
+                   relative: bool = False, nonnegative: bool = False) -> SliceCost:
     """Least-squares fit of ``SliceCost`` to (b, s, c, seconds) points; b of the result is 1 (set it with
     ``dataclasses.replace``). Needs at least 4 points (5 with ``square``) that pin the coefficients.
-    ``relative``: minimise the relative errors (rows weighted by 1 / seconds) instead of the absolute."""
+    ``relative``: minimise the relative errors (rows weighted by 1 / seconds) instead of the absolute.
+    ``nonnegative``: every coefficient >= 0 (scipy's NNLS), so no slice gets a negative time when the
+    fit is used beyond its points."""
     n = 5 if square else 4
     if len(points) < n:
         raise PtplanError(f"fitting the slice cost needs at least {n} measured (b, s, c) points, got {len(points)}")
@@ -75,7 +78,12 @@ def fit_slice_cost(points: Sequence[tuple[int, int, int, float]], *, square: boo
         raise PtplanError(f"the measured (b, s, c) points do not pin the slice cost's {n} coefficients; measure "
                           "several slice lengths s and contexts c")
     w = 1.0 / np.maximum(np.abs(y), 1e-12) if relative else np.ones_like(y)
-    coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
+    if nonnegative:
+        from scipy.optimize import nnls
+
+        coef, _ = nnls(A * w[:, None], y * w)
+    else:
+        coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
     pred = A @ coef
     err = float(np.median(np.abs(pred - y) / np.maximum(np.abs(y), 1e-12)))
     return SliceCost(const=float(coef[0]), per_token=float(coef[1]), per_context=float(coef[2]),

@@ -65,3 +65,17 @@ def test_seq_2048_on_48_stages_at_16_token_granularity():
     unpruned = optimal_slices(cost, 2048, 48, granularity=16, prune=False)
     assert got.latency_s == pytest.approx(unpruned.latency_s, rel=1e-12)
     assert all(got.latency_s <= uniform_slices(cost, 2048, 48, n).latency_s for n in (1, 2, 4, 8, 16, 32, 64, 128))
+
+
+def test_square_term_relative_and_nonnegative_fits():
+    truth = SliceCost(const=0.002, per_token=3e-5, per_context=0.0, per_pair=2e-9, per_square=5e-9)
+    pts = [(b, s, c, float(replace(truth, b=b)(s, c))) for b in (1, 2) for s in (16, 64, 256) for c in (0, 512, 1024)]
+    fit = fit_slice_cost(pts, square=True, relative=True)
+    for k in ("const", "per_token", "per_pair", "per_square"):
+        assert getattr(fit, k) == pytest.approx(getattr(truth, k), rel=1e-6)
+    assert fit_slice_cost(pts).fit_error > 1e-3  # TeraPipe's form cannot express the s² term
+    noisy = [(b, s, c, t * (1.1 if (s + c) % 3 else 0.9)) for b, s, c, t in pts]
+    nn = fit_slice_cost(noisy, square=True, relative=True, nonnegative=True)
+    assert min(nn.const, nn.per_token, nn.per_context, nn.per_pair, nn.per_square) >= 0
+    with pytest.raises(PtplanError, match="at least 5"):
+        fit_slice_cost(pts[:4], square=True)
