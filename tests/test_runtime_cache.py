@@ -70,7 +70,8 @@ def _run(tmp, *, cache: str, dropout: float = 0.0, dataset_cls=TensorDataset, no
     if noisy_layer is not None:
         model.layers[noisy_layer] = _Noisy(model.layers[noisy_layer])
     cache_dir = os.path.join(tmp, "ram")
-    os.makedirs(cache_dir)
+    if not os.path.isdir(cache_dir):
+        os.makedirs(cache_dir)
     cfg = RunConfig(plan="(test)", model=name, optimizer="sgd", lr=0.05, seed=0, progress=False,
                     timeout_s=30, log=os.path.join(tmp, "run.jsonl"), cache=cache, cache_dir=cache_dir,
                     steps_per_epoch=steps_per_epoch, **cfg_kw)
@@ -186,6 +187,32 @@ def test_spilled_cache_gives_the_same_weights(recomputed, tmp_path):
     assert [r["hits"] for r in recs] == [0, 0, 16, 0, 16]
     assert recs[4]["ram_bytes"] == 0 and recs[4]["disk_slabs"] == 1
     assert os.listdir(cache_dir) == [] and os.listdir(spill) == []
+
+
+def test_a_full_cache_folder_recomputes_with_a_warning_and_the_same_weights(recomputed, tmp_path, capfd):
+    """The cache's RAM folder on a real 8 KiB tmpfs (a slab needs more): no slab can be created, so every
+    row is recomputed, the run says so once per folder on stderr and counts it in its cache records,
+    and the weights equal the uncached run's."""
+    import subprocess
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k,mode=0777", "tmpfs", str(ram)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        res, snaps, log, cache_dir = _run(str(tmp_path), cache="auto")
+    finally:
+        subprocess.run(["umount", "-l", str(ram)], capture_output=True)
+    assert res.ok, res.explain()
+    _assert_same_weights(snaps, recomputed[0], [4, 12, 20])
+    recs = _cache_records(log)
+    assert recs and all(r["hits"] == 0 for r in recs)
+    assert sum(r.get("disk_full") or 0 for r in recs) > 0, recs
+    out = capfd.readouterr().out  # the forked ranks print to this process's stdout
+    assert "activation cache's folder" in out and "is full" in out, out
 
 
 def test_dropout_in_the_model_is_no_reason_to_refuse(tmp_path):
