@@ -76,10 +76,18 @@ def reference(name: str, optimizer: str):
 
 
 def sliced_worker(rank: int, world: int, name: str, optimizer: str, tmp: str) -> None:
+    """K = 2 positions; with world = 4, D = 2 replicas (ranks 0-1 and 2-3), each taking half of every
+    micro-batch (b = B/(M·D)), their gradients averaged at ALLREDUCE."""
+    import torch.distributed as dist
+
     model = _build(name)
     model.train()
     x, y, m = _data(name)
-    lo, hi = (0, SPLIT) if rank == 0 else (SPLIT, len(model.layers))
+    D = world // 2
+    rep, pos = divmod(rank, 2)
+    pipes = [dist.new_group([2 * r, 2 * r + 1]) for r in range(D)]
+    dps = [dist.new_group([p, p + 2]) if D > 1 else None for p in range(2)]
+    lo, hi = (0, SPLIT) if pos == 0 else (SPLIT, len(model.layers))
     names = {id(p): k for k, p in model.named_parameters()}
     mine = [p for layer in model.layers[lo:hi] for p in layer.parameters()]
     opt = _opt(mine, optimizer)
@@ -87,20 +95,23 @@ def sliced_worker(rank: int, world: int, name: str, optimizer: str, tmp: str) ->
     hidden = model.config.hidden_size
     for t in range(STEPS):
         n0 = _frozen_layers(model, t)
-        stage = SlicedStage(model.layers[max(lo, n0):hi], first=rank == 0, last=rank == 1,
+        stage = SlicedStage(model.layers[max(lo, n0):hi], first=pos == 0, last=pos == 1,
                             prefix=model.layers[lo:max(lo, n0)])
         for p in mine:
             p.requires_grad_(any(p is q for layer in stage.layers for q in layer.parameters()))
-        sl = slice(t * B, (t + 1) * B)
-        run_sliced_step(sched, stage, position=rank, ranks=[0, 1], slices=SLICES,
-                        inputs=list(x[sl].chunk(M)) if rank == 0 else None,
-                        labels=list(y[sl].chunk(M)) if rank == 1 else None, hidden=hidden,
-                        attention_mask=list(m[sl].chunk(M)))
-        if t == 0:
-            torch.save({names[id(p)]: p.grad.clone() for p in mine}, os.path.join(tmp, f"grad-{rank}.pt"))
+        # micro-batch j of the step is rows [j·B/M, (j+1)·B/M); replica r takes its r-th half
+        mbs = [(a.chunk(D)[rep], b_.chunk(D)[rep], c.chunk(D)[rep]) for a, b_, c in
+               zip(x[t * B:(t + 1) * B].chunk(M), y[t * B:(t + 1) * B].chunk(M), m[t * B:(t + 1) * B].chunk(M))]
+        run_sliced_step(sched, stage, position=pos, ranks=[2 * rep, 2 * rep + 1], slices=SLICES,
+                        inputs=[a for a, _, _ in mbs] if pos == 0 else None,
+                        labels=[b_ for _, b_, _ in mbs] if pos == 1 else None, hidden=hidden,
+                        attention_mask=[c for _, _, c in mbs], group=pipes[rep], dp_group=dps[pos])
+        if rep == 0 and t == 0:
+            torch.save({names[id(p)]: p.grad.clone() for p in mine}, os.path.join(tmp, f"grad-{pos}.pt"))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.save({names[id(p)]: p.detach().clone() for p in mine}, os.path.join(tmp, f"w-{t}-{rank}.pt"))
+        if rep == 0:
+            torch.save({names[id(p)]: p.detach().clone() for p in mine}, os.path.join(tmp, f"w-{t}-{pos}.pt"))
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
@@ -137,16 +148,18 @@ def test_slice_order_check():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_sliced_two_process_run_equals_unsliced_reference(name, optimizer, tmp_path):
+@pytest.mark.parametrize("name,optimizer,world", [("gpt2-tiny", "sgd", 2), ("gpt2-tiny", "adamw", 2),
+                                                  ("llama-tiny", "sgd", 2), ("llama-tiny", "adamw", 2),
+                                                  ("gpt2-tiny", "adamw", 4)])
+def test_sliced_two_process_run_equals_unsliced_reference(name, optimizer, world, tmp_path):
+    """world 2: K=2, D=1; world 4: K=2, D=2 (two token-sliced pipelines, gradients averaged)."""
     grads, snaps = reference(name, optimizer)
-    res = run_world(2, sliced_worker, (name, optimizer, str(tmp_path)), tmpdir=str(tmp_path), timeout_s=30,
+    res = run_world(world, sliced_worker, (name, optimizer, str(tmp_path)), tmpdir=str(tmp_path), timeout_s=30,
                     deadline_s=90)
     assert res.ok, res.explain()
     got = {**torch.load(tmp_path / "grad-0.pt"), **torch.load(tmp_path / "grad-1.pt")}
     worst, where = max_rel_diff(got, grads)
-    print(f"\n{name} {optimizer}: step-0 gradients max rel diff {worst:.2e} ({where})")
+    print(f"\n{name} {optimizer} D={world // 2}: step-0 gradients max rel diff {worst:.2e} ({where})")
     assert worst < TOL[optimizer], (worst, where)
     for t in range(STEPS):
         w = {**torch.load(tmp_path / f"w-{t}-0.pt"), **torch.load(tmp_path / f"w-{t}-1.pt")}
