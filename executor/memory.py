@@ -54,7 +54,9 @@ METHOD_CUDA = "cuda: max_memory_allocated (the rank holds only its stage)"
 
 
 def _key(t: Tensor) -> tuple[int, int]:
-    """(storage address, storage bytes) of a tensor; views share their base's storage."""
+    """(storage address, storage bytes) of a tensor; views share their base's storage. A DTensor (FSDP, tensor
+    parallel: ``hybrid``) counts as this rank's local shard."""
+    t = getattr(t, "_local_tensor", t)
     try:
         st = t.untyped_storage()
         return st.data_ptr(), st.nbytes()

@@ -15,7 +15,9 @@ schedule's step (never DDP around a stage). A phase with ``Phase.fsdp`` (D > 1) 
 copies of the stage's active layers over that group (``hybrid.ShardedStage``: gradients reduce-scattered in
 the backward, the optimizer stepping the shards); it is left -- full weights and optimizer state gathered
 back into the canonical layers -- before a switch, a gather, a cache change and at the end, so everything
-below moves plain full tensors. A phase with ``Phase.recompute`` runs each stage's active layers under
+below moves plain full tensors. A phase with ``Phase.tp`` > 1 does the same with tensor-parallel copies
+over the stage's tp group (ranks ``ranks[p][s] + j``, ``groups``), the flat all-reduce then running on each
+rank's local shards. A phase with ``Phase.recompute`` runs each stage's active layers under
 ``torch.utils.checkpoint`` (``stage.StageModule``).
 Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),

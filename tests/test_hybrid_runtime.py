@@ -79,7 +79,7 @@ def _optimizer_params(rank: int):
     return len(ps), sum(p.to_local().numel() for p in ps), sum(p.numel() for p in ps)
 
 
-def elastic_run(name, optimizer, data, tmp, plan):
+def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS)):
     """``tests/test_runtime_parity.py``'s run, also recording per rank after each step what its optimizer
     holds sharded (``_optimizer_params``)."""
     import os
@@ -93,7 +93,7 @@ def elastic_run(name, optimizer, data, tmp, plan):
     o = OPT[optimizer]
     cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
-                    freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
+                    freeze_every=STEPS_PER_PHASE, steps_per_epoch=steps, epochs=1, progress=False,
                     timeout_s=60, log=os.path.join(tmp, "run.jsonl"))
 
     def worker(rank: int, world: int) -> None:
@@ -303,3 +303,79 @@ def test_tp_plan_splits_bert_layers_and_leaves_others_whole():
                                 "attention.self.value"]
     assert sorted(plans[2]) == ["intermediate.dense", "output.dense"]
     assert tp_plan(model.layers[1], 3) is None  # 4 heads do not split 3 ways
+
+
+# ---- the memory-bound case, scaled down (issue 14) -------------------------------------------------------
+
+WIDE = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "vocab_size": 64,
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 1024,
+        "max_position_embeddings": 16, "type_vocab_size": 2, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0, "layer_norm_eps": 1e-12, "initializer_range": 0.02, "pad_token_id": 0}
+"""A BERT whose MLP halves (529,152 bytes of weights each) dwarf everything else: with AdamW one MLP half
+alone needs more than the cluster's device below."""
+DEVICE_BYTES = 1_800_000
+"""Memory of each of the 4 CPU processes of the cluster the wide BERT is planned for."""
+
+
+@pytest.fixture(scope="module")
+def memory_bound(tmp_path_factory):
+    """The wide BERT profiled on this CPU, planned for 4 processes of 1.8 MB each: ``--strategies off``
+    refuses it (a layer alone does not fit), ``auto`` plans it."""
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+    from ptplan.executor.profiler import profile_model
+    from ptplan.planner.cluster import cpu_cluster
+    from ptplan.planner.plan import load_plan
+    from ptplan.planner.profile import save_profile
+
+    d = tmp_path_factory.mktemp("wide")
+    (d / "wide").mkdir()
+    (d / "wide" / "config.json").write_text(json.dumps(WIDE))
+    name = str(d / "wide")
+    save_profile(profile_model(_build(name), device="cpu", batch_sizes=(1, 2), warmup=0, repeats=1, progress=False),
+                 d / "prof.json")
+    cluster = dataclasses.replace(cpu_cluster(4), gpu_memory_bytes=DEVICE_BYTES, name="cpu:4 x 1.8 MB")
+    (d / "cluster.json").write_text(json.dumps(cluster.to_json()))
+    args = ["plan", str(d / "prof.json"), "--cluster", str(d / "cluster.json"), "--batch", "8", "--samples-per-epoch",
+            "64", "--epochs", "2", "--freeze", "manual", "--manual", "0,1", "--cache", "off", "--allow-extrapolation"]
+    off = CliRunner().invoke(cli, [*args, "--strategies", "off", "--out", str(d / "off.json")])
+    auto = CliRunner().invoke(cli, [*args, "--strategies", "auto", "--out", str(d / "auto.json")])
+    assert auto.exit_code == 0, auto.output
+    return name, off, auto, load_plan(d / "auto.json")
+
+
+def test_memory_bound_model_is_refused_without_strategies_and_planned_with_them(memory_bound):
+    _, off, auto, plan = memory_bound
+    assert off.exit_code == 2, off.output
+    assert "layer 2 alone needs" in off.output and "--strategies auto" in off.output  # block 0's MLP half
+    assert plan.phases[0].tp > 1 and plan.phases[1].tp > 1, [p.strategy_label for p in plan.phases]
+    assert all(p.predicted.peak_memory_bytes <= 0.9 * DEVICE_BYTES for p in plan.phases)
+
+
+@pytest.mark.multiproc
+def test_memory_bound_plan_runs_and_matches_reference(memory_bound, tmp_path):
+    """The auto plan run by the runtime for 4 steps through its transition (0 -> 1 frozen blocks) on 4
+    processes: equal to the single-process reference, every rank training split layers, and each rank's
+    measured peak (``executor/memory.py``) within the device the plan was made for, which one unsplit MLP
+    half with its AdamW state (4 x 529,152 bytes) alone would overflow."""
+    name, _, _, plan = memory_bound
+    data = _build(name).make_batch(48, generator=torch.Generator().manual_seed(123))
+    snaps, log, sharded = elastic_run(name, "adamw", data, str(tmp_path), plan, steps=4)
+    counts = [0, 0, 1, 1]
+    chunks = {f: plan.phase_for(f).D * plan.phase_for(f).M for f in (0, 1)}
+    ref, ref_losses = reference(name, "adamw", data, counts=counts, chunks=chunks)
+    worst = max(max_rel_diff(snaps[t], ref[t])[0] for t in (2, 4))
+    print(f"memory-bound wide BERT, plan {[p.strategy_label for p in plan.phases[:2]]}: max relative difference "
+          f"{worst:.1e}")
+    assert worst <= TOL["adamw"]
+    steps = [r for r in read_records(log) if r["type"] == "step"]
+    for r, want in zip(steps, ref_losses):
+        assert math.isclose(r["loss"], want, rel_tol=1e-5), (r["step"], r["loss"], want)
+    for r in range(4):
+        assert all(n > 0 and loc < full for _, n, loc, full in sharded[r]), sharded[r]
+    peaks = [max(x["total"] for x in rec["memory"]["per_rank"]) for rec in steps if rec.get("memory_sampled")]
+    predicted = [plan.phase_for(f).predicted.peak_memory_bytes for f in (0, 1)]
+    print(f"measured peak per phase (largest rank): {peaks} bytes, predicted {predicted}; device {DEVICE_BYTES}; "
+          f"one MLP half with AdamW {4 * 529_152}")
+    assert len(peaks) == 2 and max(peaks) <= DEVICE_BYTES < 4 * 529_152
