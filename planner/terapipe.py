@@ -321,7 +321,8 @@ class SlicedPhase:
 
 def sliced_phase(profile, *, L: int, K: int, M: int, b: int, D: int = 1, frozen_blocks: int = 0,
                  granularity: int = 16, slicing: str = "auto", allreduce_bandwidth: float | None = None,
-                 link_bandwidth: float | None = None, cache: bool = False) -> SlicedPhase:
+                 link_bandwidth: float | None = None, cache: bool = False,
+                 ranges: Sequence[tuple[int, int]] | None = None) -> SlicedPhase:
     """Token slicing for one phase: the active layers (after ``frozen_blocks`` frozen ones) split into K
     stages balanced at full length, TeraPipe's optimal slices for that pipeline (``optimal_slices`` on
     the slowest stage's slice cost, with ``repeat`` = M), and the simulated iteration with and without
@@ -333,7 +334,8 @@ def sliced_phase(profile, *, L: int, K: int, M: int, b: int, D: int = 1, frozen_
     ``cache`` (the AutoCache holds the prefix's output; reading it is not priced here). ``link_bandwidth``
     (bytes/s) prices the activations sent between stages (hidden · 4 bytes per token and sample; None:
     free); ``allreduce_bandwidth`` the ring all-reduce of a stage's gradients over D replicas (None:
-    free). Memory is not checked here."""
+    free). ``ranges``: the stages' layer ranges as given (a plan's partition) instead of the balanced
+    split. Memory is not checked here."""
     from .simulate import SliceCosts, StageCost, simulate
     from .schedule import terapipe
 
@@ -349,7 +351,14 @@ def sliced_phase(profile, *, L: int, K: int, M: int, b: int, D: int = 1, frozen_
         share = 1.0 if r.kind == "block" else 0.5 if r.kind in ("attention", "mlp") else 0.0
         tok = (profile.forward_s(r.index, b) + profile.backward_s(r.index, b)) / profile.model.seq_len
         costs.append(share * float(both_full(L, 0)) / 2 + (0.0 if share else tok * L))  # the attention's c ~ L/2
-    ranges = balanced_ranges(costs, n0, K)
+    if ranges is None:
+        ranges = balanced_ranges(costs, n0, K)
+    else:
+        ranges = tuple((int(a), int(z)) for a, z in ranges)
+        if len(ranges) != K or ranges[0][0] != n0 or ranges[-1][1] != profile.num_layers or any(
+                a >= z or z != nxt for (a, z), (nxt, _) in zip(ranges, ranges[1:] + ((profile.num_layers, 0),))):
+            raise PtplanError(f"stage ranges {list(ranges)} must be K={K} contiguous non-empty ranges covering the "
+                              f"active layers [{n0}, {profile.num_layers})")
     model = stage_slice_model(profile, ranges, b)
     prefix = 0.0
     for r in ([] if cache else profile.layers[:n0]):
@@ -404,3 +413,22 @@ def search_sliced(profile, *, gpus: int, batch: int, L: int, frozen_blocks: int 
     if best is None:
         raise PtplanError(f"no pipeline of {gpus} GPUs splits a batch of {batch} evenly over D = GPUs / K replicas")
     return best
+
+
+def slice_plan(plan, profile, *, L: int | None = None, granularity: int = 16, **kw) -> tuple[SlicedPhase, ...]:
+    """Token slicing for every phase of a plan (``ptplan plan``'s output for a causal LM): each phase's K, D,
+    M, micro-batch size, partition, frozen count and AutoCache choice, its slices chosen and simulated
+    (``sliced_phase``; never worse than unsliced). L: tokens per sequence (default: the profile's).
+    Phases with V > 1 chunks per position or tensor parallelism are refused (token slices run one
+    stage per position here)."""
+    if profile.model.family not in ("gpt2", "llama"):
+        raise PtplanError(f"token slicing is for causal LMs (gpt2, llama), not {profile.model.name}")
+    out = []
+    for ph in plan.phases:
+        if ph.V != 1 or getattr(ph, "tp", 1) != 1:
+            raise PtplanError(f"phase with {ph.frozen_blocks} frozen blocks has V={ph.V}, tp={getattr(ph, 'tp', 1)}; "
+                              f"token slices run one stage per position without tensor parallelism")
+        out.append(sliced_phase(profile, L=L or profile.model.seq_len, K=ph.K, M=ph.M, b=ph.micro_batch_size,
+                                D=ph.D, frozen_blocks=ph.frozen_blocks, granularity=granularity, cache=ph.cache,
+                                ranges=ph.partition, **kw))
+    return tuple(out)

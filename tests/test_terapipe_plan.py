@@ -131,3 +131,26 @@ def test_balanced_ranges_minimise_the_slowest_stage():
     assert max(sum(costs[a - 10:b - 10]) for a, b in r) == 4.0
     with pytest.raises(PtplanError, match="cannot fill K=7"):
         balanced_ranges(costs, 0, 7)
+
+
+def test_slice_plan_follows_a_real_plans_phases():
+    """ptplan's planner output for GPT-2 (every frozen count has a phase): each phase gets its slices with the
+    phase's own K, D, M, b, partition, frozen prefix and AutoCache choice, never slower than unsliced."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.terapipe import slice_plan
+
+    prof = _profile(3)
+    plan = make_plan(prof, get_preset("cpu:4"), TrainingConfig(epochs=3, samples_per_epoch=256, batch=8,
+                                                               schedule="gpipe"),
+                     FreezePolicy(policy="manual", manual=(0, 4, 8)))
+    got = slice_plan(plan, prof, L=512, granularity=32)
+    assert len(got) == len(plan.phases)
+    for ph, sp in zip(plan.phases, got):
+        assert (sp.K, sp.D, sp.M, sp.b) == (ph.K, ph.D, ph.M, ph.micro_batch_size)
+        assert sp.ranges == tuple(tuple(r) for r in ph.partition)
+        assert sp.iteration_s <= sp.unsliced_s + 1e-12 and sum(sp.slices) == 512
+    with pytest.raises(PtplanError, match="contiguous"):
+        sliced_phase(prof, L=512, K=2, M=1, b=1, ranges=((0, 5), (6, prof.num_layers)))
