@@ -20,14 +20,23 @@ sizes above 2 and contexts beyond 1024 extrapolate the fit (linear in b).
    in the discrete-event simulator) without slicing and with the chosen slices, for b = 1..32 in one
    micro-batch (M = 1), and the best over M (b split into M micro-batches) with and without slicing.
 
+4. ``--measure PROFILE``: the executor for real. PROFILE is a gpt2-tiny profile with slices measured at
+   the sequence length L it was profiled with (``ptplan profile gpt2-tiny --seq-len 1024 --batch-sizes 1,2
+   --slices --timer cpu``); two forked processes (gloo, one thread each) run executor/sliced.py's loop on
+   K = 2 stages, M = 1, unsliced and with the planner's slices, and the median step (after one warm-up)
+   is set beside ``sliced_phase``'s prediction (compute only: no optimizer, gloo sends not priced).
+
     python bench/terapipe_bench.py [--repeats 3] [--out bench/results/terapipe_bench.json]
+           [--measure /tmp/g2t1024.json --steps 4]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,10 +52,66 @@ def _shown(slices) -> str:
     return f"{len(slices)}: " + ",".join(map(str, slices[:5])) + (",…," + str(slices[-1]) if len(slices) > 5 else "")
 
 
+def _measure_worker(rank: int, world: int, L: int, b: int, slices: list[int], ranges: list[list[int]], steps: int,
+                    out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ptplan.executor.models import build_model
+    from ptplan.executor.sliced import SlicedStage, run_sliced_step
+    from ptplan.planner.schedule import terapipe
+
+    model = build_model("gpt2-tiny", seq_len=L, dropout=0.0, seed=0)
+    model.train()
+    x, y, m = model.make_batch(b, generator=torch.Generator().manual_seed(0))
+    lo, hi = ranges[rank]
+    sched = terapipe(2, 1, len(slices))
+    times = []
+    for _ in range(steps + 1):
+        stage = SlicedStage(model.layers[lo:hi], first=rank == 0, last=rank == 1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        run_sliced_step(sched, stage, position=rank, ranks=[0, 1], slices=slices, inputs=[x] if rank == 0 else None,
+                        labels=[y] if rank == 1 else None, hidden=model.config.hidden_size, attention_mask=[m])
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times[1:]))
+
+
+def measure(path: str, steps: int) -> list[dict]:
+    """Part 4 (module docstring)."""
+    from ptplan.executor.testing import run_world
+
+    prof = load_profile(path)
+    L = prof.model.seq_len
+    rows = []
+    print(f"\n4. measured: gpt2-tiny, L={L}, K=2, M=1, 2 processes (load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores)")
+    print(f"{'b':>3} {'slices':>24} {'predicted s':>12} {'measured s':>11} {'error':>7}")
+    for b in (1, 2):
+        ph = sliced_phase(prof, L=L, K=2, M=1, b=b, granularity=32)
+        for slices, pred in (((L,), ph.unsliced_s), (ph.slices, ph.iteration_s)):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "times.json")
+                res = run_world(2, _measure_worker, (L, b, list(slices), [list(r) for r in ph.ranges], steps, out),
+                                tmpdir=tmp, timeout_s=120, deadline_s=600)
+                assert res.ok, res.explain()
+                times = json.loads(Path(out).read_text())
+            med = statistics.median(times)
+            rows.append({"b": b, "slices": list(slices), "predicted_s": pred, "measured_s": times, "median_s": med,
+                         "load_average": os.getloadavg()[0]})
+            print(f"{b:>3} {_shown(slices):>24} {pred:>12.3f} {med:>11.3f} {100 * (pred - med) / med:>+6.1f}%")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/terapipe_bench.json")
+    ap.add_argument("--measure", default=None, metavar="PROFILE", help="part 4: a gpt2-tiny profile with slices")
+    ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
     prof = load_profile(PROFILE)
     sp = prof.token_slices
@@ -100,11 +165,12 @@ def main() -> None:
             print(f"{b:>3} {one.unsliced_s:>13.2f} {one.iteration_s:>11.2f} {one.unsliced_s / one.iteration_s:>5.2f}x "
                   f"{best_off.unsliced_s:>11.2f} M={best_off.M:<3} {best_on.iteration_s:>9.2f} M={best_on.M:<3} "
                   f"{best_off.unsliced_s / best_on.iteration_s:>5.2f}x  {_shown(best_on.slices)}")
+    measured = measure(args.measure, args.steps) if args.measure else []
     Path(args.out).write_text(json.dumps({
         "command": " ".join(["python"] + sys.argv), "L": L, "K": K, "profile": PROFILE.name,
         "slice_fit": {"forward": sp.forward.__dict__, "backward": sp.backward.__dict__, "device": sp.device,
                       "date": sp.date},
-        "timing": timing, "block_pipeline": rows, "gpt2_phases": phases}, indent=1))
+        "timing": timing, "block_pipeline": rows, "gpt2_phases": phases, "measured": measured}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -35,9 +35,9 @@ from .sliced import is_attention, slice_forward
 
 
 def default_grid(seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(b, s, c) values for a model of ``seq_len`` tokens: b 1, 2; s L/32, L/8, L/2; c 0, L/4, L/2."""
+    """(b, s, c) values for a model of ``seq_len`` tokens: b 1, 2; s L/32, L/8, L/2, L; c 0, L/4, L/2."""
     L = max(seq_len, 32)
-    return (1, 2), (max(1, L // 32), max(1, L // 8), max(1, L // 2)), (0, L // 4, L // 2)
+    return (1, 2), (L // 32, L // 8, L // 2, L), (0, L // 4, L // 2)
 
 
 def _block_layers(model: LayeredModel) -> list[torch.nn.Module]:

@@ -95,7 +95,7 @@ def test_cli_profile_slices_stores_the_fit(tmp_path):
                                    "--out", str(out)])
     assert res.exit_code == 0, res.output
     sp = load_profile(out).token_slices
-    assert sp is not None and len(sp.points) == 18 and "--slices" in sp.command
+    assert sp is not None and len(sp.points) == 24 and "--slices" in sp.command
     res = CliRunner().invoke(cli, ["profile", "bert-tiny", "--batch-sizes", "1", "--warmup", "0", "--repeats", "1",
                                    "--slices", "--quiet", "--out", str(tmp_path / "b.json")])
     assert res.exit_code == 2 and "causal LMs" in res.output
