@@ -130,7 +130,8 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
                       max_restarts=max_restarts)
     # Every path the workers read or write is made absolute here: they may start in another directory.
     save_model_dir = save_model_dir or (checkpoint_dir if save_model_every else None)
-    cfg = RunConfig(plan=os.path.abspath(plan_path), model=model, weights=_absolute(weights), epochs=epochs,
+    cfg = RunConfig(plan=os.path.abspath(plan_path), model=os.path.abspath(model) if os.path.isdir(model) else model,
+                    weights=_absolute(weights), epochs=epochs,
                     steps_per_epoch=steps_per_epoch, optimizer=optimizer,
                     lr=lr if lr is not None else (5e-5 if optimizer == "adamw" else 0.01), lr_schedule=lr_schedule,
                     warmup_steps=warmup_steps, clip_grad_norm=clip_grad_norm, decay_all=decay_all, momentum=momentum,

@@ -156,6 +156,9 @@ def test_paths_reach_the_workers_absolute(plan_file, tmp_path, monkeypatch):
     assert cfg["precision"] == "bf16" and cfg["export_best"] is True and cfg["save_model_every"] == 2
     r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run"])
     assert _worker_config(r.output)["data"] == "synthetic"
+    r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "in/bert-tiny", "--nproc-per-node", "2", "--dry-run"])
+    assert r.exit_code == 0, r.output  # a local model folder reaches the workers absolute too
+    assert _worker_config(r.output)["model"] == str(tmp_path / "in" / "bert-tiny")
     for args, msg in ((["--weights", "in/nope"], "--weights"), (["--data", "nope.pt"], "no such file"),
                       (["--export-best"], "--export-best needs --export DIR"),
                       (["--save-model-every", "2"], "--save-model-every needs a folder")):
