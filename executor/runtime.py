@@ -154,7 +154,7 @@ class ElasticRuntime:
         """
         new = self.plan.phases[index]
         t0 = time.perf_counter()
-        self.drain()
+        self._drain_2bw()
         self._unshard()
         self.module = self.schedule = None  # the old stage and its receive buffers go first
         self.chunks = {}
@@ -208,10 +208,15 @@ class ElasticRuntime:
             self.sharded.leave()
             self.sharded = None
 
-    def _build_stage(self, ph: Phase, index: int) -> None:
+    def _wants_shards(self, ph: Phase | None) -> bool:
+        return ph is not None and (ph.tp > 1 or ph.fsdp and ph.D > 1)
+
+    def _build_stage(self, ph: Phase, index: int, *, shard: bool = True) -> None:
+        """This rank's chunks and schedule for ``ph``; with ``shard`` (and a phase with tp or FSDP) on
+        sharded copies of its active layers (``hybrid``; collective over the group), else on the layers."""
         twins = None
         kind = "tp" if ph.tp > 1 else "fsdp" if ph.fsdp and ph.D > 1 else None
-        if kind is not None:
+        if kind is not None and shard:
             place = self.groups.place
             group, ranks = ((self.groups.tp_group, tp_ranks_of(ph, place)) if kind == "tp" else
                             (self.groups.dp_group, dp_ranks_of(ph, place)))
@@ -234,15 +239,27 @@ class ElasticRuntime:
                                        self.model.loss)
 
     def _reshard(self) -> None:
-        """After a gather in an FSDP phase: shard the stage again (``_unshard`` dropped it)."""
-        ph = self.phase
-        if ph is not None and (ph.tp > 1 or ph.fsdp and ph.D > 1) and self.sharded is None:
+        """In a phase with tp or FSDP whose stage is not sharded now (after ``drain`` or a gather): shard it
+        again (collective over the group; every rank of the phase calls it at the same point)."""
+        if self._wants_shards(self.phase) and self.sharded is None:
+            self.module = self.schedule = None
+            self.chunks = {}
             self._build_stage(self.phase, self.phase_index)
 
-    def drain(self) -> None:
-        """A 2BW phase: run its outstanding backwards and updates (collective over the phase's ranks)."""
+    def _drain_2bw(self) -> None:
         if isinstance(self.schedule, TwoBWPipe):
             self.schedule.drain()
+
+    def drain(self) -> None:
+        """Make the stage's layers hold the weights training has reached, as plain modules (collective over
+        the phase's ranks): a 2BW phase runs its outstanding backwards and updates; a phase with tp or FSDP
+        gathers its shards back and runs its chunks on the full layers until the next ``train_step`` shards
+        them again -- so an evaluation (``evaluate``) runs the same forward on every rank whatever its
+        strategy, with no collective inside a layer (FSDP replicas may evaluate unequal shard counts)."""
+        self._drain_2bw()
+        if self.sharded is not None:
+            self._unshard()
+            self._build_stage(self.phase, self.phase_index, shard=False)
 
     def _twobw_update(self, pairs: list[tuple[torch.nn.Parameter, Tensor | None]]) -> None:
         """2BW's update of one stage: the mini-batch's gradient averaged over the data-parallel group, the
@@ -343,6 +360,7 @@ class ElasticRuntime:
         global mean loss and, with ``want_norms``, the per-block gradient norms (every rank gets the
         same numbers: one all-reduce over the world).
         """
+        self._reshard()  # after an evaluation (``drain``)
         ph, place = self.phase, self.groups.place
         first, last = 0 in self.chunks, ph.stages - 1 in self.chunks
         x, y, mask = (None if t is None else t.to(self.device) for t in batch)
@@ -411,7 +429,7 @@ class ElasticRuntime:
         Rank 0 gives the layers it does not hold host storage for the exchange (one source rank at a
         time) and frees it again before returning: the returned tensors are then the only copies.
         """
-        self.drain()
+        self._drain_2bw()
         self._unshard()
         ph = self.phase
         to0 = [frozenset({0})] * self.n
@@ -468,7 +486,7 @@ class ElasticRuntime:
 
     def close(self) -> None:
         """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
-        self.drain()
+        self._drain_2bw()
         self._unshard()
         destroy_groups(self.groups)
         self.groups = None

@@ -7,8 +7,8 @@ host memory when the AutoCache serves it (``planner/stage.py``). Every other lay
 that rank (``executor/stage.py``'s ``LayerStore``). So a layer is needed (``needs``) exactly by the
 ranks of its chunk's position across pipelines, the data-parallel group (frozen layers: by the
 ranks at position 0; with tensor parallelism every rank of each position's tp group -- each holds
-full copies between phases, ``hybrid`` splits them while the phase runs), and once a phase starts, the ranks holding a current copy of a layer are
-exactly the ranks that need it. A transition, a resume and a gather to rank 0 are the same operation: for each
+full copies between phases, ``hybrid`` splits them while the phase runs), and once a phase starts,
+the ranks holding a current copy of a layer are exactly the ranks that need it. A transition, a resume and a gather to rank 0 are the same operation: for each
 layer, send it from a current holder to every rank that needs it and lacks it, coalesced into one
 flat buffer per (source, destination, dtype), with sources chosen to balance bytes sent; the
 receiver allocates the layer before the exchange and a sender that no longer needs it frees it
