@@ -301,11 +301,12 @@ class ElasticRuntime:
         from torch.distributed.tensor import DTensor, Shard
 
         place, ph = self.groups.place, self.phase
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if not (place.pipeline == 0 or (ph.fsdp and ph.D > 1)):
-            return g.new_zeros((), dtype=torch.float64)
+            return zero
         split = isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements)
         if place.tp != 0 and not split:
-            return g.new_zeros((), dtype=torch.float64)
+            return zero
         return local(g).double().pow(2).sum()
 
     def _owned_grads(self) -> list[Tensor]:

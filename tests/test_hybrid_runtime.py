@@ -363,6 +363,46 @@ def test_evaluation_in_sharded_phases_equals_single_process_evaluation(tmp_path)
     assert worst <= TOL["adamw"]
 
 
+@pytest.mark.multiproc
+def test_global_norm_clipping_counts_each_shard_once(tmp_path):
+    """``--clip-grad-norm`` through tp2 (K=2, D=1: sharded and replicated gradients on 2 tp ranks) and FSDP
+    (K=1, D=4: each replica its shard) equals ``tests/test_training_essentials.py``'s single-process
+    reference with torch's ``clip_grad_norm_`` (every step clips, so a shard counted twice or missed shows)."""
+    import tests.test_training_essentials as te
+    from ptplan.executor.config import RunConfig
+    from ptplan.executor.data import TensorDataset
+    from ptplan.executor.testing import run_world
+    from ptplan.executor.training import Hooks, run_training
+
+    o = te.OPT["sgd"]
+    model = te._build()
+    data = model.make_batch(te.N, generator=torch.Generator().manual_seed(3))
+    plan = _mixed_plan(model, [spec(0, K=2, D=1, M=4, b=2), spec(1, K=1, D=4, M=1, b=2)],
+                       [(2, False, False), (1, True, False)])
+    cfg = RunConfig(plan="(test)", model="bert-tiny", optimizer="sgd", lr=o["lr"], momentum=o["momentum"],
+                    weight_decay=o["weight_decay"], seed=0, freeze_every=3, steps_per_epoch=te.STEPS, epochs=1,
+                    progress=False, timeout_s=60, log=str(tmp_path / "run.jsonl"), lr_schedule="linear",
+                    warmup_steps=te.WARMUP, clip_grad_norm=te.CLIP)
+
+    def worker(rank: int, world: int) -> None:
+        def save(event, step, weights):
+            if event == "final":
+                torch.save(weights, tmp_path / "final.pt")
+
+        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save))
+
+    res = run_world(4, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    want, norms, _ = te._reference("sgd", data)
+    steps = [r for r in read_records(cfg.log) if r["type"] == "step"]
+    assert [(r["K"], r["D"]) for r in steps] == [(2, 1)] * 3 + [(1, 4)] * 3
+    assert [r["grad_norm"] for r in steps] == pytest.approx(norms, rel=1e-4)
+    assert all(n > te.CLIP for n in norms)
+    worst, where = max_rel_diff(torch.load(tmp_path / "final.pt"), want)
+    print(f"clipping tp2 -> fsdp: max relative difference {worst:.1e}")
+    assert worst <= o["tol"], (worst, where)
+
+
 # ---- the memory-bound case, scaled down (issue 14) -------------------------------------------------------
 
 WIDE = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "vocab_size": 64,
