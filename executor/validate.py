@@ -44,8 +44,8 @@ def batch_policy_of(plan: Plan) -> str:
 def check_strategies(plan: Plan) -> None:
     """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
 
-    Runs: recomputation (``Phase.recompute``) and FSDP (``Phase.fsdp``) with every schedule but
-    PipeDream-2BW; tensor parallelism (``Phase.tp``) for the families ``hybrid.tp_families`` names, without
+    Runs: recomputation (``Phase.recompute``) with every schedule but PipeDream-2BW, FSDP (``Phase.fsdp``)
+    with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor parallelism (``Phase.tp``) for the families ``hybrid.tp_families`` names, without
     FSDP, 2BW or the AutoCache in the same phase. 2BW's own loop runs each micro-batch on its weight version
     through ``functional_call``: a checkpoint's rerun in the backward would see the newest version, and
     FSDP's and DTensor's hooks are not wired into it."""
@@ -64,6 +64,10 @@ def check_strategies(plan: Plan) -> None:
         if ph.tp > 1 and ph.cache:
             raise PtplanError(f"{what}: tensor parallelism with the AutoCache is not run by the executor; {fix} "
                               f"or with --cache off")
+        if ph.fsdp and ph.D > 1 and ph.schedule in ("zb-h1", "zb-v"):
+            raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
+                              f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "
+                              f"1f1b, gpipe or interleaved-1f1b, or with `ptplan plan --strategies off`")
         if ph.schedule == "2bw" and ph.strategy_label != "dp":
             raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
                               f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "
@@ -110,6 +114,11 @@ def check_model(plan: Plan, model: nn.Module) -> None:
         if ph.partition[-1][1] != len(model.layers):
             raise PtplanError(f"plan phase {i}'s partition ends at layer {ph.partition[-1][1]} but {desc} has "
                               f"{len(model.layers)} layers; {fix}")
+        if ph.slices and sum(ph.slices) != model.seq_len:  # token slices (TeraPipe): executor/sliced.py
+            raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) cuts sequences of "
+                              f"{sum(ph.slices)} tokens into slices {list(ph.slices)} but {model.name} runs "
+                              f"sequences of {model.seq_len}; profile and plan at --seq-len {model.seq_len}, or plan "
+                              f"with --token-slices off")
 
 
 def check_phase(i: int, ph: Phase, global_batch: int | None, policy: str) -> None:

@@ -51,14 +51,22 @@ def _plan(model, schedule: str, strategies):
     return with_strategies(plan, strategies)
 
 
+def _mixed_plan(model, specs, strategies):
+    """One plan of phases with different K*D (each made alone, then joined) and the given strategies."""
+    parts = [make_plan(model, [sp], trajectory=[sp.frozen_blocks]) for sp in specs]
+    plan = dataclasses.replace(parts[0], phases=tuple(p.phases[0] for p in parts),
+                               freeze_steps=tuple(sp.frozen_blocks for sp in specs))
+    return with_strategies(plan, strategies)
+
+
 def _fsdp_plan(model, schedule: str, strategies):
     """FSDP over D=2 replicas of a 2-stage pipeline, then a 4-stage pipeline (no data parallelism), then
     one stage over D=4; the micro-batches per global batch (4, 4, 8) are the reference's."""
     _, l1, l2 = LAYOUTS[model.name]
-    plan = make_plan(model, [spec(0, K=2, D=2, M=2, b=2, ranks=l1, schedule=schedule),
-                             spec(1, K=4, D=1, M=4, b=2, schedule=schedule),
-                             spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule)], trajectory=[0, 1, 2])
-    return with_strategies(plan, strategies)
+    V = 2 if schedule == "interleaved-1f1b" else 1
+    return _mixed_plan(model, [spec(0, K=2, D=2, M=2, b=2, ranks=l1, schedule=schedule, V=V),
+                               spec(1, K=4, D=1, M=4, b=2, schedule=schedule, V=V),
+                               spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V)], strategies)
 
 
 def _optimizer_params(rank: int):
@@ -164,7 +172,8 @@ FS = [(True, False), (False, False), (True, True)]
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "1f1b", "adamw"),
-                                                      ("gpt2-tiny", "gpipe", "adamw")])
+                                                      ("gpt2-tiny", "gpipe", "adamw"),
+                                                      ("bert-tiny", "interleaved-1f1b", "sgd")])
 def test_fsdp_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
     _check(name, schedule, optimizer, FS, tmp_path, "fsdp", plan_of=_fsdp_plan)
 
@@ -172,11 +181,10 @@ def test_fsdp_through_transitions_matches_reference(name, schedule, optimizer, t
 def _tp_plan(model, schedule: str, strategies):
     """Tensor parallelism over 2 ranks in a 2-stage pipeline (K=2, D=1, tp=2: ranks 0,1 run stage 0 and 2,3
     stage 1), then over 2 ranks per replica (K=1, D=2, tp=2), then none (K=1, D=4)."""
-    plan = make_plan(model, [spec(0, K=2, D=1, M=4, b=2, schedule=schedule),
-                             spec(1, K=1, D=2, M=2, b=2, schedule=schedule)], trajectory=[0, 1])
-    four = make_plan(model, [spec(2, K=1, D=4, M=2, b=1, schedule=schedule)], trajectory=[2])
-    plan = dataclasses.replace(plan, phases=plan.phases + four.phases, freeze_steps=(0, 1, 2))
-    return with_strategies(plan, strategies)
+    V = 2 if schedule == "interleaved-1f1b" else 1
+    return _mixed_plan(model, [spec(0, K=2, D=1, M=4, b=2, schedule=schedule, V=V),
+                               spec(1, K=1, D=2, M=2, b=2, schedule=schedule, V=V),
+                               spec(2, K=1, D=4, M=2, b=1, schedule=schedule, V=V)], strategies)
 
 
 TP = [(2, False, False), (2, False, True), (1, False, False)]
@@ -184,12 +192,14 @@ TP = [(2, False, False), (2, False, True), (1, False, False)]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "gpipe", "adamw")])
+@pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "gpipe", "adamw"),
+                                                      ("bert-tiny", "zb-h1", "sgd"),
+                                                      ("bert-tiny", "interleaved-1f1b", "sgd")])
 def test_tensor_parallel_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
     _check(name, schedule, optimizer, TP, tmp_path, "tp", plan_of=_tp_plan)
 
 
-def test_recompute_in_two_bw_phases_is_refused():
+def test_strategies_the_executor_does_not_run_are_refused():
     """PipeDream-2BW's loop runs each micro-batch on its weight version through ``functional_call``; a
     checkpoint's rerun in the backward would see the newest version instead (measured: 2.3e-01 off its
     reference), so the executor refuses the combination (and FSDP in 2BW phases), naming the fix."""
@@ -200,6 +210,9 @@ def test_recompute_in_two_bw_phases_is_refused():
     plan = with_strategies(tb._plan(tb._build("gpt2-tiny")), RC)
     with pytest.raises(PtplanError, match=r"phase 0 \(0 frozen blocks, rc\): 2bw with rc is not run.*--schedule"):
         check_strategies(plan)
+    fz = _fsdp_plan(_build("bert-tiny"), "zb-h1", FS)
+    with pytest.raises(PtplanError, match=r"FSDP with a split backward \(zb-h1\) is not run"):
+        check_strategies(fz)
     with pytest.raises(PtplanError, match=r"2bw with fsdp is not run"):
         check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), [(False, False), (True, False)] * 2))
     check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), [(False, False)] * 3))
@@ -303,14 +316,6 @@ def test_tp_plan_splits_bert_layers_and_leaves_others_whole():
                                 "attention.self.value"]
     assert sorted(plans[2]) == ["intermediate.dense", "output.dense"]
     assert tp_plan(model.layers[1], 3) is None  # 4 heads do not split 3 ways
-
-
-def _mixed_plan(model, specs, strategies):
-    """One plan of phases with different K*D (each made alone, then joined) and the given strategies."""
-    parts = [make_plan(model, [sp], trajectory=[sp.frozen_blocks]) for sp in specs]
-    plan = dataclasses.replace(parts[0], phases=tuple(p.phases[0] for p in parts),
-                               freeze_steps=tuple(sp.frozen_blocks for sp in specs))
-    return with_strategies(plan, strategies)
 
 
 @pytest.mark.multiproc
