@@ -59,14 +59,14 @@ def _mixed_plan(model, specs, strategies):
     return with_strategies(plan, strategies)
 
 
-def _fsdp_plan(model, schedule: str, strategies):
+def _fsdp_plan(model, schedule: str, strategies, cache: bool = False):
     """FSDP over D=2 replicas of a 2-stage pipeline, then a 4-stage pipeline (no data parallelism), then
     one stage over D=4; the micro-batches per global batch (4, 4, 8) are the reference's."""
     _, l1, l2 = LAYOUTS[model.name]
     V = 2 if schedule == "interleaved-1f1b" else 1
     return _mixed_plan(model, [spec(0, K=2, D=2, M=2, b=2, ranks=l1, schedule=schedule, V=V),
-                               spec(1, K=4, D=1, M=4, b=2, schedule=schedule, V=V),
-                               spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V)], strategies)
+                               spec(1, K=4, D=1, M=4, b=2, schedule=schedule, V=V, cache=cache),
+                               spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V, cache=cache)], strategies)
 
 
 def _optimizer_params(rank: int):
@@ -87,7 +87,7 @@ def _optimizer_params(rank: int):
     return len(ps), sum(p.to_local().numel() for p in ps), sum(p.numel() for p in ps)
 
 
-def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS)):
+def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cache: bool = False):
     """``tests/test_runtime_parity.py``'s run, also recording per rank after each step what its optimizer
     holds sharded (``_optimizer_params``)."""
     import os
@@ -102,7 +102,9 @@ def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS)):
     cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
                     freeze_every=STEPS_PER_PHASE, steps_per_epoch=steps, epochs=1, progress=False,
-                    timeout_s=60, log=os.path.join(tmp, "run.jsonl"))
+                    timeout_s=60, log=os.path.join(tmp, "run.jsonl"), cache="auto" if cache else "off",
+                    cache_dir=os.path.join(tmp, "ram"))
+    os.makedirs(os.path.join(tmp, "ram"), exist_ok=True)
 
     def worker(rank: int, world: int) -> None:
         def save(event: str, step: int, weights) -> None:
@@ -122,10 +124,10 @@ def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS)):
     return snaps, cfg.log, sharded
 
 
-def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan):
+def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan, cache=False):
     data = _data(_build(name))
     plan = plan_of(_build(name), schedule, strategies)
-    snaps, log, sharded = elastic_run(name, optimizer, data, str(tmp_path), plan)
+    snaps, log, sharded = elastic_run(name, optimizer, data, str(tmp_path), plan, cache=cache)
     for r in range(4):  # FSDP phases train sharded parameters (1/D of each), the others none
         assert [s[0] for s in sharded[r]] == list(range(1, 7))
         for step, n, loc, full in sharded[r]:
@@ -164,6 +166,16 @@ RC = [(False, True), (False, False), (False, True)]
                                                       ("vit-tiny", "zb-h1", "sgd")])
 def test_recompute_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
     _check(name, schedule, optimizer, RC, tmp_path, "recompute")
+
+
+@pytest.mark.multiproc
+def test_fsdp_with_the_autocache_matches_reference(tmp_path):
+    """The frozen prefix's outputs from the AutoCache (phases 1 and 2) while stage 0's active layers are
+    FSDP-sharded (phase 2: K=1, D=4): equal to the reference."""
+    _check("bert-tiny", "1f1b", "sgd", FS, tmp_path, "fsdp+cache",
+           plan_of=lambda m, sc, st: _fsdp_plan(m, sc, st, cache=True), cache=True)
+    kinds = {r["type"] for r in read_records(str(tmp_path / "run.jsonl"))}
+    assert {"cache_setup", "cache"} <= kinds, kinds  # the prefix really came from the cache
 
 
 FS = [(True, False), (False, False), (True, True)]
