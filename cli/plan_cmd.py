@@ -67,6 +67,14 @@ def _secs(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
 
 
+def slices_text(slices: tuple[int, ...], width: int = 28) -> str:
+    """A phase's token slices for the table: ``4 slices 10,7,5,2`` (cut with ... past ``width``), or ``—``."""
+    if not slices:
+        return "—"
+    text = f"{len(slices)} slices " + ",".join(map(str, slices))
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def format_plan_table(plan) -> str:
     """A readable per-phase table plus the trajectory and the totals."""
     lines = []
@@ -79,9 +87,11 @@ def format_plan_table(plan) -> str:
     used = {t.phase for t in plan.trajectory}
     mixed = len({(p.schedule, p.V) for p in plan.phases}) > 1 or tr.schedule == "auto"
     strat = any(p.strategy_label != "dp" for p in plan.phases)
+    sliced = any(p.slices for p in plan.phases)
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<22} "
            f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}"
-           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<12} {'mesh K×D×tp':<12}" if strat else ""))
+           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<12} {'mesh K×D×tp':<12}" if strat else "")
+           + (f" {'slices':<28}" if sliced else ""))
     lines.append(hdr)
     lines.append("-" * len(hdr))
     noted = []
@@ -100,8 +110,9 @@ def format_plan_table(plan) -> str:
         lines.append(f"{i:>4}{mark} {ph.frozen_blocks:>6} {ph.K:>4} {ph.D:>5} {ph.M:>4} {ph.micro_batch_size:>4}  "
                      f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "
                      f"{ph.predicted.bubble_fraction:>6.1%} {_gib(peak):>8} {'on' if ph.cache else 'off':>5}{note}"
-                     + (f"{sched:<18}" if mixed else "")
-                     + (f" {ph.strategy_label:<12} {f'{ph.K}×{ph.D}×{ph.tp}':<12}" if strat else ""))
+                     + (f" {sched:<18}" if mixed else "")
+                     + (f" {ph.strategy_label:<12} {f'{ph.K}×{ph.D}×{ph.tp}':<12}" if strat else "")
+                     + (f" {slices_text(ph.slices):<28}" if sliced else ""))
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
                      f"for adaptive freezing)")
@@ -241,12 +252,16 @@ def freeze_from_options(freeze_policy: str, alpha: float, manual: str | None, fr
               help="Per-phase parallel strategy: off = pipeline x data parallel; auto = also tensor parallel "
                    "(inside a node), FSDP and activation recomputation, searched per phase (planning only: "
                    "`ptplan run` does not run them yet).")
+@click.option("--token-slices", type=click.Choice(["off", "auto"]), default="off", show_default=True,
+              help="Causal LMs (gpt2, llama): auto cuts each phase's sequences into TeraPipe token slices where the "
+                   "slice-aware simulation says they pay (needs a profile made with `ptplan profile MODEL --slices`); "
+                   "`ptplan run` runs them token-sliced.")
 @click.option("--out", "out", default="plan.json", show_default=True, help="Where to write the plan.")
 @click.option("--report", default=None, help="Also write the interactive HTML report here.")
 @click.option("--quiet", is_flag=True, help="Do not print the table (warnings are still printed).")
 def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
          freeze_every, adaptive, schedule, optimizer, pin_k, start_k, pin_m, cache, memory_fraction,
-         allow_extrapolation, strategies, out, report, quiet) -> None:
+         allow_extrapolation, strategies, token_slices, out, report, quiet) -> None:
     """Plan elastic pipelined training for PROFILE (a profile file, a shipped profile name, or a model
     name with one shipped profile, e.g. bert-tiny).
 
@@ -271,7 +286,7 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     bar = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:
         result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath), progress=bar.update,
-                           strategies=strategies)
+                           strategies=strategies, token_slices=token_slices)
     finally:
         bar.close()
     dt = time.perf_counter() - t0

@@ -34,7 +34,7 @@ from typing import Any
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase
 from ptplan.planner.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule, check_schedule,
-                                     parse_action)
+                                     parse_action, terapipe)
 
 _TORCH_KIND = {ActionKind.F: "F", ActionKind.W: "W", ActionKind.SEND_F: "SEND_F", ActionKind.RECV_F: "RECV_F",
                ActionKind.SEND_B: "SEND_B", ActionKind.RECV_B: "RECV_B", ActionKind.ALLREDUCE: "REDUCE_GRAD"}
@@ -51,6 +51,8 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
     ``build_schedule`` generates for ``phase.schedule``. Raises PtplanError naming the phase and the
     action at fault."""
     fix = "re-run `ptplan plan`, or plan with another schedule if it writes the same lists again"
+    if phase.slices:  # token slices (TeraPipe): run by executor/sliced.py's own loop, GPipe order over slices
+        return sliced_schedule(phase, index)
     if phase.schedule == "2bw":  # run by executor/twobw.py's own loop: the continuous 1F1B the planner generates
         try:
             want = build_schedule("2bw", phase.K, phase.M, phase.V)
@@ -65,6 +67,30 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
         return _checked(phase.schedule, phase.K, phase.M, phase.V, phase.stage_to_rank(), phase.actions)
     except ScheduleError as e:
         raise PtplanError(f"{_where(index, phase)}: the executor cannot run its schedule: {e}; {fix}") from None
+
+
+def sliced_schedule(phase: Phase, index: int | None = None) -> Schedule:
+    """A token-sliced phase's schedule: ``planner.schedule.terapipe`` for its K, M and slice count (what
+    ``ptplan plan --token-slices auto`` writes and executor/sliced.py's loop runs), checked (sizes, messages,
+    slice order); the phase's stored action lists must be those."""
+    from .sliced import check_slice_order
+
+    where = _where(index, phase)
+    if phase.V != 1 or phase.tp != 1 or phase.fsdp or phase.recompute or phase.schedule == "2bw":
+        raise PtplanError(f"{where}: token slices run one stage per position with plain layers, but the phase has "
+                          f"V={phase.V}, {phase.strategy_label}, schedule {phase.schedule!r}; re-run `ptplan plan "
+                          f"--token-slices auto` (it slices only such phases) or plan with --token-slices off")
+    try:
+        want = terapipe(phase.K, phase.M, len(phase.slices))
+        check_schedule(want)
+        check_slice_order(want)
+    except ScheduleError as e:
+        raise PtplanError(f"{where}: the executor cannot run its token-sliced schedule: {e}") from None
+    if phase.actions and tuple(phase.actions) != tuple(" ".join(map(str, a)) for a in want.actions):
+        raise PtplanError(f"{where}: a token-sliced phase runs TeraPipe's schedule (planner.schedule.terapipe: every "
+                          f"slice forward in order, then each micro-batch's slices backward in reverse), but this "
+                          f"phase's action lists differ; re-run `ptplan plan --token-slices auto`")
+    return want
 
 
 @lru_cache(maxsize=64)
@@ -82,9 +108,8 @@ def _checked(name: str, K: int, M: int, V: int, stage_to_rank: tuple[int, ...], 
         sched = Schedule(name=name, K=K * V, M=M, stage_to_rank=stage_to_rank, actions=lists)
     check_schedule(sched)
     if sched.slices != 1 or any(a.slice for acts in sched.actions for a in acts):
-        raise ScheduleError("token slices (TeraPipe) have no form in torch.distributed.pipelining, and the elastic "
-                            "runtime does not dispatch them yet; executor/sliced.py runs a token-sliced schedule "
-                            "(planner.schedule.terapipe) in its own point-to-point loop")
+        raise ScheduleError("its actions name token slices but the phase has no slice lengths (Phase.slices); "
+                            "token-sliced phases come from `ptplan plan --token-slices auto`")
     check_message_order(sched)
     return sched
 

@@ -26,6 +26,9 @@ every rank (``groups``), and rebuilds the stage and its schedule. The training l
 ``training``. A PipeDream-2BW phase (schedule ``2bw``) runs its own flush-free loop instead
 (``twobw.TwoBWPipe``: each ``train_step`` runs one mini-batch's stretch of a continuous 1F1B, with
 two weight versions and one-step-stale updates); ``switch``, ``gather`` and ``close`` first drain it.
+A token-sliced phase (``Phase.slices``, TeraPipe) runs ``sliced.SlicedPipe``'s point-to-point loop on the
+canonical layers instead of torch's schedule; each ``train_step`` runs the whole schedule, so it leaves
+nothing to drain, and its gradients are averaged and stepped as in any phase.
 In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by
 ``cache_run``), stage 0's module holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s
 output for the shard, computed micro-batch by micro-batch as recomputation would.
@@ -57,6 +60,7 @@ from .hybrid import ShardedStage, local
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
 from .transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
+from .sliced import SlicedPipe
 from .twobw import TwoBWPipe
 
 
@@ -229,6 +233,11 @@ class ElasticRuntime:
                        for c in chunks_of(ph, self.groups.place.stage)}
         mods = list(self.chunks.values())
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
+        if ph.slices:  # token slices (TeraPipe): executor/sliced.py's own loop over the canonical layers
+            row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
+            self.schedule = SlicedPipe(self.model, ph, self.phase_schedules[index], position=k, row=row,
+                                       cached_prefix=self._caches(ph), group=self.groups.pp_group, device=self.device)
+            return
         if ph.schedule == "2bw":
             row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
             self.schedule = TwoBWPipe(self.module, stage=k, K=ph.K, M=ph.M, prev_rank=row[k - 1] if k > 0 else None,
@@ -378,7 +387,10 @@ class ElasticRuntime:
         losses: list[Tensor] = []
         args = (x,) if first else ()
         ends = {"target": y, "losses": losses} if last else {}
-        self.schedule.step(*args, return_outputs=False, **ends, **kw)
+        if isinstance(self.schedule, SlicedPipe):  # a token-sliced phase: gradients left in the parameters
+            losses += self.schedule.step(x if first else None, y if last else None, mask)
+        else:
+            self.schedule.step(*args, return_outputs=False, **ends, **kw)
         t0 = time.perf_counter()
         if self.sharded is None or self.sharded.kind == "tp":  # FSDP reduce-scattered them in the backward
             self._allreduce_grads()

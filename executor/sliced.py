@@ -36,6 +36,9 @@ from .models import (GPT2AttentionHalf, GPT2BlockLayer, GPT2EmbeddingLayer, GPT2
 
 KV = tuple[Tensor, Tensor]
 
+RECORD: list[tuple[int, int, tuple[int, ...]]] | None = None
+"""Tests: set to a list to have every ``SlicedPipe.step`` append (K, position, slices) as it runs."""
+
 
 # ---- slice-aware layers --------------------------------------------------------------------------
 
@@ -288,12 +291,13 @@ def check_slice_order(schedule: Schedule) -> None:
 def run_sliced_step(schedule: Schedule, stage: SlicedStage, *, position: int, ranks: Sequence[int],
                     slices: Sequence[int], inputs: Sequence[Tensor] | None, labels: Sequence[Tensor] | None,
                     hidden: int, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None,
-                    dp_group: dist.ProcessGroup | None = None, attention_mask: Sequence[Tensor] | None = None
-                    ) -> float:
+                    dp_group: dist.ProcessGroup | None = None, attention_mask: Sequence[Tensor] | None = None,
+                    device: torch.device | str = "cpu") -> float:
     """Run position ``position``'s actions of a token-sliced schedule (one stage per position): forwards and
     backwards of each (micro-batch, slice), point-to-point sends and receives with the neighbouring
     positions (global ranks ``ranks[k]``), and, at ALLREDUCE, the average of the stage's gradients over
-    ``dp_group`` (skipped when None). Gradients accumulate in the stage's parameters; the caller steps
+    ``dp_group`` (skipped when None; the elastic runtime averages them itself). Receive buffers go on
+    ``device``. Gradients accumulate in the stage's parameters; the caller steps
     the optimizer. ``inputs`` (stage 0) and ``labels`` (last stage): per micro-batch, ``[b, L]`` ids.
     The gradient is that of the mean over micro-batches of each micro-batch's mean next-token loss.
     Returns that loss on the last position (0.0 elsewhere)."""
@@ -322,7 +326,7 @@ def run_sliced_step(schedule: Schedule, stage: SlicedStage, *, position: int, ra
         mask = None if attention_mask is None else attention_mask[m]
         if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
             fwd = k is ActionKind.RECV_F
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(buf, src=ranks[a.stage - 1 if fwd else a.stage + 1], group=group)
             received[(fwd, m, sl)] = buf
         elif k is ActionKind.F:
@@ -366,3 +370,52 @@ def run_sliced_step(schedule: Schedule, stage: SlicedStage, *, position: int, ra
     if stage.state:
         raise ScheduleError(f"{len(stage.state)} slices ran forward without a backward on position {position}")
     return loss
+
+
+# ---- in the elastic runtime ------------------------------------------------------------------------
+
+class SlicedPipe:
+    """One rank's stage of a token-sliced phase (``Phase.slices``) in the elastic runtime: what
+    ``runtime.ElasticRuntime`` runs instead of torch's schedule, as it runs ``twobw.TwoBWPipe`` for 2BW.
+
+    The stage's layers are the canonical model's (``model.layers[lo:hi]`` of the phase's partition, plus on
+    position 0 the frozen prefix ``[0, frozen_layers)`` unless the AutoCache serves it), so a phase
+    transition moves their weights and optimizer state as for any phase and nothing outlives a ``step``:
+    each step runs the whole schedule (every slice's forward and backward) and leaves the gradients in the
+    parameters; the runtime averages them over the data-parallel group and steps the optimizer. There is
+    nothing to drain."""
+
+    def __init__(self, model: nn.Module, phase, schedule: Schedule, *, position: int, row: Sequence[int],
+                 cached_prefix: bool, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        K = phase.K
+        lo, hi = phase.partition[position]
+        first, last = position == 0, position == K - 1
+        prefix = model.layers[:phase.frozen_layers] if first and not cached_prefix else []
+        self.stage = SlicedStage(model.layers[lo:hi], first=first, last=last, prefix=prefix)
+        self.schedule, self.position, self.ranks = schedule, position, list(row)
+        self.slices, self.M, self.group, self.device = tuple(phase.slices), phase.M, group, device
+        self.hidden = int(model.config.hidden_size)
+        self.first, self.last = first, last
+
+    def step(self, x: Tensor | None, y: Tensor | None, mask: Tensor | None) -> list[Tensor]:
+        """One iteration on this rank's shard of the batch (``x``: ids, or the cached prefix's output, on
+        position 0; ``y``: labels on the last): split into M micro-batches as torch's schedules split
+        (``tensor_split``), each sequence cut into the phase's slices. Returns, on the last position, the
+        mean over micro-batches of each micro-batch's mean loss (one tensor); elsewhere nothing."""
+        ref = x if self.first else y
+        if ref is None:
+            raise PtplanError("the token-sliced stage needs its inputs (position 0) or labels (last position)")
+        L = sum(self.slices)
+        if ref.shape[1] != L:
+            raise PtplanError(f"the phase cuts sequences of {L} tokens into slices {list(self.slices)} but the batch "
+                              f"has sequences of {ref.shape[1]}; plan with the data's sequence length")
+        M = self.M
+        if RECORD is not None:
+            RECORD.append((self.schedule.K, self.position, self.slices))
+        split = (lambda t: None if t is None else list(t.tensor_split(M)))
+        dtype = next((p.dtype for m in self.stage.layers for p in m.parameters()), torch.float32)
+        loss = run_sliced_step(self.schedule, self.stage, position=self.position, ranks=self.ranks,
+                               slices=self.slices, inputs=split(x) if self.first else None,
+                               labels=split(y) if self.last else None, hidden=self.hidden, dtype=dtype,
+                               group=self.group, dp_group=None, attention_mask=split(mask), device=self.device)
+        return [torch.tensor(loss, dtype=torch.float64)] if self.last else []

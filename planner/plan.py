@@ -135,6 +135,11 @@ class Phase:
     """Sharded data parallel (ZeRO-3) over each stage's D replicas instead of a gradient all-reduce."""
     recompute: bool = False
     """Activation recomputation: each stage keeps only its input per micro-batch."""
+    slices: tuple[int, ...] = ()
+    """Token slices (TeraPipe, causal LMs only): each micro-batch's sequence cut into these lengths (in
+    tokens, summing to the profile's sequence length), which flow through the pipeline one after another;
+    the actions are then ``planner.schedule.terapipe``'s and the prediction the slice-aware simulation.
+    Empty: not sliced (plans written before token slicing load with it empty)."""
 
     @property
     def world(self) -> int:
@@ -327,7 +332,34 @@ def _prediction(f: Fields) -> Prediction:
         cache_host_bytes_per_node=f.int("cache_host_bytes_per_node", 0, min=0))
 
 
-def _phase(f: Fields, num_layers: int) -> Phase:
+CAUSAL_SLICE_FAMILIES = ("gpt2", "llama")
+"""Model families whose phases may carry token slices (the executor's slice-aware layers: executor/sliced.py)."""
+
+
+def _slices(f: Fields, *, V: int, tp: int, seq_len: int | None, family: str | None) -> tuple[int, ...]:
+    """``Phase.slices``: token lengths >= 1 summing to the sequence length, for a causal family, V = 1, tp = 1."""
+    raw = f.list("slices", [])
+    if not raw:
+        return ()
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in raw):
+        raise SchemaError(f.what, f"{f.path}.slices", f"expected token slice lengths >= 1, got {raw!r}")
+    if len(raw) < 2:
+        raise SchemaError(f.what, f"{f.path}.slices", f"has one slice {raw!r}; a sliced phase has at least 2 (leave "
+                          f"the field empty for an unsliced phase)")
+    if seq_len is not None and sum(raw) != seq_len:
+        raise SchemaError(f.what, f"{f.path}.slices", f"sum to {sum(raw)} tokens but the profile's sequence length "
+                          f"is {seq_len}", "Re-run `ptplan plan --token-slices auto`")
+    if family is not None and family not in CAUSAL_SLICE_FAMILIES:
+        raise SchemaError(f.what, f"{f.path}.slices", f"token slices are for causal LMs "
+                          f"({', '.join(CAUSAL_SLICE_FAMILIES)}), not a {family} model",
+                          "Re-run `ptplan plan` with --token-slices off")
+    if V != 1 or tp != 1:
+        raise SchemaError(f.what, f"{f.path}.slices", f"token slices run one stage per position without tensor "
+                          f"parallelism, but the phase has V={V}, tp={tp}", "Re-run `ptplan plan`")
+    return tuple(raw)
+
+
+def _phase(f: Fields, num_layers: int, seq_len: int | None = None, family: str | None = None) -> Phase:
     Fields(f.obj, f.what, f.path, allowed=_names(Phase))
     K, D, M = f.int("K", min=1), f.int("D", min=1), f.int("M", min=1)
     V = f.int("V", 1, min=1)
@@ -388,7 +420,7 @@ def _phase(f: Fields, num_layers: int) -> Phase:
                  partition=tuple(parts), cache=f.bool("cache"),
                  ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes),
                  V=V, actions=tuple(actions), tp=tp, fsdp=f.bool("fsdp", False),
-                 recompute=f.bool("recompute", False))
+                 recompute=f.bool("recompute", False), slices=_slices(f, V=V, tp=tp, seq_len=seq_len, family=family))
 
 
 def _profile_ref(f: Fields) -> ProfileRef:
@@ -435,7 +467,8 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
                           "Re-create the plan with `ptplan plan` (plans from older versions do not load)")
     inputs = _inputs(top.obj_("inputs"))
     num_layers, num_blocks = inputs.profile.num_layers, inputs.profile.num_blocks
-    phases = [_phase(p, num_layers) for p in top.objs("phases")]
+    seq_len, family = inputs.profile.seq_len, inputs.profile.family
+    phases = [_phase(p, num_layers, seq_len, family) for p in top.objs("phases")]
     if not phases:
         raise SchemaError(source, "phases", "is empty: the plan has no phase", "Re-run `ptplan plan`")
     world = phases[0].world
@@ -479,7 +512,7 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
             raise SchemaError(source, f"{t.path}.fill_iterations", f"{traj[-1].fill_iterations} exceeds the run's "
                               f"{iters} iterations")
     b = top.obj_("baseline", allowed=("phase", "seconds"))
-    baseline = Baseline(phase=_phase(b.obj_("phase"), num_layers), seconds=b.float("seconds", min=0))
+    baseline = Baseline(phase=_phase(b.obj_("phase"), num_layers, seq_len, family), seconds=b.float("seconds", min=0))
     warnings = []
     for w in top.objs("warnings") if "warnings" in top.obj else []:
         Fields(w.obj, w.what, w.path, allowed=_names(PlanWarning))

@@ -259,10 +259,18 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
 
 def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, freeze: FreezePolicy, *,
               profile_path: str | None = None, progress: Callable[[int, int], Any] | None = None,
-              strategies: str = "off") -> Plan:
+              strategies: str = "off", token_slices: str = "off") -> Plan:
     """Compute the full plan: a phase per frozen count, the freeze steps, trajectory, totals, baselines.
     ``strategies``: "off" (pipeline x data parallel) or "auto" (also tensor parallel, FSDP and
-    recomputation per phase; ``search.PhaseSearch``)."""
+    recomputation per phase; ``search.PhaseSearch``). ``token_slices``: "off", or "auto" (causal LMs with
+    a profile's slice costs): each chosen phase gets TeraPipe token slices where the slice-aware simulation
+    says they pay (``terapipe.token_slice_phase``, a pass after the search)."""
+    if token_slices not in ("off", "auto"):
+        raise PtplanError(f"--token-slices must be off or auto, got {token_slices!r}")
+    if token_slices == "auto":
+        from .terapipe import require_slice_costs
+
+        require_slice_costs(profile)
     profile = _checked_profile(profile)
     L, W = profile.num_blocks, cluster.world_size
     last_T = _last_freeze_step(training, freeze, W)
@@ -278,9 +286,17 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
         progress(len(visited), L + 1)
     phases: list[Phase] = []
     done = len(visited)
+
+    def sliced(ph: Phase, ch: Choice, keep_timeline: bool) -> Phase:
+        if token_slices == "off":
+            return ph
+        from .terapipe import token_slice_phase
+
+        return token_slice_phase(search, ch, ph, keep_timeline=keep_timeline, max_events=MAX_TIMELINE_EVENTS)
+
     for f in range(L + 1):
         if f in chosen:
-            phases.append(phase_from_choice(search, f, chosen[f], keep_timeline=True))
+            phases.append(sliced(phase_from_choice(search, f, chosen[f], keep_timeline=True), chosen[f], True))
             continue
         try:
             ch = search.search(f, Visit(samples=float(training.samples_per_epoch)))
@@ -289,7 +305,7 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
                 raise
             ch = None  # unreachable by the planned trajectory and infeasible: left out
         if ch is not None:
-            phases.append(phase_from_choice(search, f, ch, keep_timeline=False))
+            phases.append(sliced(phase_from_choice(search, f, ch, keep_timeline=False), ch, False))
         done += 1
         if progress is not None:
             progress(done, L + 1)

@@ -432,3 +432,98 @@ def slice_plan(plan, profile, *, L: int | None = None, granularity: int = 16, **
                                 D=ph.D, frozen_blocks=ph.frozen_blocks, granularity=granularity, cache=ph.cache,
                                 ranges=ph.partition, **kw))
     return tuple(out)
+
+
+# ---- token slices in `ptplan plan` (--token-slices auto) ----------------------------------------------
+
+def slice_granularity(L: int, units: int = 128) -> int:
+    """The smallest divisor g of L with at most ``units`` slice units (L / g): the DP's resolution."""
+    return next(g for g in range(1, L + 1) if L % g == 0 and L // g <= units)
+
+
+def require_slice_costs(profile) -> None:
+    """Refuse ``--token-slices auto`` for a model that is not a causal LM or a profile without slice costs."""
+    from .plan import CAUSAL_SLICE_FAMILIES
+
+    name = profile.model.name
+    if profile.model.family not in CAUSAL_SLICE_FAMILIES:
+        raise PtplanError(f"--token-slices auto is for causal LMs ({', '.join(CAUSAL_SLICE_FAMILIES)}), but "
+                          f"{name} is a {profile.model.family} model; plan it with --token-slices off")
+    if profile.token_slices is None:
+        raise PtplanError(f"--token-slices auto needs the profile's token-slice costs, and profile {name} has none; "
+                          f"measure them with `ptplan profile {name} --slices` (then plan with that profile), or "
+                          f"plan with --token-slices off")
+
+
+def sliceable(phase) -> bool:
+    """Whether the executor can run the phase token-sliced: one stage per position, no tensor parallelism,
+    FSDP, recomputation or 2BW (executor/sliced.py's loop runs plain layers, GPipe-ordered)."""
+    return phase.V == 1 and phase.tp == 1 and not phase.fsdp and not phase.recompute and phase.schedule != "2bw"
+
+
+def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max_events: int = 20_000):
+    """``phase`` (the planner's, from ``choice``) with token slices where they pay, else unchanged.
+
+    Slice costs per stage: the profile's fitted block slice cost (``stage_slice_model``) scaled so that one
+    slice of the whole sequence costs what the planner charges the stage (``choice.costs``: the measured
+    per-layer times at the profile's sequence length), i.e. the fit gives the shape of t(s, c), the
+    measured layers its scale. The slices are TeraPipe's optimum for the slowest stage (``optimal_slices``,
+    repeat = M); the phase is simulated with the ``terapipe`` schedule (GPipe order over slices) on the
+    planner's own stage costs (messages, prefix, cache, all-reduce, optimizer, memory). It is taken only when
+    its iteration is strictly faster than the phase's predicted one and its peak memory fits the device
+    (every micro-batch in flight, as GPipe)."""
+    from dataclasses import replace
+
+    from .plan import Prediction
+    from .schedule import terapipe
+    from .simulate import SliceCosts, simulate
+
+    profile = search.p
+    if not sliceable(phase) or profile.token_slices is None:
+        return phase
+    L, K, M, b = profile.model.seq_len, phase.K, phase.M, phase.micro_batch_size
+    model = stage_slice_model(profile, phase.partition, b)
+    f_full, b_full = model.times(float(L), 0.0)
+    costs = choice.costs
+    scale_f = np.array([c.forward_s / f if f > 0 else 0.0 for c, f in zip(costs, f_full.tolist())])
+    scale_b = np.array([c.backward_s / w if w > 0 else 0.0 for c, w in zip(costs, b_full.tolist())])
+
+    def times(s, c):
+        f, bw = model.times(s, c)
+        shape = (-1,) + (1,) * (f.ndim - 1)
+        return f * scale_f.reshape(shape), bw * scale_b.reshape(shape)
+
+    def slowest(s, c):
+        f, bw = times(s, c)
+        return np.max(f + bw, axis=0)
+
+    opt = optimal_slices(slowest, L, K, granularity=slice_granularity(L), repeat=M)
+    if len(opt.slices) < 2:
+        return phase
+    offs = np.cumsum([0, *opt.slices[:-1]]).astype(float)
+    f, bw = times(np.asarray(opt.slices, dtype=float), offs)
+    sc = SliceCosts(tokens=opt.slices, forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
+    sched = terapipe(K, M, len(opt.slices))
+    overhead = search.c.step_overhead_s
+    events = keep_timeline and K * M * len(opt.slices) * 6 <= max_events
+    sim = simulate(sched, costs, step_overhead_s=overhead, slice_costs=sc, events=events)
+    if sim.iteration_s >= phase.predicted.iteration_s or max(sim.rank_peak_memory_bytes) > search.limit:
+        return phase
+    fill = simulate(sched, choice.fill_costs, step_overhead_s=overhead, slice_costs=sc) if choice.fill_costs else None
+    memory = tuple(replace(m, inflight=int(n), activations=int(n) * int(c.activation_bytes_per_mb), total=int(t))
+                   for m, n, c, t in zip(choice.memory, sim.peak_inflight, costs, sim.stage_peak_memory_bytes))
+    B = phase.global_batch
+    pred = replace(phase.predicted, iteration_s=sim.iteration_s,
+                   samples_per_s=B / sim.iteration_s if sim.iteration_s > 0 else 0.0,
+                   bubble_fraction=min(max(sim.bubble_fraction, 0.0), 1.0), allreduce_s=sim.allreduce_s,
+                   stage_compute_s=tuple(c.setup_s + M * c.prefix_s + M * float(np.sum(f[k]) + np.sum(bw[k]))
+                                         for k, c in enumerate(costs)),
+                   stage_peak_memory_bytes=tuple(int(x) for x in sim.stage_peak_memory_bytes), stage_memory=memory,
+                   rank_peak_memory_bytes=tuple(int(x) for x in sim.rank_peak_memory_bytes),
+                   fill_iteration_s=fill.iteration_s if fill is not None else 0.0)
+    assert isinstance(pred, Prediction)
+    note = (f"token slices {','.join(map(str, opt.slices))} (TeraPipe): {phase.predicted.iteration_s:.4g} s -> "
+            f"{sim.iteration_s:.4g} s per iteration (was {phase.schedule})")
+    return replace(phase, schedule="gpipe", slices=tuple(opt.slices), predicted=pred,
+                   actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
+                   timeline=sim.events if events else (), notes=(*phase.notes, note))

@@ -199,6 +199,9 @@ def _phase_title(i: int, ph: Phase) -> str:
     title = f"phase {i}: {ph.frozen_blocks} frozen blocks · K={ph.K} × D={ph.D} · M={ph.M}"
     if _has_strategy(ph):
         title += f" · {ph.strategy_label} ({_mesh(ph)})"
+    if ph.slices:  # TeraPipe: each micro-batch's bar is its token slices' actions, slice by slice
+        text = ",".join(map(str, ph.slices))
+        title += f" · {len(ph.slices)} token slices {text if len(text) <= 40 else text[:37] + '...'}"
     return title
 
 
