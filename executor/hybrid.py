@@ -20,7 +20,9 @@ optimizer gets its canonical parameters back, and the copies are dropped -- so t
 (``transition``) moves plain full tensors, as in any phase.
 
 Tensor parallelism (``tp_plan``) works the same way over the stage's tensor-parallel group: each active
-layer with a plan (BERT's attention and MLP halves, or whole blocks) is copied and split Megatron-style --
+layer with a plan (BERT's and GPT-2's attention and MLP halves, or whole blocks; GPT-2's ``Conv1D``s first
+become ``nn.Linear``s holding the transposed weights, the fused q|k|v rows reordered per rank,
+``_gpt2_twin``) is copied and split Megatron-style --
 query, key and value column-wise (each rank its heads), the attention output row-wise; the MLP's first
 linear column-wise, its second row-wise -- DTensor all-reducing the row-parallel outputs in the forward
 and the input gradients in the backward; its norms and biases of the row-parallel linears stay
@@ -58,6 +60,9 @@ class ShardedStage:
         """Layer index -> its sharded copy (while entered)."""
         self.live: dict[int, nn.Parameter] = {}
         """id(canonical parameter) -> the sharded parameter training in its place."""
+        self.back: dict[int, Callable[[Tensor], Tensor]] = {}
+        """id(canonical parameter) -> how a full tensor of its twin maps back to its layout (GPT-2's Conv1D
+        weights train transposed in ``nn.Linear``s, ``_gpt2_twin``); identity when absent."""
 
     def _slots(self) -> dict[int, tuple[int, int]]:
         return {id(p): (g, j) for g, group in enumerate(self.opt.param_groups) for j, p in enumerate(group["params"])}
@@ -75,18 +80,25 @@ class ShardedStage:
                 continue  # replicated: every tp rank runs the canonical layer whole
             full_state = {id(p): ensure_state(self.opt, p) for p in self.layer_params[i]}
             twin = copy.deepcopy(self.layers[i])
+            maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
             if self.kind == "fsdp":
                 fully_shard(twin, mesh=mesh)
             else:
+                maps = _gpt2_twin(twin, len(self.ranks))
                 _parallelize(twin, mesh)
-            for p, q in zip(self.layer_params[i], twin.parameters(), strict=True):
-                assert p.shape == q.shape, (p.shape, q.shape)
+            by_name = dict(twin.named_parameters())
+            for name, p in self.layers[i].named_parameters():
+                q = by_name[name]
+                to, back = maps.get(name, (_same, _same))
+                assert to(p.detach()).shape == q.shape, (name, p.shape, q.shape)
                 g, j = slots[id(p)]
                 self.opt.param_groups[g]["params"][j] = q
-                self.opt.state[q] = {k: (distribute_tensor(v, mesh, q.placements, src_data_rank=None)
+                self.opt.state[q] = {k: (distribute_tensor(to(v), mesh, q.placements, src_data_rank=None)
                                          if v.shape == p.shape and isinstance(q, DTensor) else
-                                         v.clone() if v.shape == p.shape else v)
+                                         to(v).clone() if v.shape == p.shape else v)
                                      for k, v in zip(keys, full_state[id(p)])}
+                if name in maps:
+                    self.back[id(p)] = back
                 self.opt.state.pop(p, None)
                 self.live[id(p)] = q
             self.copies[i] = twin
@@ -103,11 +115,12 @@ class ShardedStage:
                 self._place(i)
                 for p in self.layer_params[i]:
                     q = self.live.pop(id(p))
-                    p.data.copy_(q.full_tensor() if isinstance(q, DTensor) else q.detach())
+                    back = self.back.pop(id(p), _same)
+                    p.data.copy_(back(q.full_tensor() if isinstance(q, DTensor) else q.detach()))
                     st = self.opt.state.pop(q, {})
                     if st:
-                        self.opt.state[p] = {k: (st[k].full_tensor() if isinstance(st[k], DTensor) else st[k])
-                                             for k in keys}
+                        self.opt.state[p] = {k: (back(st[k].full_tensor()) if isinstance(st[k], DTensor) else
+                                                 back(st[k]) if st[k].shape == q.shape else st[k]) for k in keys}
                     g, j = slots[id(q)]
                     self.opt.param_groups[g]["params"][j] = p
                     p.grad = None
@@ -123,13 +136,32 @@ _BERT_HALF = {"BertAttentionHalf": ("attention.", ()), "BertMLPHalf": ("", ("int
 """Per BERT layer class: where its BertAttention sits (None: no attention) and its MLP's two modules."""
 
 
+_GPT2_HALF = {"GPT2AttentionHalf": ("attn.", None), "GPT2MLPHalf": (None, "mlp."),
+              "GPT2BlockLayer": ("block.attn.", "block.mlp.")}
+"""Per GPT-2 layer class: where its GPT2Attention and its GPT2MLP sit (None: not in this layer)."""
+
+
 def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
     """The Megatron split of one layer for ``parallelize_module`` (module path -> ColwiseParallel or
-    RowwiseParallel), or None when the layer has none (it runs replicated). Layers: BERT's attention and MLP
-    halves and blocks, whose heads and intermediate width ``tp`` divides."""
+    RowwiseParallel), or None when the layer has none (it runs replicated). Layers: BERT's and GPT-2's
+    attention and MLP halves and blocks, whose heads and intermediate width ``tp`` divides (GPT-2's Conv1D
+    paths are split once ``_gpt2_twin`` made them ``nn.Linear``s)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     kind = type(layer).__name__
+    if kind in _GPT2_HALF:
+        att, mlp = _GPT2_HALF[kind]
+        out: dict[str, object] = {}
+        if att is not None:
+            if layer.get_submodule(att[:-1]).num_heads % tp:
+                return None
+            out.update({att + "c_attn": ColwiseParallel(), att + "c_proj": RowwiseParallel()})
+        if mlp is not None:
+            fc = layer.get_submodule(mlp + "c_fc")  # a Conv1D (nf outputs), or the twin's nn.Linear
+            if (getattr(fc, "nf", None) or fc.out_features) % tp:
+                return None
+            out.update({mlp + "c_fc": ColwiseParallel(), mlp + "c_proj": RowwiseParallel()})
+        return out
     if kind not in _BERT_HALF:
         return None
     att, mlp = _BERT_HALF[kind]
@@ -149,7 +181,7 @@ def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
 
 def tp_families() -> tuple[str, ...]:
     """Model families whose Transformer layers ``tp_plan`` splits."""
-    return ("bert",)
+    return ("bert", "gpt2")
 
 
 def _parallelize(layer: nn.Module, mesh) -> None:
@@ -164,6 +196,65 @@ def _parallelize(layer: nn.Module, mesh) -> None:
             att = layer.get_submodule(name.removesuffix(".query"))
             att.num_attention_heads //= tp
             att.all_head_size //= tp
+        if name.endswith("attn.c_attn"):  # GPT-2: q, k, v of heads/tp heads each, split by split_size
+            att = layer.get_submodule(name.removesuffix(".c_attn"))
+            att.num_heads //= tp
+            att.embed_dim //= tp
+            att.split_size //= tp
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _gpt2_twin(layer: nn.Module, tp: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
+    """Make a GPT-2 layer's copy splittable by ``parallelize_module``: each ``Conv1D`` (y = x W + b, W of
+    shape (in, out)) becomes an ``nn.Linear`` holding W transposed; the fused q|k|v projection's output
+    rows are reordered so that a column split gives rank j the rows [q_j | k_j | v_j] of its heads.
+    Returns, per parameter name, (canonical -> twin, twin -> canonical) for full tensors (weights and the
+    optimizer's elementwise state alike). Other layers: unchanged, {}."""
+    from transformers.pytorch_utils import Conv1D
+
+    kind = type(layer).__name__
+    if kind not in _GPT2_HALF:
+        return {}
+    maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
+    for path, conv in list(layer.named_modules()):
+        if not isinstance(conv, Conv1D):
+            continue
+        n_in, n_out = conv.weight.shape
+        idx = torch.arange(n_out)
+        if path.endswith("c_attn"):  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+            H = n_out // 3
+            c = H // tp
+            idx = torch.cat([torch.arange(3)[:, None] * H + j * c + torch.arange(c)[None, :] for j in range(tp)]
+                            ).reshape(-1)
+        inv = torch.empty_like(idx)
+        inv[idx] = torch.arange(n_out)
+
+        def w_to(w: Tensor, idx: Tensor = idx) -> Tensor:
+            return w.t()[idx.to(w.device)].contiguous()
+
+        def w_back(w: Tensor, inv: Tensor = inv) -> Tensor:
+            return w[inv.to(w.device)].t().contiguous()
+
+        def b_to(b: Tensor, idx: Tensor = idx) -> Tensor:
+            return b[idx.to(b.device)].contiguous()
+
+        def b_back(b: Tensor, inv: Tensor = inv) -> Tensor:
+            return b[inv.to(b.device)].contiguous()
+
+        lin = nn.Linear(n_in, n_out, device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w_to(conv.weight))
+            lin.bias.copy_(b_to(conv.bias))
+        lin.weight.requires_grad_(conv.weight.requires_grad)
+        lin.bias.requires_grad_(conv.bias.requires_grad)
+        parent, _, leaf = path.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, leaf, lin)
+        maps[f"{path}.weight"] = (w_to, w_back)
+        maps[f"{path}.bias"] = (b_to, b_back)
+    return maps
 
 
 def local(t: Tensor) -> Tensor:

@@ -206,7 +206,8 @@ TP = [(2, False, False), (2, False, True), (1, False, False)]
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "gpipe", "adamw"),
                                                       ("bert-tiny", "zb-h1", "sgd"),
-                                                      ("bert-tiny", "interleaved-1f1b", "sgd")])
+                                                      ("bert-tiny", "interleaved-1f1b", "sgd"),
+                                                      ("gpt2-tiny", "1f1b", "sgd"), ("gpt2-tiny", "gpipe", "adamw")])
 def test_tensor_parallel_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
     _check(name, schedule, optimizer, TP, tmp_path, "tp", plan_of=_tp_plan)
 
@@ -496,3 +497,29 @@ def test_memory_bound_plan_runs_and_matches_reference(memory_bound, tmp_path):
     print(f"measured peak per phase (largest rank): {peaks} bytes, predicted {predicted}; device {DEVICE_BYTES}; "
           f"one MLP half with AdamW {4 * 529_152}")
     assert len(peaks) == 2 and max(peaks) <= DEVICE_BYTES < 4 * 529_152
+
+
+def test_gpt2_twin_is_the_same_layer_in_linears_and_maps_back():
+    """GPT-2's Conv1Ds become nn.Linears (the split parallelize_module knows): unsplit, the copy computes what
+    the layer computes; every parameter maps to the copy's layout and back bit for bit; with tp=2 the fused
+    q|k|v rows are ordered [q_0 k_0 v_0 | q_1 k_1 v_1]."""
+    import copy
+
+    from ptplan.executor.hybrid import _gpt2_twin
+
+    model = _build("gpt2-tiny")
+    x = torch.randn(2, 8, model.layers[1].ln_1.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    for layer in model.layers[1:3]:
+        twin = copy.deepcopy(layer)
+        maps = _gpt2_twin(twin, 1)
+        assert len(maps) == 4
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=1e-6)
+        for tp in (1, 2):
+            for n, (to, back) in _gpt2_twin(copy.deepcopy(layer), tp).items():
+                p = layer.get_parameter(n).detach()
+                assert torch.equal(back(to(p)), p), n
+    w = model.layers[1].attn.c_attn.weight.detach()  # (H, 3H): y = x @ w
+    H = w.shape[0]
+    to, _ = _gpt2_twin(copy.deepcopy(model.layers[1]), 2)["attn.c_attn.weight"]
+    c = H // 2
+    assert torch.equal(to(w)[:3 * c], torch.cat([w[:, :c], w[:, H:H + c], w[:, 2 * H:2 * H + c]], 1).t())

@@ -1,6 +1,6 @@
 """``ptplan plan --strategies`` (issue 14): the memory-bound model refused off and planned auto, the plan's
 strategy fields round-trip and are validated on load, and ``ptplan run``'s check refuses what the executor
-does not run (tensor parallelism outside BERT)."""
+does not run (tensor parallelism with FSDP, or for a family it does not split)."""
 from __future__ import annotations
 
 import json
@@ -60,20 +60,27 @@ def test_strategy_fields_round_trip_and_are_validated(planned, tmp_path):
         load_plan(tmp_path / "bad.json")
 
 
-def test_run_refuses_tensor_parallel_for_a_family_it_does_not_split(planned):
-    """The executor runs recomputation, FSDP and (for BERT) tensor parallelism (tests/test_hybrid_runtime.py);
-    the synthetic GPT's tp phases are refused with the fix, the same plan without tp passes the check."""
+def test_run_refuses_what_the_executor_does_not_run(planned):
+    """The executor runs recomputation, FSDP and tensor parallelism for BERT and GPT-2
+    (tests/test_hybrid_runtime.py); the synthetic GPT's tp4·fsdp phases (a 2-D mesh) are refused with the fix,
+    tp alone passes the check, and tp for a family without a split (ViT) is refused."""
     import dataclasses
 
     from ptplan.executor.validate import check_strategies, check_world
 
     d, _, _ = planned
     plan = load_plan(d / "auto.json")
-    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d.*\): the executor splits bert layers "
-                                          r"for tensor parallelism but this plan's model is a gpt2.*--strategies off"):
+    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d·fsdp.*\): tensor parallelism with "
+                                          r"FSDP in one phase \(a 2-D mesh\).*--strategies off"):
         check_world(plan, 32)
-    no_tp = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, tp=1) for ph in plan.phases))
-    check_strategies(no_tp)  # fsdp and recomputation run
+    tp_only = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, fsdp=False) for ph in plan.phases))
+    check_strategies(tp_only)
+    check_strategies(dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, tp=1) for ph in plan.phases)))
+    vit = dataclasses.replace(tp_only, inputs=dataclasses.replace(
+        tp_only.inputs, profile=dataclasses.replace(tp_only.inputs.profile, family="vit")))
+    with pytest.raises(PtplanError, match=r"splits bert, gpt2 layers for tensor parallelism but this plan's model "
+                                          r"is a vit"):
+        check_strategies(vit)
 
 
 def test_report_draws_a_plan_with_tensor_parallel_groups(planned):
