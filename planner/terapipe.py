@@ -467,8 +467,9 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
     Slice costs per stage: the profile's fitted block slice cost (``stage_slice_model``) scaled so that one
     slice of the whole sequence costs what the planner charges the stage (``choice.costs``: the measured
     per-layer times at the profile's sequence length), i.e. the fit gives the shape of t(s, c), the
-    measured layers its scale. The slices are TeraPipe's optimum for the slowest stage (``optimal_slices``,
-    repeat = M); the phase is simulated with the ``terapipe`` schedule (GPipe order over slices) on the
+    measured layers its scale; a stage's slices are priced at least at its whole sequence (``priced``).
+    Candidates: TeraPipe's optimum for the slowest stage (``optimal_slices``, repeat = M) and 2-8 even slices,
+    the fastest in simulation kept. K = 1 phases stay unsliced (no bubble to fill). Each candidate is simulated with the ``terapipe`` schedule (GPipe order over slices) on the
     planner's own stage costs (messages, prefix, cache, all-reduce, optimizer, memory). It is taken only when
     its iteration is strictly faster than the phase's predicted one and its peak memory fits the device
     (every micro-batch in flight, as GPipe)."""
@@ -497,15 +498,39 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
         f, bw = times(s, c)
         return np.max(f + bw, axis=0)
 
-    opt = optimal_slices(slowest, L, K, granularity=slice_granularity(L), repeat=M)
-    if len(opt.slices) < 2:
-        return phase
-    offs = np.cumsum([0, *opt.slices[:-1]]).astype(float)
-    f, bw = times(np.asarray(opt.slices, dtype=float), offs)
-    sc = SliceCosts(tokens=opt.slices, forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
-    sched = terapipe(K, M, len(opt.slices))
+    def priced(slices: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage and slice (forward, backward) seconds, each stage's row raised where needed so that the
+        slices together cost at least the whole sequence: slicing never removes work (a fit whose b·s·c and
+        b·s² terms disagree would otherwise make many short slices look cheaper than the sequence)."""
+        offs = np.cumsum([0, *slices[:-1]]).astype(float)
+        f, bw = times(np.asarray(slices, dtype=float), offs)
+        for row, full in ((f, f_full * scale_f), (bw, b_full * scale_b)):
+            tot = row.sum(axis=1)
+            row *= np.where((tot > 0) & (tot < full), full / np.where(tot > 0, tot, 1.0), 1.0)[:, None]
+        return f, bw
+
+    if K < 2:
+        return phase  # one stage: no pipeline bubble for slices to fill
     overhead = search.c.step_overhead_s
-    events = keep_timeline and K * M * len(opt.slices) * 6 <= max_events
+    opt = optimal_slices(slowest, L, K, granularity=slice_granularity(L), repeat=M)
+    tries = {opt.slices} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n)) for n in (2, 3, 4, 6, 8)
+                            if n <= L}
+    best: tuple[float, tuple[int, ...]] | None = None
+    for cand in sorted(tries, key=len):
+        if len(cand) < 2:
+            continue
+        f, bw = priced(cand)
+        sc = SliceCosts(tokens=cand, forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
+        t = simulate(terapipe(K, M, len(cand)), costs, step_overhead_s=overhead, slice_costs=sc).iteration_s
+        if best is None or t < best[0]:
+            best = (t, cand)
+    if best is None:
+        return phase
+    slices = best[1]
+    f, bw = priced(slices)
+    sc = SliceCosts(tokens=slices, forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
+    sched = terapipe(K, M, len(slices))
+    events = keep_timeline and K * M * len(slices) * 6 <= max_events
     sim = simulate(sched, costs, step_overhead_s=overhead, slice_costs=sc, events=events)
     if sim.iteration_s >= phase.predicted.iteration_s or max(sim.rank_peak_memory_bytes) > search.limit:
         return phase
@@ -522,8 +547,8 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
                    rank_peak_memory_bytes=tuple(int(x) for x in sim.rank_peak_memory_bytes),
                    fill_iteration_s=fill.iteration_s if fill is not None else 0.0)
     assert isinstance(pred, Prediction)
-    note = (f"token slices {','.join(map(str, opt.slices))} (TeraPipe): {phase.predicted.iteration_s:.4g} s -> "
+    note = (f"token slices {','.join(map(str, slices))} (TeraPipe): {phase.predicted.iteration_s:.4g} s -> "
             f"{sim.iteration_s:.4g} s per iteration (was {phase.schedule})")
-    return replace(phase, schedule="gpipe", slices=tuple(opt.slices), predicted=pred,
+    return replace(phase, schedule="gpipe", slices=tuple(slices), predicted=pred,
                    actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                    timeline=sim.events if events else (), notes=(*phase.notes, note))

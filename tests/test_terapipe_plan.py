@@ -154,3 +154,71 @@ def test_slice_plan_follows_a_real_plans_phases():
         assert sp.iteration_s <= sp.unsliced_s + 1e-12 and sum(sp.slices) == 512
     with pytest.raises(PtplanError, match="contiguous"):
         sliced_phase(prof, L=512, K=2, M=1, b=1, ranges=((0, 5), (6, prof.num_layers)))
+
+
+# ---- ptplan plan --token-slices (Phase.slices) ------------------------------------------------------
+
+SLICED_ARGS = ["--cluster", "cpu:2", "--batch", "2", "--start-K", "2", "--samples-per-epoch", "64", "--epochs", "2"]
+
+
+def test_ptplan_plan_token_slices_auto(tmp_path):
+    """`ptplan plan --token-slices auto` on the shipped GPT-2 profile with slice costs: every phase keeps the
+    search's K, D, M and partition; phases with K >= 2 where slicing pays get slices summing to the sequence
+    length, TeraPipe's actions and a faster prediction than the same phase unsliced (never a slower one); the
+    table shows them, the JSON round-trips them, the report draws them."""
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+    from ptplan.planner.cluster import resolve_cluster
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.plan import load_plan, plan_from_json
+    from ptplan.planner.planner import make_plan
+
+    out, rep = tmp_path / "p.json", tmp_path / "r.html"
+    r = CliRunner().invoke(cli, ["plan", "gpt2_cpu_fp32_slices", *SLICED_ARGS, "--token-slices", "auto",
+                                 "--out", str(out), "--report", str(rep)])
+    assert r.exit_code == 0, r.output
+    auto = load_plan(out)
+    prof = load_profile(ROOT / "profiles" / "gpt2_cpu_fp32_slices.json")
+    off = make_plan(prof, resolve_cluster("cpu:2"), TrainingConfig(epochs=2, samples_per_epoch=64, batch=2, start_K=2),
+                    FreezePolicy())
+    assert [(p.frozen_blocks, p.K, p.D, p.M, p.partition) for p in auto.phases] == \
+        [(p.frozen_blocks, p.K, p.D, p.M, p.partition) for p in off.phases]
+    cut = [(a, o) for a, o in zip(auto.phases, off.phases) if a.slices]
+    assert len(cut) >= 3, [a.slices for a in auto.phases]
+    for a, o in zip(auto.phases, off.phases):
+        assert a.predicted.iteration_s <= o.predicted.iteration_s * (1 + 1e-12)
+        if not a.slices:
+            assert a == dataclasses.replace(o, timeline=a.timeline)
+    for a, o in cut:
+        assert a.K >= 2 and sum(a.slices) == prof.model.seq_len and len(a.slices) >= 2
+        assert a.predicted.iteration_s < o.predicted.iteration_s
+        assert a.schedule == "gpipe" and a.actions == tuple(" ".join(map(str, acts))
+                                                             for acts in terapipe(a.K, a.M, len(a.slices)).actions)
+        assert any("token slices" in n for n in a.notes)
+    assert auto.totals.seconds < off.totals.seconds
+    assert plan_from_json(auto.to_json()) == auto  # round trip
+    old = off.to_json()  # a plan written before Phase.slices existed has no such key: it loads unsliced
+    for ph in [*old["phases"], old["baseline"]["phase"]]:
+        assert ph.pop("slices") == []
+    assert plan_from_json(old) == off
+    head = r.output.splitlines()[1]
+    assert head.rstrip().endswith("slices")
+    ph0 = auto.phases[0]
+    assert f"{len(ph0.slices)} slices {','.join(map(str, ph0.slices))}" in r.output and "—" in r.output
+    assert f"{len(ph0.slices)} token slices" in rep.read_text()
+
+
+def test_token_slices_auto_needs_slice_costs_and_a_causal_lm(tmp_path):
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(cli, ["plan", "gpt2_cpu_fp32", *SLICED_ARGS, "--token-slices", "auto", "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert "`ptplan profile gpt2 --slices`" in r.output and r.output.startswith("error:") and not out.exists()
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--token-slices", "auto", "--out", str(out)])
+    assert r.exit_code == 2 and "causal LMs" in r.output and "--token-slices off" in r.output, r.output
+

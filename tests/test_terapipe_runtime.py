@@ -190,3 +190,23 @@ def test_executor_checks_accept_sliced_phases_and_refuse_broken_ones():
     obj["phases"][0]["slices"] = [12, 12]
     with pytest.raises(SchemaError, match="causal LMs"):
         plan_from_json(obj)
+
+
+def test_ptplan_run_dry_run_checks_token_sliced_phases(tmp_path):
+    """`ptplan run --dry-run` of a plan with token-sliced phases passes; with a sliced phase's action lists
+    edited it exits 2 before launching, naming the phase and the fix."""
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+    from ptplan.planner.plan import save_plan
+
+    plan = _plan(_build("gpt2-tiny"))
+    save_plan(plan, tmp_path / "plan.json")
+    args = ["run", str(tmp_path / "plan.json"), "--model", "gpt2-tiny", "--nproc-per-node", "2", "--dry-run"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    obj = plan.to_json()
+    obj["phases"][2]["actions"] = [" ".join(map(str, a)) for a in terapipe(2, 2, 3).actions]
+    (tmp_path / "plan.json").write_text(json.dumps(obj))
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2 and "plan phase 2" in r.output and "action lists differ" in r.output, r.output
