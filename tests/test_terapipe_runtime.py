@@ -65,9 +65,9 @@ def sliced(plan, slices: dict[int, tuple[int, ...]]):
     return plan_from_json(json.loads(json.dumps(obj)), source="test plan")
 
 
-def _plan(model):
+def _plan(model, cache: bool = False):
     return sliced(make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=2, b=1),
-                                    spec(2, K=2, D=1, M=2, b=2, ranks=((1, 0),))],
+                                    spec(2, K=2, D=1, M=2, b=2, ranks=((1, 0),), cache=cache)],
                             trajectory=[0, 1, 2], schedule="gpipe"), SLICES)
 
 
@@ -108,14 +108,18 @@ def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torc
     return snaps, losses
 
 
-def elastic_run(name: str, optimizer: str, data, tmp: str) -> tuple[dict[int, dict], str]:
+def elastic_run(name: str, optimizer: str, data, tmp: str, cache: bool = False) -> tuple[dict[int, dict], str]:
     model = _build(name)
-    plan = _plan(model)
+    plan = _plan(model, cache)
     o = OPT[optimizer]
+    kw = {}
+    if cache:  # phase 2's stage 0 reads the frozen prefix's output from the AutoCache (filled on this pass)
+        os.makedirs(os.path.join(tmp, "ram"))
+        kw = dict(cache="auto", cache_dir=os.path.join(tmp, "ram"))
     cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
                     freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
-                    timeout_s=30, log=os.path.join(tmp, "run.jsonl"))
+                    timeout_s=30, log=os.path.join(tmp, "run.jsonl"), **kw)
     ds = TensorDataset(*data)
 
     def worker(rank: int, world: int) -> None:
@@ -133,11 +137,14 @@ def elastic_run(name: str, optimizer: str, data, tmp: str) -> tuple[dict[int, di
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_token_sliced_elastic_run_matches_unsliced_reference(name, optimizer, tmp_path):
+@pytest.mark.parametrize("name,optimizer,cache", [("gpt2-tiny", "sgd", False), ("gpt2-tiny", "adamw", False),
+                                                  ("llama-tiny", "sgd", False), ("llama-tiny", "adamw", False),
+                                                  ("llama-tiny", "sgd", True)])
+def test_token_sliced_elastic_run_matches_unsliced_reference(name, optimizer, cache, tmp_path):
+    """cache: phase 2 (two blocks frozen, K=2 sliced) reads its frozen prefix's output from the AutoCache, so
+    its stage 0 slices the cached hidden states instead of running the prefix."""
     data = _build(name).make_batch(N, generator=torch.Generator().manual_seed(DATA_SEED))
-    snaps, log = elastic_run(name, optimizer, data, str(tmp_path))
+    snaps, log = elastic_run(name, optimizer, data, str(tmp_path), cache)
     ref, ref_losses = reference(name, optimizer, data)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)  # start, two transitions, end
     worst = 0.0
@@ -145,7 +152,7 @@ def test_token_sliced_elastic_run_matches_unsliced_reference(name, optimizer, tm
         d, where = max_rel_diff(snaps[step], ref[step])
         assert d <= TOL[optimizer], f"after {step} steps: max relative difference {d:.2e} in {where}"
         worst = max(worst, d)
-    print(f"\ntoken-sliced parity {name} {optimizer}: max relative difference {worst:.1e}")  # pytest -s shows it
+    print(f"\ntoken-sliced parity {name} {optimizer}{' cached prefix' if cache else ''}: max relative difference {worst:.1e}")  # pytest -s shows it
     recs = read_records(log)
     steps = [r for r in recs if r["type"] == "step"]
     assert [(r["K"], r["D"], r["frozen_blocks"]) for r in steps] == [(2, 1, 0)] * 2 + [(1, 2, 1)] * 2 + [(2, 1, 2)] * 2
@@ -155,6 +162,9 @@ def test_token_sliced_elastic_run_matches_unsliced_reference(name, optimizer, tm
     ran = {r: torch.load(tmp_path / f"ran-{r}.pt") for r in range(2)}
     assert ran[0] == [(2, 0, SLICES[0])] * 2 + [(2, 1, SLICES[2])] * 2, ran[0]
     assert ran[1] == [(2, 1, SLICES[0])] * 2 + [(2, 0, SLICES[2])] * 2, ran[1]
+    if cache:
+        cached = [r for r in recs if r["type"] == "cache"]
+        assert [r["rows_written"] for r in cached if r["phase_caches"]] == [2 * B], cached  # phase 2's 8 rows
     trans = [r for r in recs if r["type"] == "transition"]
     assert [(t["step"], t["from_phase"], t["to_phase"]) for t in trans] == [(2, 0, 1), (4, 1, 2)]
     # K=2 -> K=1, D=2: each rank receives the other's layers with their optimizer state (moved, not reset);
