@@ -22,13 +22,13 @@ optimizer gets its canonical parameters back, and the copies are dropped -- so t
 Tensor parallelism (``tp_plan``) works the same way over the stage's tensor-parallel group: each active
 layer with a plan (BERT's and GPT-2's attention and MLP halves, or whole blocks; GPT-2's ``Conv1D``s first
 become ``nn.Linear``s holding the transposed weights, the fused q|k|v rows reordered per rank,
-``_gpt2_twin``) is copied and split Megatron-style --
-query, key and value column-wise (each rank its heads), the attention output row-wise; the MLP's first
-linear column-wise, its second row-wise -- DTensor all-reducing the row-parallel outputs in the forward
-and the input gradients in the backward; its norms and biases of the row-parallel linears stay
-replicated (plain tensors in the copy, equal on every tp rank). Layers without a plan (embeddings, the
-head) are not copied: every tp rank runs them whole, on the same input, with the same gradients. The
-data-parallel all-reduce then runs on each rank's local shards, over the ranks with its tp index.
+``_gpt2_twin``) is copied and split Megatron-style -- query, key and value column-wise (each rank its
+heads), the attention output row-wise; the MLP's first linear column-wise, its second row-wise --, DTensor
+all-reducing the row-parallel outputs in the forward and the input gradients in the backward; norms stay
+plain tensors and the row-parallel biases replicated DTensors, equal on every tp rank. Layers without a
+plan (embeddings, the head) are not copied: every tp rank runs them whole, on the same input, with the
+same gradients. The data-parallel all-reduce then runs on each rank's local shards, over the ranks with
+its tp index. On leaving, a GPT-2 copy's tensors (weights and state) are mapped back to the Conv1D layout.
 
 The canonical layers are copied rather than sharded in place because ``fully_shard`` changes a module
 for good (its class, its hooks, its parameters); a layer trains sharded in one phase and plain in the next.

@@ -69,6 +69,9 @@ def _fsdp_plan(model, schedule: str, strategies, cache: bool = False):
                                spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V, cache=cache)], strategies)
 
 
+_OPTIMIZER: list[torch.optim.Optimizer] = []
+
+
 def _optimizer_params(rank: int):
     """(sharded parameters, their local elements, their full elements) in this process's one optimizer."""
     import gc
@@ -76,9 +79,11 @@ def _optimizer_params(rank: int):
 
     from torch.distributed.tensor import DTensor
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        opts = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+    if not _OPTIMIZER:  # found once per process (a garbage-collector scan is slow)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _OPTIMIZER.extend(o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer))
+    opts = _OPTIMIZER
     assert len(opts) == 1, len(opts)
     ps = [p for g in opts[0].param_groups for p in g["params"] if isinstance(p, DTensor)]
     for p in ps:  # its state is sharded like it
