@@ -436,7 +436,7 @@ def slice_plan(plan, profile, *, L: int | None = None, granularity: int = 16, **
 
 # ---- token slices in `ptplan plan` (--token-slices auto) ----------------------------------------------
 
-def slice_granularity(L: int, units: int = 128) -> int:
+def slice_granularity(L: int, units: int = 64) -> int:
     """The smallest divisor g of L with at most ``units`` slice units (L / g): the DP's resolution."""
     return next(g for g in range(1, L + 1) if L % g == 0 and L // g <= units)
 
