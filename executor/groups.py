@@ -102,7 +102,7 @@ def build_groups(phase: Phase, rank: int, *, timeout: timedelta | None = None,
                 created.append(g)
     if phase.D > 1:
         for members in dp_members(phase):
-            if phase.fsdp and phase.tp == 1:
+            if phase.fsdp:
                 g = _mesh_group(sorted(members), timeout=timeout, backend=backend)
             else:
                 g = dist.new_group(sorted(members), timeout=timeout, backend=backend)

@@ -46,15 +46,19 @@ from .optim import ensure_state, state_keys
 
 
 class ShardedStage:
-    """The active layers ``owned`` of this rank, sharded over ``group`` while it is entered: ``kind`` "fsdp"
-    (``fully_shard``) or "tp" (``parallelize_module`` with ``tp_plan``)."""
+    """The active layers ``owned`` of this rank, while it is entered: split over the tensor-parallel group
+    ``tp`` (``parallelize_module`` with ``tp_plan``) and/or sharded over the data-parallel group ``dp``
+    (``fully_shard``); each a (process group, its ranks) pair or None. With both, the mesh is 2-D
+    (``dp`` x ``tp``, ``mesh[p][j]`` the rank of replica p with tp index j), as FSDP2 + TP wants it."""
 
     def __init__(self, layers: nn.ModuleList, layer_params: list[list[nn.Parameter]], owned: list[int],
-                 opt: torch.optim.Optimizer, group, ranks: list[int], device: torch.device,
-                 release: Callable[[int], None], place: Callable[[int], None], kind: str = "fsdp") -> None:
-        assert kind in ("fsdp", "tp"), kind
+                 opt: torch.optim.Optimizer, *, dp: tuple | None, tp: tuple | None, device: torch.device,
+                 release: Callable[[int], None], place: Callable[[int], None]) -> None:
+        assert dp is not None or tp is not None
         self.layers, self.layer_params, self.owned, self.opt = layers, layer_params, owned, opt
-        self.group, self.ranks, self.device, self.kind = group, sorted(ranks), device, kind
+        self.dp, self.tp, self.device = dp, tp, device
+        self.fsdp = dp is not None
+        """Whether FSDP reduce-scatters the gradients (then the runtime's flat all-reduce is skipped)."""
         self._release, self._place = release, place
         self.copies: dict[int, nn.Module] = {}
         """Layer index -> its sharded copy (while entered)."""
@@ -67,25 +71,40 @@ class ShardedStage:
     def _slots(self) -> dict[int, tuple[int, int]]:
         return {id(p): (g, j) for g, group in enumerate(self.opt.param_groups) for j, p in enumerate(group["params"])}
 
-    def enter(self) -> None:
-        """Shard every owned layer (collective over ``group``)."""
+    def _meshes(self):
+        """(data-parallel mesh or None, tensor-parallel mesh or None), slices of one mesh when both."""
         from torch.distributed.device_mesh import DeviceMesh
+
+        kind = self.device.type
+        if self.dp is not None and self.tp is not None:
+            (dg, dranks), (tg, tranks) = self.dp, self.tp
+            j = sorted(set(dranks) & set(tranks))[0] - min(tranks)  # this rank's tp index
+            grid = [[r - j + t for t in range(len(tranks))] for r in sorted(dranks)]  # [replica][tp index]
+            mesh = DeviceMesh.from_group([dg, tg], kind, mesh=grid, mesh_dim_names=("dp", "tp"))
+            return mesh["dp"], mesh["tp"]
+        if self.dp is not None:
+            return DeviceMesh.from_group(self.dp[0], kind, mesh=sorted(self.dp[1]), mesh_dim_names=("dp",)), None
+        return None, DeviceMesh.from_group(self.tp[0], kind, mesh=sorted(self.tp[1]), mesh_dim_names=("tp",))
+
+    def enter(self) -> None:
+        """Shard every owned layer (collective over the groups)."""
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor, distribute_tensor
 
-        mesh = DeviceMesh.from_group(self.group, self.device.type, mesh=self.ranks)
+        dp_mesh, tp_mesh = self._meshes()
         slots, keys = self._slots(), state_keys(self.opt)
         for i in self.owned:
-            if self.kind == "tp" and tp_plan(self.layers[i], len(self.ranks)) is None:
+            split = tp_mesh is not None and tp_plan(self.layers[i], tp_mesh.size()) is not None
+            if not split and dp_mesh is None:
                 continue  # replicated: every tp rank runs the canonical layer whole
-            full_state = {id(p): ensure_state(self.opt, p) for p in self.layer_params[i]}
+            full_state = {id(p): ensure_state(self.opt, p) for p in self.layers[i].parameters()}
             twin = copy.deepcopy(self.layers[i])
             maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
-            if self.kind == "fsdp":
-                fully_shard(twin, mesh=mesh)
-            else:
-                maps = _gpt2_twin(twin, len(self.ranks))
-                _parallelize(twin, mesh)
+            if split:
+                maps = _gpt2_twin(twin, tp_mesh.size())
+                _parallelize(twin, tp_mesh)
+            if dp_mesh is not None:
+                fully_shard(twin, mesh=dp_mesh)
             by_name = dict(twin.named_parameters())
             for name, p in self.layers[i].named_parameters():
                 q = by_name[name]
@@ -93,7 +112,7 @@ class ShardedStage:
                 assert to(p.detach()).shape == q.shape, (name, p.shape, q.shape)
                 g, j = slots[id(p)]
                 self.opt.param_groups[g]["params"][j] = q
-                self.opt.state[q] = {k: (distribute_tensor(to(v), mesh, q.placements, src_data_rank=None)
+                self.opt.state[q] = {k: (distribute_tensor(to(v), q.device_mesh, q.placements, src_data_rank=None)
                                          if v.shape == p.shape and isinstance(q, DTensor) else
                                          to(v).clone() if v.shape == p.shape else v)
                                      for k, v in zip(keys, full_state[id(p)])}
@@ -255,6 +274,16 @@ def _gpt2_twin(layer: nn.Module, tp: int) -> dict[str, tuple[Callable[[Tensor], 
         maps[f"{path}.weight"] = (w_to, w_back)
         maps[f"{path}.bias"] = (b_to, b_back)
     return maps
+
+
+def tp_split(g: Tensor) -> bool:
+    """Whether a (gradient) tensor is split over the tensor-parallel mesh dimension (each tp rank a part)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(g, DTensor):
+        return False
+    names = g.device_mesh.mesh_dim_names or ()
+    return "tp" in names and isinstance(g.placements[names.index("tp")], Shard)
 
 
 def local(t: Tensor) -> Tensor:

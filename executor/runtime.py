@@ -56,7 +56,7 @@ from ptplan.planner.plan import Phase, Plan
 from .actions import phase_schedule
 from .cache import ActivationCache, prefix_forward
 from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups, dp_ranks_of, tp_ranks_of
-from .hybrid import ShardedStage, local
+from .hybrid import ShardedStage, local, tp_split
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
 from .transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
@@ -219,14 +219,13 @@ class ElasticRuntime:
         """This rank's chunks and schedule for ``ph``; with ``shard`` (and a phase with tp or FSDP) on
         sharded copies of its active layers (``hybrid``; collective over the group), else on the layers."""
         twins = None
-        kind = "tp" if ph.tp > 1 else "fsdp" if ph.fsdp and ph.D > 1 else None
-        if kind is not None and shard:
+        if self._wants_shards(ph) and shard:
             place = self.groups.place
-            group, ranks = ((self.groups.tp_group, tp_ranks_of(ph, place)) if kind == "tp" else
-                            (self.groups.dp_group, dp_ranks_of(ph, place)))
-            self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, group, ranks,
-                                        self.device, release=self.store.release,
-                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False), kind=kind)
+            dp = (self.groups.dp_group, dp_ranks_of(ph, place)) if ph.fsdp and ph.D > 1 else None
+            tp = (self.groups.tp_group, tp_ranks_of(ph, place)) if ph.tp > 1 else None
+            self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, dp=dp, tp=tp,
+                                        device=self.device, release=self.store.release,
+                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False))
             self.sharded.enter()
             twins = self.sharded.copies
         self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
@@ -307,14 +306,11 @@ class ElasticRuntime:
         """This rank's share of the squared norm of gradient ``g`` in a whole-model norm summed over the
         world: each stage counted once -- on pipeline 0, or with FSDP on every replica (each its shard);
         a tensor-parallel shard on every tp rank, a replicated tensor on tp index 0 only."""
-        from torch.distributed.tensor import DTensor, Shard
-
         place, ph = self.groups.place, self.phase
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         if not (place.pipeline == 0 or (ph.fsdp and ph.D > 1)):
             return zero
-        split = isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements)
-        if place.tp != 0 and not split:
+        if place.tp != 0 and not tp_split(g):
             return zero
         return local(g).double().pow(2).sum()
 
@@ -392,7 +388,7 @@ class ElasticRuntime:
         else:
             self.schedule.step(*args, return_outputs=False, **ends, **kw)
         t0 = time.perf_counter()
-        if self.sharded is None or self.sharded.kind == "tp":  # FSDP reduce-scattered them in the backward
+        if self.sharded is None or not self.sharded.fsdp:  # FSDP reduce-scattered them in the backward
             self._allreduce_grads()
         self.last_allreduce_s = time.perf_counter() - t0
         if self.clip_grad_norm is not None:

@@ -44,9 +44,10 @@ def batch_policy_of(plan: Plan) -> str:
 def check_strategies(plan: Plan) -> None:
     """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
 
-    Runs: recomputation (``Phase.recompute``) with every schedule but PipeDream-2BW, FSDP (``Phase.fsdp``)
-    with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor parallelism (``Phase.tp``) for the families ``hybrid.tp_families`` names, without
-    FSDP, 2BW or the AutoCache in the same phase. 2BW's own loop runs each micro-batch on its weight version
+    Runs: recomputation (``Phase.recompute``) with every schedule but PipeDream-2BW; FSDP (``Phase.fsdp``)
+    with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor parallelism
+    (``Phase.tp``), alone or with FSDP on a 2-D mesh, with or without the AutoCache, for the families
+    ``hybrid.tp_families`` names, not with 2BW. 2BW's own loop runs each micro-batch on its weight version
     through ``functional_call``: a checkpoint's rerun in the backward would see the newest version, and
     FSDP's and DTensor's hooks are not wired into it."""
     from .hybrid import tp_families
@@ -58,12 +59,6 @@ def check_strategies(plan: Plan) -> None:
         if ph.tp > 1 and family not in tp_families():
             raise PtplanError(f"{what}: the executor splits {', '.join(tp_families())} layers for tensor parallelism "
                               f"but this plan's model is a {family}; {fix}")
-        if ph.tp > 1 and ph.fsdp:
-            raise PtplanError(f"{what}: tensor parallelism with FSDP in one phase (a 2-D mesh) is not run by the "
-                              f"executor; {fix}")
-        if ph.tp > 1 and ph.cache:
-            raise PtplanError(f"{what}: tensor parallelism with the AutoCache is not run by the executor; {fix} "
-                              f"or with --cache off")
         if ph.fsdp and ph.D > 1 and ph.schedule in ("zb-h1", "zb-v"):
             raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
                               f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "

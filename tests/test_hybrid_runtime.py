@@ -138,10 +138,9 @@ def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan
         for step, n, loc, full in sharded[r]:
             ph = plan.phases[COUNTS[step - 1]]
             if ph.tp > 1 or ph.fsdp and ph.D > 1:
-                w = ph.tp if ph.tp > 1 else ph.D
                 assert n > 0 and loc < full, (r, step, n, loc, full)
                 if ph.fsdp:
-                    assert loc <= -(-full // w) + n, (r, step, n, loc, full)
+                    assert loc <= -(-full // ph.D) + n, (r, step, n, loc, full)
             else:
                 assert n == 0, (r, step, n)
     ref, ref_losses = reference(name, optimizer, data)
@@ -215,6 +214,37 @@ TP = [(2, False, False), (2, False, True), (1, False, False)]
                                                       ("gpt2-tiny", "1f1b", "sgd"), ("gpt2-tiny", "gpipe", "adamw")])
 def test_tensor_parallel_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
     _check(name, schedule, optimizer, TP, tmp_path, "tp", plan_of=_tp_plan)
+
+
+def _tp_fsdp_plan(model, schedule: str, strategies):
+    """tp2 in a 2-stage pipeline (K=2), tp2 x FSDP on a 2-D mesh (K=1, D=2, tp=2), FSDP over D=4."""
+    return _mixed_plan(model, [spec(0, K=2, D=1, M=4, b=2, schedule=schedule),
+                               spec(1, K=1, D=2, M=2, b=2, schedule=schedule),
+                               spec(2, K=1, D=4, M=2, b=1, schedule=schedule)], strategies)
+
+
+TPFS = [(2, False, False), (2, True, False), (1, True, True)]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("gpt2-tiny", "gpipe", "adamw")])
+def test_tensor_parallel_with_fsdp_on_a_2d_mesh_matches_reference(name, schedule, optimizer, tmp_path):
+    _check(name, schedule, optimizer, TPFS, tmp_path, "tp x fsdp", plan_of=_tp_fsdp_plan)
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_with_the_autocache_matches_reference(tmp_path):
+    """tp2 (K=2), then tp2 x FSDP (K=1, D=2) and plain data parallel (K=1, D=4) with the frozen prefix's
+    outputs from the AutoCache: equal to the reference."""
+    def plan_of(model, schedule, strategies):
+        return _mixed_plan(model, [spec(0, K=2, D=1, M=4, b=2, schedule=schedule),
+                                   spec(1, K=1, D=2, M=2, b=2, schedule=schedule, cache=True),
+                                   spec(2, K=1, D=4, M=2, b=1, schedule=schedule, cache=True)], strategies)
+
+    _check("bert-tiny", "1f1b", "sgd", [(2, False, False), (2, True, False), (1, False, False)], tmp_path,
+           "tp+cache", plan_of=plan_of, cache=True)
+    kinds = {r["type"] for r in read_records(str(tmp_path / "run.jsonl"))}
+    assert {"cache_setup", "cache"} <= kinds, kinds
 
 
 def test_strategies_the_executor_does_not_run_are_refused():

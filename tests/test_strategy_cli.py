@@ -1,6 +1,6 @@
 """``ptplan plan --strategies`` (issue 14): the memory-bound model refused off and planned auto, the plan's
 strategy fields round-trip and are validated on load, and ``ptplan run``'s check refuses what the executor
-does not run (tensor parallelism with FSDP, or for a family it does not split)."""
+does not run (tensor parallelism for a family it does not split; strategies in 2BW phases)."""
 from __future__ import annotations
 
 import json
@@ -60,27 +60,26 @@ def test_strategy_fields_round_trip_and_are_validated(planned, tmp_path):
         load_plan(tmp_path / "bad.json")
 
 
-def test_run_refuses_what_the_executor_does_not_run(planned):
-    """The executor runs recomputation, FSDP and tensor parallelism for BERT and GPT-2
-    (tests/test_hybrid_runtime.py); the synthetic GPT's tp4·fsdp phases (a 2-D mesh) are refused with the fix,
-    tp alone passes the check, and tp for a family without a split (ViT) is refused."""
+def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
+    """The executor runs recomputation, FSDP and tensor parallelism for BERT and GPT-2, tp x FSDP on a 2-D mesh
+    included (tests/test_hybrid_runtime.py): the synthetic GPT's tp4·fsdp plan passes ``ptplan run``'s check;
+    the same plan for a family without a split (ViT) is refused with the fix, and so is 2BW with it."""
     import dataclasses
 
     from ptplan.executor.validate import check_strategies, check_world
 
     d, _, _ = planned
     plan = load_plan(d / "auto.json")
-    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d·fsdp.*\): tensor parallelism with "
-                                          r"FSDP in one phase \(a 2-D mesh\).*--strategies off"):
-        check_world(plan, 32)
-    tp_only = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, fsdp=False) for ph in plan.phases))
-    check_strategies(tp_only)
-    check_strategies(dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, tp=1) for ph in plan.phases)))
-    vit = dataclasses.replace(tp_only, inputs=dataclasses.replace(
-        tp_only.inputs, profile=dataclasses.replace(tp_only.inputs.profile, family="vit")))
-    with pytest.raises(PtplanError, match=r"splits bert, gpt2 layers for tensor parallelism but this plan's model "
-                                          r"is a vit"):
+    assert any(ph.tp > 1 and ph.fsdp for ph in plan.phases)
+    check_world(plan, 32)
+    vit = dataclasses.replace(plan, inputs=dataclasses.replace(
+        plan.inputs, profile=dataclasses.replace(plan.inputs.profile, family="vit")))
+    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d.*\): the executor splits bert, gpt2 "
+                                          r"layers for tensor parallelism but this plan's model is a vit.*--strategies off"):
         check_strategies(vit)
+    twobw = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, schedule="2bw") for ph in plan.phases))
+    with pytest.raises(PtplanError, match=r"2bw with tp\d·fsdp.* is not run by the executor"):
+        check_strategies(twobw)
 
 
 def test_report_draws_a_plan_with_tensor_parallel_groups(planned):
