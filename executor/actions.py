@@ -24,7 +24,9 @@ from another must come in the order that rank sends them; ``check_message_order`
 where they do not (a transformer's activations and gradients have the same shape: a mismatch would
 silently swap them). Plans written before phases stored actions (``Phase.actions`` empty) get the
 lists ``planner.schedule.build_schedule`` generates for the phase's schedule name, so every phase runs
-through the same path.
+through the same path. Two kinds of phase run their own loops instead, and their lists must be the
+generator's: PipeDream-2BW (``twobw``) and token-sliced phases (``Phase.slices``: ``sliced_schedule``,
+``planner.schedule.terapipe``'s lists, run by ``sliced.SlicedPipe``).
 """
 from __future__ import annotations
 
