@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
 from ptplan.planner.errors import PtplanError
 
@@ -62,6 +63,12 @@ class TwoBWPipe:
         self.warm = K - stage - 1
         self.active = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         """This stage's trainable parameters: the ones with two versions."""
+        self.recompute = bool(getattr(module, "recompute", False))
+        """Activation recomputation (``Phase.recompute``): the pipe checkpoints the whole functional call
+        of a micro-batch, so the backward's rerun sees that micro-batch's weight version (the stage
+        module's own checkpoint would rerun outside ``functional_call``, on the newest weights)."""
+        if self.recompute:
+            module.recompute = False
         self.versions: dict[int, dict[str, Tensor]] = {}
         """Version t -> its leaf tensors (versions 0 and 1 share the weights the pipe starts from)."""
         self._restart()
@@ -117,7 +124,10 @@ class TwoBWPipe:
             inp = self._recv(self.prev, self.dtype).requires_grad_(True)
             keep = inp
         params = self.versions[g // self.M]
-        out = functional_call(self.module, params, (inp,), kw)
+        if self.recompute:
+            out = checkpoint(functional_call, self.module, params, (inp,), kw, use_reentrant=False)
+        else:
+            out = functional_call(self.module, params, (inp,), kw)
         if self.next is None:
             out = self.loss_fn(out, y)
             self.losses.append(out.detach())

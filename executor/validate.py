@@ -44,12 +44,11 @@ def batch_policy_of(plan: Plan) -> str:
 def check_strategies(plan: Plan) -> None:
     """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
 
-    Runs: recomputation (``Phase.recompute``) with every schedule but PipeDream-2BW; FSDP (``Phase.fsdp``)
-    with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor parallelism
-    (``Phase.tp``), alone or with FSDP on a 2-D mesh, with or without the AutoCache, for the families
-    ``hybrid.tp_families`` names, not with 2BW. 2BW's own loop runs each micro-batch on its weight version
-    through ``functional_call``: a checkpoint's rerun in the backward would see the newest version, and
-    FSDP's and DTensor's hooks are not wired into it."""
+    Runs: recomputation (``Phase.recompute``) with every schedule (2BW's loop checkpoints each
+    micro-batch's ``functional_call`` on its weight version); FSDP (``Phase.fsdp``) with GPipe, 1F1B and
+    interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor parallelism (``Phase.tp``), alone or
+    with FSDP on a 2-D mesh, with or without the AutoCache, for the families ``hybrid.tp_families`` names.
+    Not with 2BW: FSDP's and DTensor's hooks are not wired into its own loop."""
     from .hybrid import tp_families
 
     family = plan.inputs.profile.family
@@ -63,7 +62,7 @@ def check_strategies(plan: Plan) -> None:
             raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
                               f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "
                               f"1f1b, gpipe or interleaved-1f1b, or with `ptplan plan --strategies off`")
-        if ph.schedule == "2bw" and ph.strategy_label != "dp":
+        if ph.schedule == "2bw" and (ph.tp > 1 or ph.fsdp):
             raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
                               f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "
                               f"`ptplan plan --strategies off`")

@@ -248,16 +248,13 @@ def test_tensor_parallel_with_the_autocache_matches_reference(tmp_path):
 
 
 def test_strategies_the_executor_does_not_run_are_refused():
-    """PipeDream-2BW's loop runs each micro-batch on its weight version through ``functional_call``; a
-    checkpoint's rerun in the backward would see the newest version instead (measured: 2.3e-01 off its
-    reference), so the executor refuses the combination (and FSDP in 2BW phases), naming the fix."""
+    """FSDP with a split backward and FSDP in PipeDream-2BW phases (its own loop has no FSDP hooks) are
+    refused, naming the fix; 2BW with recomputation runs (tests/test_twobw.py checks its numbers)."""
     from ptplan.executor.validate import check_strategies
     from ptplan.planner.errors import PtplanError
     import tests.test_twobw as tb
 
-    plan = with_strategies(tb._plan(tb._build("gpt2-tiny")), RC)
-    with pytest.raises(PtplanError, match=r"phase 0 \(0 frozen blocks, rc\): 2bw with rc is not run.*--schedule"):
-        check_strategies(plan)
+    check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), RC))
     fz = _fsdp_plan(_build("bert-tiny"), "zb-h1", FS)
     with pytest.raises(PtplanError, match=r"FSDP with a split backward \(zb-h1\) is not run"):
         check_strategies(fz)
