@@ -113,6 +113,11 @@ def test_shipped_profiles_are_valid(path):
     assert path.name.startswith(f"{prof.model.name}_{where}_")
     assert prof.model.granularity == "half"
     assert prof.provenance.command.startswith("ptplan profile") or prof.provenance.command == ""
+    # every field measured (issue 10): the optimizer step and the backward's weight-gradient part per layer
+    assert all(r.optimizer_s is not None for r in prof.layers if r.params), path.name
+    assert all(r.backward_weight_s is not None for r in prof.layers), path.name
+    if prof.model.family == "vit":  # ImageNet-1k's 1000-class head, as published, not a 2-class stand-in
+        assert prof.layers[-1].params == prof.layers[-2].params // 2 * 1000 + 1000, prof.layers[-1].params
 
 
 # ---- the CLI -----------------------------------------------------------------------------------
