@@ -201,7 +201,7 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
     sched = search.schedule(c)
     return Phase(frozen_blocks=f, frozen_layers=n0, K=c.K, D=c.D, M=c.M, micro_batch_size=c.b,
                  schedule=c.schedule, partition=ch.ranges, cache=c.cache,
-                 ranks=tuple(tuple(r * c.tp for r in row) for row in ch.links.ranks),
+                 ranks=tuple(map(tuple, (np.asarray(ch.links.ranks, dtype=np.int64) * c.tp).tolist())),
                  predicted=pred, timeline=timeline, notes=tuple(notes), V=c.V,
                  actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                  tp=c.tp, fsdp=c.fsdp, recompute=c.recompute)
