@@ -214,3 +214,16 @@ def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> 
         if d > worst:
             worst, where = d, k
     return worst, where
+
+
+def assert_parity(snaps: dict[int, dict[str, torch.Tensor]], ref: dict[int, dict[str, torch.Tensor]], steps,
+                  tol: float) -> float:
+    """The parity tests' check: after each of ``steps``, the run's weights are within ``tol`` of the
+    reference's (``max_rel_diff``); returns the worst difference."""
+    worst = 0.0
+    for step in steps:
+        d, where = max_rel_diff(snaps[step], ref[step])
+        assert d <= tol, f"after {step} steps: max relative difference {d:.2e} in {where}"
+        worst = max(worst, d)
+    return worst
+

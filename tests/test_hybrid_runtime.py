@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from ptplan.executor.testing import make_plan, max_rel_diff, spec
+from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, spec
 from ptplan.executor.runlog import read_records
 from ptplan.planner.plan import plan_from_json
 from tests.test_runtime_parity import (COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data,
@@ -145,11 +145,7 @@ def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan
                 assert n == 0, (r, step, n)
     ref, ref_losses = reference(name, optimizer, data)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
-    worst = 0.0
-    for step in (2, 4, 6):
-        d, where = max_rel_diff(snaps[step], ref[step])
-        assert d <= TOL[optimizer], f"after {step} steps: max relative difference {d:.2e} in {where}"
-        worst = max(worst, d)
+    worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
     print(f"parity {label} {name} {schedule} {optimizer}: max relative difference {worst:.1e}")
     steps = [r for r in read_records(log) if r["type"] == "step"]
     for r, want in zip(steps, ref_losses):

@@ -26,7 +26,7 @@ from ptplan.executor.data import TensorDataset
 from ptplan.executor.models import build_model
 from ptplan.executor.runlog import read_records
 from ptplan.executor.training import Hooks, run_training
-from ptplan.executor.testing import make_plan, max_rel_diff, run_world, spec
+from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, run_world, spec
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -159,11 +159,7 @@ def test_elastic_run_matches_single_process_reference(name, schedule, V, optimiz
     snaps, log = elastic_run(name, schedule, optimizer, data, str(tmp_path), V=V)
     ref, ref_losses = reference(name, optimizer, data)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)  # start, two transitions, end
-    worst = 0.0
-    for step in (2, 4, 6):
-        d, where = max_rel_diff(snaps[step], ref[step])
-        assert d <= TOL[optimizer], f"after {step} steps: max relative difference {d:.2e} in {where}"
-        worst = max(worst, d)
+    worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
     print(f"parity {name} {schedule} {optimizer}: max relative difference {worst:.1e}")  # pytest -s shows it
     recs = read_records(log)
     steps = [r for r in recs if r["type"] == "step"]
