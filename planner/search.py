@@ -319,8 +319,8 @@ class PhaseSearch:
         ovh = self.c.action_overhead_s if K > 1 else 0.0
         n = self.n
         prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
-        setup = cache_setup_s(t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
-                              fill_from=fill_from) if c.cache else 0.0
+        setup = cache_setup_s(self.t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
+                              fill_from=fill_from) if c.cache else 0.0  # the prefix is never sharded
         L = self.links(K, c.schedule, c.V, c.tp)
         sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
         sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])
@@ -344,14 +344,15 @@ class PhaseSearch:
             return max(work / K, big, first) + self.c.step_overhead_s
         x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
         lat = 0.0
-        if c.D > 1:
-            x_sum += float(t.cum_grad[n] - t.cum_grad[n0]) * float(L.ar_per_byte.min())
+        sync = c.D > 1 and not c.fsdp  # FSDP reduce-scatters in the backward instead (``strategy.py``)
+        if sync:
+            x_sum += float(t.cum_sync[n] - t.cum_sync[n0]) * float(L.ar_per_byte.min())
             lat = float(L.ar_lat.min())
         tail = max((x_sum + M * (prefix + 2 * ovh * S) + setup) / K, big) + lat
         stage0 = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh)  # the prefix and its first layer
         last0 = float(t.optimizer_s[n0])
-        if c.D > 1:
-            last0 += float(L.ar_lat[0] + t.grad_bytes[n0] * L.ar_per_byte[0])
+        if sync:
+            last0 += float(L.ar_lat[0] + (t.cum_sync[n0 + 1] - t.cum_sync[n0]) * L.ar_per_byte[0])
         if zb:  # stage 0's all-reduce follows its own work (its last W), not necessarily the makespan
             return max(pipe, big, stage0 + last0, tail) + self.c.step_overhead_s
         return max(max(pipe, big, stage0) + last0, tail) + self.c.step_overhead_s

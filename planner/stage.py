@@ -16,7 +16,8 @@ Time, per micro-batch on stage s (seconds; ``StageModel.stage_costs`` hands them
                 M·b cached rows read from host memory (steady epochs), or, in a fill epoch, the
                 prefix layers [c, n0) run on rows cached at c (0 = from the inputs) and written back,
                 streaming their weights from host memory when the device is not the host
-    allreduce = D > 1: ring all-reduce of Σ grad bytes[lo:hi] over the stage's data-parallel group
+    allreduce = D > 1 without FSDP: ring all-reduce of Σ grad bytes[lo:hi] over the stage's data-parallel
+                group (FSDP reduce-scatters inside every backward instead: ``strategy.py``)
     optimizer = Σ optimizer step seconds[lo:hi] (measured per layer for AdamW)
 
 The partitioner minimises the slowest stage's ``busy`` = forward + backward + both sends + prefix
@@ -56,9 +57,10 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
 
 Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSDP, every per-layer
 cost above is first replaced by one shard's (``strategy_table``: times / tp plus the Megatron
-all-reduces and FSDP's all-gathers, weights and gradients / tp and / D), the gradient sync becomes
-FSDP's reduce-scatter, and ``static`` gains FSDP's gathered-layer transient (``gather_bytes``). The
-default (tp=1, no FSDP) leaves every number above unchanged.
+all-reduces and FSDP's all-gathers, weights and gradients / tp and / D), FSDP's per-micro-batch
+reduce-scatter joins the backward and replaces the all-reduce and its flat buffer, and ``static`` gains
+FSDP's gathered-layer transient (``gather_bytes``). The frozen prefix keeps the profile's own numbers
+(stage 0 holds and runs it whole). The default (tp=1, no FSDP) leaves every number above unchanged.
 
 Not modelled (each small, or outside a training step): AdamW's step counter (4 bytes per
 parameter tensor); what a rank holds *during* a phase transition (what it keeps, what it has
@@ -242,9 +244,14 @@ class StageModel:
         st = Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute)
         self.extra_static = gather_bytes(table, st)
         """FSDP's gathered-layer transient, held on every stage (0 without FSDP)."""
+        self.raw = table
+        """The profile's own table: the frozen prefix is never split or sharded (``strategy.py``)."""
         table = strategy_table(table, st, sh.D, sh.tp_ar,
                                (float(np.mean(links.ar_lat)), float(np.mean(links.ar_per_byte))))
         self.t = table
+        self.sync = sh.D > 1 and not sh.fsdp
+        """Whether the stage all-reduces its gradients after the pipeline (FSDP reduce-scatters them in
+        every backward instead)."""
         self.start, self.n = sh.frozen, table.n
         self.times = table.at(sh.b)
         f = OPTIMIZER_STATE_FACTOR[sh.optimizer]
@@ -271,13 +278,13 @@ class StageModel:
             shard = M * b * out[n0 - 1]
             self.stage0_static = float(shard)
             self.prefix_s = 0.0
-            self.read_setup_s = cache_setup_s(table, n0, M, b, bw, device_is_host=sh.device_is_host)
-            self.fill_setup_s = cache_setup_s(table, n0, M, b, bw, device_is_host=sh.device_is_host,
+            self.read_setup_s = cache_setup_s(self.raw, n0, M, b, bw, device_is_host=sh.device_is_host)
+            self.fill_setup_s = cache_setup_s(self.raw, n0, M, b, bw, device_is_host=sh.device_is_host,
                                               fill_from=fill_from)
-            streamed = 0.0 if sh.device_is_host else float(table.max_param_upto[n0])
+            streamed = 0.0 if sh.device_is_host else float(self.raw.max_param_upto[n0])
             self.stage0_after = streamed + float(b * out[:n0].max())
         else:
-            self.stage0_static = float(table.cum_param[n0])
+            self.stage0_static = float(self.raw.cum_param[n0])
             self.prefix_s = float(self.times.cum_nograd[n0])
             self.read_setup_s = self.fill_setup_s = 0.0
             self.stage0_after = 0.0
@@ -309,7 +316,7 @@ class StageModel:
         """The stage-index-free parts of stages [I, J), for ``evaluate`` (the partitioner computes them
         once per search and slices them per stage index)."""
         bd = self.band(I, J)
-        after = bd.grad if self.shape.D > 1 else np.zeros_like(bd.grad)
+        after = bd.grad if self.sync else np.zeros_like(bd.grad)  # the flat all-reduce buffer
         if self.opt_temp:
             after = np.maximum(after, self.opt_temp * bd.weights)
         return (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after,
@@ -395,7 +402,7 @@ class StageModel:
         terms = self.prepare(lo, hi)
         _, static, per_mb, after, infl = self._combine(terms, np.arange(sh.S))
         weights = t.cum_param[hi] - t.cum_param[lo]
-        w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
+        w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else self.raw.cum_param[sh.frozen])
         g = t.cum_grad[hi] - t.cum_grad[lo]
         o = OPTIMIZER_STATE_FACTOR[sh.optimizer] * weights
         rc = terms[6] if sh.recompute else np.zeros(sh.S)  # recomputation's working set
@@ -418,7 +425,7 @@ class StageModel:
         s = np.arange(K)
         send_f = (s < K - 1) * (self._lat_out + outb * self._inv_out)
         send_b = (s > 0) * (self._lat_in + inb * self._inv_in)
-        ar = (L.ar_lat + (t.cum_sync[hi] - t.cum_sync[lo]) * L.ar_per_byte) if sh.D > 1 else np.zeros(K)
+        ar = (L.ar_lat + (t.cum_sync[hi] - t.cum_sync[lo]) * L.ar_per_byte) if self.sync else np.zeros(K)
         fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
         bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
         if sh.recompute:  # the backward reruns the stage's forward first

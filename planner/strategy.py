@@ -13,7 +13,7 @@ Per layer, with tp > 1 (only layers whose ``kind`` is ``attention``, ``mlp`` or 
 
     forward  = forward / tp + a · (lat_tp + b · out · per_byte_tp)     a = 1 all-reduce per half
     backward = backward / tp + a · (lat_tp + b · out · per_byte_tp)        (attention or MLP), 2 per block
-    no-grad  = no-grad forward / tp + a · (…)                           (the frozen prefix, recomputed)
+    no-grad  = unchanged (only the frozen prefix runs it, and the prefix is never split: below)
     W, G     = W / tp, G / tp
     saved    = unchanged (conservative: LayerNorm inputs, residuals and dropout masks are not split
                without sequence parallelism; the profile does not separate them)
@@ -23,10 +23,13 @@ Embedding, norm and head layers are replicated over the tp ranks (each computes 
 
 With FSDP (ZeRO-3: FSDP2 ``fully_shard`` over the stage's D replicas), per layer:
 
-    forward, no-grad += lat_ag + (W / tp) · per_byte_ag      the weights all-gathered per micro-batch
-    backward        += lat_ag + (W / tp) · per_byte_ag      and again for the backward
+    forward         += lat_ag + (W / tp) · per_byte_ag      the weights all-gathered per micro-batch
+    backward        += lat_ag + (W / tp) · per_byte_ag      and again for the backward,
+                     + lat_ag + (G / tp) · per_byte_ag      then the gradient reduce-scattered, in every
+                                                           micro-batch's backward (FSDP2's default:
+                                                           gradients stay sharded between micro-batches)
     W, G, optimizer  = sharded: / D
-    sync             = reduce-scatter of G / tp once per iteration = half a ring all-reduce's volume
+    sync             = none after the pipeline (the runtime skips its flat all-reduce)
     transient        = 2 · max W / tp (the layer in use and the prefetched one) + max G / tp (one
                        layer's unsharded gradient before its reduce-scatter): conservative, the
                        largest layer of the whole model
@@ -34,6 +37,11 @@ With FSDP (ZeRO-3: FSDP2 ``fully_shard`` over the stage's D replicas), per layer
 where a ring all-gather of B bytes costs half a ring all-reduce of B (lat_ag, per_byte_ag: half the
 stage's data-parallel all-reduce coefficients). Frozen layers have G = 0 (no gradient, no optimizer
 state, no sync) as before; in cached phases the prefix is not held at all.
+
+The frozen prefix is not sharded: stage 0's ranks (every tp rank of them) hold it whole and run it whole
+(``executor/transition.holdings``, ``ShardedStage`` shards only the active layers), so the stage model
+prices the prefix -- its weights, its no-grad forward, the cache fill -- from the profile's own table,
+never from this one (``StageModel.raw``, ``PhaseSearch.lower_bound``).
 """
 from __future__ import annotations
 
@@ -135,14 +143,17 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     div = np.where(a > 0, st.tp, 1).astype(float)
     bs = table.batch_sizes[None, :]
     comm = a[:, None] * (tp_ar[0] + bs * table.out_per_sample[:, None] * tp_ar[1]) if st.tp > 1 else 0.0
-    fwd, bwd, nog = table._fwd / div[:, None] + comm, table._bwd / div[:, None] + comm, table._nog / div[:, None] + comm
+    fwd, bwd, nog = table._fwd / div[:, None] + comm, table._bwd / div[:, None] + comm, table._nog
     bww = table._bww / div[:, None]
     W, G = table.param_bytes / div, table.grad_bytes / div
     sync = G
     if st.fsdp and D > 1:
         ag = (dp_ar[0] + W * dp_ar[1]) / 2.0
-        fwd, bwd, nog = fwd + ag[:, None], bwd + ag[:, None], nog + ag[:, None]
-        sync = G / 2.0  # a reduce-scatter moves half an all-reduce's bytes
+        # FSDP2 reduce-scatters each layer's gradient in every micro-batch's backward (half an
+        # all-reduce's bytes); there is no sync after the pipeline (the runtime skips its all-reduce)
+        rs = np.where(G > 0, (dp_ar[0] + G * dp_ar[1]) / 2.0, 0.0)
+        fwd, bwd = fwd + ag[:, None], bwd + (ag + rs)[:, None]
+        sync = np.zeros_like(G)
         W, G = W / D, G / D
         t.optimizer_s = table.optimizer_s / div / D
     else:
