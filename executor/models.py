@@ -69,7 +69,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -679,7 +679,10 @@ class LayeredModel(nn.Module):
         """
         if batch_size < 1:
             raise PtplanError(f"batch size must be >= 1, got {batch_size}")
-        p = next(self.parameters())
+        # a parameter with storage says where (a stage build's other layers are on the meta device)
+        p = next((q for q in self.parameters() if q.device.type != "meta" and q.numel()), next(self.parameters()))
+        if p.device.type == "meta":
+            p = torch.empty(0, dtype=p.dtype)
         if self.batch_fn is not None:
             bx, by, bm = self.batch_fn(batch_size, generator)
             bx = bx.to(p.device, p.dtype) if bx.is_floating_point() else bx.to(p.device)
@@ -880,32 +883,6 @@ def preset_config(name: str) -> Any:
         return _classes(family)[0](**kw)
 
 
-def _load_pretrained(family: str, d: Path, config: Any) -> nn.Module:
-    """The task model of ``family`` with the weights in folder ``d`` (config: the folder's, overridden)."""
-    model_cls = _classes(family)[1]
-    try:
-        with _quiet_transformers():
-            hf, info = model_cls.from_pretrained(d, config=config, local_files_only=True,
-                                                 output_loading_info=True, ignore_mismatched_sizes=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PtplanError(f"cannot load the {family} weights in {d}: {first}") from None
-    missing = sorted(set(info.get("missing_keys", ())) - _HEAD_KEYS[family])
-    mismatched = []
-    for m in sorted(info.get("mismatched_keys", ()), key=str):
-        if isinstance(m, tuple) and len(m) == 3:
-            if m[0] in _HEAD_KEYS[family]:  # e.g. a classifier for another number of labels: re-initialised
-                continue
-            m = f"{m[0]} (checkpoint {tuple(m[1])}, config {tuple(m[2])})"
-        mismatched.append(str(m))
-    if missing or mismatched:
-        bad = mismatched or missing
-        raise PtplanError(f"weights in {d} do not match the {family} architecture in its config.json: "
-                          f"{len(missing)} missing and {len(mismatched)} mismatched weights, "
-                          f"e.g. {', '.join(bad[:2])}")
-    return hf
-
-
 def _seq_len_for(family: str, config: Any, seq_len: int | None) -> int:
     if family == "vit":
         if config.image_size % config.patch_size:
@@ -1048,7 +1025,8 @@ def backbone_layers(hf: nn.Module, granularity: str = "half") -> tuple[list[nn.M
 
 def build_model(name: str | os.PathLike, *, granularity: str = "half", seq_len: int | None = None,
                 image_size: int | None = None, num_labels: int = 2, dtype: torch.dtype = torch.float32,
-                dropout: float | None = None, weights: str | os.PathLike | None = None, seed: int = 0) -> LayeredModel:
+                dropout: float | None = None, weights: str | os.PathLike | None = None, seed: int = 0,
+                layers: Iterable[int] | None = None) -> LayeredModel:
     """Build the adapter for ``name`` on the CPU, in ``dtype``.
 
     ``name``: a preset (``MODEL_NAMES``, or an alias such as ``vit-huge``) or a local Hugging Face model
@@ -1060,6 +1038,15 @@ def build_model(name: str | os.PathLike, *, granularity: str = "half", seq_len: 
     to load (its config.json sets the sizes, as ``from_pretrained`` does). ``seed``: initialises every
     weight not loaded. The model's ``name`` is the preset name, or the folder's model name
     (``folder_label``); its ``family`` is the Hugging Face model_type.
+
+    ``layers``: the indices of the layers to give weights (a pipeline stage's, issue 10); None: all.
+    The module tree is always whole (every layer, every buffer, every ``nn.Parameter`` with its shape
+    and dtype), but the parameters of the other layers stay on the meta device: no storage, no
+    initialisation, nothing read from the weight files (``_build_layers``). A layer's weights are the
+    same whichever layers are built with it (and at either granularity): each Hugging Face submodule is
+    initialised from its own seed (``module_seed(seed, its name)``) by the model's own ``_init_weights``,
+    or each tensor is loaded on its own from the weight files, so a rank that builds its stage holds
+    exactly the values the whole model holds there.
     """
     if granularity not in GRANULARITIES:
         raise PtplanError(f"unknown granularity {granularity!r}; choose one of {', '.join(GRANULARITIES)}")
@@ -1077,33 +1064,268 @@ def build_model(name: str | os.PathLike, *, granularity: str = "half", seq_len: 
         raise PtplanError(f"sequence length must be >= 1, got {seq_len}")
     overrides = dict(num_labels=num_labels, dropout=dropout, image_size=image_size)
     config_cls, model_cls = _classes(family)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with _quiet_transformers():
-            if src.folder is not None:
-                try:
-                    config = config_cls.from_pretrained(src.folder, local_files_only=True)
-                except (OSError, ValueError, TypeError, KeyError) as e:
-                    raise PtplanError(f"cannot read the {family} config in {src.folder}: {e}") from None
-            else:
-                config = config_cls(**(src.preset or {}))
-        _apply_overrides(config, family, **overrides)
-        _seq_len_for(family, config, seq_len)  # validate before paying for the weights
-        if src.folder is not None and src.load_weights:
-            hf = _load_pretrained(family, src.folder, config)
-            config = hf.config
+    with _quiet_transformers():
+        if src.folder is not None:
+            try:
+                config = config_cls.from_pretrained(src.folder, local_files_only=True)
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                raise PtplanError(f"cannot read the {family} config in {src.folder}: {e}") from None
         else:
-            with _quiet_transformers():
-                hf = model_cls(config)
+            config = config_cls(**(src.preset or {}))
+    _apply_overrides(config, family, **overrides)
+    _seq_len_for(family, config, seq_len)  # validate before paying for the weights
+    with _quiet_transformers(), _params_on_meta():
+        hf = model_cls(config)
     n = _seq_len_for(family, config, seq_len)
     hf.eval()
-    layers, specs = _flatten(family, hf, granularity)
+    flat, specs = _flatten(family, hf, granularity)
     model = LayeredModel(name=src.label, family=family, granularity=granularity, config=config, seq_len=n,
-                         num_blocks=config.num_hidden_layers, layers=layers, specs=specs,
+                         num_blocks=config.num_hidden_layers, layers=flat, specs=specs,
                          num_labels=num_labels, image_size=config.image_size if family == "vit" else None)
+    want = sorted(set(range(len(flat)) if layers is None else layers))
+    if want and not 0 <= want[0] <= want[-1] < len(flat):
+        raise PtplanError(f"layers {want} are outside the model's {len(flat)} layers [0, {len(flat)})")
+    _build_layers(family, hf, model, want, seed, src.folder if src.load_weights else None)
     model.to(dtype=dtype)
     model.eval()
     return model
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed that initialises the Hugging Face submodule ``name`` (e.g. ``bert.encoder.layer.3.output.dense``)
+    of a model built with ``seed`` (``build_model``): the same whichever layers, granularity or process build it."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=7).digest(), "little")
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    """Build Hugging Face modules with every parameter on the meta device and every buffer real (what
+    accelerate's ``init_empty_weights(include_buffers=False)`` does): each registered parameter is moved
+    to meta as it is registered, torch's and transformers' initialisation are switched off
+    (``no_init_weights``: the CPU tensors a module creates are never written, so never paged in), and so
+    is transformers' weight tying (it runs in ``init_weights``). Buffers (BERT's position_ids and
+    token_type_ids, the rotary ``inv_freq``) are computed by the modules' own ``__init__``, as always."""
+    from transformers.initialization import no_init_weights
+
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(self, name, param)
+        if param is not None and param.device.type != "meta":
+            p = self._parameters[name]
+            self._parameters[name] = type(p)(p.to("meta"), requires_grad=p.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _give_storage(p: nn.Parameter, value: Tensor) -> None:
+    """Give meta parameter ``p`` the storage ``value`` (same Python object: ``swap_tensors``)."""
+    torch.utils.swap_tensors(p, nn.Parameter(value, requires_grad=p.requires_grad))
+
+
+def _post_order(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module``'s submodules (path, module), children first, as transformers' ``initialize_weights``
+    visits them."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def visit(path: str, m: nn.Module) -> None:
+        for name, c in m.named_children():
+            visit(f"{path}.{name}" if path else name, c)
+        out.append((path, m))
+
+    visit("", module)
+    return out
+
+
+def _init_layer(hf: nn.Module, layer: nn.Module, seed: int, names: dict[int, str], what: str,
+                later: frozenset[str] = frozenset()) -> None:
+    """Give every meta parameter of ``layer`` storage and initialise it as transformers does -- the model's
+    ``_init_weights`` on each submodule, children first -- each submodule from its own seed
+    (``module_seed(seed, its name in hf)``; ``names``: id -> that name). ``later``: the names of parameters
+    the caller sets itself (a copied head)."""
+    from transformers import initialization as hf_init
+
+    fresh = [p for p in layer.parameters() if p.device.type == "meta"]
+    for p in fresh:
+        _give_storage(p, torch.full(p.shape, float("nan"), dtype=p.dtype))
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), hf_init.guard_torch_init_functions():
+        for path, m in _post_order(layer):
+            torch.manual_seed(module_seed(seed, names.get(id(m), f"{what}/{path}")))
+            hf._init_weights(m)
+    left = [n for n, p in layer.named_parameters()
+            if n not in later and p.is_floating_point() and bool(torch.isnan(p).any())]
+    assert not left, f"{what}: {type(hf).__name__}._init_weights leaves {left} uninitialised"
+
+
+def _copied_heads(family: str, hf: nn.Module, model: LayeredModel) -> dict[int, tuple[str, str]]:
+    """Heads that start as a copy of the token embedding (GPT-2's untied LM head; a tied Llama-family head,
+    untied here): {head layer index: (its parameter's name in the head, the embedding's name in layer 0)}."""
+    last = len(model.layers) - 1
+    if family == "gpt2":
+        return {last: ("weight", "wte.weight")}
+    if ADAPTERS[family] == "llama" and getattr(hf.config, "tie_word_embeddings", False):
+        hf.config.tie_word_embeddings = False  # a pipeline cannot share it: the head becomes a copy
+        return {last: ("lm_head.weight", "embed_tokens.weight")}
+    return {}
+
+
+def _build_layers(family: str, hf: nn.Module, model: LayeredModel, want: list[int], seed: int,
+                  folder: Path | None) -> None:
+    """Give layers ``want`` of ``model`` (built by ``_params_on_meta``) their weights: from the weight files
+    in ``folder`` (only those layers' tensors are read; missing head weights initialised), else
+    initialised, each submodule from ``module_seed(seed, its name)``; a copied head as the embedding."""
+    copied = _copied_heads(family, hf, model)
+    names = {id(m): n for n, m in hf.named_modules(remove_duplicate=False)}
+    if folder is not None:
+        _load_layers(family, folder, hf, model, want, seed, names, copied)
+        return
+    for i in want:
+        later = frozenset({copied[i][0]}) if i in copied else frozenset()
+        _init_layer(hf, model.layers[i], seed, names, f"layer {i} ({model.specs[i].name})", later)
+        if i in copied:
+            head, emb = copied[i]
+            with torch.no_grad():
+                dict(model.layers[i].named_parameters())[head].copy_(_embedding_init(hf, model, seed, names, emb))
+
+
+def _embedding_init(hf: nn.Module, model: LayeredModel, seed: int, names: dict[int, str], name: str) -> Tensor:
+    """The initial value of parameter ``name`` of layer 0 (the embedding), whether or not it is built here."""
+    import copy
+
+    emb = model.layers[0]
+    p = dict(emb.named_parameters())[name]
+    if p.device.type != "meta":
+        return p.detach()
+    shadow = copy.deepcopy(emb)  # meta parameters: nothing is copied but the module tree
+    twin = {id(s): names[id(m)] for (_, m), (_, s) in zip(emb.named_modules(remove_duplicate=False),
+                                                            shadow.named_modules(remove_duplicate=False))
+            if id(m) in names}
+    _init_layer(hf, shadow, seed, twin, f"layer 0 ({model.specs[0].name})")
+    return dict(shadow.named_parameters())[name].detach()
+
+
+class _WeightFiles:
+    """The tensors of a folder's weight files by name, read one at a time (safetensors ``safe_open``, or
+    a ``pytorch_model*.bin`` mapped with ``torch.load(mmap=True)``); safetensors preferred when both exist."""
+
+    def __init__(self, folder: Path) -> None:
+        files = _weight_files(folder)
+        safe = [f for f in files if f.suffix == ".safetensors"]
+        self._stack = contextlib.ExitStack()
+        self._where: dict[str, Any] = {}
+        try:
+            if safe:
+                from safetensors import safe_open
+
+                for f in safe:
+                    h = self._stack.enter_context(safe_open(str(f), framework="pt"))
+                    self._where.update(dict.fromkeys(h.keys(), h))
+            else:
+                for f in files:
+                    sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                    self._where.update({k: sd for k in sd})
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def __enter__(self) -> "_WeightFiles":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def keys(self) -> set[str]:
+        return set(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        h = self._where[key]
+        return tuple(h[key].shape) if isinstance(h, dict) else tuple(h.get_slice(key).get_shape())
+
+    def get(self, key: str) -> Tensor:
+        h = self._where[key]
+        return h[key].clone() if isinstance(h, dict) else h.get_tensor(key)  # never a view of the mapped file
+
+
+def _file_key(name: str, prefix: str, keys: set[str]) -> str | None:
+    """The weight-file key of the task model's parameter ``name``: as is, without or with the base model's
+    prefix (a base-model checkpoint: ``encoder...`` for ``bert.encoder...``), or with the legacy
+    LayerNorm names (``gamma``/``beta``)."""
+    cands = [name]
+    if name.startswith(prefix + "."):
+        cands.append(name[len(prefix) + 1:])
+    else:
+        cands.append(f"{prefix}.{name}")
+    for c in list(cands):
+        if c.endswith(".weight"):
+            cands.append(c[:-len("weight")] + "gamma")
+        elif c.endswith(".bias"):
+            cands.append(c[:-len("bias")] + "beta")
+    return next((c for c in cands if c in keys), None)
+
+
+def _load_layers(family: str, d: Path, hf: nn.Module, model: LayeredModel, want: list[int], seed: int,
+                 names: dict[int, str], copied: dict[int, tuple[str, str]]) -> None:
+    """Layers ``want`` from the weight files in folder ``d``, each tensor read on its own (see ``_build_layers``).
+
+    Every parameter of the whole model is checked against the files first (names and shapes only), so a
+    stage build refuses the same checkpoints as a whole build: a missing weight other than the task head's
+    (``_HEAD_KEYS``: initialised from the seed), or a weight of another shape outside it, is a PtplanError.
+    """
+    hf_name = {id(p): n for n, p in hf.named_parameters(remove_duplicate=False)}
+    prefix = getattr(hf, "base_model_prefix", "")
+    emb_name = {i: f"{prefix}.{emb}" for i, (_, emb) in copied.items()}
+    try:
+        files = _WeightFiles(d)
+    except Exception as e:  # safetensors / torch errors for a damaged file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PtplanError(f"cannot load the {family} weights in {d}: {first}") from None
+    with files:
+        keys = files.keys()
+        source: dict[int, str | None] = {}
+        missing, mismatched = [], []
+        for i, layer in enumerate(model.layers):
+            for pname, p in layer.named_parameters():
+                name = hf_name.get(id(p))
+                if i in copied and pname == copied[i][0]:
+                    name = emb_name[i]  # the embedding's weights, as the tied model has them
+                assert name is not None, (i, pname)
+                key = _file_key(name, prefix, keys)
+                head = name in _HEAD_KEYS[family]
+                if key is None:
+                    if not head:
+                        missing.append(name)
+                elif files.shape(key) != tuple(p.shape):
+                    if not head:  # e.g. a classifier for another number of labels: re-initialised
+                        mismatched.append(f"{name} (checkpoint {files.shape(key)}, config {tuple(p.shape)})")
+                    key = None
+                source[id(p)] = key
+        if missing or mismatched:
+            bad = sorted(mismatched) or sorted(missing)
+            raise PtplanError(f"weights in {d} do not match the {family} architecture in its config.json: "
+                              f"{len(missing)} missing and {len(mismatched)} mismatched weights, "
+                              f"e.g. {', '.join(bad[:2])}")
+        for i in want:
+            layer = model.layers[i]
+            params = list(layer.parameters())
+            if any(source[id(p)] is None for p in params):  # a head without weights: initialised from the seed
+                _init_layer(hf, layer, seed, names, f"layer {i} ({model.specs[i].name})")
+            with torch.no_grad():
+                for p in params:
+                    key = source[id(p)]
+                    if key is None:
+                        continue
+                    t = files.get(key).to(p.dtype).contiguous()
+                    if p.device.type == "meta":
+                        _give_storage(p, t)
+                    else:
+                        p.copy_(t)
 
 
 # ---- your own model: layers, head and loss --------------------------------------------------------

@@ -41,13 +41,19 @@ def _tiny(name: str, granularity: str = "half", **kw) -> LayeredModel:
 
 
 def _reference(m: LayeredModel) -> torch.nn.Module:
-    """The Hugging Face task model with the preset's own config (a tied head stays tied: qwen2-tiny) and the
-    same seed, so the same initial weights."""
+    """The Hugging Face task model with the preset's own config (a tied head stays tied: qwen2-tiny) holding
+    the adapter's initial weights, copied name by name: ``build_model`` initialises each layer from its own
+    seed (a stage builds only its layers), so the same global seed no longer gives the same weights."""
+    from ptplan.executor.export import hf_model
+
     cfg = preset_config(m.name)
     _apply_overrides(cfg, m.family, num_labels=m.num_labels, dropout=0.0, image_size=m.image_size)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
         ref = HF_CLASS[m.family](cfg)
+    copy = hf_model(m, {k: v.detach() for k, v in m.named_parameters()})
+    state = copy.state_dict()
+    missing = ref.load_state_dict({k: v for k, v in state.items() if k in ref.state_dict()}, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}, missing  # tied heads: the embedding, the head's copy of it
     return ref.eval()
 
 
