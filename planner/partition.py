@@ -22,8 +22,10 @@ slowest-stage cost T*, then a second one that minimises (2) over splits whose ev
 Costs are not monotone in the range once boundary communication is counted (a longer stage can be
 cheaper if it ends at a cheap cut), so no greedy feasibility test is used. Speed comes from a band:
 a stage costs at least the sum of its layers' lower bounds (time and memory), and a quick split
-gives an upper bound on T*, so only stages within both bounds are considered; each DP step is a few
-numpy operations over that band.
+gives an upper bound on T* (the better of an even split of the lower bounds and one that balances
+stage 0, which carries the frozen prefix, against the rest), so only stages within both bounds are
+considered; stage k's ends and starts lie in ranges those bounds give, so only that parallelogram of
+the band is computed, in a few chunks of consecutive stages; each DP step is a few numpy operations.
 
 ``optimal_partition(costs, K, ...)`` is the same search for plain per-layer numbers:
 
@@ -47,6 +49,8 @@ from .errors import InfeasibleError, PtplanError
 
 GiB = float(2**30)
 _TOL = 1e-12
+_CHUNKS = 4
+"""The band of a K-stage search is prepared in at most this many sub-bands (see ``split_stages``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +187,7 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
 
     # stages from i: memory lower bound, then the time band below the quick split's bottleneck UB
     reach = np.minimum(np.searchsorted(A, A + lim, side="right") - 1, n) if math.isfinite(lim) else np.full(n + 1, n)
-    UB = _quick_bound(model, K, lim)
+    UB = _quick_bound(model, K, lim, first, first_ok)
     if math.isfinite(UB):
         reach = np.minimum(reach, np.searchsorted(S, S + UB * (1 + 1e-9), side="right") - 1)
     reach = np.maximum(reach, js)
@@ -203,28 +207,46 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
     hi_k = [min(top[k], n - K + k) + 1 for k in range(K + 1)]    # exclusive
     if any(lo_k[k] >= hi_k[k] for k in range(1, K + 1)):
         raise MemoryInfeasibleError(model, K, lim)
-    c0 = min(lo_k[2:])
 
-    # the band: column j (>= c0), row d is the stage [i, j) with i = j - 1 - d (clipped into [a, n])
-    jj = js[None, c0:]
-    I = jj - 1 - np.arange(w)[:, None]
-    Id = _Diagonal(c0, w, n + 1 - c0, a, n)
-    valid = (I >= a + 1) & (jj <= Id.take_from(reach))
-    terms = model.prepare(Id, jj)
-
-    # F[k, j] = least slowest-stage cost covering [a, j) with k stages, at column w + j; prev[k, d, j]
-    # views F[k, j - 1 - d]
+    # the band: column j, row d is the stage [i, j) with i = j - 1 - d. Stage k (k stages cover [a, j)) ends
+    # at j in [lo_k, hi_k) and starts at i in [lo_{k-1}, hi_{k-1}), so only rows d in [d0_k, d1_k] matter
+    # (elsewhere the previous stage's entry is inf or the stage breaks a bound). Stages are prepared in
+    # chunks of consecutive k (each chunk one sub-band, a few numpy calls however large K is).
+    d0 = [0] * (K + 1)
+    d1 = [0] * (K + 1)
+    for k in range(2, K + 1):
+        d0[k] = max(0, lo_k[k] - hi_k[k - 1])
+        d1[k] = min(w - 1, hi_k[k] - 2 - lo_k[k - 1])
     F = np.full((K + 1, w + n + 1), np.inf)
     F[1, w:] = np.where(first_ok, first, np.inf)
     prev = _lagged(F, w)
+    # F[k, j] = least slowest-stage cost covering [a, j) with k stages, at column w + j; prev[k, d, j]
+    # views F[k, j - 1 - d]; costs[k][d - d0[k], j - lo_k[k]] is stage [j - 1 - d, j) as stage k - 1
     costs: list[np.ndarray] = [np.empty(0)] * (K + 1)
-    for k in range(2, K + 1):
-        lo, hi = lo_k[k], hi_k[k]
-        cols = slice(lo - c0, hi - c0)
-        t, mem = model.evaluate(k - 1, terms, cols)
-        cost = np.where(valid[:, cols] & (mem <= lim), t, np.inf)
-        costs[k] = cost
-        np.minimum.reduce(np.maximum(prev[k - 1, :, lo:hi], cost), axis=0, out=F[k, w + lo:w + hi])
+    g = max(1, -(-(K - 1) // _CHUNKS))
+    for k1 in range(2, K + 1, g):
+        ks = range(k1, min(k1 + g, K + 1))
+        c_lo, c_hi = lo_k[k1], max(hi_k[k] for k in ks)
+        r_lo, r_hi = min(d0[k] for k in ks), max(d1[k] for k in ks) + 1
+        if r_lo >= r_hi:
+            r_lo, r_hi = 0, 1
+        jj = js[None, c_lo:c_hi]
+        Id = _Diagonal(c_lo - r_lo, r_hi - r_lo, c_hi - c_lo, a, n)
+        I = jj - 1 - np.arange(r_lo, r_hi)[:, None]
+        valid = (I >= a + 1) & (jj <= Id.take_from(reach))
+        terms = model.prepare(Id, jj)
+        for k in ks:
+            lo, hi = lo_k[k], hi_k[k]
+            if d0[k] > d1[k]:       # no start can precede this end: the stage is unreachable
+                costs[k] = np.full((0, hi - lo), np.inf)
+                continue
+            rows, cols = slice(d0[k] - r_lo, d1[k] + 1 - r_lo), slice(lo - c_lo, hi - c_lo)
+            t, mem = model.evaluate(k - 1, tuple(x[rows if np.shape(x)[0] > 1 else slice(None), cols]
+                                                 for x in terms))
+            cost = np.where(valid[rows, cols] & (mem <= lim), t, np.inf)
+            costs[k] = cost
+            np.minimum.reduce(np.maximum(prev[k - 1, d0[k]:d1[k] + 1, lo:hi], cost), axis=0, initial=np.inf,
+                              out=F[k, w + lo:w + hi])
     T = float(F[K, w + n])
     if not math.isfinite(T):
         raise MemoryInfeasibleError(model, K, lim)
@@ -238,14 +260,15 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
         lo, hi = lo_k[k], hi_k[k]
         c = costs[k]
         sq[k] = np.where(c <= T, c * c, np.inf)
-        np.minimum.reduce(qprev[k - 1, :, lo:hi] + sq[k], axis=0, out=Q[k, w + lo:w + hi])
+        np.minimum.reduce(qprev[k - 1, d0[k]:d1[k] + 1, lo:hi] + sq[k], axis=0, initial=np.inf,
+                          out=Q[k, w + lo:w + hi])
     assert math.isfinite(Q[K, w + n]), "pass 2 lost the optimum"
 
     # walk back: the first d (latest cut) that attains each optimum; same float sums as above
     cuts = [n]
     j = n
     for k in range(K, 1, -1):
-        j = j - 1 - int((qprev[k - 1, :, j] + sq[k][:, j - lo_k[k]]).argmin())
+        j = j - 1 - d0[k] - int((qprev[k - 1, d0[k]:d1[k] + 1, j] + sq[k][:, j - lo_k[k]]).argmin())
         cuts.append(j)
     cuts.append(a)
     cuts.reverse()
@@ -302,20 +325,43 @@ def _result(model: _StageFamily, cuts: list[int]) -> Partition:
                      bottleneck=float(t.max()), stage_memory=tuple(mem.tolist()))
 
 
-def _quick_bound(model: _StageFamily, K: int, lim: float) -> float:
-    """Bottleneck of the split that cuts nearest to k/K of the layers' time lower bound; inf if that
-    split breaks the memory limit (then only memory narrows the search)."""
-    a, n, S = model.start, model.n, model.cum_time_lb
+def _even_cuts(S: np.ndarray, a: int, n: int, K: int) -> list[int]:
+    """The K - 1 inner cuts of [a, n) nearest to k/K of the prefix sums S, strictly increasing."""
     targets = S[a] + (S[n] - S[a]) * np.arange(1, K) / K
     cuts = np.minimum(np.maximum(np.searchsorted(S, targets, side="left"), a + 1), n)
     cuts -= (targets - S[cuts - 1]) < (S[cuts] - targets)        # the nearer of the two prefix sums
     idx = np.arange(1, K)
     cuts = np.minimum(np.maximum(cuts, a + idx), n - K + idx)
     cuts = np.maximum.accumulate(cuts - idx) + idx      # strictly increasing, still room for the rest
-    t, mem = _evaluate(model, [a, *cuts.tolist(), n])
-    if (mem > lim).any():
-        return math.inf
-    return float(t.max())
+    return cuts.tolist()
+
+
+def _bottleneck(model: _StageFamily, cuts: list[int], lim: float) -> float:
+    """The slowest stage of the split with boundaries ``cuts``; inf if a stage breaks the memory limit."""
+    t, mem = _evaluate(model, cuts)
+    return math.inf if (mem > lim).any() else float(t.max())
+
+
+def _quick_bound(model: _StageFamily, K: int, lim: float, first: np.ndarray | None = None,
+                 first_ok: np.ndarray | None = None) -> float:
+    """An upper bound on the optimal bottleneck T*: the slowest stage of a feasible heuristic split (inf
+    if neither heuristic split fits the memory limit; then only memory narrows the search). Splits tried:
+    the cuts nearest to k/K of the layers' time lower bound; and, given stage 0's exact cost for every
+    end (``first``, ``first_ok``: it carries the frozen prefix, which the lower bound leaves out), the
+    stage-0 end that best balances it against an even split of the rest, the rest split evenly. Any
+    feasible split's bottleneck is >= T*, so the band it gives contains every stage of cost <= T*."""
+    a, n, S = model.start, model.n, model.cum_time_lb
+    ub = _bottleneck(model, [a, *_even_cuts(S, a, n, K), n], lim)
+    if first is None or first_ok is None or K < 2:
+        return ub
+    j = np.arange(a + 1, n - K + 2)             # stage 0 = [a, j), room for K - 1 more stages
+    ok = first_ok[j]
+    if not ok.any():
+        return ub
+    score = np.maximum(first[j], (S[n] - S[j]) / (K - 1))
+    j0 = int(j[np.flatnonzero(ok)[np.argmin(score[ok])]])
+    cuts = [a, j0, *(_even_cuts(S, j0, n, K - 1) if K > 2 else []), n]
+    return min(ub, _bottleneck(model, cuts, lim))
 
 
 class _Additive:

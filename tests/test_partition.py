@@ -233,6 +233,67 @@ def test_deterministic():
     assert len(results) == 1
 
 
+def reference_split(costs, K, boundary, extra, memory, extra_mem, limit):
+    """A plain O(K n^2) dynamic program over the module docstring's lexicographic objective (least slowest
+    stage, then least sum of squares, then the latest cuts from the last cut backwards): no band, no bound,
+    no chunks. Integer costs keep every sum exact. None if no split fits."""
+    n, inf = len(costs), float("inf")
+
+    def cost(lo, hi):
+        if memory is not None and sum(memory[lo:hi]) + (extra_mem if lo == 0 else 0.0) > limit:
+            return inf
+        return stage_cost(costs, lo, hi, boundary_s=boundary, stage0_extra_s=extra)
+
+    c = {(i, j): cost(i, j) for i in range(n) for j in range(i + 1, n + 1)}
+    F = [[inf] * (n + 1) for _ in range(K + 1)]
+    F[0][0] = 0.0
+    for k in range(1, K + 1):
+        for j in range(1, n + 1):
+            F[k][j] = min((max(F[k - 1][i], c[i, j]) for i in range(j)), default=inf)
+    T = F[K][n]
+    if T == inf:
+        return None
+    Q = [[inf] * (n + 1) for _ in range(K + 1)]
+    Q[0][0] = 0.0
+    for k in range(1, K + 1):
+        for j in range(1, n + 1):
+            Q[k][j] = min((Q[k - 1][i] + c[i, j] ** 2 for i in range(j) if c[i, j] <= T), default=inf)
+    cuts, j = [n], n
+    for k in range(K, 0, -1):
+        j = max(i for i in range(j) if c[i, j] <= T and Q[k - 1][i] + c[i, j] ** 2 == Q[k][j])
+        cuts.append(j)
+    cuts.reverse()
+    return tuple(zip(cuts[:-1], cuts[1:]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_banded_chunked_split_equals_a_plain_dp(seed):
+    """``split_stages`` narrows its search (a heuristic split's bound, rows per stage, stages prepared in
+    chunks): on random integer cases with up to 60 layers and 24 stages it picks exactly the split a plain
+    dynamic program over every stage picks."""
+    rng = random.Random(700 + seed)
+    for _ in range(12):
+        n = rng.randint(12, 60)
+        K = rng.randint(2, min(n, 24))
+        costs = [float(rng.randint(1, 9)) for _ in range(n)]
+        boundary = [float(rng.randint(0, 3)) for _ in range(n)] if rng.random() < 0.7 else None
+        extra = float(rng.randint(0, 40)) if rng.random() < 0.6 else 0.0
+        memory = limit = None
+        extra_mem = 0.0
+        if rng.random() < 0.5:
+            memory = [float(rng.randint(1, 4)) for _ in range(n)]
+            extra_mem = float(rng.randint(0, 6))
+            limit = float(rng.randint(max(4, int(sum(memory) / K)), int(sum(memory) / K * 2) + 8))
+        want = reference_split(costs, K, boundary, extra, memory, extra_mem, limit)
+        kwargs = dict(boundary_s=boundary, stage0_extra_s=extra, memory=memory, stage0_extra_memory=extra_mem,
+                      memory_limit=limit)
+        if want is None:
+            with pytest.raises(InfeasibleError):
+                optimal_partition(costs, K, **kwargs)
+            continue
+        assert optimal_partition(costs, K, **kwargs).ranges == want, (costs, K, kwargs)
+
+
 def test_large_call_is_fast_and_valid():
     rng = random.Random(3)
     n = 200
