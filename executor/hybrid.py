@@ -37,6 +37,7 @@ The price: entering holds a full second copy of one layer at a time, until ``ful
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -150,76 +151,145 @@ class ShardedStage:
         return [self.live.get(id(p), p) for p in self.layer_params[i]]
 
 
-_BERT_HALF = {"BertAttentionHalf": ("attention.", ()), "BertMLPHalf": ("", ("intermediate.", "output.")),
-              "BertBlock": ("layer.attention.", ("layer.intermediate.", "layer.output."))}
-"""Per BERT layer class: where its BertAttention sits (None: no attention) and its MLP's two modules."""
+@dataclass(frozen=True)
+class _Split:
+    """Where the Megatron split of one adapter layer applies (module paths inside the layer)."""
+
+    attention: str | None
+    """The Hugging Face attention module (it holds the head size; its head counts become the rank's own);
+    None: the layer has no attention."""
+    qkv: tuple[str, ...] = ()
+    """Query, key, value projections (GPT-2: the fused q|k|v one), split column-wise: each rank its heads."""
+    out: str | None = None
+    """The attention's output projection, split row-wise."""
+    up: tuple[str, ...] = ()
+    """The MLP's first linear(s) (Llama's gate and up projections), split column-wise."""
+    down: str | None = None
+    """The MLP's second linear, split row-wise."""
 
 
-_GPT2_HALF = {"GPT2AttentionHalf": ("attn.", None), "GPT2MLPHalf": (None, "mlp."),
-              "GPT2BlockLayer": ("block.attn.", "block.mlp.")}
-"""Per GPT-2 layer class: where its GPT2Attention and its GPT2MLP sit (None: not in this layer)."""
+def _att(path: str, qkv: tuple[str, ...], out: str, at: str | None = None) -> dict[str, object]:
+    return dict(attention=(at or path).rstrip("."), qkv=tuple(path + n for n in qkv), out=out)
+
+
+def _mlp(up: tuple[str, ...], down: str) -> dict[str, object]:
+    return dict(up=up, down=down)
+
+
+_BERT_QKV, _VIT_QKV, _DISTIL_QKV = ("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q_lin", "k_lin", "v_lin")
+_SPLITS: dict[str, _Split] = {
+    # BERT and RoBERTa (BertAttention: self.query/key/value, output.dense; BertIntermediate/BertOutput .dense)
+    "BertAttentionHalf": _Split(**_att("attention.self.", _BERT_QKV, "attention.output.dense")),
+    "BertMLPHalf": _Split(None, **_mlp(("intermediate.dense",), "output.dense")),
+    "BertBlock": _Split(**_att("layer.attention.self.", _BERT_QKV, "layer.attention.output.dense"),
+                        **_mlp(("layer.intermediate.dense",), "layer.output.dense")),
+    # DistilBERT (DistilBertSelfAttention: q_lin, k_lin, v_lin, out_lin; FFN: lin1, lin2)
+    "DistilBertAttentionHalf": _Split(**_att("attention.", _DISTIL_QKV, "attention.out_lin")),
+    "DistilBertMLPHalf": _Split(None, **_mlp(("ffn.lin1",), "ffn.lin2")),
+    "DistilBertBlock": _Split(**_att("block.attention.", _DISTIL_QKV, "block.attention.out_lin"),
+                              **_mlp(("block.ffn.lin1",), "block.ffn.lin2")),
+    # ViT (ViTAttention: q_proj, k_proj, v_proj, o_proj; ViTMLP: fc1, fc2)
+    "ViTAttentionHalf": _Split(**_att("attention.", _VIT_QKV, "attention.o_proj")),
+    "ViTMLPHalf": _Split(None, **_mlp(("mlp.fc1",), "mlp.fc2")),
+    "ViTBlock": _Split(**_att("layer.attention.", _VIT_QKV, "layer.attention.o_proj"),
+                       **_mlp(("layer.mlp.fc1",), "layer.mlp.fc2")),
+    # Llama, Mistral, Qwen2 (q_proj, k_proj, v_proj, o_proj; gate_proj, up_proj, down_proj)
+    "LlamaAttentionHalf": _Split(**_att("self_attn.", _VIT_QKV, "self_attn.o_proj")),
+    "LlamaMLPHalf": _Split(None, **_mlp(("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")),
+    "LlamaBlockLayer": _Split(**_att("attn.self_attn.", _VIT_QKV, "attn.self_attn.o_proj"),
+                              **_mlp(("mlp.mlp.gate_proj", "mlp.mlp.up_proj"), "mlp.mlp.down_proj")),
+    # GPT-2 (GPT2Attention: fused c_attn, c_proj; GPT2MLP: c_fc, c_proj; Conv1Ds until ``_gpt2_twin``)
+    "GPT2AttentionHalf": _Split(**_att("attn.", ("c_attn",), "attn.c_proj")),
+    "GPT2MLPHalf": _Split(None, **_mlp(("mlp.c_fc",), "mlp.c_proj")),
+    "GPT2BlockLayer": _Split(**_att("block.attn.", ("c_attn",), "block.attn.c_proj"),
+                             **_mlp(("block.mlp.c_fc",), "block.mlp.c_proj")),
+}
+"""Per adapter layer class (``executor/models.py``): its Megatron split. Every Hugging Face attention here
+views its projections with -1 heads (``view(*shape, -1, head_dim)``), so the rank's local width sets its
+head count; Llama's ``num_key_value_groups`` (query heads per key/value head) is a ratio the split keeps."""
+
+_GPT2_HALF = ("GPT2AttentionHalf", "GPT2MLPHalf", "GPT2BlockLayer")
+
+_LOCAL_COUNTS = ("num_attention_heads", "num_heads", "n_heads", "num_key_value_heads", "all_head_size",
+                 "embed_dim", "split_size")
+"""Attention attributes that count heads or their width, divided by tp in a rank's copy (BERT's
+``num_attention_heads``/``all_head_size``, GPT-2's ``num_heads``/``embed_dim``/``split_size``: its forward
+splits the fused q|k|v by ``split_size``; DistilBERT's ``n_heads``, ViT's ``num_attention_heads``)."""
+
+
+def _width(m: nn.Module) -> int:
+    """Output features of an ``nn.Linear`` or a GPT-2 ``Conv1D`` (``nf``)."""
+    return int(getattr(m, "nf", None) or m.out_features)
+
+
+def split_widths(layer: nn.Module) -> dict[str, int]:
+    """The widths tensor parallelism must divide in one layer (as ``planner.tp_split.split_widths`` reads
+    them from a config): its attention heads, key/value heads (grouped-query attention), MLP width; {} for
+    a layer without a split."""
+    sp = _SPLITS.get(type(layer).__name__)
+    if sp is None:
+        return {}
+    out: dict[str, int] = {}
+    if sp.attention is not None:
+        att = layer.get_submodule(sp.attention)
+        hd = int(getattr(att, "head_dim", None) or att.attention_head_size)
+        widths = [_width(layer.get_submodule(n)) for n in sp.qkv]
+        if len(widths) == 1:  # GPT-2's fused q|k|v
+            out["attention heads"] = widths[0] // (3 * hd)
+        else:
+            out["attention heads"] = widths[0] // hd
+            if widths[1] != widths[0]:
+                out["key/value heads"] = widths[1] // hd
+    if sp.up:
+        out["intermediate size"] = _width(layer.get_submodule(sp.up[0]))
+    return out
 
 
 def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
     """The Megatron split of one layer for ``parallelize_module`` (module path -> ColwiseParallel or
-    RowwiseParallel), or None when the layer has none (it runs replicated). Layers: BERT's and GPT-2's
-    attention and MLP halves and blocks, whose heads and intermediate width ``tp`` divides (GPT-2's Conv1D
-    paths are split once ``_gpt2_twin`` made them ``nn.Linear``s)."""
+    RowwiseParallel), or None when the layer has none (embeddings, norms, heads: it runs replicated). Every
+    attention and MLP half or block of every family in ``tp_families`` has one (GPT-2's Conv1D paths are
+    split once ``_gpt2_twin`` made them ``nn.Linear``s). PtplanError when ``tp`` does not divide its heads,
+    key/value heads or intermediate width (``ptplan run`` checks the plan before: ``validate.check_strategies``)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    kind = type(layer).__name__
-    if kind in _GPT2_HALF:
-        att, mlp = _GPT2_HALF[kind]
-        out: dict[str, object] = {}
-        if att is not None:
-            if layer.get_submodule(att[:-1]).num_heads % tp:
-                return None
-            out.update({att + "c_attn": ColwiseParallel(), att + "c_proj": RowwiseParallel()})
-        if mlp is not None:
-            fc = layer.get_submodule(mlp + "c_fc")  # a Conv1D (nf outputs), or the twin's nn.Linear
-            if (getattr(fc, "nf", None) or fc.out_features) % tp:
-                return None
-            out.update({mlp + "c_fc": ColwiseParallel(), mlp + "c_proj": RowwiseParallel()})
-        return out
-    if kind not in _BERT_HALF:
+    from ptplan.planner.errors import PtplanError
+
+    sp = _SPLITS.get(type(layer).__name__)
+    if sp is None:
         return None
-    att, mlp = _BERT_HALF[kind]
-    plan: dict[str, object] = {}
-    if kind != "BertMLPHalf":
-        heads = layer.get_submodule(att + "self").num_attention_heads
-        if heads % tp:
-            return None
-        plan.update({att + "self.query": ColwiseParallel(), att + "self.key": ColwiseParallel(),
-                     att + "self.value": ColwiseParallel(), att + "output.dense": RowwiseParallel()})
-    if mlp:
-        if layer.get_submodule(mlp[0] + "dense").out_features % tp:
-            return None
-        plan.update({mlp[0] + "dense": ColwiseParallel(), mlp[1] + "dense": RowwiseParallel()})
+    widths = split_widths(layer)
+    bad = [f"{n} {what}" for what, n in widths.items() if n % tp]
+    if bad:
+        raise PtplanError(f"tensor parallelism tp={tp} cannot split a {type(layer).__name__}: it does not divide its "
+                          f"{' and '.join(bad)} ({', '.join(f'{w} {n}' for w, n in widths.items())}); use a tp that "
+                          f"divides them all, or plan with `ptplan plan --strategies off`")
+    plan: dict[str, object] = {n: ColwiseParallel() for n in (*sp.qkv, *sp.up)}
+    plan.update({n: RowwiseParallel() for n in (sp.out, sp.down) if n is not None})
     return plan
 
 
 def tp_families() -> tuple[str, ...]:
-    """Model families whose Transformer layers ``tp_plan`` splits."""
-    return ("bert", "gpt2")
+    """Model families whose Transformer layers ``tp_plan`` splits (every adapter's; ``executor/models.py``)."""
+    return ("bert", "roberta", "distilbert", "vit", "gpt2", "llama", "mistral", "qwen2")
 
 
 def _parallelize(layer: nn.Module, mesh) -> None:
+    """Split ``layer`` (a copy) over the tp mesh and give its attention the rank's own head counts."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
     plan = tp_plan(layer, tp)
     assert plan is not None
     parallelize_module(layer, mesh, plan)
-    for name, _ in plan.items():
-        if name.endswith("self.query"):  # each rank holds heads/tp heads (views use the head size)
-            att = layer.get_submodule(name.removesuffix(".query"))
-            att.num_attention_heads //= tp
-            att.all_head_size //= tp
-        if name.endswith("attn.c_attn"):  # GPT-2: q, k, v of heads/tp heads each, split by split_size
-            att = layer.get_submodule(name.removesuffix(".c_attn"))
-            att.num_heads //= tp
-            att.embed_dim //= tp
-            att.split_size //= tp
+    sp = _SPLITS[type(layer).__name__]
+    if sp.attention is not None:  # each rank holds heads/tp heads (and key/value heads/tp)
+        att = layer.get_submodule(sp.attention)
+        for name in _LOCAL_COUNTS:
+            n = getattr(att, name, None)
+            if isinstance(n, int) and not isinstance(n, bool):
+                assert n % tp == 0, (name, n, tp)
+                setattr(att, name, n // tp)
 
 
 def _same(t: Tensor) -> Tensor:

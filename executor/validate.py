@@ -11,6 +11,7 @@ from torch import nn
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
+from ptplan.planner.tp_split import tp_refusal
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -20,6 +21,12 @@ def model_fingerprint(model: nn.Module) -> str:
         params = sum(p.numel() for p in layer.parameters())
         h.update(f"{spec.name}|{spec.kind}|{spec.block}|{params};".encode())
     return h.hexdigest()[:16]
+
+
+def _config(model: nn.Module) -> dict[str, Any]:
+    """The model's Hugging Face config as a dict ({} for a custom model)."""
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else {}
 
 
 def frozen_boundary(model: nn.Module, frozen_blocks: int) -> int:
@@ -101,6 +108,9 @@ def check_model(plan: Plan, model: nn.Module) -> None:
     for i, ph in enumerate(plan.phases):
         if ph.frozen_blocks > L:
             raise PtplanError(f"plan phase {i} freezes {ph.frozen_blocks} blocks but {model.name} has {L}")
+        if ph.tp > 1 and (why := tp_refusal(model.family, _config(model), ph.tp)):  # heads, kv heads, MLP width
+            raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks, {ph.strategy_label}): {why}; "
+                              f"make the plan with `ptplan plan --strategies off`")
         b = frozen_boundary(model, ph.frozen_blocks)
         if ph.frozen_layers != b:
             raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) starts its pipeline at layer "

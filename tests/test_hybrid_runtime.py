@@ -348,6 +348,7 @@ def test_tensor_parallel_layout_places_every_rank():
 
 def test_tp_plan_splits_bert_layers_and_leaves_others_whole():
     from ptplan.executor.hybrid import tp_plan
+    from ptplan.planner.errors import PtplanError
 
     model = _build("bert-tiny")
     plans = [tp_plan(layer, 2) for layer in model.layers]
@@ -356,7 +357,9 @@ def test_tp_plan_splits_bert_layers_and_leaves_others_whole():
     assert sorted(plans[1]) == ["attention.output.dense", "attention.self.key", "attention.self.query",
                                 "attention.self.value"]
     assert sorted(plans[2]) == ["intermediate.dense", "output.dense"]
-    assert tp_plan(model.layers[1], 3) is None  # 4 heads do not split 3 ways
+    with pytest.raises(PtplanError, match=r"tp=3 cannot split a BertAttentionHalf: it does not divide its 4 "
+                                          r"attention heads"):
+        tp_plan(model.layers[1], 3)  # 4 heads do not split 3 ways
 
 
 @pytest.mark.multiproc

@@ -65,9 +65,10 @@ def test_strategy_fields_round_trip_and_are_validated(planned, tmp_path):
 
 
 def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
-    """The executor runs recomputation, FSDP and tensor parallelism for BERT and GPT-2, tp x FSDP on a 2-D mesh
-    included (tests/test_hybrid_runtime.py): the synthetic GPT's tp4·fsdp plan passes ``ptplan run``'s check;
-    the same plan for a family without a split (ViT) is refused with the fix, and so is 2BW with it."""
+    """The executor runs recomputation, FSDP and tensor parallelism for every family, tp x FSDP on a 2-D mesh
+    included (tests/test_hybrid_runtime.py, tests/test_tp_families.py): the synthetic GPT's tp4·fsdp plan passes
+    ``ptplan run``'s check, and so does the same plan for ViT and Llama; for a family without a split (a custom
+    model's) it is refused with the fix, and so is 2BW with it."""
     import dataclasses
 
     from ptplan.executor.validate import check_strategies, check_world
@@ -76,11 +77,17 @@ def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
     plan = load_plan(d / "auto.json")
     assert any(ph.tp > 1 and ph.fsdp for ph in plan.phases)
     check_world(plan, 32)
-    vit = dataclasses.replace(plan, inputs=dataclasses.replace(
-        plan.inputs, profile=dataclasses.replace(plan.inputs.profile, family="vit")))
-    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d.*\): the executor splits bert, gpt2 "
-                                          r"layers for tensor parallelism but this plan's model is a vit.*--strategies off"):
-        check_strategies(vit)
+
+    def as_family(family):
+        return dataclasses.replace(plan, inputs=dataclasses.replace(
+            plan.inputs, profile=dataclasses.replace(plan.inputs.profile, family=family)))
+
+    check_strategies(as_family("vit"))
+    check_strategies(as_family("llama"))
+    with pytest.raises(PtplanError, match=r"plan phase 0 \(0 frozen blocks, tp\d.*\): the executor splits bert, "
+                                          r"roberta, distilbert, vit, gpt2, llama, mistral, qwen2 layers for tensor "
+                                          r"parallelism but this plan's model is a custom.*--strategies off"):
+        check_strategies(as_family("custom"))
     twobw = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, schedule="2bw") for ph in plan.phases))
     with pytest.raises(PtplanError, match=r"2bw with tp\d·fsdp.* is not run by the executor"):
         check_strategies(twobw)

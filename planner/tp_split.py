@@ -1,0 +1,63 @@
+"""Which tensor-parallel widths split a model's layers: tp must divide the attention heads, the key/value
+heads (grouped-query attention) and the MLP's intermediate width, read from a profile's config (pure).
+
+Megatron's split gives each of tp ranks whole heads (query, key and value column-wise, the attention output
+row-wise) and 1/tp of the MLP's intermediate width (``executor/hybrid.py``). With grouped-query attention
+(the Llama family: H query heads share G key/value heads, H/G each) a rank holds G/tp key/value heads and
+the H/tp query heads that read them, so tp must divide G too.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+_KEYS: dict[str, tuple[str, str | None, str]] = {
+    "bert": ("num_attention_heads", None, "intermediate_size"),
+    "roberta": ("num_attention_heads", None, "intermediate_size"),
+    "vit": ("num_attention_heads", None, "intermediate_size"),
+    "distilbert": ("n_heads", None, "hidden_dim"),
+    "gpt2": ("n_head", None, "n_inner"),
+    "llama": ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+    "mistral": ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+    "qwen2": ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+}
+"""Per family: the Hugging Face config keys of (attention heads, key/value heads or None, MLP width)."""
+
+
+def split_widths(family: str, config: Mapping[str, Any]) -> dict[str, int]:
+    """The widths tp must divide, by name ("attention heads", "key/value heads", "intermediate size"), from
+    a Hugging Face config dict (a profile's ``model.config``); {} for a family without a split or a config
+    that lacks them (a profile written without its config)."""
+    if family not in _KEYS:
+        return {}
+    heads_key, kv_key, mlp_key = _KEYS[family]
+    heads = config.get(heads_key)
+    if not isinstance(heads, int):
+        return {}
+    out = {"attention heads": heads}
+    if kv_key is not None:
+        kv = config.get(kv_key)
+        out["key/value heads"] = kv if isinstance(kv, int) else heads  # absent: multi-head attention
+    mlp = config.get(mlp_key)
+    if mlp is None and family == "gpt2" and isinstance(config.get("n_embd"), int):
+        mlp = 4 * config["n_embd"]  # GPT-2's n_inner=None: 4 x the width
+    if isinstance(mlp, int):
+        out["intermediate size"] = mlp
+    return out
+
+
+def tp_refusal(family: str, config: Mapping[str, Any], tp: int) -> str | None:
+    """Why ``tp`` ranks cannot split this model's layers, with the numbers (None when they can, or when the
+    config does not say)."""
+    widths = split_widths(family, config)
+    bad = [(what, n) for what, n in widths.items() if n % tp]
+    if tp <= 1 or not bad:
+        return None
+    reasons = {"attention heads": "each tp rank holds whole heads",
+               "key/value heads": "grouped-query attention: each tp rank holds whole key/value heads and the "
+                                  "query heads that read them",
+               "intermediate size": "each tp rank holds an equal part of the MLP"}
+    fits = [t for t in (2, 4, 8, 16, 32, 64) if t < tp and all(m % t == 0 for m in widths.values())]
+    sizes = ", ".join(f"{w} {m}" for w, m in widths.items())
+    return (f"tensor parallelism tp={tp} does not divide this {family} model's "
+            f"{' and '.join(f'{n} {what}' for what, n in bad)} ({'; '.join(reasons[w] for w, _ in bad)}; {sizes}); "
+            f"{'tp must be one of ' + ', '.join(map(str, fits)) if fits else 'no tp > 1 divides them all'}")
