@@ -55,7 +55,7 @@ def describe(ch: Choice | None) -> dict | None:
         return None
     c = ch.cand
     return {"K": c.K, "D": c.D, "M": c.M, "b": c.b, "schedule": c.schedule, "cache": c.cache,
-            "strategy": c.strategy.label, "samples_per_s": c.B / ch.sim.iteration_s,
+            "strategy": ch.label, "samples_per_s": c.B / ch.sim.iteration_s,
             "peak_gib": max(m.total for m in ch.memory) / 2**30}
 
 

@@ -87,10 +87,11 @@ def format_plan_table(plan) -> str:
     used = {t.phase for t in plan.trajectory}
     mixed = len({(p.schedule, p.V) for p in plan.phases}) > 1 or tr.schedule == "auto"
     strat = any(p.strategy_label != "dp" for p in plan.phases)
+    sw = max([12] + [len(p.strategy_label) for p in plan.phases])  # a phase whose stages differ lists each
     sliced = any(p.slices for p in plan.phases)
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>4} {'D':>5} {'M':>4} {'b':>4}  {'layers per stage':<22} "
            f"{'iteration':>10} {'samples/s':>10} {'bubble':>6} {'peak GiB':>8} {'cache':>5}"
-           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<12} {'mesh K×D×tp':<12}" if strat else "")
+           + (f" {'schedule':<18}" if mixed else "") + (f" {'strategy':<{sw}} {'mesh K×D×tp':<12}" if strat else "")
            + (f" {'slices':<28}" if sliced else ""))
     lines.append(hdr)
     lines.append("-" * len(hdr))
@@ -111,7 +112,7 @@ def format_plan_table(plan) -> str:
                      f"{sizes:<22} {_secs(ph.predicted.iteration_s):>10} {ph.predicted.samples_per_s:>10.2f} "
                      f"{ph.predicted.bubble_fraction:>6.1%} {_gib(peak):>8} {'on' if ph.cache else 'off':>5}{note}"
                      + (f" {sched:<18}" if mixed else "")
-                     + (f" {ph.strategy_label:<12} {f'{ph.K}×{ph.D}×{ph.tp}':<12}" if strat else "")
+                     + (f" {ph.strategy_label:<{sw}} {f'{ph.K}×{ph.D}×{ph.tp}':<12}" if strat else "")
                      + (f" {slices_text(ph.slices):<28}" if sliced else ""))
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
@@ -249,9 +250,9 @@ def freeze_from_options(freeze_policy: str, alpha: float, manual: str | None, fr
 @click.option("--cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="AutoCache of the frozen prefix's outputs: auto caches where it saves time (fills included).")
 @click.option("--strategies", type=click.Choice(["off", "auto"]), default="off", show_default=True,
-              help="Per-phase parallel strategy: off = pipeline x data parallel; auto = also tensor parallel "
-                   "(inside a node), FSDP and activation recomputation, searched per phase (planning only: "
-                   "`ptplan run` does not run them yet).")
+              help="Parallel strategy: off = pipeline x data parallel; auto = also tensor parallel (one width "
+                   "per phase, inside a node), and FSDP and activation recomputation per pipeline stage (each "
+                   "stage the fastest that fits its memory, or one for every stage); `ptplan run` runs them.")
 @click.option("--token-slices", type=click.Choice(["off", "auto"]), default="off", show_default=True,
               help="Causal LMs (gpt2, llama): auto cuts each phase's sequences into TeraPipe token slices where the "
                    "slice-aware simulation says they pay (needs a profile made with `ptplan profile MODEL --slices`); "

@@ -21,6 +21,7 @@ from .errors import PtplanError, SchemaError
 from .freeze import FreezePolicy, freeze_from_json
 from .jsonio import Fields, read_json, write_json
 from .profile import PROVENANCE_SOURCES
+from .strategy import phase_label
 
 SCHEMA = "ptplan.plan/2"
 EVENT_KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "PREFIX", "CACHE", "UPDATE")
@@ -131,27 +132,79 @@ class Phase:
     tp: int = 1
     """Tensor-parallel width of every stage (issue 14): stage s of pipeline p runs on the tp ranks
     ranks[p][s] .. ranks[p][s] + tp - 1 (one node); the phase uses K·D·tp ranks."""
-    fsdp: bool = False
-    """Sharded data parallel (ZeRO-3) over each stage's D replicas instead of a gradient all-reduce."""
-    recompute: bool = False
-    """Activation recomputation: each stage keeps only its input per micro-batch."""
+    fsdp: bool | tuple[bool, ...] = False
+    """Sharded data parallel (ZeRO-3) over a stage's D replicas instead of a gradient all-reduce: one value for
+    every stage, or, in a phase whose stages differ (``ptplan plan --strategies auto`` chooses per stage), one
+    per stage (chunk), K·V entries. A tuple is truthy: read it with ``fsdp_at(stage)``, ``any_fsdp`` or
+    ``stage_fsdp``. A per-stage tuple whose entries are all equal is stored as that one value."""
+    recompute: bool | tuple[bool, ...] = False
+    """Activation recomputation: a stage keeps only its input per micro-batch. One value, or one per stage
+    like ``fsdp``; read it with ``recompute_at(stage)``, ``any_recompute`` or ``stage_recompute``."""
     slices: tuple[int, ...] = ()
     """Token slices (TeraPipe, causal LMs only): each micro-batch's sequence cut into these lengths (in
     tokens, summing to the profile's sequence length), which flow through the pipeline one after another;
     the actions are then ``planner.schedule.terapipe``'s and the prediction the slice-aware simulation.
     Empty: not sliced (plans written before token slicing load with it empty)."""
 
+    def __post_init__(self) -> None:
+        S = self.K * self.V
+        for name in ("fsdp", "recompute"):
+            v = getattr(self, name)
+            if isinstance(v, bool):
+                continue
+            v = tuple(v)
+            if len(v) != S or not all(isinstance(x, bool) for x in v):
+                raise PtplanError(f"Phase.{name} must be true/false or {S} of them (one per stage, K*V={S}), "
+                                  f"got {v!r}")
+            object.__setattr__(self, name, v[0] if len(set(v)) == 1 else v)
+
     @property
     def world(self) -> int:
         """Ranks the phase uses: K·D·tp."""
         return self.K * self.D * self.tp
 
+    def fsdp_at(self, stage: int) -> bool:
+        """Whether stage (chunk) ``stage`` shards its active layers with FSDP (``fsdp``)."""
+        return self.fsdp if isinstance(self.fsdp, bool) else self.fsdp[stage]
+
+    def recompute_at(self, stage: int) -> bool:
+        """Whether stage (chunk) ``stage`` recomputes its activations (``recompute``)."""
+        return self.recompute if isinstance(self.recompute, bool) else self.recompute[stage]
+
+    @property
+    def stage_fsdp(self) -> tuple[bool, ...]:
+        """``fsdp_at`` of every stage (K·V entries)."""
+        return tuple(self.fsdp_at(s) for s in range(self.K * self.V))
+
+    @property
+    def stage_recompute(self) -> tuple[bool, ...]:
+        """``recompute_at`` of every stage (K·V entries)."""
+        return tuple(self.recompute_at(s) for s in range(self.K * self.V))
+
+    @property
+    def any_fsdp(self) -> bool:
+        return any(self.stage_fsdp)
+
+    @property
+    def any_recompute(self) -> bool:
+        return any(self.stage_recompute)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the stages' strategies differ (``fsdp`` or ``recompute`` stored per stage)."""
+        return not (isinstance(self.fsdp, bool) and isinstance(self.recompute, bool))
+
+    def stage_label(self, stage: int) -> str:
+        """One stage's FSDP/recomputation part of the strategy: ``fsdp·rc``, ``fsdp``, ``rc`` or ``dp``."""
+        parts = (["fsdp"] if self.fsdp_at(stage) else []) + (["rc"] if self.recompute_at(stage) else [])
+        return "·".join(parts) or "dp"
+
     @property
     def strategy_label(self) -> str:
-        """Short text of the strategy, e.g. ``tp2·fsdp·rc``; ``dp`` for plain data parallel."""
-        parts = ([f"tp{self.tp}"] if self.tp > 1 else []) + (["fsdp"] if self.fsdp else []) + \
-            (["rc"] if self.recompute else [])
-        return "·".join(parts) or "dp"
+        """Short text of the strategy, e.g. ``tp2·fsdp·rc``; ``dp`` for plain data parallel. A phase whose
+        stages differ lists them in stage order, runs of equal stages as ``×n``: ``tp2 · stages
+        fsdp·rc | fsdp | dp×2`` (``strategy.phase_label``)."""
+        return phase_label(self.tp, self.stage_fsdp, self.stage_recompute)
 
     @property
     def stages(self) -> int:
@@ -359,6 +412,27 @@ def _slices(f: Fields, *, V: int, tp: int, seq_len: int | None, family: str | No
     return tuple(raw)
 
 
+def _per_stage(f: Fields, key: str, *, S: int, D: int) -> bool | tuple[bool, ...]:
+    """``Phase.fsdp`` / ``Phase.recompute``: true/false (every stage), or one per stage (K·V entries, booleans;
+    FSDP only with D > 1, where there are replicas to shard over)."""
+    raw = f.raw(key, False)
+    if isinstance(raw, bool):
+        return raw
+    if not isinstance(raw, list):
+        raise SchemaError(f.what, f"{f.path}.{key}", f"expected true/false or a list of {S} of them (one per stage), "
+                          f"got {raw!r}", "Re-run `ptplan plan`")
+    if len(raw) != S:
+        raise SchemaError(f.what, f"{f.path}.{key}", f"has {len(raw)} entries for K*V={S} stages",
+                          "Re-run `ptplan plan`")
+    for i, x in enumerate(raw):
+        if not isinstance(x, bool):
+            raise SchemaError(f.what, f"{f.path}.{key}[{i}]", f"expected true/false, got {x!r}", "Re-run `ptplan plan`")
+    if key == "fsdp" and D == 1 and any(raw):
+        raise SchemaError(f.what, f"{f.path}.fsdp", f"shards stage {raw.index(True)} with FSDP but the phase has D=1 "
+                          f"(no replicas to shard over)", "Re-run `ptplan plan`")
+    return tuple(raw)
+
+
 def _phase(f: Fields, num_layers: int, seq_len: int | None = None, family: str | None = None) -> Phase:
     Fields(f.obj, f.what, f.path, allowed=_names(Phase))
     K, D, M = f.int("K", min=1), f.int("D", min=1), f.int("M", min=1)
@@ -419,8 +493,9 @@ def _phase(f: Fields, num_layers: int, seq_len: int | None = None, family: str |
                  micro_batch_size=f.int("micro_batch_size", min=1), schedule=f.str("schedule", choices=SCHEDULES),
                  partition=tuple(parts), cache=f.bool("cache"),
                  ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes),
-                 V=V, actions=tuple(actions), tp=tp, fsdp=f.bool("fsdp", False),
-                 recompute=f.bool("recompute", False), slices=_slices(f, V=V, tp=tp, seq_len=seq_len, family=family))
+                 V=V, actions=tuple(actions), tp=tp, fsdp=_per_stage(f, "fsdp", S=K * V, D=D),
+                 recompute=_per_stage(f, "recompute", S=K * V, D=D),
+                 slices=_slices(f, V=V, tp=tp, seq_len=seq_len, family=family))
 
 
 def _profile_ref(f: Fields) -> ProfileRef:

@@ -10,12 +10,15 @@ Steps, all pure functions of the profile, the cluster and the training settings:
    layers (the pinned K where it is possible; K <= start_K after the first phase), M splits the
    pipeline's batch (M >= K for 1F1B; the pinned M where possible), b inside the profile's
    measured sizes unless extrapolation is allowed, the AutoCache where the mode and the nodes'
-   host memory allow. There is no cap on M: memory and the batch bound it. With ``--schedule 2bw``
-   (PipeDream-2BW) an iteration is one mini-batch of the flush-free steady state, stages keep two
-   weight versions of their active layers, and M >= K.
+   host memory allow; with ``strategies="auto"`` also every tp inside a node and, for FSDP and for
+   recomputation, off / on for every stage / chosen per stage (each stage the fastest that fits:
+   ``stage.StageChoice``; FSDP only where D > 1). There is no cap on M: memory and the batch bound it.
+   With ``--schedule 2bw`` (PipeDream-2BW) an iteration is one mini-batch of the flush-free steady
+   state, stages keep two weight versions of their active layers, and M >= K.
 2. ``lower_bound``: a bound on the simulated iteration that needs no partition (the stages' total
    compute divided over K, and one micro-batch's path through every stage). The simulator's
-   iteration is never below it.
+   iteration is never below it. Where stages choose FSDP, it is taken with per layer the smaller
+   of the costs with and without FSDP (``strategy.min_table``), so it bounds every choice.
 3. ``search``: candidates in order of their bound per sample; each is split exactly by AutoPipe
    under the one stage model's memory (``partition.split_stages``) and simulated; the search
    stops when the next bound per sample is no better than the best simulated. So the result is the
@@ -43,8 +46,8 @@ from .replicate import divisors
 from .config import AUTO_SCHEDULES, INTERLEAVED_V
 from .schedule import Schedule, ScheduleError, build_schedule, check_sizes, peak_inflight, stage_to_rank
 from .simulate import SimResult, StageCost, simulate
-from .stage import Links, PhaseShape, StageModel, cache_setup_s, links_for
-from .strategy import Strategy, strategy_table, tp_allreduce_coeffs
+from .stage import Links, PhaseShape, StageChoice, StageModel, cache_setup_s, links_for
+from .strategy import Strategy, min_table, phase_label, strategy_table, tp_allreduce_coeffs
 
 GiB = float(1 << 30)
 
@@ -73,11 +76,34 @@ class Candidate:
     tp: int = 1
     """Tensor-parallel width of every stage (``strategy.py``): K·D·tp GPUs."""
     fsdp: bool = False
+    """FSDP on every stage (with ``fsdp_per_stage``: False)."""
     recompute: bool = False
+    """Recomputation on every stage (with ``recompute_per_stage``: False)."""
+    fsdp_per_stage: bool = False
+    """Each stage chooses FSDP on or off (``stage.StageChoice``: the fastest that fits its memory)."""
+    recompute_per_stage: bool = False
+    """Each stage chooses recomputation on or off, likewise."""
 
     @property
     def strategy(self) -> Strategy:
+        """The strategy of every stage (per-stage choices: off here, see ``options``)."""
         return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute)
+
+    @property
+    def per_stage(self) -> bool:
+        return self.fsdp_per_stage or self.recompute_per_stage
+
+    @property
+    def options(self) -> tuple[Strategy, ...]:
+        """The strategies a stage may take, simplest first (no FSDP, no recomputation)."""
+        return tuple(Strategy(tp=self.tp, fsdp=f, recompute=r)
+                     for f in ((False, True) if self.fsdp_per_stage else (self.fsdp,))
+                     for r in ((False, True) if self.recompute_per_stage else (self.recompute,)))
+
+    @property
+    def mode(self) -> tuple[int, int]:
+        """(FSDP, recomputation), each 0 off, 1 on every stage, 2 chosen per stage (for tie-breaking)."""
+        return (2 if self.fsdp_per_stage else int(self.fsdp), 2 if self.recompute_per_stage else int(self.recompute))
 
     @property
     def B(self) -> int:
@@ -99,8 +125,16 @@ class Choice:
     fill_costs: tuple[StageCost, ...] = ()
     fill_sim: SimResult | None = None
     memory: tuple[MemoryBreakdown, ...] = ()
+    strategies: tuple[Strategy, ...] = ()
+    """Per stage (K·V entries), the strategy it runs (the candidate's one, or each stage's choice)."""
     objective: float = math.inf
     """Seconds per sample over the phase (fill iterations included)."""
+
+    @property
+    def label(self) -> str:
+        """The strategy as text (``strategy.phase_label``: per stage where the stages differ)."""
+        sts = self.strategies or (self.cand.strategy,) * self.cand.S
+        return phase_label(self.cand.tp, [st.fsdp for st in sts], [st.recompute for st in sts])
     notes: tuple[str, ...] = ()
     links: Links | None = field(default=None, repr=False)
 
@@ -118,7 +152,8 @@ class PhaseSearch:
 
     def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig, *, strategies: str = "off") -> None:
         """``strategies``: "off" (every stage plain data parallel, the search as before) or "auto" (every
-        tp inside a node that divides the GPUs, FSDP on/off, recomputation on/off, one strategy per phase)."""
+        tp inside a node that divides the GPUs; FSDP off, on every stage, or chosen per stage; recomputation
+        likewise: ``modes``)."""
         self.p, self.c, self.cfg = profile, cluster, cfg
         if strategies not in ("off", "auto"):
             raise PtplanError(f"strategies={strategies!r}; use off or auto")
@@ -127,7 +162,11 @@ class PhaseSearch:
         self.strategies = tuple(Strategy(tp=t, fsdp=fs, recompute=rc) for t in tps
                                 for fs in ((False, True) if strategies == "auto" else (False,))
                                 for rc in ((False, True) if strategies == "auto" else (False,)))
-        """The strategies searched (the default first)."""
+        """The uniform strategies searched (the default first)."""
+        both = (0, 1, 2) if strategies == "auto" else (0,)
+        self.modes = tuple((t, f, r) for t in tps for f in both for r in both)
+        """(tp, FSDP mode, recomputation mode) per candidate family, modes as ``Candidate.mode``: 0 off, 1 on
+        every stage, 2 chosen per stage (FSDP modes 1 and 2 only where D > 1)."""
         self._tables: dict[tuple, CostTable] = {}
         self.t = CostTable(profile, time_scale=cluster.concurrency_slowdown)
         self.n = profile.num_layers
@@ -160,9 +199,16 @@ class PhaseSearch:
 
     def table_for(self, c: Candidate) -> CostTable:
         """The per-shard cost table of candidate c's strategy (``strategy.strategy_table``; the profile's own
-        table for the default strategy)."""
-        if c.tp == 1 and not c.fsdp:
+        table for the default strategy). With FSDP chosen per stage: per layer the smaller of the tables
+        with and without FSDP (``strategy.min_table``), which bounds any stage's costs from below."""
+        if c.tp == 1 and not c.fsdp and not c.fsdp_per_stage:
             return self.t
+        if c.fsdp_per_stage:
+            key: tuple = ("min", c.tp, c.D, c.K, c.schedule, c.V)
+            if key not in self._tables:
+                self._tables[key] = min_table(self.table_for(replace(c, fsdp_per_stage=False)),
+                                              self.table_for(replace(c, fsdp_per_stage=False, fsdp=True)))
+            return self._tables[key]
         key = (c.tp, c.fsdp, c.D, c.K, c.schedule, c.V)
         if key not in self._tables:
             L = self.links(c.K, c.schedule, c.V, c.tp)
@@ -173,12 +219,26 @@ class PhaseSearch:
     def schedule(self, c: Candidate) -> Schedule:
         return build_schedule(c.schedule, c.K, c.M, c.V)
 
+    def stage_limit(self, c: Candidate) -> float:
+        """Bytes one stage (chunk) may use: the device's usable memory, over V chunks per position."""
+        return self.limit if c.V == 1 else self.limit / c.V
+
     def pipeline_batch(self, D: int) -> int | None:
         if self.cfg.batch_policy == "constant-global":
             return self.cfg.batch // D if self.cfg.batch % D == 0 else None
         return self.cfg.batch
 
-    def model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel:
+    def model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel | StageChoice:
+        """The stage model of a candidate; with per-stage choices, a ``StageChoice`` over one model per option,
+        choosing under the limit the split uses."""
+        if cand.per_stage:
+            return StageChoice([self.uniform_model(replace(cand, fsdp_per_stage=False, recompute_per_stage=False,
+                                                           fsdp=st.fsdp, recompute=st.recompute), n0, fill_from)
+                                for st in cand.options], self.stage_limit(cand))
+        return self.uniform_model(cand, n0, fill_from)
+
+    def uniform_model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel:
+        """The stage model of the candidate's one strategy (``Candidate.strategy``) on every stage."""
         shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache, V=cand.V,
                            inflight=peak_inflight(cand.schedule, cand.K, cand.M, cand.V),
                            optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
@@ -240,8 +300,10 @@ class PhaseSearch:
         out: list[Candidate] = []
         reasons: list[str] = []
         pin_m_used = cfg.pin_M is None
-        for st, K in ((st, K) for st in self.strategies for K in ks if (self.W // st.tp) % K == 0):
-            D = self.W // (K * st.tp)
+        for (tp, fm, rm), K in ((md, K) for md in self.modes for K in ks if (self.W // md[0]) % K == 0):
+            D = self.W // (K * tp)
+            if fm and D == 1:  # FSDP shards over the replicas: none here
+                continue
             bp = self.pipeline_batch(D)
             if bp is None:
                 reasons.append(f"K={K}: global batch {cfg.batch} does not split over D={D} pipelines")
@@ -265,7 +327,8 @@ class PhaseSearch:
                 for name, V in self.shapes(K, M, n_active):
                     for cache in caches:
                         out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
-                                             tp=st.tp, fsdp=st.fsdp, recompute=st.recompute))
+                                             tp=tp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,
+                                             recompute_per_stage=rm == 2))
         if not pin_m_used:
             notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
         return out, reasons, notes
@@ -344,7 +407,8 @@ class PhaseSearch:
             return max(work / K, big, first) + self.c.step_overhead_s
         x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
         lat = 0.0
-        sync = c.D > 1 and not c.fsdp  # FSDP reduce-scatters in the backward instead (``strategy.py``)
+        # FSDP reduce-scatters in the backward instead (``strategy.py``); a stage choosing FSDP may too
+        sync = c.D > 1 and not c.fsdp and not c.fsdp_per_stage
         if sync:
             x_sum += float(t.cum_sync[n] - t.cum_sync[n0]) * float(L.ar_per_byte.min())
             lat = float(L.ar_lat.min())
@@ -450,7 +514,7 @@ class PhaseSearch:
         model = self.model(c, n0, fill_from)
         try:
             # V > 1: each of a position's V chunks within limit / V, so that the position fits
-            part = split_stages(model, c.S, self.limit if c.V == 1 else self.limit / c.V)
+            part = split_stages(model, c.S, self.stage_limit(c))
         except InfeasibleError as e:
             return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
         ranges = part.ranges
@@ -469,7 +533,8 @@ class PhaseSearch:
         peak = max(sim.rank_peak_memory_bytes)
         assert peak <= self.limit * (1 + 1e-9), "the simulator and the partitioner disagree on memory"
         return Choice(cand=c, ranges=ranges, costs=costs, sim=sim, fill_costs=fill_costs, fill_sim=fill_sim,
-                      memory=tuple(model.stage_memory(ranges)), links=self.links(c.K, c.schedule, c.V, c.tp),
+                      memory=tuple(model.stage_memory(ranges)), strategies=model.stage_strategies(ranges),
+                      links=self.links(c.K, c.schedule, c.V, c.tp),
                       objective=_seconds_per_sample(c, sim.iteration_s, fill_s, visit, self.cfg.samples_per_epoch))
 
     def search(self, f: int, visit: Visit, *, free: bool = False, cache: bool | None = None) -> Choice:
@@ -501,7 +566,7 @@ class PhaseSearch:
         heap = [(self.objective_bound(c, n0, visit), i, c) for i, c in enumerate(fits)]
         # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
         hint = self._hint.get(cache)
-        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.strategy) == hint]
+        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.mode) == hint]
         heapq.heapify(heap)
         best: Choice | None = None
 
@@ -526,7 +591,7 @@ class PhaseSearch:
         if best is None:
             return [str(r) for r in reasons]
         self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
-                             best.cand.strategy)
+                             best.cand.tp, best.cand.mode)
         return replace(best, notes=tuple(notes))
 
     def _infeasible(self, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
@@ -544,9 +609,12 @@ class PhaseSearch:
 
 def _order(ch: Choice) -> tuple:
     """How choices compare: the objective, then (deterministic ties) smaller K, M, no cache, name, V,
-    then the simpler strategy (smaller tp, no FSDP, no recomputation)."""
+    then the simpler strategy (smaller tp, fewer FSDP stages, fewer recomputing stages, a strategy fixed
+    for every stage before one chosen per stage)."""
     c = ch.cand
-    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.fsdp, c.recompute
+    n_fsdp = sum(st.fsdp for st in ch.strategies) if ch.strategies else c.S * c.fsdp
+    n_rc = sum(st.recompute for st in ch.strategies) if ch.strategies else c.S * c.recompute
+    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V, c.tp, n_fsdp, n_rc, c.mode
 
 
 class _Reason:

@@ -62,6 +62,11 @@ reduce-scatter joins the backward and replaces the all-reduce and its flat buffe
 FSDP's gathered-layer transient (``gather_bytes``). The frozen prefix keeps the profile's own numbers
 (stage 0 holds and runs it whole). The default (tp=1, no FSDP) leaves every number above unchanged.
 
+One ``StageModel`` prices every stage with one strategy. ``StageChoice`` prices stages whose strategies
+differ (issue 14, per stage): over one ``StageModel`` per strategy of the same phase, each candidate stage
+takes the fastest strategy that fits the memory limit, so the partitioner's exact split chooses the split
+and every stage's strategy together; after the split each stage's costs and memory are its chosen model's.
+
 Not modelled (each small, or outside a training step): AdamW's step counter (4 bytes per
 parameter tensor); what a rank holds *during* a phase transition (what it keeps, what it has
 received and what it has not sent yet); rank 0 gathering the whole model into host memory for a
@@ -289,6 +294,16 @@ class StageModel:
             self.read_setup_s = self.fill_setup_s = 0.0
             self.stage0_after = 0.0
 
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy every stage of this model uses."""
+        sh = self.shape
+        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute)
+
+    def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
+        """Each stage's strategy in a split: this model's one (``StageChoice`` chooses per stage)."""
+        return (self.strategy,) * len(self.check_ranges(ranges)[0])
+
     # ---- vectorised evaluation -------------------------------------------------------------
     def band(self, I: Any, J: np.ndarray) -> Band:
         """Index-dependent components of the stages [I, J) (absolute layer indices, I < J). ``I`` may be
@@ -440,3 +455,98 @@ class StageModel:
                           send_backward_s=float(send_b[i]), allreduce_s=float(ar[i]), optimizer_s=float(opt[i]),
                           fixed_bytes=int(static[i]), activation_bytes_per_mb=int(per_mb[i]),
                           after_bytes=int(after[i])) for i in range(K)]
+
+
+class StageChoice:
+    """Per-stage strategies (issue 14): a stage family over several ``StageModel``s of one phase (the same K, M,
+    b, D, tp, schedule and cache; each a strategy -- FSDP on or off, recomputation on or off) in which every
+    stage takes the fastest strategy whose peak fits ``limit``.
+
+    As ``partition.split_stages``'s family, a candidate stage [I, J) at position s costs the least busy time
+    of the strategies that fit there (its peak is that strategy's); where none fits, the smallest peak of
+    any, so that the split search sees it does not fit. A min-max split (then least sum of squares) over these
+    costs is the best over every split and every per-stage choice of strategy together: with the split fixed,
+    each stage's choice touches only its own cost, and taking each stage's least cost minimises both the
+    slowest stage and the sum of squares. Ties go to the earlier model (give the simplest first: no FSDP, no
+    recomputation). In 1F1B stage 0 keeps K micro-batches in flight and the last stage one, so recomputation,
+    or FSDP's sharded state, is often needed on the first stages only.
+
+    After the split, ``stage_costs``, ``stage_memory`` and ``stage_strategies`` give each stage's numbers from
+    the model it chose, exactly as that model alone gives them (the simulator takes per-stage costs).
+    """
+
+    def __init__(self, models: Sequence[StageModel], limit: float) -> None:
+        if not models:
+            raise PtplanError("StageChoice needs at least one stage model")
+        a = models[0]
+        if any((m.start, m.n, m.shape.S) != (a.start, a.n, a.shape.S) for m in models):
+            raise PtplanError("StageChoice: the models must split the same layers into the same number of stages")
+        self.models = tuple(models)
+        self.limit = float(limit) * (1 + 1e-12)  # ``split_stages``' tolerance
+        self.start, self.n, self.shape = a.start, a.n, a.shape
+        self.cum_time_lb = _cum_min([m.cum_time_lb for m in models])
+        """Prefix sums of each layer's least busy-time lower bound over the models."""
+        self.cum_state = _cum_min([m.cum_state for m in models])
+        """Prefix sums of each layer's least memory lower bound over the models."""
+
+    def _pick(self, got: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(time, peak, model index) per stage from each model's (time, peak)."""
+        t0, m0 = (np.asarray(x, dtype=float) for x in got[0])
+        shape = np.broadcast_shapes(t0.shape, m0.shape)
+        fits = m0 <= self.limit
+        best_t = np.where(fits, t0, np.inf)
+        best_m = np.broadcast_to(m0, shape).copy()
+        best_i = np.zeros(shape, dtype=np.int64)
+        low_m, low_t, low_i = best_m.copy(), np.broadcast_to(t0, shape).copy(), best_i.copy()
+        for k, (t, m) in enumerate(got[1:], start=1):
+            t, m = np.asarray(t, dtype=float), np.asarray(m, dtype=float)
+            better = (m <= self.limit) & (t < best_t)
+            best_t, best_m, best_i = np.where(better, t, best_t), np.where(better, m, best_m), np.where(better, k, best_i)
+            smaller = m < low_m
+            low_m, low_t, low_i = np.where(smaller, m, low_m), np.where(smaller, t, low_t), np.where(smaller, k, low_i)
+        ok = np.isfinite(best_t)
+        return np.where(ok, best_t, low_t), np.where(ok, best_m, low_m), np.where(ok, best_i, low_i)
+
+    # ---- the partitioner's protocol (``partition._StageFamily``) ------------------------------
+    def prepare(self, I: Any, J: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Every model's prepared terms, one flat tuple of arrays (as one model's: the partitioner may slice
+        each array of it); ``_split`` takes it apart."""
+        return tuple(x for m in self.models for x in m.prepare(I, J))
+
+    def _split(self, terms: tuple[np.ndarray, ...]) -> list[tuple[np.ndarray, ...]]:
+        k = len(terms) // len(self.models)
+        return [tuple(terms[i * k:(i + 1) * k]) for i in range(len(self.models))]
+
+    def evaluate(self, s: int, terms: tuple[np.ndarray, ...], cols: slice = slice(None)
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        t, mem, _ = self._pick([m.evaluate(s, x, cols) for m, x in zip(self.models, self._split(terms))])
+        return t, mem
+
+    def evaluate_split(self, terms: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+        t, mem, _ = self._pick([m.evaluate_split(x) for m, x in zip(self.models, self._split(terms))])
+        return t, mem
+
+    # ---- one split -------------------------------------------------------------------------
+    def choose(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+        """The model (index into ``models``) each stage of a split takes."""
+        lo, hi = self.models[0].check_ranges(ranges)
+        _, _, idx = self._pick([m.evaluate_split(m.prepare(lo, hi)) for m in self.models])
+        return tuple(int(i) for i in idx)
+
+    def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
+        return tuple(self.models[i].strategy for i in self.choose(ranges))
+
+    def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
+        picks = self.choose(ranges)
+        each = {i: self.models[i].stage_costs(ranges, fill=fill) for i in set(picks)}
+        return [each[i][s] for s, i in enumerate(picks)]
+
+    def stage_memory(self, ranges: Sequence[tuple[int, int]]) -> tuple[MemoryBreakdown, ...]:
+        picks = self.choose(ranges)
+        each = {i: self.models[i].stage_memory(ranges) for i in set(picks)}
+        return tuple(each[i][s] for s, i in enumerate(picks))
+
+
+def _cum_min(cums: Sequence[np.ndarray]) -> np.ndarray:
+    """Prefix sums of the per-layer minimum of several prefix-sum arrays' increments."""
+    return np.concatenate(([0.0], np.cumsum(np.min([np.diff(c) for c in cums], axis=0))))

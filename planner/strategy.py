@@ -3,7 +3,9 @@
 Legend: K pipeline length, D data-parallel width (replicas of every stage), tp tensor-parallel width
 (ranks of one node sharing every layer of a stage, Megatron column/row split), b micro-batch size,
 W a layer's weight bytes, G its gradient bytes, out its output bytes per sample. A phase with
-strategy (tp, fsdp, rc) uses K · D · tp GPUs.
+tensor-parallel width tp uses K · D · tp GPUs; tp is one per phase (it fixes the mesh and the rank layout),
+FSDP and recomputation are per stage: a ``Strategy`` is one stage's, and a phase's stages may differ
+(``stage.StageChoice`` picks each stage's; ``phase_label`` writes them).
 
 The stage model (``stage.py``) calls ``strategy_table`` to turn the profile's per-layer costs into the
 costs of one shard, and ``gather_bytes`` for FSDP's transient; everything else in it is unchanged,
@@ -48,6 +50,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -102,6 +105,25 @@ class Strategy:
     @property
     def is_default(self) -> bool:
         return self.tp == 1 and not self.fsdp and not self.recompute
+
+
+def phase_label(tp: int, fsdp: Sequence[bool], recompute: Sequence[bool]) -> str:
+    """A phase's strategy as text from its stages' FSDP and recomputation flags: one strategy for every stage
+    is its ``Strategy.label`` (``tp2·fsdp·rc``, ``dp``); stages that differ are listed in stage order, runs of
+    equal ones as ``×n``: ``tp2 · stages fsdp·rc | fsdp | dp×2``."""
+    labels = ["·".join((["fsdp"] if f else []) + (["rc"] if r else [])) or "dp" for f, r in zip(fsdp, recompute)]
+    if len(set(labels)) <= 1:
+        return Strategy(tp=tp, fsdp=bool(fsdp) and fsdp[0], recompute=bool(recompute) and recompute[0]).label
+    names: list[str] = []
+    counts: list[int] = []
+    for lb in labels:
+        if names and names[-1] == lb:
+            counts[-1] += 1
+        else:
+            names.append(lb)
+            counts.append(1)
+    body = " | ".join(lb if k == 1 else f"{lb}×{k}" for lb, k in zip(names, counts))
+    return " · ".join(([f"tp{tp}"] if tp > 1 else []) + [f"stages {body}"])
 
 
 def tp_allreduce_coeffs(cluster: Cluster, tp: int) -> tuple[float, float]:
@@ -164,6 +186,21 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     t.cum_sync = _cum(sync)
     t.cum_opt_s = _cum(t.optimizer_s)
     t.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(W)))
+    return t
+
+
+def min_table(a: CostTable, b: CostTable) -> CostTable:
+    """Per layer, the smaller of every time, byte and sync term of two cost tables of one profile (e.g. one
+    tp width with and without FSDP): any stage built from either table, layer by layer, costs at least this
+    one's sums, so ``search.PhaseSearch.lower_bound`` stays a lower bound for a candidate whose stages each
+    choose their strategy."""
+    t = copy.copy(a)
+    t._cache = {}
+    for name in ("_fwd", "_bwd", "_nog", "_bww", "param_bytes", "grad_bytes", "optimizer_s"):
+        setattr(t, name, np.minimum(getattr(a, name), getattr(b, name)))
+    t.cum_param, t.cum_grad, t.cum_opt_s = _cum(t.param_bytes), _cum(t.grad_bytes), _cum(t.optimizer_s)
+    t.cum_sync = _cum(np.minimum(np.diff(a.cum_sync), np.diff(b.cum_sync)))
+    t.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(t.param_bytes)))
     return t
 
 

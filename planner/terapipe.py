@@ -458,7 +458,7 @@ def require_slice_costs(profile) -> None:
 def sliceable(phase) -> bool:
     """Whether the executor can run the phase token-sliced: one stage per position, no tensor parallelism,
     FSDP, recomputation or 2BW (executor/sliced.py's loop runs plain layers, GPipe-ordered)."""
-    return phase.V == 1 and phase.tp == 1 and not phase.fsdp and not phase.recompute and phase.schedule != "2bw"
+    return phase.V == 1 and phase.tp == 1 and not phase.any_fsdp and not phase.any_recompute and phase.schedule != "2bw"
 
 
 def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max_events: int = 20_000):

@@ -188,11 +188,27 @@ def _strategy_words(ph: Phase) -> str:
     parts = []
     if ph.tp > 1:
         parts.append(f"tensor parallel over {ph.tp} ranks inside one node")
-    if ph.fsdp:
-        parts.append(f"FSDP (sharded over the D={ph.D} replicas)")
-    if ph.recompute:
-        parts.append("activation recomputation")
+    S = ph.K * ph.V
+    fs, rc = [s for s in range(S) if ph.fsdp_at(s)], [s for s in range(S) if ph.recompute_at(s)]
+    if fs:
+        on = "" if len(fs) == S else f" on stage{'s' if len(fs) > 1 else ''} {_ranges(fs)}"
+        parts.append(f"FSDP{on} (sharded over the D={ph.D} replicas)")
+    if rc:
+        on = "" if len(rc) == S else f" on stage{'s' if len(rc) > 1 else ''} {_ranges(rc)}"
+        parts.append(f"activation recomputation{on}")
     return ", ".join(parts) or "plain data parallel"
+
+
+def _position_strategy(ph: Phase, k: int) -> str:
+    """The FSDP/recomputation strategy of position k's stages in a phase whose stages differ ('' otherwise):
+    ' · fsdp·rc', or per chunk ' · chunks 0: rc, 4: dp'."""
+    if not ph.mixed:
+        return ""
+    chunks = [c for c, pos in enumerate(ph.stage_to_rank()) if pos == k]
+    labels = {ph.stage_label(c) for c in chunks}
+    if len(labels) == 1:
+        return f" · {labels.pop()}"
+    return " · chunks " + ", ".join(f"{c}: {ph.stage_label(c)}" for c in chunks)
 
 
 def _phase_title(i: int, ph: Phase) -> str:
@@ -488,7 +504,8 @@ def cluster_figure(plan: Plan) -> go.Figure:
         stage_words = []  # short: one per device of the grid, per phase
         for s in range(ph.K):
             prefix = f" + prefix 0–{ph.frozen_layers - 1}" if s == 0 and ph.frozen_layers else ""
-            stage_words.append(f"{_position_layers(ph, s)}{prefix} · peak {_bytes(mem[s])} ({mem[s] / cap:.0%})")
+            stage_words.append(f"{_position_layers(ph, s)}{prefix}{_position_strategy(ph, s)} · peak {_bytes(mem[s])} "
+                               f"({mem[s] / cap:.0%})")
         groups: dict[tuple[int, int], list[int]] = {}  # (tp group's first rank, grid row) -> its columns there
         for r in range(world):
             node, local = divmod(r, gpn)
@@ -514,7 +531,8 @@ def cluster_figure(plan: Plan) -> go.Figure:
         for s in stages:
             extra = " + frozen prefix" if s == 0 and ph.frozen_layers else ""
             tickvals.append(K - 1 - s)
-            ticktext.append(f"{'Stage' if ph.V == 1 else 'Position'} {s}: {_position_layers(ph, s)}{extra}")
+            ticktext.append(f"{'Stage' if ph.V == 1 else 'Position'} {s}: {_position_layers(ph, s)}{extra}"
+                            f"{_position_strategy(ph, s)}")
         how = ""
         if ph.frozen_layers:
             how = ("<br>stage 0 reads the frozen prefix from the AutoCache" if ph.cache

@@ -1,0 +1,286 @@
+"""Strategies per pipeline stage (issue 14): each stage of a phase chooses FSDP and recomputation on its own
+(``stage.StageChoice`` inside the exact split), checked against brute force over every split x every per-stage
+assignment; the search's bounds stay below the simulation; a memory-bound case picks a mixed phase strictly
+faster than the best uniform one, through ``ptplan plan`` (table, JSON, report) and ``ptplan run --dry-run``;
+the plan contract stores per-stage lists, loads old plans unchanged and names the field of a bad list."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import random
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ptplan.cli.main import cli
+from ptplan.planner.cluster import Cluster, get_preset
+from ptplan.planner.config import TrainingConfig
+from ptplan.planner.costs import CostTable
+from ptplan.planner.errors import InfeasibleError, PtplanError
+from ptplan.planner.jsonio import SchemaError
+from ptplan.planner.partition import split_stages
+from ptplan.planner.plan import load_plan, save_plan
+from ptplan.planner.profile import load_profile, save_profile
+from ptplan.planner.schedule import peak_inflight
+from ptplan.planner.search import Choice, PhaseSearch, Visit, exhaustive
+from ptplan.planner.stage import PhaseShape, StageChoice, StageModel, links_for
+from ptplan.planner.strategy import Strategy, tp_allreduce_coeffs
+from ptplan.planner.synthetic import synthetic_profile
+from tests.test_stage import random_profile
+
+OPTIONS = [(False, False), (False, True), (True, False), (True, True)]
+"""(fsdp, recompute) of the four strategies a stage chooses from, simplest first."""
+
+
+def _models(prof, cluster, *, K, M, b, D, n0, schedule="1f1b", tp=1, optimizer="adamw", options=OPTIONS):
+    out = []
+    for fs, rc in options:
+        shape = PhaseShape(K=K, M=M, b=b, D=D, frozen=n0, cache=False, inflight=peak_inflight(schedule, K, M),
+                           optimizer=optimizer, tp=tp, fsdp=fs, recompute=rc, tp_ar=tp_allreduce_coeffs(cluster, tp),
+                           device_is_host=cluster.device_is_host, action_overhead_s=cluster.action_overhead_s)
+        out.append(StageModel(CostTable(prof), shape, links_for(cluster, K)))
+    return out
+
+
+def _one(model, s, lo, hi):
+    t, m = model.evaluate(s, model.prepare(np.array([lo]), np.array([hi])))
+    return float(np.asarray(t).reshape(-1)[0]), float(np.asarray(m).reshape(-1)[0])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_per_stage_choice_is_the_best_over_every_split_and_every_assignment(seed):
+    """Brute force: every contiguous split into K stages x every assignment of the 4 strategies to its
+    stages, the least slowest stage among those whose every stage fits. ``split_stages`` over a
+    ``StageChoice`` gives the same bottleneck (or both find nothing that fits), and the choice it records
+    per stage fits and reaches it."""
+    rng = random.Random(700 + seed)
+    compared = infeasible = mixed = 0
+    for _ in range(10):
+        prof = random_profile(rng, rng.randint(2, 4))
+        cluster = rng.choice([get_preset("paper"), Cluster.uniform(nodes=2, gpus_per_node=4), get_preset("cpu:4")])
+        n0 = prof.frozen_boundary(rng.randint(0, 1))
+        n = prof.num_layers
+        K = rng.choice([k for k in (2, 4) if k <= n - n0])
+        M = rng.choice([K, 2 * K, 8])
+        models = _models(prof, cluster, K=K, M=M, b=rng.choice([1, 2, 4]), D=cluster.world_size // K, n0=n0,
+                         schedule=rng.choice(["1f1b", "gpipe"]), optimizer=rng.choice(["adamw", "sgd"]))
+        one = {}
+        for s, lo in itertools.product(range(K), range(n0, n)):
+            for hi in range(lo + 1, n + 1):
+                one[s, lo, hi] = [_one(m, s, lo, hi) for m in models]
+        # a limit between the least and the largest peak any assignment of any split needs, so it binds
+        peaks = sorted(max(min(x[1] for x in one[s, lo, hi]) for s, (lo, hi) in enumerate(zip(c[:-1], c[1:])))
+                       for c in ([n0, *cuts, n] for cuts in itertools.combinations(range(n0 + 1, n), K - 1)))
+        limit = rng.uniform(peaks[0] * 0.98, peaks[-1] * 1.3)
+        best = np.inf
+        for cuts in itertools.combinations(range(n0 + 1, n), K - 1):
+            c = [n0, *cuts, n]
+            stages = [one[s, lo, hi] for s, (lo, hi) in enumerate(zip(c[:-1], c[1:]))]
+            for pick in itertools.product(range(len(models)), repeat=K):  # every per-stage assignment
+                if all(st[i][1] <= limit * (1 + 1e-12) for st, i in zip(stages, pick)):
+                    best = min(best, max(st[i][0] for st, i in zip(stages, pick)))
+        fam = StageChoice(models, limit)
+        if not np.isfinite(best):
+            with pytest.raises(InfeasibleError):
+                split_stages(fam, K, limit)
+            infeasible += 1
+            continue
+        part = split_stages(fam, K, limit)
+        assert part.bottleneck == pytest.approx(best, rel=1e-12), (seed, K, limit)
+        picks = fam.choose(part.ranges)
+        for s, ((lo, hi), i) in enumerate(zip(part.ranges, picks)):
+            t, mem = one[s, lo, hi][i]
+            assert mem <= limit * (1 + 1e-12) and t <= best * (1 + 1e-12)
+            # the fastest that fits, the simplest on a tie
+            assert all(one[s, lo, hi][j][1] > limit * (1 + 1e-12) or one[s, lo, hi][j][0] > t
+                       or (one[s, lo, hi][j][0] == t and j >= i) for j in range(len(models)))
+        costs, mem = fam.stage_costs(part.ranges), fam.stage_memory(part.ranges)
+        for s, i in enumerate(picks):  # per stage, exactly what the chosen model alone gives
+            assert costs[s] == models[i].stage_costs(part.ranges)[s]
+            assert mem[s] == models[i].stage_memory(part.ranges)[s]
+        assert fam.stage_strategies(part.ranges) == tuple(models[i].strategy for i in picks)
+        mixed += len(set(picks)) > 1
+        compared += 1
+    assert compared >= 5 and infeasible + compared == 10
+    print(f"seed {seed}: {compared} compared ({mixed} with mixed stages), {infeasible} infeasible")
+
+
+def _squeezed(rng: random.Random):
+    """A random small case on 4 toy devices whose memory makes some stages need recomputation or FSDP."""
+    prof = random_profile(rng, rng.randint(3, 5))
+    mem = rng.choice([2, 3, 4, 6, 8, 12]) << 20
+    cluster = Cluster(name="small", nodes=1, gpus_per_node=4, gpu_memory_bytes=mem, gpu_name="toy",
+                      intra_bandwidth=1e9, intra_latency_s=1e-5, inter_bandwidth=1e9, inter_latency_s=1e-5,
+                      host_memory_bytes=64 << 30)
+    cfg = TrainingConfig(epochs=2, samples_per_epoch=128, batch=rng.choice([16, 32]),
+                         schedule=rng.choice(["1f1b", "gpipe", "auto"]), optimizer=rng.choice(["adamw", "sgd"]),
+                         cache=rng.choice(["off", "auto"]), allow_extrapolation=True)
+    return prof, cluster, cfg
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_with_per_stage_choices_picks_what_exhaustive_simulation_picks_and_bounds_hold(seed):
+    """Squeezed memory, so that stages choose differently: every bound of a per-stage candidate stays below
+    its simulation, and the bounded search picks what splitting and simulating every candidate picks."""
+    rng = random.Random(900 + seed)
+    checked = compared = mixed = 0
+    for _ in range(8):
+        prof, cluster, cfg = _squeezed(rng)
+        s = PhaseSearch(prof, cluster, cfg, strategies="auto")
+        f = rng.randint(0, prof.num_blocks - 1)
+        n0 = prof.frozen_boundary(f)
+        visit = Visit(samples=float(cfg.samples_per_epoch), fill_from=0)
+        for c in s.candidates(f, n0)[0]:
+            if not c.per_stage:
+                continue
+            got = s.evaluate(c, n0, visit)
+            if not isinstance(got, Choice):
+                continue
+            sim = got.sim.iteration_s
+            assert s.lower_bound(c, n0) <= sim * (1 + 1e-9), c
+            assert s.split_bound(c, got.costs) <= sim * (1 + 1e-9), c
+            assert s.objective_bound(c, n0, visit) <= got.objective * (1 + 1e-9), c
+            assert len(got.strategies) == c.S and all(st in c.options for st in got.strategies)
+            mixed += len(set(got.strategies)) > 1
+            checked += 1
+        ref = exhaustive(PhaseSearch(prof, cluster, cfg, strategies="auto"), f, visit)
+        if ref is None:
+            with pytest.raises(InfeasibleError):
+                PhaseSearch(prof, cluster, cfg, strategies="auto").search(f, visit)
+            continue
+        got = PhaseSearch(prof, cluster, cfg, strategies="auto").search(f, visit)
+        assert (got.cand, got.ranges, got.strategies) == (ref.cand, ref.ranges, ref.strategies), (seed, f)
+        compared += 1
+    print(f"seed {seed}: {checked} per-stage candidates checked ({mixed} mixed), {compared} searches compared")
+    assert checked >= 20 and mixed >= 1 and compared >= 3
+
+
+def _toy(mem_mib: int) -> Cluster:
+    return Cluster(name="toy4", nodes=1, gpus_per_node=4, gpu_memory_bytes=mem_mib << 20, gpu_name="toy",
+                   intra_bandwidth=50e9, intra_latency_s=1e-5, inter_bandwidth=50e9, inter_latency_s=1e-5,
+                   host_memory_bytes=64 << 30)
+
+
+def _uniform_only(s: PhaseSearch) -> PhaseSearch:
+    s.modes = tuple(m for m in s.modes if 2 not in m[1:])
+    return s
+
+
+def test_memory_bound_case_picks_a_mixed_phase_strictly_faster_than_every_uniform_one():
+    """An activation-heavy model (hidden 512, 1,024 tokens) on 4 devices of 800 MiB: in 1F1B stage 0 of
+    K=2 keeps 2 micro-batches in flight and needs recomputation, the last stage does not. The per-stage
+    search gives stage 0 more layers with recomputation and the last stage none (rc | dp); the best
+    uniform phase recomputes everywhere."""
+    prof = synthetic_profile(num_blocks=8, hidden=512, seq_len=1024, vocab=1024, batch_sizes=(1, 2, 4, 8))
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=256, batch=32)
+    got = PhaseSearch(prof, _toy(800), cfg, strategies="auto").search(0, Visit(samples=256.0))
+    uni = _uniform_only(PhaseSearch(prof, _toy(800), cfg, strategies="auto")).search(0, Visit(samples=256.0))
+    labels = [st.label for st in got.strategies]
+    assert labels == ["rc", "dp"] and got.cand.K == 2, (labels, got.cand)
+    assert all(len(set(u.strategies)) == 1 for u in [uni])
+    assert uni.cand.recompute  # the uniform one must recompute on every stage to fit
+    assert got.objective < uni.objective / 1.1, (got.objective, uni.objective)  # measured 1.17x
+    peak = max(m.total for m in got.memory)
+    assert peak <= 800 * 2**20 * cfg.memory_fraction
+    # K pinned to 4: only stage 0 (4 micro-batches in flight) recomputes, at 900 MiB
+    cfg4 = dataclasses.replace(cfg, pin_K=4)
+    got4 = PhaseSearch(prof, _toy(900), cfg4, strategies="auto").search(0, Visit(samples=256.0))
+    uni4 = _uniform_only(PhaseSearch(prof, _toy(900), cfg4, strategies="auto")).search(0, Visit(samples=256.0))
+    assert [st.label for st in got4.strategies] == ["rc", "dp", "dp", "dp"]
+    assert got4.objective < uni4.objective
+
+
+def test_strategies_off_has_no_per_stage_candidates_and_auto_adds_them():
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=256, batch=32)
+    off = PhaseSearch(prof, _toy(800), cfg)
+    auto = PhaseSearch(prof, _toy(800), cfg, strategies="auto")
+    assert off.modes == ((1, 0, 0),) and all(not c.per_stage for c in off.candidates(0, 0)[0])
+    cands = auto.candidates(0, 0)[0]
+    assert {(c.fsdp_per_stage, c.recompute_per_stage) for c in cands} == {(False, False), (True, False),
+                                                                          (False, True), (True, True)}
+    assert not any((c.fsdp or c.fsdp_per_stage) and c.D == 1 for c in cands)  # nothing to shard over
+    c = next(c for c in cands if c.fsdp_per_stage and c.recompute_per_stage)
+    assert c.options == tuple(Strategy(tp=c.tp, fsdp=f, recompute=r) for f, r in OPTIONS)
+
+
+# ---- the CLI and the plan contract ------------------------------------------------------------------
+SMALL = ["--batch", "64", "-K", "2", "--samples-per-epoch", "256", "--epochs", "2", "--cache", "off"]
+
+
+@pytest.fixture(scope="module")
+def bert_small(tmp_path_factory):
+    """The shipped bert-tiny CPU profile planned for 4 processes of 8 MiB each, K pinned to 2."""
+    d = tmp_path_factory.mktemp("per_stage")
+    cl = dataclasses.replace(get_preset("cpu:4"), name="cpu4-8MiB", gpu_memory_bytes=8 << 20)
+    (d / "cluster.json").write_text(json.dumps(cl.to_json()))
+    prof = "profiles/bert-tiny_cpu_fp32.json"
+    res = CliRunner().invoke(cli, ["plan", prof, "--cluster", str(d / "cluster.json"), *SMALL, "--strategies", "auto",
+                                   "--out", str(d / "auto.json"), "--report", str(d / "auto.html")])
+    return d, res
+
+
+def test_plan_prints_and_stores_per_stage_strategies_and_run_accepts_them(bert_small):
+    d, res = bert_small
+    assert res.exit_code == 0, res.output
+    plan = load_plan(d / "auto.json")
+    ph = plan.phases[0]
+    assert ph.K == 2 and ph.mixed and ph.stage_recompute == (True, False) and not ph.any_fsdp, ph.strategy_label
+    assert ph.strategy_label == "stages rc | dp"
+    raw = json.loads((d / "auto.json").read_text())["phases"][0]
+    assert raw["recompute"] == [True, False] and raw["fsdp"] is False  # per-stage list only where stages differ
+    assert "stages rc | dp" in res.output  # the table's strategy column
+    html = (d / "auto.html").read_text()
+    assert "stages rc | dp" in html and "activation recomputation on stage 0" in html
+    # the same plan checked by `ptplan run` before launch (workers, model, strategies)
+    r = CliRunner().invoke(cli, ["run", str(d / "auto.json"), "--model", "bert-tiny", "--nproc-per-node", "4",
+                                 "--dry-run"])
+    assert r.exit_code == 0, r.output
+
+
+def test_per_stage_lists_round_trip_old_plans_load_and_bad_lists_name_the_field(bert_small, tmp_path):
+    d, _ = bert_small
+    plan = load_plan(d / "auto.json")
+    save_plan(plan, tmp_path / "again.json")
+    assert load_plan(tmp_path / "again.json").phases == plan.phases
+    raw = json.loads((d / "auto.json").read_text())
+
+    def bad(edit, match):
+        obj = json.loads(json.dumps(raw))
+        edit(obj["phases"][0])
+        (tmp_path / "bad.json").write_text(json.dumps(obj))
+        with pytest.raises(SchemaError, match=match):
+            load_plan(tmp_path / "bad.json")
+        r = CliRunner().invoke(cli, ["show", str(tmp_path / "bad.json"), "--out", str(tmp_path / "bad.html")])
+        assert r.exit_code == 2 and "phases[0]" in r.output, r.output
+
+    bad(lambda ph: ph.update(recompute=[True]), r"phases\[0\]\.recompute'.*1 entries for K\*V=2 stages")
+    bad(lambda ph: ph.update(recompute=[True, 1]), r"phases\[0\]\.recompute\[1\]'.*true/false")
+    bad(lambda ph: ph.update(fsdp="yes"), r"phases\[0\]\.fsdp'.*true/false or a list")
+    bad(lambda ph: ph.update(fsdp=[True, False], D=1, ranks=[[0, 1]]), r"phases\[0\]\.(fsdp|ranks)")
+    # an old plan (one bool per phase) loads unchanged; an all-equal list is the same as its one value
+    obj = json.loads(json.dumps(raw))
+    obj["phases"][0]["recompute"] = True
+    (tmp_path / "old.json").write_text(json.dumps(obj))
+    assert load_plan(tmp_path / "old.json").phases[0].recompute is True
+    obj["phases"][0]["recompute"] = [False, False]
+    (tmp_path / "eq.json").write_text(json.dumps(obj))
+    ph = load_plan(tmp_path / "eq.json").phases[0]
+    assert ph.recompute is False and not ph.mixed and ph.strategy_label == "dp"
+
+
+def test_phase_accessors_and_labels(bert_small):
+    plan = load_plan(bert_small[0] / "auto.json")
+    ph = dataclasses.replace(plan.phases[0], K=4, D=1, V=1, tp=2, fsdp=(True, True, False, False),
+                             recompute=(True, False, False, False))
+    assert ph.fsdp_at(0) and not ph.fsdp_at(3) and ph.recompute_at(0) and not ph.recompute_at(1)
+    assert ph.any_fsdp and ph.any_recompute and ph.mixed
+    assert ph.stage_label(0) == "fsdp·rc" and ph.stage_label(2) == "dp"
+    assert ph.strategy_label == "tp2 · stages fsdp·rc | fsdp | dp×2"
+    uniform = dataclasses.replace(ph, fsdp=(False,) * 4, recompute=(True,) * 4)
+    assert uniform.fsdp is False and uniform.recompute is True and uniform.strategy_label == "tp2·rc"
+    with pytest.raises(PtplanError, match="one per stage"):
+        dataclasses.replace(ph, fsdp=(True, False))
+
