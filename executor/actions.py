@@ -78,7 +78,7 @@ def sliced_schedule(phase: Phase, index: int | None = None) -> Schedule:
     from .sliced import check_slice_order
 
     where = _where(index, phase)
-    if phase.V != 1 or phase.tp != 1 or phase.fsdp or phase.recompute or phase.schedule == "2bw":
+    if phase.V != 1 or phase.tp != 1 or phase.any_fsdp or phase.any_recompute or phase.schedule == "2bw":
         raise PtplanError(f"{where}: token slices run one stage per position with plain layers, but the phase has "
                           f"V={phase.V}, {phase.strategy_label}, schedule {phase.schedule!r}; re-run `ptplan plan "
                           f"--token-slices auto` (it slices only such phases) or plan with --token-slices off")

@@ -7,7 +7,8 @@ holding the chunks ``chunks_of(phase, k)`` (with V = 1, position k holds stage k
 index j form tp pipelines of their own (pipeline groups and data-parallel groups per j), and the
 stage's tp ranks split each layer between them. Every rank creates every group of a phase in the same
 order (all pipeline groups, then all data-parallel groups, then all tensor-parallel groups); groups of
-size 1 are never created. Pipeline groups keep the position order (``sort_ranks=False``), so a rank's
+size 1 are never created. A position with an FSDP stage (``Phase.fsdp_at``: a phase's stages may differ) gets
+a data-parallel group that backs a DeviceMesh (``_mesh_group``); the others a plain one. Pipeline groups keep the position order (``sort_ranks=False``), so a rank's
 group rank is its position.
 """
 from __future__ import annotations
@@ -61,6 +62,19 @@ def tp_members(phase: Phase) -> list[list[int]]:
     return [[r + j for j in range(phase.tp)] for row in phase.ranks for r in row]
 
 
+def fsdp_chunks(phase: Phase, position: int) -> tuple[int, ...]:
+    """The chunks of pipeline position ``position`` that FSDP shards over their data-parallel group
+    (``Phase.fsdp_at``; none when D = 1: there is nothing to shard over)."""
+    if phase.D == 1:
+        return ()
+    return tuple(c for c in chunks_of(phase, position) if phase.fsdp_at(c))
+
+
+def fsdp_positions(phase: Phase) -> set[int]:
+    """The pipeline positions with at least one FSDP chunk (their data-parallel groups back a DeviceMesh)."""
+    return {k for k in range(phase.K) if fsdp_chunks(phase, k)}
+
+
 def dp_ranks_of(phase: Phase, place: Place) -> list[int]:
     """The data-parallel group of the rank at ``place``."""
     return [phase.ranks[p][place.stage] + place.tp for p in range(phase.D)]
@@ -101,8 +115,9 @@ def build_groups(phase: Phase, rank: int, *, timeout: timedelta | None = None,
                 pp_group = g
                 created.append(g)
     if phase.D > 1:
-        for members in dp_members(phase):
-            if phase.fsdp:
+        fsdp = fsdp_positions(phase)
+        for idx, members in enumerate(dp_members(phase)):  # position-major: position idx // tp
+            if idx // phase.tp in fsdp:
                 g = _mesh_group(sorted(members), timeout=timeout, backend=backend)
             else:
                 g = dist.new_group(sorted(members), timeout=timeout, backend=backend)

@@ -54,12 +54,17 @@ class ShardedStage:
 
     def __init__(self, layers: nn.ModuleList, layer_params: list[list[nn.Parameter]], owned: list[int],
                  opt: torch.optim.Optimizer, *, dp: tuple | None, tp: tuple | None, device: torch.device,
-                 release: Callable[[int], None], place: Callable[[int], None]) -> None:
+                 release: Callable[[int], None], place: Callable[[int], None],
+                 fsdp_layers: set[int] | None = None) -> None:
         assert dp is not None or tp is not None
         self.layers, self.layer_params, self.owned, self.opt = layers, layer_params, owned, opt
         self.dp, self.tp, self.device = dp, tp, device
-        self.fsdp = dp is not None
-        """Whether FSDP reduce-scatters the gradients (then the runtime's flat all-reduce is skipped)."""
+        self.fsdp_layers: set[int] = set() if dp is None else set(owned) if fsdp_layers is None else set(fsdp_layers)
+        """The owned layers FSDP shards over ``dp`` (all of them unless ``fsdp_layers`` names some: a phase whose
+        stages differ shards only its FSDP stages' layers); FSDP reduce-scatters their gradients in the backward,
+        so the runtime's flat all-reduce leaves them out."""
+        self.fsdp = bool(self.fsdp_layers)
+        """Whether FSDP shards any layer here."""
         self._release, self._place = release, place
         self.copies: dict[int, nn.Module] = {}
         """Layer index -> its sharded copy (while entered)."""
@@ -96,15 +101,16 @@ class ShardedStage:
         slots, keys = self._slots(), state_keys(self.opt)
         for i in self.owned:
             split = tp_mesh is not None and tp_plan(self.layers[i], tp_mesh.size()) is not None
-            if not split and dp_mesh is None:
-                continue  # replicated: every tp rank runs the canonical layer whole
+            shard = dp_mesh is not None and i in self.fsdp_layers
+            if not split and not shard:
+                continue  # replicated (every tp rank runs the canonical layer whole), or a plain-DP stage's layer
             full_state = {id(p): ensure_state(self.opt, p) for p in self.layers[i].parameters()}
             twin = copy.deepcopy(self.layers[i])
             maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
             if split:
                 maps = _gpt2_twin(twin, tp_mesh.size())
                 _parallelize(twin, tp_mesh)
-            if dp_mesh is not None:
+            if shard:
                 fully_shard(twin, mesh=dp_mesh)
             by_name = dict(twin.named_parameters())
             for name, p in self.layers[i].named_parameters():

@@ -11,14 +11,16 @@ over all parameters stays valid (``optim``: it keeps state only for this rank's 
 phase gives each rank one stage, or V chunks at one pipeline position (``stage``), run by the plan's
 action lists (``actions``) on torch.distributed.pipelining's custom-schedule runtime; their
 gradients are averaged over the position's data-parallel group by one flat all-reduce after the
-schedule's step (never DDP around a stage). A phase with ``Phase.fsdp`` (D > 1) instead trains FSDP2-sharded
-copies of the stage's active layers over that group (``hybrid.ShardedStage``: gradients reduce-scattered in
-the backward, the optimizer stepping the shards); it is left -- full weights and optimizer state gathered
-back into the canonical layers -- before a switch, a gather, a cache change and at the end, so everything
-below moves plain full tensors. A phase with ``Phase.tp`` > 1 does the same with tensor-parallel copies
-over the stage's tp group (ranks ``ranks[p][s] + j``, ``groups``), the flat all-reduce then running on each
-rank's local shards. A phase with ``Phase.recompute`` runs each stage's active layers under
-``torch.utils.checkpoint`` (``stage.StageModule``).
+schedule's step (never DDP around a stage). A stage with FSDP (``Phase.fsdp_at``, D > 1) instead trains
+FSDP2-sharded copies of its active layers over that group (``hybrid.ShardedStage``: gradients reduce-scattered
+in the backward, the optimizer stepping the shards), and the flat all-reduce leaves those layers out; it is
+left -- full weights and optimizer state gathered back into the canonical layers -- before a switch, a gather,
+a cache change and at the end, so everything below moves plain full tensors. A phase with ``Phase.tp`` > 1
+does the same with tensor-parallel copies over the stage's tp group (ranks ``ranks[p][s] + j``, ``groups``),
+the flat all-reduce then running on each rank's local shards. A stage with recomputation
+(``Phase.recompute_at``) runs its active layers under ``torch.utils.checkpoint`` (``stage.StageModule``).
+FSDP and recomputation are per stage (chunk): a phase's stages may differ (``ptplan plan --strategies auto``
+chooses per stage), so one position may shard and recompute while the next runs plain data parallel.
 Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
 frees what it only sent, destroys the old groups and creates the new ones in the same order on
@@ -55,7 +57,7 @@ from ptplan.planner.plan import Phase, Plan
 
 from .actions import phase_schedule
 from .cache import ActivationCache, prefix_forward
-from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups, dp_ranks_of, tp_ranks_of
+from .groups import PhaseGroups, build_groups, chunks_of, destroy_groups, dp_ranks_of, fsdp_chunks, tp_ranks_of
 from .hybrid import ShardedStage, local, tp_split
 from .optim import drop_state, ensure_state, state_keys
 from .stage import LayerStore, build_schedule, set_trainable, stage_module
@@ -114,8 +116,9 @@ class ElasticRuntime:
         self._norms: list[float] | None = None
         """2BW, while a step asked for gradient norms: per block, the squared norms of its updates so far."""
         self.sharded: ShardedStage | None = None
-        """In a phase with FSDP (``Phase.fsdp``, D > 1): this rank's active layers sharded over its
-        data-parallel group (``hybrid``); None otherwise, and between leaving and re-entering a phase."""
+        """While this rank's stage has FSDP (``Phase.fsdp_at``, D > 1) or tp > 1: its active layers sharded over
+        its data-parallel group and/or split over its tp group (``hybrid``); None otherwise, and between leaving
+        and re-entering a phase."""
         self.memory_hook: Callable[[str, Tensor], None] | None = None
         """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
         (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
@@ -212,8 +215,12 @@ class ElasticRuntime:
             self.sharded.leave()
             self.sharded = None
 
+    def _fsdp_chunks(self, ph: Phase) -> tuple[int, ...]:
+        """This rank's chunks that FSDP shards in ``ph`` (``Phase.fsdp_at``: a phase's stages may differ)."""
+        return fsdp_chunks(ph, self.groups.place.stage)
+
     def _wants_shards(self, ph: Phase | None) -> bool:
-        return ph is not None and (ph.tp > 1 or ph.fsdp and ph.D > 1)
+        return ph is not None and (ph.tp > 1 or bool(self._fsdp_chunks(ph)))
 
     def _build_stage(self, ph: Phase, index: int, *, shard: bool = True) -> None:
         """This rank's chunks and schedule for ``ph``; with ``shard`` (and a phase with tp or FSDP) on
@@ -221,15 +228,19 @@ class ElasticRuntime:
         twins = None
         if self._wants_shards(ph) and shard:
             place = self.groups.place
-            dp = (self.groups.dp_group, dp_ranks_of(ph, place)) if ph.fsdp and ph.D > 1 else None
+            fs = self._fsdp_chunks(ph)
+            dp = (self.groups.dp_group, dp_ranks_of(ph, place)) if fs else None
             tp = (self.groups.tp_group, tp_ranks_of(ph, place)) if ph.tp > 1 else None
             self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, dp=dp, tp=tp,
                                         device=self.device, release=self.store.release,
-                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False))
+                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False),
+                                        fsdp_layers={i for c in fs for i in range(*ph.partition[c])})
             self.sharded.enter()
             twins = self.sharded.copies
         self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
                        for c in chunks_of(ph, self.groups.place.stage)}
+        for c, mod in self.chunks.items():  # recomputation per stage (a phase's stages may differ)
+            mod.recompute = ph.recompute_at(c)
         mods = list(self.chunks.values())
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
         if ph.slices:  # token slices (TeraPipe): executor/sliced.py's own loop over the canonical layers
@@ -302,26 +313,35 @@ class ElasticRuntime:
         """Layer i's parameters as they train now (FSDP: the sharded ones)."""
         return self.layer_params[i] if self.sharded is None else self.sharded.params(i)
 
-    def _grad_sq(self, g: Tensor) -> Tensor:
-        """This rank's share of the squared norm of gradient ``g`` in a whole-model norm summed over the
-        world: each stage counted once -- on pipeline 0, or with FSDP on every replica (each its shard);
-        a tensor-parallel shard on every tp rank, a replicated tensor on tp index 0 only."""
-        place, ph = self.groups.place, self.phase
+    def _fsdp_layer(self, i: int) -> bool:
+        """Whether layer i trains FSDP-sharded now (its gradient reduce-scattered, a shard per replica)."""
+        return self.sharded is not None and i in self.sharded.fsdp_layers
+
+    def _grad_sq(self, g: Tensor, i: int) -> Tensor:
+        """This rank's share of the squared norm of layer i's gradient ``g`` in a whole-model norm summed over
+        the world: each stage counted once -- on pipeline 0, or for an FSDP layer on every replica (each its
+        shard); a tensor-parallel shard on every tp rank, a replicated tensor on tp index 0 only."""
+        place = self.groups.place
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        if not (place.pipeline == 0 or (ph.fsdp and ph.D > 1)):
+        if not (place.pipeline == 0 or self._fsdp_layer(i)):
             return zero
         if place.tp != 0 and not tp_split(g):
             return zero
         return local(g).double().pow(2).sum()
 
-    def _owned_grads(self) -> list[Tensor]:
-        return [p.grad for i in self.owned for p in self._live_params(i) if p.grad is not None]
+    def _owned_grads(self) -> list[tuple[int, Tensor]]:
+        """(layer, gradient) of every owned layer's parameters that have one."""
+        return [(i, p.grad) for i in self.owned for p in self._live_params(i) if p.grad is not None]
 
     def _allreduce_grads(self) -> None:
+        """Average the gradients over the data-parallel group with one flat all-reduce (per dtype), leaving
+        out the FSDP layers' (reduce-scattered in the backward). Every rank of the group holds the same
+        chunks, so all of them leave out the same layers."""
         ph = self.phase
         if ph.D == 1:
             return
-        grads = [local(g) for g in self._owned_grads()]  # tensor parallel: each rank its shards
+        # tensor parallel: each rank its shards
+        grads = [local(g) for i, g in self._owned_grads() if not self._fsdp_layer(i)]
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -344,14 +364,14 @@ class ElasticRuntime:
         assert self.clip_grad_norm is not None
         grads = self._owned_grads()
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for g in grads:
-            sq += self._grad_sq(g)
+        for i, g in grads:
+            sq += self._grad_sq(g, i)
         dist.all_reduce(sq)
         norm = math.sqrt(float(sq.item()))
         self.last_grad_norm = norm
         coef = self.clip_grad_norm / (norm + 1e-6)
         if coef < 1.0:
-            for g in grads:
+            for _, g in grads:
                 g.mul_(coef)
 
     def _caches(self, ph: Phase) -> bool:
@@ -388,8 +408,7 @@ class ElasticRuntime:
         else:
             self.schedule.step(*args, return_outputs=False, **ends, **kw)
         t0 = time.perf_counter()
-        if self.sharded is None or not self.sharded.fsdp:  # FSDP reduce-scattered them in the backward
-            self._allreduce_grads()
+        self._allreduce_grads()  # all but the FSDP layers' (reduce-scattered in the backward)
         self.last_allreduce_s = time.perf_counter() - t0
         if self.clip_grad_norm is not None:
             self._clip()
@@ -405,7 +424,7 @@ class ElasticRuntime:
                     continue
                 for p in self._live_params(i):
                     if p.grad is not None:
-                        vec[1 + b] += self._grad_sq(p.grad)
+                        vec[1 + b] += self._grad_sq(p.grad, i)
         dist.all_reduce(vec)
         vec = vec.cpu()
         return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]

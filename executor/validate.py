@@ -51,9 +51,10 @@ def batch_policy_of(plan: Plan) -> str:
 def check_strategies(plan: Plan) -> None:
     """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
 
-    Runs: recomputation (``Phase.recompute``) with every schedule (2BW's loop checkpoints each
-    micro-batch's ``functional_call`` on its weight version); FSDP (``Phase.fsdp``) with GPipe, 1F1B and
-    interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor parallelism (``Phase.tp``), alone or
+    Runs: recomputation (``Phase.recompute``, on every stage or per stage) with every schedule (2BW's loop
+    checkpoints each micro-batch's ``functional_call`` on its weight version); FSDP (``Phase.fsdp``, on every
+    stage or per stage) with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor
+    parallelism (``Phase.tp``), alone or
     with FSDP on a 2-D mesh, with or without the AutoCache, for the families ``hybrid.tp_families`` names.
     Not with 2BW: FSDP's and DTensor's hooks are not wired into its own loop."""
     from .hybrid import tp_families
@@ -65,11 +66,11 @@ def check_strategies(plan: Plan) -> None:
         if ph.tp > 1 and family not in tp_families():
             raise PtplanError(f"{what}: the executor splits {', '.join(tp_families())} layers for tensor parallelism "
                               f"but this plan's model is a {family}; {fix}")
-        if ph.fsdp and ph.D > 1 and ph.schedule in ("zb-h1", "zb-v"):
+        if ph.any_fsdp and ph.D > 1 and ph.schedule in ("zb-h1", "zb-v"):
             raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
                               f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "
                               f"1f1b, gpipe or interleaved-1f1b, or with `ptplan plan --strategies off`")
-        if ph.schedule == "2bw" and (ph.tp > 1 or ph.fsdp):
+        if ph.schedule == "2bw" and (ph.tp > 1 or ph.any_fsdp):
             raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
                               f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "
                               f"`ptplan plan --strategies off`")
