@@ -379,6 +379,12 @@ class ActivationCache:
         self._stats.notes.extend(notes)
         self._checked.add(frozen_layers)
 
+    def mark_checked(self, counts: list[int], notes: list[str]) -> None:
+        """Count ``counts`` as checked (``ensure_cacheable`` skips them): the run checked them across its
+        processes (``cache_run``), ``notes`` what the check accepted."""
+        self._checked.update(counts)
+        self._stats.notes.extend(notes)
+
     def check_dataset(self, dataset: Any) -> None:
         """Refuse a data set that declares or shows random augmentation (see ``cache_guard``)."""
         self._stats.notes.extend(check_dataset(dataset, allow_nondeterministic=self.allow_nondeterministic))

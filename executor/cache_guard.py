@@ -127,6 +127,57 @@ def check_repeatable(model: nn.Module, frozen_layers: int, inputs: Tensor, atten
     return _refuse_or_note([msg], allow_nondeterministic)
 
 
+def check_repeatable_layers(model: nn.Module, counts: list[int], inputs: Tensor, attention_mask: Tensor | None,
+                            runner: list[int], rank: int, *, allow_nondeterministic: bool) -> list[str]:
+    """``check_repeatable`` for a model whose layers live on several processes: the prefix
+    ``layers[:max(counts)]`` runs once on the first sample, layer by layer, each layer on rank
+    ``runner[i]`` (one that holds it), which runs it twice on the same input and compares bitwise; the
+    hidden state goes from rank to rank (point-to-point on the default group; collective over the ranks
+    in ``runner``, every rank may call it). Equivalent to running the prefix twice: two runs first differ
+    at a layer given the same input. Refuses (on the rank that found it) the smallest count above the
+    first layer that differs, naming it; returns the reasons under ``allow_nondeterministic``."""
+    import torch.distributed as dist
+
+    top = max(counts, default=0)
+    segments: list[tuple[int, int, int]] = []  # (rank, lo, hi): consecutive layers on one rank
+    for i in range(top):
+        if segments and segments[-1][0] == runner[i]:
+            segments[-1] = (runner[i], segments[-1][1], i + 1)
+        else:
+            segments.append((runner[i], i, i + 1))
+    x = inputs[:1]
+    m = None if attention_mask is None else attention_mask[:1]
+    shape = (1, int(model.seq_len), int(model.config.hidden_size))
+    dtype = next(model.parameters()).dtype
+    bad: tuple[int, float] | None = None
+    for k, (r, lo, hi) in enumerate(segments):
+        if r != rank:
+            continue
+        if lo == 0:
+            h = x
+        else:
+            h = torch.empty(shape, dtype=dtype, device=x.device)
+            dist.recv(h, src=segments[k - 1][0])
+        with torch.no_grad(), eval_mode(model.layers[lo:hi]):
+            for i in range(lo, hi):
+                a = model.run_layers(h, i, i + 1, m)
+                b = model.run_layers(h, i, i + 1, m)
+                if bad is None and not torch.equal(a, b):
+                    bad = (i, (a.float() - b.float()).abs().max().item())
+                h = a
+        if k + 1 < len(segments):
+            dist.send(h.contiguous(), dst=segments[k + 1][0])
+    if bad is None:
+        return []
+    j, diff = bad
+    f = min(c for c in counts if c > j)
+    msg = (f"cannot cache the frozen prefix (layers [0, {f})): two eval-mode runs on the same sample differ "
+           f"(max |diff| {diff:.3g}) from {_layer_name(model, j)} on, so something in it is random even in eval "
+           f"mode (F.dropout(training=True), a noise layer, nondeterministic kernels). Fix: make the prefix "
+           f"deterministic (e.g. torch.use_deterministic_algorithms(True)), or pass allow_nondeterministic=True")
+    return _refuse_or_note([msg], allow_nondeterministic)
+
+
 class eval_mode:
     """Context manager: put modules in eval mode, restoring every submodule's own flag after."""
 

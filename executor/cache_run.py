@@ -13,10 +13,11 @@ Setup: each node's creator makes the cache (``<cache_dir>/ptplan-<job>-node<n>``
 launcher tag, see ``launch``; RAM budget
 below), the others attach after a barrier; then every rank checks the data set (no random
 augmentation) and, for every frozen count a phase caches, that the prefix gives the same output
-twice in eval mode, as the runtime runs it. Setup runs before the runtime's first phase switch,
-while every rank still holds the whole model as built (afterwards only stage-0 ranks hold the
-prefix); on a GPU the check streams the host-memory layers through the device one at a time, as
-the fill does (``LayeredModel.run_layers``). A problem on any rank raises the same PtplanError on
+twice in eval mode, as the runtime runs it. Setup runs before the runtime's first phase switch, on
+the layers as built: each rank built only its stage of the first phase, so the prefix runs layer by
+layer on the ranks that hold it, its hidden state sent from one to the next, each layer run twice on
+the same input (``cache_guard.check_repeatable_layers``); on a GPU the check streams the host-memory
+layers through the device one at a time, as the fill does (``LayeredModel.run_layers``). A problem on any rank raises the same PtplanError on
 every rank before the first step, unless ``cache_allow_nondeterministic`` (then it is a note in the
 ``cache_setup`` record). Dropout in the model is no reason to refuse: ptplan runs the frozen prefix
 in eval mode whether it caches it or not, so a cached row is exactly what recomputation gives.
@@ -32,7 +33,7 @@ import math
 import os
 import re
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
 
 from .cache import DEFAULT_SLAB_BYTES, MAX_SHARD_ROWS, ActivationCache, prefix_sample_shape
-from .cache_guard import eval_mode
+from .cache_guard import check_prefix_modules, check_repeatable_layers, eval_mode
 from .cache_store import SlabInfo, dtype_name
 from .config import RunConfig
 from .data import Dataset
@@ -153,19 +154,31 @@ class RunCache:
 
 
 def _check_deterministic(cache: ActivationCache, model: nn.Module, dataset: Dataset, counts: list[int],
-                         device: torch.device) -> None:
-    """The data set, then the prefix at each cached count on sample 0, in eval mode as the runtime runs it."""
+                         device: torch.device, copies: Sequence[frozenset[int]]) -> None:
+    """The data set, then the prefix at each cached count on sample 0, in eval mode as the runtime runs it:
+    each prefix layer on the lowest rank that holds it as built (``copies``), the hidden state passed on
+    (``cache_guard.check_repeatable_layers``), so no rank needs another's layers. Every rank's cache then
+    counts those counts as checked."""
     cache.check_dataset(dataset)
     x, _, mask = dataset.batch(torch.tensor([0]))
     x, mask = x.to(device), None if mask is None else mask.to(device)
-    with eval_mode(model.layers[:counts[-1]]):
-        for f in counts:
-            cache.ensure_cacheable(model, f, x, mask)
+    top = counts[-1]
+    lacking = [i for i in range(top) if not copies[i]]
+    if lacking:
+        raise PtplanError(f"layers {lacking} of the frozen prefix were built by no rank")
+    a = cache.allow_nondeterministic
+    with eval_mode(model.layers[:top]):
+        notes = [n for f in counts for n in check_prefix_modules(model, f, allow_nondeterministic=a)]
+        notes += check_repeatable_layers(model, counts, x, mask, [min(c) for c in copies[:top]], dist.get_rank(),
+                                         allow_nondeterministic=a)
+    cache.mark_checked(counts, notes)
 
 
-def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset,
-                device: torch.device) -> RunCache | None:
-    """Create or attach this node's cache and check determinism (collective; see the module docstring)."""
+def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, device: torch.device,
+                copies: Sequence[frozenset[int]] | None = None) -> RunCache | None:
+    """Create or attach this node's cache and check determinism (collective; see the module docstring).
+    ``copies``: per layer, the ranks holding it as built (``training._built_copies``); None: every rank
+    holds every layer."""
     phases = caching_phases(plan, cfg)
     if not phases:
         if cfg.cache == "off" and any(ph.cache and ph.frozen_layers for ph in plan.phases) and dist.get_rank() == 0:
@@ -205,7 +218,9 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset,
         agree(problem)
         problem = None
         try:
-            _check_deterministic(cache, model, dataset, sorted({plan.phases[i].frozen_layers for i in phases}), device)
+            everyone = frozenset(range(dist.get_world_size()))
+            _check_deterministic(cache, model, dataset, sorted({plan.phases[i].frozen_layers for i in phases}), device,
+                                 [everyone] * len(model.layers) if copies is None else copies)
         except PtplanError as e:
             problem = (f"{e} (ptplan run: --cache-allow-nondeterministic accepts this; --cache off recomputes "
                        f"the prefix instead)")

@@ -3,14 +3,18 @@ written atomically, validated on load.
 
 Global rank 0 gathers the model and writes ``<checkpoint dir>/checkpoint.pt`` on its own node. On a resume
 (``--resume``, or a torchrun restart) every rank looks at its own ``checkpoint.pt`` and the ranks agree on
-one source: the newest valid checkpoint any rank holds (``training``), which that rank then scatters.
+one source: the newest valid checkpoint any rank holds (``training``). Each rank builds only its layers of
+the checkpoint's phase and fills them from the file mapped into memory (``torch.load(mmap=True)``), reading
+only its own layers' tensors, when its own file is the source's (the same ``id``: a shared folder or the
+same node); the source rank sends the others theirs.
 So a job needs no shared file system: what matters is that rank 0's node kept its folder (a restart
 may give rank 0 to another node under c10d; the source is still found wherever it is). With a shared
 folder every rank sees the same file.
 
 Contents (``torch.save`` of a dict; read back with ``weights_only=True``)::
 
-    version, plan_id, plan (the identity the id hashes: profile fingerprint, phases, freeze steps, batch),
+    version, id (a random name per save; optional: older files lack it and are read by the source rank only),
+    plan_id, plan (the identity the id hashes: profile fingerprint, phases, freeze steps, batch),
     run {samples, seed, shuffle, freeze, freeze_every}, model_name, optimizer, world_size,
     model        {parameter name: tensor}               (canonical names: layers.<i>.<...>)
     optim        {parameter name: {state key: tensor}}  (active parameters only)
@@ -26,7 +30,7 @@ import errno
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -194,24 +198,25 @@ def _plan_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "the plans differ"
 
 
-def check_state(data: dict[str, Any], params: dict[str, torch.Tensor], state_keys: tuple[str, ...]) -> None:
-    """The checkpoint's tensors fit the model: every parameter present with its shape, optimizer state
-    only for known parameters with the optimizer's keys and shapes."""
+def check_state(data: dict[str, Any], shapes: dict[str, Sequence[int]], state_keys: tuple[str, ...]) -> None:
+    """The checkpoint's tensors fit the model (``shapes``: every parameter's full shape by name, whether or
+    not this rank holds it): every parameter present with its shape, optimizer state only for known
+    parameters with the optimizer's keys and shapes. Reads shapes only (a mapped checkpoint stays unread)."""
     model = data["model"]
-    missing = sorted(set(params) - set(model))
-    extra = sorted(set(model) - set(params))
-    bad = [n for n in params if n in model and (not isinstance(model[n], torch.Tensor)
-                                                 or tuple(model[n].shape) != tuple(params[n].shape))]
+    missing = sorted(set(shapes) - set(model))
+    extra = sorted(set(model) - set(shapes))
+    bad = [n for n in shapes if n in model and (not isinstance(model[n], torch.Tensor)
+                                                 or tuple(model[n].shape) != tuple(shapes[n]))]
     if missing or extra or bad:
         raise PtplanError(f"the checkpoint's weights do not fit the model: missing {missing[:3]}, unknown "
                           f"{extra[:3]}, other shapes {bad[:3]}; resume with the model it was written for")
     def fits(name: str, key: str, v: Any) -> bool:
         if not isinstance(v, torch.Tensor):
             return False
-        return v.numel() == 1 if key == "step" else tuple(v.shape) == tuple(params[name].shape)
+        return v.numel() == 1 if key == "step" else tuple(v.shape) == tuple(shapes[name])
 
     for name, st in data["optim"].items():
-        if name not in params or not isinstance(st, dict) or sorted(st) != sorted(state_keys) or not all(
+        if name not in shapes or not isinstance(st, dict) or sorted(st) != sorted(state_keys) or not all(
                 fits(name, k, v) for k, v in st.items()):
             raise PtplanError(f"the checkpoint's optimizer state for {name!r} does not fit the model and optimizer "
                               f"(keys {sorted(st) if isinstance(st, dict) else st!r}, expected {list(state_keys)})")

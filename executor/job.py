@@ -1,10 +1,12 @@
-"""What a run builds from the plan and its config: the model (shaped as the plan's profile), the data, the device."""
+"""What a run builds from the plan and its config: the model (shaped as the plan's profile; on each rank only its
+stage's weights), the data, the device."""
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -60,9 +62,11 @@ def with_plan_num_labels(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, num_labels=plan_num_labels(load_plan(cfg.plan), cfg.model, cfg.plan))
 
 
-def build_for_plan(plan: Plan, cfg: RunConfig):
+def build_for_plan(plan: Plan, cfg: RunConfig, layers: Iterable[int] | None = None):
     """The model adapter ``cfg.model`` at the plan's granularity and sequence length, with the classifier
-    size ``cfg.num_labels`` (None: the plan's profile's, see ``plan_num_labels``)."""
+    size ``cfg.num_labels`` (None: the plan's profile's, see ``plan_num_labels``). ``layers``: build only
+    these layers' weights (a rank's stage: ``training.stage_layers``; the rest stays on the meta device);
+    None: every layer."""
     from .models import build_model
     from .profiler import head_num_labels, model_family
 
@@ -72,7 +76,7 @@ def build_for_plan(plan: Plan, cfg: RunConfig):
     dtype = getattr(torch, cfg.dtype)
     labels = (head_num_labels(cfg.model, cfg.num_labels) if cfg.num_labels is not None
               else plan_num_labels(plan, cfg.model, cfg.plan))
-    common = dict(granularity=gran, dtype=dtype, dropout=cfg.dropout, weights=cfg.weights, seed=cfg.seed,
+    common = dict(granularity=gran, dtype=dtype, dropout=cfg.dropout, weights=cfg.weights, seed=cfg.seed, layers=layers,
                   **({} if labels is None else {"num_labels": labels}))
     if model_family(cfg.model) == "vit":  # a preset name or a local ViT folder
         model = build_model(cfg.model, image_size=cfg.image_size, **common)

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ from .memory import MemorySampler, StepMemory
 from .optim import ensure_state, lr_factor, make_optimizer, state_keys
 from .runlog import RunLog
 from .runtime import ElasticRuntime, broadcast_int, phase_index
-from .transition import needs
+from .transition import Transfer, exchange, holdings, needs, owned_layers
 from .validate import check_plan
 
 
@@ -90,13 +91,18 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     model is evaluated (``evaluate``: forward only through the current stages) at every epoch end and
     every ``cfg.eval_every`` steps, before that step's checkpoint, and logged as ``eval`` records.
 
-    Memory: ``model`` arrives whole, in host memory (``build_model`` builds on the CPU), on every
-    rank: its weights once (plus, with ``--weights``, what transformers holds while loading them).
-    The AutoCache's determinism check and the build checksum run on that copy; then the first phase
-    switch puts this rank's stage on ``device`` and frees every other layer's weights, and from then
-    on the rank holds only its stage (``runtime``). On resume, the rank whose checkpoint is used also
-    holds it (weights and optimizer state) until it has sent it. After the run ``model`` holds only this
-    rank's last stage.
+    Memory: ``model`` arrives as built for this rank: in ``ptplan run`` only the layers it holds in the
+    phase it starts in (``start_phase``, ``stage_layers``: phase 0's, or on resume the checkpoint's
+    phase) have weights, in host memory; every other parameter is on the meta device (``build_model``'s
+    ``layers``). ``stage.LayerStore`` takes that as the starting holdings; the build check
+    (``_built_copies``: per layer, a checksum from each rank that built it, compared among those) and the
+    AutoCache's determinism check (``cache_run``: the prefix run layer by layer on the ranks that hold
+    it) work on those layers alone, and the first phase switch moves nothing but what a rank lacks
+    (nothing, when every rank built its own stage). A model built whole (tests, ``custom_model``) works
+    too: the first switch frees what the rank does not hold. On resume each rank reads only its own
+    layers' weights and optimizer state from the checkpoint (mapped, tensor by tensor), or gets them from
+    the source rank when its node has another copy of the file (``_resume``). After the run ``model``
+    holds only this rank's last stage.
     """
     hooks = hooks or Hooks()
     device = device or torch.device("cpu")
@@ -133,9 +139,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     rt = ElasticRuntime(plan, model, opt, device=device, timeout_s=cfg.timeout_s, backend=backend)
     rt.clip_grad_norm = cfg.clip_grad_norm
     fs = FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
-    everyone = frozenset(range(world))
-    run_id = {"samples": N, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
-              "freeze_every": cfg.freeze_every}
+    run_id = _run_id(cfg, N)
     source = _find_checkpoint(cfg, plan, model.name, world, run_id)  # collective: (rank, step) or None
     resuming = source is not None
     log = RunLog(cfg.log if rank == 0 else None, append=resuming)
@@ -152,19 +156,26 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
                                 schedule=p.schedule) for p in plan.phases])
     cache = None
     try:
-        # Collective; refuses a nondeterministic prefix. First, while every rank holds the whole model as built.
-        cache = setup_cache(cfg, plan, model, dataset, device)
+        copies = _built_copies(rt)  # collective: per layer, the ranks holding an agreeing copy as built
+        # Collective; refuses a nondeterministic prefix. First, on the layers as built.
+        cache = setup_cache(cfg, plan, model, dataset, device, copies)
         rt.set_cache(None if cache is None else cache.cache)
         if source is not None:
-            pos, info = _resume(cfg, plan, rt, source[0], run_id)
+            pos, info = _resume(cfg, plan, rt, source, run_id)
             log.write({"type": "resume", "step": pos.global_step, "epoch": pos.epoch, "phase": rt.phase_index,
-                       "seconds": info["seconds"], "parts": info["parts"], "source_rank": source[0],
+                       "seconds": info["seconds"], "parts": info["parts"], "bytes": info["bytes"],
+                       "source_rank": source.rank,
                        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
         else:
             pos.frozen_blocks = fs.planned(0, 0)
-            same = rt.checksum_agrees()
-            rt.switch(phase_index(plan, pos.frozen_blocks),  # from here on, each rank holds only its stage
-                      have_weights=[everyone if same else frozenset({0})] * rt.n, have_state=None)
+            index = phase_index(plan, pos.frozen_blocks)
+            lacking = [i for i, (need, have) in enumerate(zip(needs(plan.phases[index], rt.n), copies))
+                       if need and not have]
+            if lacking:  # the same list on every rank (``copies`` is gathered)
+                raise PtplanError(f"layers {lacking} of the model were built by no rank, but phase {index} needs "
+                                  f"them; build each rank's model with build_model(..., layers=stage_layers(plan, "
+                                  f"{index}, rank)) (what ptplan run does) or whole")
+            rt.switch(index, have_weights=copies, have_state=None)  # from here on, each rank holds only its stage
             if hooks.snapshots:
                 _snapshot(rt, hooks, "start", 0)
         if cache is not None:
@@ -392,7 +403,7 @@ def _save(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, pos: Position, run_id:
     if rt.rank == 0:
         try:
             ckpt.save_checkpoint(cfg.checkpoint_dir, {
-                "plan_id": ckpt.plan_id(plan), "plan": ckpt.plan_identity(plan), "run": run_id,
+                "id": uuid.uuid4().hex, "plan_id": ckpt.plan_id(plan), "plan": ckpt.plan_identity(plan), "run": run_id,
                 "model_name": rt.model.name, "optimizer": cfg.optimizer, "world_size": rt.world, "model": weights,
                 "optim": state, "position": asdict(pos), "rng": rng})
         except PtplanError as e:
@@ -408,8 +419,69 @@ def _rng_state() -> dict[str, Any]:
     return out
 
 
+def _run_id(cfg: RunConfig, samples: int) -> dict[str, Any]:
+    """The run settings a checkpoint is bound to (``checkpoint.RUN_KEYS``)."""
+    return {"samples": samples, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
+            "freeze_every": cfg.freeze_every}
+
+
+def start_phase(cfg: RunConfig, plan: Plan, *, model_name: str, samples: int) -> int:
+    """The phase the run starts in: the checkpoint's when it resumes (``_find_checkpoint``), else the
+    frozen count of step 0's. Collective (every rank calls it, before building its model: ``ptplan run``
+    builds each rank's ``stage_layers`` of this phase); ``samples``: the training data's size."""
+    source = _find_checkpoint(cfg, plan, model_name, dist.get_world_size(), _run_id(cfg, samples))
+    if source is not None:
+        return phase_index(plan, source.frozen_blocks)
+    fs = FreezeSchedule(plan, cfg.freeze, num_blocks=plan.inputs.profile.num_blocks, every=cfg.freeze_every,
+                        alpha=cfg.alpha)
+    return phase_index(plan, fs.planned(0, 0))
+
+
+def stage_layers(plan: Plan, index: int, rank: int) -> list[int]:
+    """The layers ``rank`` holds in phase ``index`` (``transition.holdings``: its stage's active layers, and
+    on stage 0 the frozen prefix): what ``build_model(..., layers=...)`` builds on that rank."""
+    return sorted(holdings(plan.phases[index], rank, plan.inputs.profile.num_layers, cached_prefix=False))
+
+
+def _built_copies(rt: ElasticRuntime) -> list[frozenset[int]]:
+    """Per layer, the ranks whose copy as built can be trusted: every rank that built it when their
+    copies agree (two float64 sums of its weights each, all-gathered), else the lowest such rank and
+    those that agree with it. Collective; call before the first switch. Empty: no rank built it."""
+    v = torch.zeros(rt.n, 3, dtype=torch.float64)
+    with torch.no_grad():
+        for i, ps in enumerate(rt.layer_params):
+            if rt.store.where[i] is None:
+                continue
+            v[i, 0] = 1.0
+            for p in ps:
+                d = p.detach().double()
+                v[i, 1] += d.sum().cpu()
+                v[i, 2] += (d * d).sum().cpu()
+    got = [torch.zeros_like(v).to(rt.device) for _ in range(rt.world)]
+    dist.all_gather(got, v.to(rt.device))
+    got = [g.cpu() for g in got]
+    out = []
+    for i in range(rt.n):
+        built = [r for r in range(rt.world) if got[r][i, 0] == 1.0]
+        out.append(frozenset(r for r in built if torch.equal(got[r][i], got[built[0]][i])))
+    return out
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The checkpoint a run resumes from."""
+
+    rank: int
+    """The rank whose checkpoint it is (the newest usable; lowest rank on a tie)."""
+    step: int
+    frozen_blocks: int
+    readers: frozenset[int]
+    """Ranks whose own checkpoint file is this very one (same ``id``; a shared folder, or one node): each
+    reads its own layers from it. The others get theirs from ``rank``."""
+
+
 def _find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run_id: dict[str, Any]
-                     ) -> tuple[int, int] | None:
+                     ) -> _Source | None:
     """Whether to resume and from which rank's checkpoint, agreed by every rank (collective).
 
     Each rank looks at its own ``--checkpoint-dir`` (its node's disk, or a shared folder) and reports the
@@ -431,7 +503,8 @@ def _find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, ru
                 raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: "
                                   + "; ".join(problems) + "; resume with the plan and settings it was written "
                                   "with, or start without --resume (and another --checkpoint-dir)")
-            mine = {"step": int(data["position"]["global_step"])}
+            mine = {"step": int(data["position"]["global_step"]),
+                    "frozen_blocks": int(data["position"]["frozen_blocks"]), "id": data.get("id")}
             del data
         except PtplanError as e:
             mine = {"error": str(e)}
@@ -442,7 +515,9 @@ def _find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, ru
     usable = [(-m["step"], r) for r, (_, _, m) in enumerate(got) if m and "step" in m]
     if usable:
         step, src = min(usable)
-        return src, -step
+        m = got[src][2]
+        readers = {r for r, (_, _, o) in enumerate(got) if o and m["id"] is not None and o.get("id") == m["id"]}
+        return _Source(rank=src, step=-step, frozen_blocks=m["frozen_blocks"], readers=frozenset(readers | {src}))
     errors = [(r, m["error"]) for r, (_, _, m) in enumerate(got) if m and "error" in m]
     if errors:
         err = PtplanError(errors[0][1])
@@ -455,48 +530,82 @@ def _find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, ru
     return None
 
 
-def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, src: int, run_id: dict[str, Any]
+def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: _Source, run_id: dict[str, Any]
             ) -> tuple[Position, dict[str, Any]]:
-    """Load the checkpoint on rank ``src``, then send every layer and its optimizer state to its owners."""
-    meta: list[Any] = [None]
+    """Enter the checkpoint's phase, then fill each rank's layers (weights, and optimizer state of the
+    active layers it owns) from the checkpoint: a reader of the file (``_Source.readers``) copies its own
+    layers' tensors from its mapped file (the others' are never read); the source rank sends the rest,
+    tensor by tensor from its mapped file, to the ranks that cannot read it."""
+    src = source.rank
     data = None
-    if rt.rank == src:
+    problem, payload = None, None
+    if rt.rank in source.readers:
         try:
-            data = ckpt.load_checkpoint(cfg.checkpoint_dir)
+            data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
             problems = ckpt.mismatches(data, plan=plan, model_name=rt.model.name, optimizer=cfg.optimizer,
                                        world_size=rt.world, run=run_id)
+            if data["position"]["global_step"] != source.step:
+                problems.append(f"it is at step {data['position']['global_step']} now, not {source.step} (the file "
+                                f"changed while the ranks agreed on it)")
             if problems:
                 raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: "
                                   + "; ".join(problems))
-            ckpt.check_state(data, dict(rt.model.named_parameters()), state_keys(rt.opt))
-            meta[0] = {"position": data["position"], "rng": data["rng"]}
+            shapes = {rt.names[id(p)]: rt.store.shapes[id(p)] for ps in rt.layer_params for p in ps}
+            ckpt.check_state(data, shapes, state_keys(rt.opt))
+            if rt.rank == src:
+                payload = {"position": data["position"], "rng": data["rng"]}
         except PtplanError as e:
-            meta[0] = {"error": str(e)}
-    dist.broadcast_object_list(meta, src=src)
-    if "error" in meta[0]:
-        err = PtplanError(meta[0]["error"])
-        err.rank = src  # type: ignore[attr-defined]
-        raise err
-    pos = Position(**meta[0]["position"])
+            problem = str(e)
+    meta = agree(problem, payload)[src]
+    pos = Position(**meta["position"])
     index = phase_index(plan, pos.frozen_blocks)
     new = plan.phases[index]
-    if rt.rank == src:
-        params = dict(rt.model.named_parameters())
+    need = needs(new, rt.n)
+    # storage where the phase needs it (nothing moves: every holder is about to be filled from the checkpoint)
+    info = rt.switch(index, have_weights=need, have_state=None)
+    t0 = time.perf_counter()
+    keys = state_keys(rt.opt)
+    active = range(new.frozen_layers, rt.n)
+    names = [[rt.names[id(p)] for p in ps] for ps in rt.layer_params]
+    if data is not None:  # a reader: its own layers from its own file
         with torch.no_grad():
-            for name, t in data["model"].items():
-                params[name].copy_(t)
-            for name, st in data["optim"].items():
-                p = params[name]
-                for k, v in zip(state_keys(rt.opt), ensure_state(rt.opt, p)):
-                    v.copy_(st[k])
-        del data
-    rng = meta[0]["rng"][rt.rank]
+            for i in rt.held:
+                for p, name in zip(rt.layer_params[i], names[i]):
+                    p.copy_(data["model"][name])
+            for i in rt.owned:
+                for p, name in zip(rt.layer_params[i], names[i]):
+                    for v, k in zip(ensure_state(rt.opt, p), keys):
+                        v.copy_(data["optim"][name][k])
+    cached = rt._caches(new)
+    lacking = [r for r in range(rt.world) if r not in source.readers]
+    weights = [Transfer(src=src, dst=r, layers=tuple(sorted(holdings(new, r, rt.n, cached_prefix=cached))))
+               for r in lacking]
+    state = [Transfer(src=src, dst=r, layers=tuple(i for i in owned_layers(new, r, rt.n) if i in active))
+             for r in lacking]
+
+    def weights_of(layers: tuple[int, ...]) -> list[Tensor]:
+        if rt.rank == src:
+            return [data["model"][n] for i in layers for n in names[i]]
+        return [p.data for i in layers for p in rt.layer_params[i]]
+
+    def state_of(layers: tuple[int, ...]) -> list[Tensor]:
+        if rt.rank == src:
+            return [data["optim"][n][k] for i in layers for n in names[i] for k in keys]
+        return [t for i in layers for p in rt.layer_params[i] for t in ensure_state(rt.opt, p)]
+
+    batched = rt.backend == "nccl"
+    sent = exchange([t for t in weights if t.layers], rt.rank, weights_of, rt.device, batched=batched)
+    sent += exchange([t for t in state if t.layers], rt.rank, state_of, rt.device, batched=batched)
+    del data
+    rng = meta["rng"][rt.rank]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    only = [frozenset({src})] * rt.n
-    state_have = [frozenset({src}) if i >= new.frozen_layers else frozenset() for i in range(rt.n)]
-    info = rt.switch(index, have_weights=only, have_state=state_have)
+    both = torch.tensor([time.perf_counter() - t0, sent], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    load_s = float(both[0].item())
+    info = {**info, "seconds": info["seconds"] + load_s, "parts": {**info["parts"], "checkpoint": load_s},
+            "bytes": {**info["bytes"], "checkpoint_sent_max": int(both[1].item())}}
     return pos, info
 
 

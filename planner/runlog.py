@@ -36,7 +36,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "transition": {"step": "int", "from_phase": "int?", "to_phase": "int", "seconds": "float", "parts": "obj",
                    "bytes": "obj?", "from": "obj?", "to": "obj?"},
     "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?",
-               "source_rank": "int?", "attempt": "int?"},
+               "bytes": "obj?", "source_rank": "int?", "attempt": "int?"},
     "freeze_decision": {"step": "int", "T": "int", "from_frozen": "int", "to_frozen": "int", "alpha": "float",
                         "grad_norms": "list?", "steps_measured": "int"},
     "epoch_end": {"epoch": "int", "steps": "int", "reason": "str"},
