@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.groups import fsdp_chunks, locate
+from ptplan.executor.groups import chunks_of, fsdp_chunks, locate
 from ptplan.executor.runlog import read_records
 from ptplan.executor.testing import assert_parity, spec
 from tests.test_hybrid_runtime import _mixed_plan, _optimizer_params
@@ -38,6 +38,19 @@ def _plan(model):
     return _mixed_plan(model, [spec(0, K=2, D=2, M=2, b=2, ranks=l1, schedule="1f1b"),
                                spec(1, K=1, D=4, M=1, b=2, ranks=l2, schedule="1f1b"),
                                spec(2, K=2, D=2, M=4, b=1, ranks=l1, schedule="1f1b")], MIXED)
+
+
+MIXED_V2 = [((True, False, False, True), (True, False, True, False)),  # K=2, V=2: position 0 runs chunks 0
+            (False, True),                                              # (fsdp·rc) and 2 (rc), position 1
+            ((True, False), (False, True))]                             # chunks 1 (dp) and 3 (fsdp)
+"""Interleaved 1F1B: per chunk, so one rank shards some of its layers and all-reduces the others."""
+
+
+def _plan_v2(model):
+    _, l1, l2 = LAYOUTS[model.name]
+    return _mixed_plan(model, [spec(0, K=2, D=2, M=2, b=2, ranks=l1, schedule="interleaved-1f1b", V=2),
+                               spec(1, K=1, D=4, M=1, b=2, ranks=l2, schedule="interleaved-1f1b", V=2),
+                               spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule="interleaved-1f1b", V=2)], MIXED_V2)
 
 
 def _run(name, optimizer, data, tmp, plan):
@@ -86,13 +99,13 @@ def _run(name, optimizer, data, tmp, plan):
     return snaps, cfg.log, per_rank
 
 
-@pytest.mark.parametrize("name,optimizer", [("bert-tiny", "sgd"), ("bert-tiny", "adamw"), ("gpt2-tiny", "sgd"),
-                                            ("gpt2-tiny", "adamw")])
-def test_per_stage_strategies_through_transitions_match_reference(name, optimizer, tmp_path):
+@pytest.mark.parametrize("name,optimizer,V", [("bert-tiny", "sgd", 1), ("bert-tiny", "adamw", 1), ("gpt2-tiny", "sgd", 1),
+                                              ("gpt2-tiny", "adamw", 1), ("bert-tiny", "sgd", 2)])
+def test_per_stage_strategies_through_transitions_match_reference(name, optimizer, V, tmp_path):
     data = _data(_build(name))
-    plan = _plan(_build(name))
+    plan = (_plan if V == 1 else _plan_v2)(_build(name))
     assert [ph.mixed for ph in plan.phases] == [True, False, True]
-    assert plan.phases[0].strategy_label == "stages fsdp·rc | dp"
+    assert plan.phases[0].strategy_label == ("stages fsdp·rc | dp" if V == 1 else "stages fsdp·rc | dp | rc | fsdp")
     snaps, log, per_rank = _run(name, optimizer, data, str(tmp_path), plan)
     for r in range(4):
         assert [s[0] for s in per_rank[r]] == list(range(1, 7))
@@ -103,12 +116,13 @@ def test_per_stage_strategies_through_transitions_match_reference(name, optimize
                 assert n > 0 and loc < full and loc <= -(-full // ph.D) + n, (r, step, n, loc, full)
             else:  # a plain data-parallel stage of the same phase: nothing sharded
                 assert n == 0, (r, step, n)
-            want = sorted(list(ph.partition[k]) for c in [k] if ph.recompute_at(c))
+            want = sorted(list(ph.partition[c]) for c in chunks_of(ph, k) if ph.recompute_at(c))
             assert ran == want, (r, step, ran, want)  # checkpointed exactly where its stage recomputes
     ref, ref_losses = reference(name, optimizer, data)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
-    print(f"parity per-stage strategies {name} 1f1b {optimizer}: max relative difference {worst:.1e}")
+    print(f"parity per-stage strategies {name} {plan.phases[0].schedule} {optimizer}: max relative difference "
+          f"{worst:.1e}")
     steps = [x for x in read_records(log) if x["type"] == "step"]
     for x, want in zip(steps, ref_losses):
         assert math.isclose(x["loss"], want, rel_tol=1e-5), (x["step"], x["loss"], want)
