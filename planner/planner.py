@@ -41,6 +41,7 @@ from .plan import (Baseline, Phase, Plan, PlanInputs, PlanWarning, Prediction, P
 from .profile import Profile, profile_from_json
 from .search import Choice, PhaseSearch, Visit
 from .simulate import simulate
+from .stage import Links
 
 __all__ = ["TrainingConfig", "make_plan", "phase_from_choice"]
 
@@ -174,6 +175,26 @@ def trajectory_phases(search: PhaseSearch, counts: list[int], samples: dict[int,
     return min(states.values(), key=lambda v: v[0])[1]
 
 
+_RANKS: dict[tuple[int, int], tuple[Links, tuple[tuple[int, ...], ...]]] = {}
+"""``_phase_ranks``' memo: (id of a Links, tp) -> (that Links, its rank table). The Links is kept so that an id
+is never mistaken for a later object's; a few entries (one per pipeline shape), cleared when it grows."""
+
+
+def _phase_ranks(links: Links, tp: int) -> tuple[tuple[int, ...], ...]:
+    """A phase's rank table: ranks[p][s] of the links' layout, times tp (plain ints). Phases that share a
+    pipeline shape share the same Links (``PhaseSearch.links`` memoises them), so the table (4,096 ranks on
+    4,096 GPUs) is built once per shape instead of once per phase."""
+    key = (id(links), tp)
+    hit = _RANKS.get(key)
+    if hit is not None and hit[0] is links:
+        return hit[1]
+    table = tuple(map(tuple, (np.asarray(links.ranks, dtype=np.int64) * tp).tolist()))
+    if len(_RANKS) >= 64:
+        _RANKS.clear()
+    _RANKS[key] = (links, table)
+    return table
+
+
 def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bool) -> Phase:
     """The plan's Phase for a searched choice (its timeline when ``keep_timeline`` and short enough)."""
     c, sim = ch.cand, ch.sim
@@ -201,7 +222,7 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
     sched = search.schedule(c)
     return Phase(frozen_blocks=f, frozen_layers=n0, K=c.K, D=c.D, M=c.M, micro_batch_size=c.b,
                  schedule=c.schedule, partition=ch.ranges, cache=c.cache,
-                 ranks=tuple(map(tuple, (np.asarray(ch.links.ranks, dtype=np.int64) * c.tp).tolist())),
+                 ranks=_phase_ranks(ch.links, c.tp),
                  predicted=pred, timeline=timeline, notes=tuple(notes), V=c.V,
                  actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                  tp=c.tp, fsdp=tuple(st.fsdp for st in ch.strategies) or c.fsdp,

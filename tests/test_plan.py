@@ -439,3 +439,24 @@ def test_cli_corrupt_profile_exits_2(tmp_path):
     bad.write_text('{"schema": "ptplan.profile/1", "model": ')
     r = CliRunner().invoke(cli, ["plan", str(bad), "--out", str(tmp_path / "p.json")])
     assert r.exit_code == 2 and "not valid JSON" in r.output
+
+
+def test_phase_rank_tables_are_memoised_per_links_object():
+    """``planner._phase_ranks`` builds a phase's rank table once per pipeline shape (4,096 ranks x 385
+    phases were rebuilt per phase): the memoised table equals one built afresh, for every K and tp, asked
+    again or for another Links object of the same shape."""
+    import numpy as np
+
+    from ptplan.planner import planner as pl
+    from ptplan.planner.stage import links_for
+
+    cl = Cluster.uniform(nodes=4, gpus_per_node=8, like="dgx-h100")
+    for K in (1, 2, 4, 8, 32):
+        for tp in (1, 2, 8):
+            links = links_for(cl, K)
+            fresh = tuple(tuple(int(r) * tp for r in row) for row in links.ranks)
+            for again in (links, links, links_for(cl, K)):
+                got = pl._phase_ranks(again, tp)
+                assert got == fresh and all(type(r) is int for row in got for r in row)
+    pl._RANKS.clear()
+    assert pl._phase_ranks(links_for(cl, 4), 2) == tuple(map(tuple, (np.asarray(links_for(cl, 4).ranks) * 2).tolist()))
