@@ -195,7 +195,8 @@ def _mlp(up: tuple[str, ...], down: str) -> dict[str, object]:
     return dict(up=up, down=down)
 
 
-_BERT_QKV, _VIT_QKV, _DISTIL_QKV = ("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("q_lin", "k_lin", "v_lin")
+_BERT_QKV, _VIT_QKV = ("query", "key", "value"), ("q_proj", "k_proj", "v_proj")
+_DISTIL_QKV = ("q_lin", "k_lin", "v_lin")
 _SPLITS: dict[str, _Split] = {
     # BERT and RoBERTa (BertAttention: self.query/key/value, output.dense; BertIntermediate/BertOutput .dense)
     "BertAttentionHalf": _Split(**_att("attention.self.", _BERT_QKV, "attention.output.dense")),

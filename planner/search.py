@@ -48,6 +48,7 @@ from .schedule import Schedule, ScheduleError, build_schedule, check_sizes, peak
 from .simulate import SimResult, StageCost, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, cache_setup_s, links_for
 from .strategy import Strategy, min_table, phase_label, strategy_table, tp_allreduce_coeffs
+from .tp_split import tp_refusal
 
 GiB = float(1 << 30)
 
@@ -152,13 +153,15 @@ class PhaseSearch:
 
     def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig, *, strategies: str = "off") -> None:
         """``strategies``: "off" (every stage plain data parallel, the search as before) or "auto" (every
-        tp inside a node that divides the GPUs; FSDP off, on every stage, or chosen per stage; recomputation
+        tp inside a node that divides the GPUs and the model's heads, key/value heads and MLP width
+        (``tp_split``); FSDP off, on every stage, or chosen per stage; recomputation
         likewise: ``modes``)."""
         self.p, self.c, self.cfg = profile, cluster, cfg
         if strategies not in ("off", "auto"):
             raise PtplanError(f"strategies={strategies!r}; use off or auto")
         G = cluster.gpus_per_node
-        tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= G and G % t == 0] if strategies == "auto" else [1]
+        tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= G and G % t == 0  # and divides heads, kv heads, MLP
+               and tp_refusal(profile.model.family, profile.model.config, t) is None] if strategies == "auto" else [1]
         self.strategies = tuple(Strategy(tp=t, fsdp=fs, recompute=rc) for t in tps
                                 for fs in ((False, True) if strategies == "auto" else (False,))
                                 for rc in ((False, True) if strategies == "auto" else (False,)))

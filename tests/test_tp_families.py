@@ -254,3 +254,31 @@ def test_config_widths_refuse_what_does_not_divide():
         "tensor parallelism tp=8 does not divide this vit model's 12 attention heads (each tp rank holds whole "
         "heads; attention heads 12, intermediate size 3072); tp must be one of 2, 4")
     assert tp_refusal("bert", {}, 8) is None  # a config without the sizes: the split itself checks
+
+
+def test_the_search_plans_only_tp_that_splits_the_key_value_heads(tmp_path):
+    """``ptplan plan --strategies auto`` on 8-GPU nodes for a memory-bound decoder (it needs tp or FSDP):
+    with 32 query heads sharing 8 key/value heads the search uses tp up to 8; the same profile as a model
+    with 2 key/value heads only tp <= 2 (tp4 and tp8 would not split them; ``ptplan run`` refuses them)."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+    from ptplan.planner.plan import load_plan
+    from ptplan.planner.profile import save_profile
+    from ptplan.planner.synthetic import synthetic_profile
+
+    prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
+    widest = {}
+    for kv in (8, 2):
+        config = dict(prof.model.config, num_attention_heads=32, num_key_value_heads=kv, intermediate_size=4 * 32768)
+        p = dataclasses.replace(prof, model=dataclasses.replace(prof.model, family="llama", config=config))
+        save_profile(p, tmp_path / f"kv{kv}.json")
+        out = CliRunner().invoke(cli, ["plan", str(tmp_path / f"kv{kv}.json"), "--cluster", "h100-4node", "--batch",
+                                       "32", "--samples-per-epoch", "1024", "--epochs", "2", "--allow-extrapolation",
+                                       "--strategies", "auto", "--out", str(tmp_path / f"kv{kv}-plan.json")])
+        assert out.exit_code == 0, out.output
+        widest[kv] = max(ph.tp for ph in load_plan(tmp_path / f"kv{kv}-plan.json").phases)
+    print(f"widest tp planned: 8 key/value heads tp{widest[8]}, 2 key/value heads tp{widest[2]}")
+    assert widest[8] >= 4 and widest[2] == 2, widest
