@@ -581,9 +581,32 @@ def _key(name: str) -> str:
     return key
 
 
+_CHECKED: dict[tuple[str, int, int, int], str | None] = {}
+"""``check_sizes``' answers for plain-int sizes: None (the schedule exists) or the error message (the
+search asks about the same few (name, K, M, V) tens of thousands of times per plan)."""
+
+
 def check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
     """Raise ScheduleError (with the numbers and the fix) unless the named schedule exists for K
     ranks, M micro-batches and V chunks per rank — without building it."""
+    if type(name) is str and type(K) is int and type(M) is int and type(V) is int:
+        memo = (name, K, M, V)
+        if memo not in _CHECKED:
+            if len(_CHECKED) >= 1 << 16:
+                _CHECKED.clear()
+            try:
+                _check_sizes(name, K, M, V)
+                _CHECKED[memo] = None
+            except ScheduleError as e:
+                _CHECKED[memo] = str(e)
+        why = _CHECKED[memo]
+        if why is not None:
+            raise ScheduleError(why)
+        return
+    _check_sizes(name, K, M, V)
+
+
+def _check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
     key = _key(name)
     K, M, V = _sizes(key, K, M, V)
     if key in ("gpipe", "1f1b", "zb-h1", "2bw"):
@@ -612,6 +635,17 @@ def peak_inflight(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
     The planner's memory model uses this before any schedule is built; ``tests/test_schedule.py``
     checks it against the generated lists.
     """
+    if type(name) is str and type(K) is int and type(M) is int and type(V) is int:
+        return _peak_inflight_cached(name, K, M, V)
+    return _peak_inflight(name, K, M, V)
+
+
+@lru_cache(maxsize=4096)
+def _peak_inflight_cached(name: str, K: int, M: int, V: int) -> tuple[int, ...]:
+    return _peak_inflight(name, K, M, V)
+
+
+def _peak_inflight(name: str, K: int, M: int, V: int) -> tuple[int, ...]:
     key = _key(name)
     check_sizes(key, K, M, V)
     K, M, V = _sizes(key, K, M, V)

@@ -77,6 +77,11 @@ from .plan import TimelineEvent
 from .schedule import Action, ActionKind, Schedule, ScheduleError, check_schedule, is_generated
 
 
+_SECONDS_FIELDS = ("forward_s", "backward_s", "backward_weight_s", "prefix_s", "setup_s", "send_forward_s",
+                   "send_backward_s", "allreduce_s", "optimizer_s")
+_BYTES_FIELDS = ("fixed_bytes", "activation_bytes_per_mb", "after_bytes")
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageCost:
     """Costs of one pipeline stage for one micro-batch (seconds) and its memory (bytes)."""
@@ -111,14 +116,23 @@ class StageCost:
     """The largest transient after the pipeline drained (all-reduce buffer, optimizer temporaries)."""
 
     def __post_init__(self) -> None:
-        for name in ("forward_s", "backward_s", "backward_weight_s", "prefix_s", "setup_s", "send_forward_s",
-                     "send_backward_s", "allreduce_s", "optimizer_s"):
+        # plain floats and ints (what ``stage.StageModel.stage_costs`` gives, thousands of times per plan) are
+        # checked without the numbers ABCs; anything else (numpy scalars, bools) takes the general path
+        for name in _SECONDS_FIELDS:
             v = getattr(self, name)
+            if type(v) is float:
+                if not 0.0 <= v < math.inf:  # also rejects nan
+                    raise PtplanError(f"StageCost.{name} must be a finite number of seconds >= 0, got {v!r}")
+                continue
             if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be a finite number of seconds >= 0, got {v!r}")
             object.__setattr__(self, name, float(v))  # numpy scalars become plain floats
-        for name in ("fixed_bytes", "activation_bytes_per_mb", "after_bytes"):
+        for name in _BYTES_FIELDS:
             v = getattr(self, name)
+            if type(v) is int:
+                if v < 0:
+                    raise PtplanError(f"StageCost.{name} must be an integer number of bytes >= 0, got {v!r}")
+                continue
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be an integer number of bytes >= 0, got {v!r}")
             object.__setattr__(self, name, int(v))

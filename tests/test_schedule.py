@@ -526,3 +526,29 @@ def test_check_refuses_a_third_weight_version():
     check_schedule(ok)
     with pytest.raises(ScheduleError, match=r"0F6 names micro-batch 6, but the lists hold 6 \(M=3 x 2 mini-batches\) \(0..5\)"):
         check_schedule(dataclasses.replace(ok, actions=((*ok.actions[0], Action(0, Kd.F, 6)), *ok.actions[1:])))
+
+
+def test_memoised_size_checks_equal_the_plain_ones():
+    """``check_sizes`` and ``peak_inflight`` remember their answers for plain-int sizes (the search asks the
+    same few tens of thousands of times per plan): every answer, error message included, is the one the
+    unmemoised functions give, asked twice, and numpy sizes take the plain path."""
+    from ptplan.planner import schedule as sch
+
+    for name, K, M, V in itertools.product(list(SCHEDULE_NAMES) + ["1F1B", "nope"], (1, 2, 3, 4, 8),
+                                           (1, 2, 3, 4, 8, 16), (0, 1, 2, 3)):
+        try:
+            sch._check_sizes(name, K, M, V)
+            want: str | None = None
+        except ScheduleError as e:
+            want = str(e)
+        for _ in range(2):
+            for k in (K, np.int64(K)):
+                if want is None:
+                    check_sizes(name, k, M, V)
+                    assert peak_inflight(name, k, M, V) == sch._peak_inflight(name, K, M, V)
+                else:
+                    with pytest.raises(ScheduleError) as err:
+                        check_sizes(name, k, M, V)
+                    assert str(err.value) == want
+                    with pytest.raises(ScheduleError):
+                        peak_inflight(name, k, M, V)

@@ -285,6 +285,21 @@ def test_input_errors():
         StageCost(forward_s=1, backward_s=float("nan"))
     with pytest.raises(PtplanError, match="fixed_bytes must be an integer"):
         StageCost(forward_s=1, backward_s=1, fixed_bytes=1.5)
+    # plain floats and ints take a fast path: the same rules, the same messages
+    for bad in (-1.0, float("nan"), float("inf"), -1e-300):
+        with pytest.raises(PtplanError, match="send_forward_s must be a finite number of seconds >= 0"):
+            StageCost(forward_s=1.0, backward_s=1.0, send_forward_s=bad)
+    with pytest.raises(PtplanError, match="after_bytes must be an integer number of bytes >= 0"):
+        StageCost(forward_s=1.0, backward_s=1.0, after_bytes=-1)
+    for bad in (True, "1", None):
+        with pytest.raises(PtplanError, match="allreduce_s must be a finite"):
+            StageCost(forward_s=1.0, backward_s=1.0, allreduce_s=bad)
+        with pytest.raises(PtplanError, match="fixed_bytes must be an integer"):
+            StageCost(forward_s=1.0, backward_s=1.0, fixed_bytes=bad)
+    import numpy as np
+
+    c = StageCost(forward_s=np.float64(2.0), backward_s=-0.0, fixed_bytes=np.int64(3), after_bytes=4)
+    assert (type(c.forward_s), type(c.backward_s), type(c.fixed_bytes), c.fixed_bytes) == (float, float, int, 3)
 
 
 def test_unsupported_actions_raise():
