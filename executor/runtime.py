@@ -35,8 +35,9 @@ In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up b
 ``cache_run``), stage 0's module holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s
 output for the shard, computed micro-batch by micro-batch as recomputation would.
 
-Memory outside the steady state: before the first ``switch`` every rank holds the whole model as
-built (in host memory); during a switch a rank holds what it keeps plus, until sent, what it gives
+Memory outside the steady state: before the first ``switch`` a rank holds what it built, in host
+memory -- under ``ptplan run`` its own stage of the phase it starts in (``training.start_phase``), so the
+first switch moves nothing; during a switch a rank holds what it keeps plus, until sent, what it gives
 away; ``gather`` makes rank 0 hold the whole model (and, for checkpoints, every active layer's
 optimizer state) in host memory until it returns -- one source rank's messages at a time.
 """
@@ -497,20 +498,6 @@ class ElasticRuntime:
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the parameters this rank holds now: ``{"device": ..., "host": ...}``."""
         return {"device": self.store.held_bytes(DEVICE), "host": self.store.held_bytes(HOST)}
-
-    def checksum_agrees(self) -> bool:
-        """Whether every rank built bit-identical weights (cheap: two float64 sums per rank). Call before
-        the first ``switch``, while every rank still holds the whole model as built."""
-        assert self.phase is None, "checksum_agrees compares whole models: call it before the first switch"
-        with torch.no_grad():
-            v = torch.zeros(2, dtype=torch.float64)
-            for p in self.model.parameters():
-                d = p.detach().double()
-                v[0] += d.sum().cpu()
-                v[1] += (d * d).sum().cpu()
-        out = [torch.zeros_like(v).to(self.device) for _ in range(self.world)]
-        dist.all_gather(out, v.to(self.device))
-        return all(torch.equal(o, out[0]) for o in out)
 
     def close(self) -> None:
         """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
