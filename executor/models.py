@@ -9,8 +9,10 @@ so a "half" model has 2L + 3 layers and a "block" model L + 3. Every layer is an
 ``forward(x, attention_mask=None) -> Tensor``: one tensor in, one tensor out, plus the raw ``[B, S]``
 0/1 padding mask (long) that a pipeline passes to every stage; layers that need it build their own
 4-D additive mask, layers that don't ignore it. The layers wrap the Hugging Face submodules
-themselves (built from a transformers config, or loaded with ``from_pretrained`` from a local folder),
-so they compute exactly what the Hugging Face model computes.
+themselves (the task model built from a transformers config, its weights initialised as transformers
+does or read from a local folder's weight files), so they compute exactly what the Hugging Face model
+computes. ``build_model(..., layers=...)`` gives weights to some layers only (a pipeline stage: the
+other parameters stay on the meta device) with the values the whole model has there.
 
 Per family (a model's family is its Hugging Face config's ``model_type``, which picks the adapter):
 
@@ -59,7 +61,9 @@ adapter; its weights are loaded when it has weight files, else every weight is i
 A folder model is named by its Hugging Face name (config.json's ``_name_or_path`` when that is a hub
 name) or else its folder's name: profiles record it, and the family apart. Missing head weights (a
 base-model checkpoint) are initialised from ``seed``; any other missing or mismatched weight is an
-error.
+error. Initialisation is per Hugging Face submodule, each from its own seed (``module_seed``), so the
+same ``seed`` gives the same weights whichever layers are built, at either granularity -- but not the
+weights ``model_cls(config)`` gives after ``torch.manual_seed(seed)``.
 """
 from __future__ import annotations
 
@@ -1349,6 +1353,10 @@ def custom_model(layers: Sequence[nn.Module], specs: Sequence[LayerSpec], loss: 
     generator) -> (inputs, labels, attention_mask or None)``: synthetic data of your shapes (the
     profiler and the data checks use it); default: the family's (ids ``[B, seq_len]`` with class
     labels ``[B]`` in ``0..num_labels-1``).
+
+    Your layers are used as given, whole: every rank that runs them starts with all their weights and
+    frees the layers it does not hold at the first phase switch (``build_model``'s models are built
+    per stage instead). Parameters you leave on the meta device count as not built on that rank.
     """
     layers, specs = list(layers), list(specs)
     if not layers or len(layers) != len(specs):
