@@ -349,7 +349,9 @@ class PhaseSearch:
 
     def lower_bound(self, c: Candidate, n0: int, *, fill_from: int | None = None) -> float:
         """Seconds that the simulated iteration of any split of this candidate is at least (a fill
-        iteration's with ``fill_from``, a steady one's without).
+        iteration's with ``fill_from``, a steady one's without). It does not read recomputation (the
+        recomputed forward is left out: still a lower bound), so ``_search`` shares it between candidates
+        that differ only there.
 
         With f_s, b_s a stage's forward and backward per micro-batch (overheads and the stage-0
         prefix included), F = Σ f_s, B = Σ b_s, and T = F + B + the cache set-up + every link's
@@ -566,7 +568,17 @@ class PhaseSearch:
                 fits.append(c)
             elif not any(isinstance(r, str) and r.endswith(why) for r in reasons[-1:]):
                 reasons.append(f"K={c.K}, cache on: {why}")
-        heap = [(self.objective_bound(c, n0, visit), i, c) for i, c in enumerate(fits)]
+        # recomputation is not in the bound (``lower_bound``): candidates that differ only in it share theirs
+        bounds: dict[tuple, float] = {}
+
+        def bound(c: Candidate) -> float:
+            key = (c.K, c.D, c.M, c.b, c.cache, c.schedule, c.V, c.tp, c.fsdp, c.fsdp_per_stage)
+            got = bounds.get(key)
+            if got is None:
+                got = bounds[key] = self.objective_bound(c, n0, visit)
+            return got
+
+        heap = [(bound(c), i, c) for i, c in enumerate(fits)]
         # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
         hint = self._hint.get(cache)
         first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.mode) == hint]

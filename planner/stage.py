@@ -473,6 +473,9 @@ class StageChoice:
 
     After the split, ``stage_costs``, ``stage_memory`` and ``stage_strategies`` give each stage's numbers from
     the model it chose, exactly as that model alone gives them (the simulator takes per-stage costs).
+
+    ``models[0]`` must never be slower than the others on any stage (the search gives the simplest first: no
+    FSDP, no recomputation); then wherever it fits every candidate stage, the others are not evaluated.
     """
 
     def __init__(self, models: Sequence[StageModel], limit: float) -> None:
@@ -488,6 +491,7 @@ class StageChoice:
         """Prefix sums of each layer's least busy-time lower bound over the models."""
         self.cum_state = _cum_min([m.cum_state for m in models])
         """Prefix sums of each layer's least memory lower bound over the models."""
+        self._index = np.arange(a.n + 1)
 
     def _pick(self, got: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(time, peak, model index) per stage from each model's (time, peak)."""
@@ -509,28 +513,42 @@ class StageChoice:
 
     # ---- the partitioner's protocol (``partition._StageFamily``) ------------------------------
     def prepare(self, I: Any, J: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Every model's prepared terms, one flat tuple of arrays (as one model's: the partitioner may slice
-        each array of it); ``_split`` takes it apart."""
-        return tuple(x for m in self.models for x in m.prepare(I, J))
+        """The stages' start and end indices, then the first model's prepared terms: one flat tuple of arrays
+        of the band's shape (the partitioner may slice each of them). The other models prepare their terms
+        only where the first one does not fit everywhere (``_others``)."""
+        Iv = I.take_from(self._index) if hasattr(I, "take_from") else np.asarray(I)
+        Iv, Jv = np.broadcast_arrays(Iv, J)
+        return (Iv, Jv, *self.models[0].prepare(I, J))
 
-    def _split(self, terms: tuple[np.ndarray, ...]) -> list[tuple[np.ndarray, ...]]:
-        k = len(terms) // len(self.models)
-        return [tuple(terms[i * k:(i + 1) * k]) for i in range(len(self.models))]
+    def _others(self, got0: tuple[np.ndarray, np.ndarray], terms: tuple[np.ndarray, ...], cols: slice,
+                run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(time, peak, model) from the first model's (time, peak): where it fits every stage it is the answer
+        (the first model is never slower: recomputation adds a forward, FSDP all-gathers and reduce-scatters),
+        else every model is evaluated (``run(model, its terms)``) and ``_pick`` chooses."""
+        t0, m0 = got0
+        if np.all(np.asarray(m0) <= self.limit):
+            return np.asarray(t0, dtype=float), np.asarray(m0, dtype=float), np.zeros(np.shape(m0), dtype=np.int64)
+        I, J = terms[0][..., cols], terms[1][..., cols]
+        return self._pick([got0, *(run(m, m.prepare(I, J)) for m in self.models[1:])])
 
     def evaluate(self, s: int, terms: tuple[np.ndarray, ...], cols: slice = slice(None)
                  ) -> tuple[np.ndarray, np.ndarray]:
-        t, mem, _ = self._pick([m.evaluate(s, x, cols) for m, x in zip(self.models, self._split(terms))])
+        got0 = self.models[0].evaluate(s, terms[2:], cols)
+        t, mem, _ = self._others(got0, terms, cols, lambda m, x: m.evaluate(s, x))
         return t, mem
 
     def evaluate_split(self, terms: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
-        t, mem, _ = self._pick([m.evaluate_split(x) for m, x in zip(self.models, self._split(terms))])
+        got0 = self.models[0].evaluate_split(terms[2:])
+        t, mem, _ = self._others(got0, terms, slice(None), lambda m, x: m.evaluate_split(x))
         return t, mem
 
     # ---- one split -------------------------------------------------------------------------
     def choose(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """The model (index into ``models``) each stage of a split takes."""
         lo, hi = self.models[0].check_ranges(ranges)
-        _, _, idx = self._pick([m.evaluate_split(m.prepare(lo, hi)) for m in self.models])
+        terms = self.prepare(lo, hi)
+        _, _, idx = self._others(self.models[0].evaluate_split(terms[2:]), terms, slice(None),
+                                 lambda m, x: m.evaluate_split(x))
         return tuple(int(i) for i in idx)
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
