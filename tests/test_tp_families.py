@@ -4,7 +4,7 @@ heads with grouped-query attention --, the attention output row-wise; the MLP's 
 its second row-wise) train equal to the single-process reference of ``tests/test_runtime_parity.py``
 through phase transitions that enter, leave and re-enter tp; one 8-process run on a K x D x tp = 2 x 2 x 2
 mesh with FSDP; and tp that does not divide the heads, key/value heads or MLP width refused with the
-numbers and the fix.
+numbers and the fix by ``ptplan run`` and never chosen by ``ptplan plan --strategies auto``.
 """
 from __future__ import annotations
 
