@@ -282,3 +282,21 @@ def test_the_search_plans_only_tp_that_splits_the_key_value_heads(tmp_path):
         widest[kv] = max(ph.tp for ph in load_plan(tmp_path / f"kv{kv}-plan.json").phases)
     print(f"widest tp planned: 8 key/value heads tp{widest[8]}, 2 key/value heads tp{widest[2]}")
     assert widest[8] >= 4 and widest[2] == 2, widest
+
+
+def test_ptplan_run_refuses_tp_that_does_not_divide_the_key_value_heads(tmp_path):
+    """The launcher's check (``ptplan run --dry-run``, exit 2): a tp4 plan of llama-tiny (2 key/value heads)
+    is refused with the numbers and the fix before any process starts."""
+    from click.testing import CliRunner
+
+    from ptplan.cli.main import cli
+    from ptplan.planner.plan import save_plan
+
+    model = _builder("llama-tiny", "half")()
+    bad = _mixed_plan(model, [spec(0, K=1, D=1, M=4, b=2), spec(1, K=1, D=1, M=4, b=2)], [(4, False, False)] * 2)
+    save_plan(bad, tmp_path / "tp4.json")
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "tp4.json"), "--model", "llama-tiny", "--nproc-per-node", "4",
+                                 "--dry-run"])
+    assert r.exit_code == 2, r.output
+    assert "tensor parallelism tp=4 does not divide this llama model's 2 key/value heads" in r.output
+    assert "tp must be one of 2; make the plan with `ptplan plan --strategies off`" in " ".join(r.output.split())
