@@ -35,7 +35,8 @@ Layers without a plan (embeddings, the head) are not copied: every tp rank runs 
 input, with the same gradients. The data-parallel all-reduce then runs on each rank's local shards, over the
 ranks with its tp index. On leaving, a GPT-2 copy's tensors (weights and state) are mapped back to the
 Conv1D layout. A tp that does not divide a layer's heads, key/value heads or MLP width is an error
-(``ptplan run`` refuses the plan first: ``validate.check_model`` with ``planner/tp_split.py``).
+(``ptplan plan --strategies auto`` never chooses one and ``ptplan run`` refuses it before launch:
+``planner/tp_split.py``, used by ``search.PhaseSearch`` and ``validate.check_model``).
 
 Measured (``pytest -s tests/test_tp_families.py``, 4 gloo processes, tp2 (K=2) -> FSDP (K=2, D=2) -> tp2 with
 recomputation (K=1, D=2) against the single-process reference, max relative difference): SGD 1.6e-07 to
