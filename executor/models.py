@@ -683,9 +683,8 @@ class LayeredModel(nn.Module):
         """
         if batch_size < 1:
             raise PtplanError(f"batch size must be >= 1, got {batch_size}")
-        # a parameter with storage says where (a stage build's other layers are on the meta device)
-        p = next((q for q in self.parameters() if q.device.type != "meta" and q.numel()), next(self.parameters()))
-        if p.device.type == "meta":
+        p = next(self.parameters())
+        if p.device.type == "meta":  # a stage build whose first layer another rank builds: the CPU
             p = torch.empty(0, dtype=p.dtype)
         if self.batch_fn is not None:
             bx, by, bm = self.batch_fn(batch_size, generator)
