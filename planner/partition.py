@@ -22,10 +22,10 @@ slowest-stage cost T*, then a second one that minimises (2) over splits whose ev
 Costs are not monotone in the range once boundary communication is counted (a longer stage can be
 cheaper if it ends at a cheap cut), so no greedy feasibility test is used. Speed comes from a band:
 a stage costs at least the sum of its layers' lower bounds (time and memory), and a quick split
-gives an upper bound on T* (the better of an even split of the lower bounds and one that balances
-stage 0, which carries the frozen prefix, against the rest), so only stages within both bounds are
-considered; stage k's ends and starts lie in ranges those bounds give, so only that parallelogram of
-the band is computed, in a few chunks of consecutive stages; each DP step is a few numpy operations.
+gives an upper bound on T* (one that balances stage 0, which carries the frozen prefix, against an
+even split of the rest), so only stages within both bounds are considered; stage k's ends and starts
+lie in ranges those bounds give, so each DP step (a few numpy operations) covers only that
+parallelogram of the band.
 
 ``optimal_partition(costs, K, ...)`` is the same search for plain per-layer numbers:
 
@@ -49,8 +49,6 @@ from .errors import InfeasibleError, PtplanError
 
 GiB = float(2**30)
 _TOL = 1e-12
-_CHUNKS = 4
-"""The band of a K-stage search is prepared in at most this many sub-bands (see ``split_stages``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,8 +208,8 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
 
     # the band: column j, row d is the stage [i, j) with i = j - 1 - d. Stage k (k stages cover [a, j)) ends
     # at j in [lo_k, hi_k) and starts at i in [lo_{k-1}, hi_{k-1}), so only rows d in [d0_k, d1_k] matter
-    # (elsewhere the previous stage's entry is inf or the stage breaks a bound). Stages are prepared in
-    # chunks of consecutive k (each chunk one sub-band, a few numpy calls however large K is).
+    # (elsewhere the previous stage's entry is inf or the stage breaks a bound): one sub-band, the rows any
+    # stage needs, is prepared, and each stage reads its own rows and columns of it.
     d0 = [0] * (K + 1)
     d1 = [0] * (K + 1)
     for k in range(2, K + 1):
@@ -223,30 +221,26 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
     # F[k, j] = least slowest-stage cost covering [a, j) with k stages, at column w + j; prev[k, d, j]
     # views F[k, j - 1 - d]; costs[k][d - d0[k], j - lo_k[k]] is stage [j - 1 - d, j) as stage k - 1
     costs: list[np.ndarray] = [np.empty(0)] * (K + 1)
-    g = max(1, -(-(K - 1) // _CHUNKS))
-    for k1 in range(2, K + 1, g):
-        ks = range(k1, min(k1 + g, K + 1))
-        c_lo, c_hi = lo_k[k1], max(hi_k[k] for k in ks)
-        r_lo, r_hi = min(d0[k] for k in ks), max(d1[k] for k in ks) + 1
-        if r_lo >= r_hi:
-            r_lo, r_hi = 0, 1
-        jj = js[None, c_lo:c_hi]
-        Id = _Diagonal(c_lo - r_lo, r_hi - r_lo, c_hi - c_lo, a, n)
-        I = jj - 1 - np.arange(r_lo, r_hi)[:, None]
-        valid = (I >= a + 1) & (jj <= Id.take_from(reach))
-        terms = model.prepare(Id, jj)
-        for k in ks:
-            lo, hi = lo_k[k], hi_k[k]
-            if d0[k] > d1[k]:       # no start can precede this end: the stage is unreachable
-                costs[k] = np.full((0, hi - lo), np.inf)
-                continue
-            rows, cols = slice(d0[k] - r_lo, d1[k] + 1 - r_lo), slice(lo - c_lo, hi - c_lo)
-            t, mem = model.evaluate(k - 1, tuple(x[rows if np.shape(x)[0] > 1 else slice(None), cols]
-                                                 for x in terms))
-            cost = np.where(valid[rows, cols] & (mem <= lim), t, np.inf)
-            costs[k] = cost
-            np.minimum.reduce(np.maximum(prev[k - 1, d0[k]:d1[k] + 1, lo:hi], cost), axis=0, initial=np.inf,
-                              out=F[k, w + lo:w + hi])
+    c_lo, c_hi = lo_k[2], hi_k[K]
+    r_lo, r_hi = min(d0[2:]), max(d1[2:]) + 1
+    if r_lo >= r_hi:
+        r_lo, r_hi = 0, 1
+    jj = js[None, c_lo:c_hi]
+    Id = _Diagonal(c_lo - r_lo, r_hi - r_lo, c_hi - c_lo, a, n)
+    I = jj - 1 - np.arange(r_lo, r_hi)[:, None]
+    valid = (I >= a + 1) & (jj <= Id.take_from(reach))
+    terms = model.prepare(Id, jj)
+    for k in range(2, K + 1):
+        lo, hi = lo_k[k], hi_k[k]
+        if d0[k] > d1[k]:       # no start can precede this end: the stage is unreachable
+            costs[k] = np.full((0, hi - lo), np.inf)
+            continue
+        rows, cols = slice(d0[k] - r_lo, d1[k] + 1 - r_lo), slice(lo - c_lo, hi - c_lo)
+        t, mem = model.evaluate(k - 1, tuple(x[rows if x.shape[0] > 1 else slice(None), cols] for x in terms))
+        cost = np.where(valid[rows, cols] & (mem <= lim), t, np.inf)
+        costs[k] = cost
+        np.minimum.reduce(np.maximum(prev[k - 1, d0[k]:d1[k] + 1, lo:hi], cost), axis=0, initial=np.inf,
+                          out=F[k, w + lo:w + hi])
     T = float(F[K, w + n])
     if not math.isfinite(T):
         raise MemoryInfeasibleError(model, K, lim)
@@ -298,9 +292,9 @@ class _Diagonal:
 
 def _lagged(A: np.ndarray, w: int) -> np.ndarray:
     """A view V of the C-contiguous (rows, w + n + 1) array A with V[k, d, j] = A[k, w + j - 1 - d]."""
-    rows, cols = A.shape
-    return np.ndarray((rows, w, cols - w), dtype=A.dtype, buffer=A, offset=(w - 1) * A.itemsize,
-                      strides=(A.strides[0], -A.itemsize, A.itemsize))
+    rows, cols = A.shape   # (as_strided: np.ndarray(buffer=A) costs ~40 us per call on a large A)
+    return np.lib.stride_tricks.as_strided(A[:, w - 1:], shape=(rows, w, cols - w),
+                                           strides=(A.strides[0], -A.itemsize, A.itemsize), writeable=False)
 
 
 def _evaluate(model: _StageFamily, cuts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -344,24 +338,24 @@ def _bottleneck(model: _StageFamily, cuts: list[int], lim: float) -> float:
 
 def _quick_bound(model: _StageFamily, K: int, lim: float, first: np.ndarray | None = None,
                  first_ok: np.ndarray | None = None) -> float:
-    """An upper bound on the optimal bottleneck T*: the slowest stage of a feasible heuristic split (inf
-    if neither heuristic split fits the memory limit; then only memory narrows the search). Splits tried:
-    the cuts nearest to k/K of the layers' time lower bound; and, given stage 0's exact cost for every
-    end (``first``, ``first_ok``: it carries the frozen prefix, which the lower bound leaves out), the
-    stage-0 end that best balances it against an even split of the rest, the rest split evenly. Any
-    feasible split's bottleneck is >= T*, so the band it gives contains every stage of cost <= T*."""
+    """An upper bound on the optimal bottleneck T*: the slowest stage of a heuristic split that fits
+    (inf if it does not fit the memory limit; then only memory narrows the search). Given stage 0's
+    exact cost for every end (``first``, ``first_ok``: stage 0 carries the frozen prefix, which the
+    layers' lower bounds leave out), the split whose stage 0 best balances it against an even split of
+    the rest, the rest split evenly; otherwise, or if that one does not fit, the cuts nearest to k/K of
+    the layers' time lower bound. Any feasible split's bottleneck is >= T*, so the band it gives contains
+    every stage of cost <= T*."""
     a, n, S = model.start, model.n, model.cum_time_lb
-    ub = _bottleneck(model, [a, *_even_cuts(S, a, n, K), n], lim)
-    if first is None or first_ok is None or K < 2:
-        return ub
-    j = np.arange(a + 1, n - K + 2)             # stage 0 = [a, j), room for K - 1 more stages
-    ok = first_ok[j]
-    if not ok.any():
-        return ub
-    score = np.maximum(first[j], (S[n] - S[j]) / (K - 1))
-    j0 = int(j[np.flatnonzero(ok)[np.argmin(score[ok])]])
-    cuts = [a, j0, *(_even_cuts(S, j0, n, K - 1) if K > 2 else []), n]
-    return min(ub, _bottleneck(model, cuts, lim))
+    if first is not None and first_ok is not None and K >= 2:
+        j = np.arange(a + 1, n - K + 2)             # stage 0 = [a, j), room for K - 1 more stages
+        ok = first_ok[j]
+        if ok.any():
+            score = np.maximum(first[j], (S[n] - S[j]) / (K - 1))
+            j0 = int(j[np.flatnonzero(ok)[np.argmin(score[ok])]])
+            ub = _bottleneck(model, [a, j0, *(_even_cuts(S, j0, n, K - 1) if K > 2 else []), n], lim)
+            if math.isfinite(ub):
+                return ub
+    return _bottleneck(model, [a, *_even_cuts(S, a, n, K), n], lim)
 
 
 class _Additive:

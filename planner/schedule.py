@@ -566,6 +566,17 @@ actions, not from this list."""
 def stage_to_rank(name: str, K: int, V: int = 1) -> tuple[int, ...]:
     """Where the named schedule puts each of its K·V stages: loop placement (stage c on rank c % K)
     for every schedule but "zb-v", whose rank r holds stages r and 2K-1-r."""
+    if type(name) is str and type(K) is int and type(V) is int:
+        return _stage_to_rank_cached(name, K, V)
+    return _stage_to_rank(name, K, V)
+
+
+@lru_cache(maxsize=4096)
+def _stage_to_rank_cached(name: str, K: int, V: int) -> tuple[int, ...]:
+    return _stage_to_rank(name, K, V)
+
+
+def _stage_to_rank(name: str, K: int, V: int) -> tuple[int, ...]:
     key = _key(name)
     K, _, V = _sizes(key, K, 1, V)
     if key == "zb-v":

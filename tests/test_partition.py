@@ -236,7 +236,7 @@ def test_deterministic():
 def reference_split(costs, K, boundary, extra, memory, extra_mem, limit):
     """A plain O(K n^2) dynamic program over the module docstring's lexicographic objective (least slowest
     stage, then least sum of squares, then the latest cuts from the last cut backwards): no band, no bound,
-    no chunks. Integer costs keep every sum exact. None if no split fits."""
+    no row ranges. Integer costs keep every sum exact. None if no split fits."""
     n, inf = len(costs), float("inf")
 
     def cost(lo, hi):
@@ -267,10 +267,10 @@ def reference_split(costs, K, boundary, extra, memory, extra_mem, limit):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_banded_chunked_split_equals_a_plain_dp(seed):
-    """``split_stages`` narrows its search (a heuristic split's bound, rows per stage, stages prepared in
-    chunks): on random integer cases with up to 60 layers and 24 stages it picks exactly the split a plain
-    dynamic program over every stage picks."""
+def test_banded_split_equals_a_plain_dp(seed):
+    """``split_stages`` narrows its search (a heuristic split's bound, each stage's own rows and columns of
+    the band): on random integer cases with up to 60 layers and 24 stages it picks exactly the split a
+    plain dynamic program over every stage picks."""
     rng = random.Random(700 + seed)
     for _ in range(12):
         n = rng.randint(12, 60)

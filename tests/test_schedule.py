@@ -529,7 +529,7 @@ def test_check_refuses_a_third_weight_version():
 
 
 def test_memoised_size_checks_equal_the_plain_ones():
-    """``check_sizes`` and ``peak_inflight`` remember their answers for plain-int sizes (the search asks the
+    """``check_sizes``, ``peak_inflight`` and ``stage_to_rank`` remember their answers for plain-int sizes (the search asks the
     same few tens of thousands of times per plan): every answer, error message included, is the one the
     unmemoised functions give, asked twice, and numpy sizes take the plain path."""
     from ptplan.planner import schedule as sch
@@ -546,6 +546,7 @@ def test_memoised_size_checks_equal_the_plain_ones():
                 if want is None:
                     check_sizes(name, k, M, V)
                     assert peak_inflight(name, k, M, V) == sch._peak_inflight(name, K, M, V)
+                    assert stage_to_rank(name, k, V) == sch._stage_to_rank(name, K, V)
                 else:
                     with pytest.raises(ScheduleError) as err:
                         check_sizes(name, k, M, V)
