@@ -166,10 +166,16 @@ class PhaseSearch:
                                 for fs in ((False, True) if strategies == "auto" else (False,))
                                 for rc in ((False, True) if strategies == "auto" else (False,)))
         """The uniform strategies searched (the default first)."""
-        both = (0, 1, 2) if strategies == "auto" else (0,)
-        self.modes = tuple((t, f, r) for t in tps for f in both for r in both)
+        per_stage = ((0, 2), (2, 2), (1, 2)) if strategies == "auto" else ()
+        self.modes = tuple((t, f, r) for t in tps for f, r in ((0, 0), (0, 1), (1, 0), (1, 1), *per_stage)
+                           if strategies == "auto" or (f, r) == (0, 0))
         """(tp, FSDP mode, recomputation mode) per candidate family, modes as ``Candidate.mode``: 0 off, 1 on
-        every stage, 2 chosen per stage (FSDP modes 1 and 2 only where D > 1)."""
+        every stage, 2 chosen per stage. Every uniform strategy; then recomputation chosen per stage with FSDP
+        chosen per stage too, or on every stage (where D > 1: FSDP shards over the replicas), or off (only
+        where D = 1; where D > 1 choosing both per stage covers it: a stage takes FSDP only where that is
+        faster or the only fit). Choosing FSDP per stage with recomputation fixed is left out: recomputation
+        changes only a stage's busy time and memory, so the stage's own choice of it is never worse for the
+        split."""
         self._tables: dict[tuple, CostTable] = {}
         self.t = CostTable(profile, time_scale=cluster.concurrency_slowdown)
         self.n = profile.num_layers
@@ -250,7 +256,8 @@ class PhaseSearch:
                            host_read_bandwidth=self.cfg.host_read_bandwidth,
                            tp=cand.tp, fsdp=cand.fsdp, recompute=cand.recompute,
                            tp_ar=tp_allreduce_coeffs(self.c, cand.tp))
-        return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from)
+        return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from,
+                          shard_table=self.table_for(cand))
 
     def shapes(self, K: int, M: int, n_active: int) -> list[tuple[str, int]]:
         """(schedule, V) pairs that exist for K positions and M micro-batches and leave every stage a layer."""
@@ -305,7 +312,7 @@ class PhaseSearch:
         pin_m_used = cfg.pin_M is None
         for (tp, fm, rm), K in ((md, K) for md in self.modes for K in ks if (self.W // md[0]) % K == 0):
             D = self.W // (K * tp)
-            if fm and D == 1:  # FSDP shards over the replicas: none here
+            if fm and D == 1 or (fm, rm) == (0, 2) and D > 1:  # FSDP shards over replicas (none at D = 1)
                 continue
             bp = self.pipeline_batch(D)
             if bp is None:

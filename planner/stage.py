@@ -237,7 +237,10 @@ class Band:
 class StageModel:
     """Time and memory of any stage of one phase (see the module docstring); vectorised over stages."""
 
-    def __init__(self, table: CostTable, shape: PhaseShape, links: Links, *, fill_from: int = 0) -> None:
+    def __init__(self, table: CostTable, shape: PhaseShape, links: Links, *, fill_from: int = 0,
+                 shard_table: CostTable | None = None) -> None:
+        """``table``: the profile's; ``shard_table``: ``strategy.strategy_table`` of it for the shape's strategy
+        and these links, when the caller keeps one (``search.PhaseSearch.table_for``); made here otherwise."""
         self.t, self.shape, self.links = table, shape, links
         sh = shape
         if not 0 <= sh.frozen < table.n:
@@ -251,8 +254,8 @@ class StageModel:
         """FSDP's gathered-layer transient, held on every stage (0 without FSDP)."""
         self.raw = table
         """The profile's own table: the frozen prefix is never split or sharded (``strategy.py``)."""
-        table = strategy_table(table, st, sh.D, sh.tp_ar,
-                               (float(np.mean(links.ar_lat)), float(np.mean(links.ar_per_byte))))
+        table = shard_table if shard_table is not None else strategy_table(
+            table, st, sh.D, sh.tp_ar, (float(np.mean(links.ar_lat)), float(np.mean(links.ar_per_byte))))
         self.t = table
         self.sync = sh.D > 1 and not sh.fsdp
         """Whether the stage all-reduces its gradients after the pipeline (FSDP reduce-scatters them in
