@@ -532,10 +532,12 @@ def _find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, ru
 
 def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: _Source, run_id: dict[str, Any]
             ) -> tuple[Position, dict[str, Any]]:
-    """Enter the checkpoint's phase, then fill each rank's layers (weights, and optimizer state of the
-    active layers it owns) from the checkpoint: a reader of the file (``_Source.readers``) copies its own
-    layers' tensors from its mapped file (the others' are never read); the source rank sends the rest,
-    tensor by tensor from its mapped file, to the ranks that cannot read it."""
+    """Fill each rank's layers of the checkpoint's phase (weights, and optimizer state of the active layers
+    it owns) from the checkpoint, then enter that phase: a reader of the file (``_Source.readers``) copies
+    its own layers' tensors from its mapped file (the others' are never read); the source rank sends the
+    rest, tensor by tensor from its mapped file, to the ranks that cannot read it. Storage is given first
+    where the phase keeps each layer, so the switch moves nothing and a sharded stage (tp, FSDP) is built
+    from the loaded values."""
     src = source.rank
     data = None
     problem, payload = None, None
@@ -560,23 +562,25 @@ def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: _Source, run
     pos = Position(**meta["position"])
     index = phase_index(plan, pos.frozen_blocks)
     new = plan.phases[index]
-    need = needs(new, rt.n)
-    # storage where the phase needs it (nothing moves: every holder is about to be filled from the checkpoint)
-    info = rt.switch(index, have_weights=need, have_state=None)
     t0 = time.perf_counter()
+    cached = rt._caches(new)
+    held = holdings(new, rt.rank, rt.n, cached_prefix=cached)
+    for i, where in held.items():  # storage where the phase keeps the layer, about to be overwritten
+        if rt.store.where[i] != where:
+            rt.store.place(i, where, keep_values=False)
     keys = state_keys(rt.opt)
     active = range(new.frozen_layers, rt.n)
+    owned = [i for i in owned_layers(new, rt.rank, rt.n) if i in active]
     names = [[rt.names[id(p)] for p in ps] for ps in rt.layer_params]
     if data is not None:  # a reader: its own layers from its own file
         with torch.no_grad():
-            for i in rt.held:
+            for i in held:
                 for p, name in zip(rt.layer_params[i], names[i]):
                     p.copy_(data["model"][name])
-            for i in rt.owned:
+            for i in owned:
                 for p, name in zip(rt.layer_params[i], names[i]):
                     for v, k in zip(ensure_state(rt.opt, p), keys):
                         v.copy_(data["optim"][name][k])
-    cached = rt._caches(new)
     lacking = [r for r in range(rt.world) if r not in source.readers]
     weights = [Transfer(src=src, dst=r, layers=tuple(sorted(holdings(new, r, rt.n, cached_prefix=cached))))
                for r in lacking]
@@ -597,11 +601,15 @@ def _resume(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: _Source, run
     sent = exchange([t for t in weights if t.layers], rt.rank, weights_of, rt.device, batched=batched)
     sent += exchange([t for t in state if t.layers], rt.rank, state_of, rt.device, batched=batched)
     del data
+    load_s = time.perf_counter() - t0
+    need = needs(new, rt.n)  # every rank that needs a layer now holds it, and its owners its state
+    info = rt.switch(index, have_weights=need,
+                     have_state=[need[i] if i in active else frozenset() for i in range(rt.n)])
     rng = meta["rng"][rt.rank]
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    both = torch.tensor([time.perf_counter() - t0, sent], dtype=torch.float64, device=rt.device)
+    both = torch.tensor([load_s, sent], dtype=torch.float64, device=rt.device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     load_s = float(both[0].item())
     info = {**info, "seconds": info["seconds"] + load_s, "parts": {**info["parts"], "checkpoint": load_s},
