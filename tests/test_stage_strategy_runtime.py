@@ -53,9 +53,18 @@ def _plan_v2(model):
                                spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule="interleaved-1f1b", V=2)], MIXED_V2)
 
 
-def _run(name, optimizer, data, tmp, plan):
-    """The parity run, recording per rank after each step what its optimizer holds sharded and which layer
-    ranges ran under ``torch.utils.checkpoint`` in that step."""
+def _fsdp_params() -> int:
+    """Parameters in this process's optimizer that FSDP manages (DTensors on a mesh with a ``dp`` dimension)."""
+    from tests.test_hybrid_runtime import _OPTIMIZER
+    from torch.distributed.tensor import DTensor
+
+    return sum(isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ())
+               for g in _OPTIMIZER[0].param_groups for p in g["params"])
+
+
+def _run(name, optimizer, data, tmp, plan, world: int = 4):
+    """The parity run, recording per rank after each step what its optimizer holds sharded (and how many of
+    those parameters FSDP manages) and which layer ranges ran under ``torch.utils.checkpoint`` in that step."""
     from ptplan.executor.config import RunConfig
     from ptplan.executor.data import TensorDataset
     from ptplan.executor.testing import run_world
@@ -86,45 +95,69 @@ def _run(name, optimizer, data, tmp, plan):
 
         def after(step: int, r: int) -> None:
             with open(os.path.join(tmp, f"rank-{r}.jsonl"), "a") as fh:
-                fh.write(json.dumps([step, *_optimizer_params(r), sorted(seen)]) + "\n")
+                fh.write(json.dumps([step, *_optimizer_params(r), sorted(seen), _fsdp_params()]) + "\n")
             seen.clear()
 
         run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save,
                                                                           after_step=after))
 
-    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=150)
+    res = run_world(world, worker, tmpdir=tmp, timeout_s=60, deadline_s=240)
     assert res.ok, res.explain()
     snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
-    per_rank = {r: [json.loads(x) for x in open(os.path.join(tmp, f"rank-{r}.jsonl"))] for r in range(4)}
+    per_rank = {r: [json.loads(x) for x in open(os.path.join(tmp, f"rank-{r}.jsonl"))] for r in range(world)}
     return snaps, cfg.log, per_rank
+
+
+def _check(name, optimizer, plan, tmp, world: int = 4, chunks=None) -> float:
+    """Parity with the reference after every transition and at the end, every step's loss; per rank and step:
+    FSDP manages parameters exactly on the positions whose stage says fsdp (and shards them 1/D), tp splits
+    every position's, and exactly the chunks whose stage recomputes ran under ``checkpoint``."""
+    data = _data(_build(name))
+    snaps, log, per_rank = _run(name, optimizer, data, str(tmp), plan, world)
+    for r in range(world):
+        assert [x[0] for x in per_rank[r]] == list(range(1, 7))
+        for step, n, loc, full, ran, n_fsdp in per_rank[r]:
+            ph = plan.phases[COUNTS[step - 1]]
+            k = locate(ph, r).stage
+            if fsdp_chunks(ph, k):  # this position's stage is FSDP-sharded: 1/D of each parameter
+                assert n_fsdp > 0 and loc < full and (ph.tp > 1 or loc <= -(-full // ph.D) + n), (r, step, n, loc, full)
+            else:  # a plain data-parallel (or tp-only) stage of the same phase: nothing FSDP manages
+                assert n_fsdp == 0 and (n > 0) == (ph.tp > 1), (r, step, n, n_fsdp)
+            want = sorted(list(ph.partition[c]) for c in chunks_of(ph, k) if ph.recompute_at(c))
+            assert ran == want, (r, step, ran, want)  # checkpointed exactly where its stage recomputes
+    ref, ref_losses = reference(name, optimizer, data, **({} if chunks is None else {"chunks": chunks}))
+    assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
+    worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
+    steps = [x for x in read_records(log) if x["type"] == "step"]
+    assert len(steps) == len(ref_losses)
+    for x, want in zip(steps, ref_losses):
+        assert math.isclose(x["loss"], want, rel_tol=1e-5), (x["step"], x["loss"], want)
+    trans = [x for x in read_records(log) if x["type"] == "transition"]
+    assert trans[0]["bytes"]["optimizer_state"] > 0, trans
+    return worst
 
 
 @pytest.mark.parametrize("name,optimizer,V", [("bert-tiny", "sgd", 1), ("bert-tiny", "adamw", 1), ("gpt2-tiny", "sgd", 1),
                                               ("gpt2-tiny", "adamw", 1), ("bert-tiny", "sgd", 2)])
 def test_per_stage_strategies_through_transitions_match_reference(name, optimizer, V, tmp_path):
-    data = _data(_build(name))
     plan = (_plan if V == 1 else _plan_v2)(_build(name))
     assert [ph.mixed for ph in plan.phases] == [True, False, True]
     assert plan.phases[0].strategy_label == ("stages fsdp·rc | dp" if V == 1 else "stages fsdp·rc | dp | rc | fsdp")
-    snaps, log, per_rank = _run(name, optimizer, data, str(tmp_path), plan)
-    for r in range(4):
-        assert [s[0] for s in per_rank[r]] == list(range(1, 7))
-        for step, n, loc, full, ran in per_rank[r]:
-            ph = plan.phases[COUNTS[step - 1]]
-            k = locate(ph, r).stage
-            if fsdp_chunks(ph, k):  # this position's stage is FSDP-sharded: 1/D of each parameter
-                assert n > 0 and loc < full and loc <= -(-full // ph.D) + n, (r, step, n, loc, full)
-            else:  # a plain data-parallel stage of the same phase: nothing sharded
-                assert n == 0, (r, step, n)
-            want = sorted(list(ph.partition[c]) for c in chunks_of(ph, k) if ph.recompute_at(c))
-            assert ran == want, (r, step, ran, want)  # checkpointed exactly where its stage recomputes
-    ref, ref_losses = reference(name, optimizer, data)
-    assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
-    worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
+    worst = _check(name, optimizer, plan, tmp_path)
     print(f"parity per-stage strategies {name} {plan.phases[0].schedule} {optimizer}: max relative difference "
           f"{worst:.1e}")
-    steps = [x for x in read_records(log) if x["type"] == "step"]
-    for x, want in zip(steps, ref_losses):
-        assert math.isclose(x["loss"], want, rel_tol=1e-5), (x["step"], x["loss"], want)
-    trans = [x for x in read_records(log) if x["type"] == "transition"]
-    assert trans[0]["bytes"]["optimizer_state"] > 0, trans
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_per_stage_fsdp_next_to_tensor_parallel_on_eight_processes_matches_reference(optimizer, tmp_path):
+    """llama-tiny on 8 processes, K x D x tp = 2 x 2 x 2: stage 0 tp2 x FSDP (2-D mesh), stage 1 tp2 with
+    recomputation; then plain data parallel (K=2, D=4); then stage 0 tp2 with recomputation, stage 1 tp2 x FSDP."""
+    plan = _mixed_plan(_build("llama-tiny"), [spec(0, K=2, D=2, M=2, b=2, schedule="1f1b"),
+                                              spec(1, K=2, D=4, M=2, b=1, schedule="1f1b"),
+                                              spec(2, K=2, D=2, M=2, b=2, schedule="1f1b")],
+                       [(2, (True, False), (False, True)), (1, False, False), (2, (False, True), (True, False))])
+    assert [ph.strategy_label for ph in plan.phases] == ["tp2 · stages fsdp | rc", "dp", "tp2 · stages rc | fsdp"]
+    worst = _check("llama-tiny", optimizer, plan, tmp_path, world=8, chunks={0: 4, 1: 8, 2: 4})
+    print(f"parity per-stage strategies with tp2, 8 processes, llama-tiny 1f1b {optimizer}: max relative "
+          f"difference {worst:.1e}")
