@@ -17,8 +17,8 @@ twice in eval mode, as the runtime runs it. Setup runs before the runtime's firs
 the layers as built: each rank built only its stage of the first phase, so the prefix runs layer by
 layer on the ranks that hold it, its hidden state sent from one to the next, each layer run twice on
 the same input (``cache_guard.check_repeatable_layers``); on a GPU the check streams the host-memory
-layers through the device one at a time, as the fill does (``LayeredModel.run_layers``). A problem on any rank raises the same PtplanError on
-every rank before the first step, unless ``cache_allow_nondeterministic`` (then it is a note in the
+layers through the device one at a time, as the fill does (``LayeredModel.run_layers``). A problem on
+any rank raises the same PtplanError on every rank before the first step, unless ``cache_allow_nondeterministic`` (then it is a note in the
 ``cache_setup`` record). Dropout in the model is no reason to refuse: ptplan runs the frozen prefix
 in eval mode whether it caches it or not, so a cached row is exactly what recomputation gives.
 

@@ -19,8 +19,8 @@ layers' parameters stay on the meta device, and ``LayerStore`` turns them into e
 the same objects, with no storage), so no rank's host memory ever holds the whole model at the
 build -- bert-base at 4 even stages materialises 154.0, 99.1, 90.1 and 74.4 MiB of parameters on its
 ranks against 417.6 MiB for the whole model, peak resident memory 535, 482, 472 and 459 MiB against
-805 MiB, of which 392 MiB are the interpreter with torch and transformers (``bench/stage_build_bytes.py``). The first switch then moves nothing
-(every rank built what it needs); a model built whole (tests, ``custom_model``: the user's layers are
+805 MiB, of which 392 MiB are the interpreter with torch and transformers
+(``bench/stage_build_bytes.py``). The first switch then moves nothing (every rank built what it needs); a model built whole (tests, ``custom_model``: the user's layers are
 already materialised, left as they are) starts as every layer on HOST and is freed to the stage at
 the first switch. Initialisation does not depend on who builds a layer: each Hugging Face submodule is
 initialised from its own seed (``models.module_seed``), so a stage build equals the whole build on its

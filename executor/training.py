@@ -4,6 +4,10 @@ Per step: decide the frozen count (the plan's trajectory, or the adaptive gradie
 switch phase when it changes (``runtime.ElasticRuntime.switch``), take the next global batch of
 the epoch's order, train on this pipeline's shard, log. Checkpoints, resume, snapshots and the
 progress bar live here too. Every rank calls ``run_training`` with the same arguments.
+
+Before it, ``ptplan run``'s workers agree on the phase they start in (``start_phase``: phase 0's, or the
+checkpoint's on a resume) and each builds only its layers of that phase (``stage_layers``), so no rank
+ever materialises the whole model; ``run_training`` takes the model as built (see its docstring).
 """
 from __future__ import annotations
 
