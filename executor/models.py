@@ -1232,7 +1232,10 @@ class _WeightFiles:
                     self._where.update(dict.fromkeys(h.keys(), h))
             else:
                 for f in files:
-                    sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                    try:
+                        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+                    except RuntimeError:  # a legacy (pre-zip) file cannot be mapped: read whole
+                        sd = torch.load(f, map_location="cpu", weights_only=True)
                     self._where.update({k: sd for k in sd})
         except BaseException:
             self._stack.close()
