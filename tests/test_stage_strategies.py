@@ -256,6 +256,9 @@ def test_per_stage_lists_round_trip_old_plans_load_and_bad_lists_name_the_field(
             load_plan(tmp_path / "bad.json")
         r = CliRunner().invoke(cli, ["show", str(tmp_path / "bad.json"), "--out", str(tmp_path / "bad.html")])
         assert r.exit_code == 2 and "phases[0]" in r.output, r.output
+        r = CliRunner().invoke(cli, ["run", str(tmp_path / "bad.json"), "--model", "bert-tiny", "--nproc-per-node", "4",
+                                     "--dry-run"])
+        assert r.exit_code == 2 and "phases[0]" in r.output, r.output
 
     bad(lambda ph: ph.update(recompute=[True]), r"phases\[0\]\.recompute'.*1 entries for K\*V=2 stages")
     bad(lambda ph: ph.update(recompute=[True, 1]), r"phases\[0\]\.recompute\[1\]'.*true/false")
