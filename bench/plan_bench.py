@@ -9,7 +9,10 @@ every frozen count 0..L (the plan must serve adaptive runs), so 384 blocks means
 Also reported: how many candidates (K, M, cache) the bounds let through to the exact split and the
 simulator. The ``hybrid`` row is issue 14's target: every phase of a 48-block model (hidden 2048) on
 8 DGX H100 nodes (64 GPUs) searched with ``strategies="auto"`` (tensor parallel, FSDP, recomputation),
-global batch 1,024, in under 5 s. Prints a table and writes JSON (default bench/results/plan_bench.json).
+global batch 1,024, in under 5 s. Prints a table and writes JSON (default bench/results/plan_bench.json):
+wall-clock seconds (median, min, max of the repeats; the targets are on the median), the median CPU
+seconds of this process, all its threads (less sensitive to other work on a shared machine), and the
+load average at the start and the end.
 
     python bench/plan_bench.py [--repeats 3] [--out bench/results/plan_bench.json]
 """
@@ -40,7 +43,7 @@ def run_case(blocks: int, gpus: int, repeats: int) -> dict:
     cluster = Cluster.uniform(nodes=gpus // 8, gpus_per_node=8, like="dgx-h100")
     training = TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=8 * gpus)
     freeze = FreezePolicy(policy="geometric", alpha=1 / 3)
-    times, plan = [], None
+    times, cpu, plan = [], [], None
     evaluated = [0]
     real = PhaseSearch.evaluate
 
@@ -51,9 +54,10 @@ def run_case(blocks: int, gpus: int, repeats: int) -> dict:
     for r in range(repeats):
         PhaseSearch.evaluate = counting if r == 0 else real
         try:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = make_plan(prof, cluster, training, freeze)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         finally:
             PhaseSearch.evaluate = real
     assert plan is not None
@@ -61,7 +65,8 @@ def run_case(blocks: int, gpus: int, repeats: int) -> dict:
     target = TARGETS.get((blocks, gpus))
     med = statistics.median(times)
     return {"blocks": blocks, "layers": prof.num_layers, "gpus": gpus, "phases": len(plan.phases),
-            "median_s": med, "min_s": min(times), "max_s": max(times), "evaluated": evaluated[0],
+            "median_s": med, "min_s": min(times), "max_s": max(times), "cpu_median_s": statistics.median(cpu),
+            "evaluated": evaluated[0],
             "K_range": [min(Ks), max(Ks)], "cached_phases": sum(p.cache for p in plan.phases),
             "speedup": plan.totals.speedup, "target_s": target,
             "verdict": None if target is None else ("PASS" if med < target else "FAIL")}
@@ -73,18 +78,20 @@ def run_hybrid(repeats: int) -> dict:
 
     h = HYBRID
     prof = synthetic_profile(num_blocks=h["blocks"], hidden=h["hidden"], batch_sizes=(1, 2, 4, 8, 16, 32))
-    times, evaluated = [], 0
+    times, cpu, evaluated = [], [], 0
     for _ in range(repeats):
         s = PhaseSearch(prof, Cluster.uniform(nodes=h["gpus"] // 8, like="dgx-h100"),
                         TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=h["batch"]), strategies="auto")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for f in range(h["blocks"] + 1):
             s.search(f, Visit(samples=1e6))
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         evaluated = s.evaluated
     med = statistics.median(times)
     return {"blocks": h["blocks"], "layers": prof.num_layers, "gpus": h["gpus"], "phases": h["blocks"] + 1,
             "strategies": "auto", "median_s": med, "min_s": min(times), "max_s": max(times),
+            "cpu_median_s": statistics.median(cpu),
             "evaluated": evaluated, "target_s": h["target_s"], "verdict": "PASS" if med < h["target_s"] else "FAIL"}
 
 
@@ -93,22 +100,28 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/results/plan_bench.json")
     args = ap.parse_args()
+    load_start = os.getloadavg()
     rows = [run_case(b, g, args.repeats) for b in BLOCKS for g in GPUS]
     print(f"{'blocks':>6} {'layers':>6} {'GPUs':>5} {'phases':>6} {'median s':>9} {'min s':>7} {'max s':>7} "
-          f"{'evaluated':>9} {'K range':>9} {'cached':>6} {'speedup':>8} {'target':>8}")
+          f"{'CPU s':>7} {'evaluated':>9} {'K range':>9} {'cached':>6} {'speedup':>8} {'target':>8}")
     for r in rows:
         tgt = f"<{r['target_s']:g} s {r['verdict']}" if r["target_s"] else ""
         print(f"{r['blocks']:>6} {r['layers']:>6} {r['gpus']:>5} {r['phases']:>6} {r['median_s']:>9.3f} "
-              f"{r['min_s']:>7.3f} {r['max_s']:>7.3f} {r['evaluated']:>9} {str(r['K_range']):>9} "
+              f"{r['min_s']:>7.3f} {r['max_s']:>7.3f} {r['cpu_median_s']:>7.3f} {r['evaluated']:>9} {str(r['K_range']):>9} "
               f"{r['cached_phases']:>6} {r['speedup']:>7.2f}x {tgt:>8}")
     hy = run_hybrid(args.repeats)
     print(f"hybrid: {hy['blocks']} blocks on {hy['gpus']} GPUs, strategies auto, {hy['phases']} phases: median "
-          f"{hy['median_s']:.3f} s (min {hy['min_s']:.3f}, max {hy['max_s']:.3f}), {hy['evaluated']} evaluated, "
-          f"target <{hy['target_s']:g} s {hy['verdict']}")
+          f"{hy['median_s']:.3f} s (min {hy['min_s']:.3f}, max {hy['max_s']:.3f}, CPU {hy['cpu_median_s']:.3f}), "
+          f"{hy['evaluated']} evaluated, target <{hy['target_s']:g} s {hy['verdict']}")
+    load_end = os.getloadavg()
+    print(f"load average (1, 5, 15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
+          f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "plan", "machine": platform.machine(), "cpus": os.cpu_count(),
-                               "python": platform.python_version(), "repeats": args.repeats, "rows": rows, "hybrid": hy},
+                               "python": platform.python_version(), "repeats": args.repeats,
+                               "loadavg_start": list(load_start), "loadavg_end": list(load_end), "rows": rows,
+                               "hybrid": hy},
                               indent=1) + "\n")
     print(f"wrote {out}")
 
