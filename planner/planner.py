@@ -188,7 +188,12 @@ def _phase_ranks(links: Links, tp: int) -> tuple[tuple[int, ...], ...]:
     hit = _RANKS.get(key)
     if hit is not None and hit[0] is links:
         return hit[1]
-    table = tuple(map(tuple, (np.asarray(links.ranks, dtype=np.int64) * tp).tolist()))
+    ranks = links.ranks
+    if tp == 1 and type(ranks) is tuple and all(type(row) is tuple and all(type(r) is int for r in row)
+                                                for row in ranks):
+        table = ranks  # already plain ints (``replicate.layout``'s)
+    else:
+        table = tuple(map(tuple, (np.asarray(ranks, dtype=np.int64) * tp).tolist()))
     if len(_RANKS) >= 64:
         _RANKS.clear()
     _RANKS[key] = (links, table)
@@ -226,7 +231,8 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
                  predicted=pred, timeline=timeline, notes=tuple(notes), V=c.V,
                  actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                  tp=c.tp, fsdp=tuple(st.fsdp for st in ch.strategies) or c.fsdp,
-                 recompute=tuple(st.recompute for st in ch.strategies) or c.recompute)  # one value if all equal
+                 recompute=tuple(st.recompute for st in ch.strategies) or c.recompute,  # one value if all equal
+                 recompute_layers=tuple(st.recompute_layers for st in ch.strategies))
 
 
 def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, search: PhaseSearch,

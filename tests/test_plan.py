@@ -460,3 +460,6 @@ def test_phase_rank_tables_are_memoised_per_links_object():
                 assert got == fresh and all(type(r) is int for row in got for r in row)
     pl._RANKS.clear()
     assert pl._phase_ranks(links_for(cl, 4), 2) == tuple(map(tuple, (np.asarray(links_for(cl, 4).ranks) * 2).tolist()))
+    odd = replace(links_for(cl, 4), ranks=tuple(tuple(np.int64(r) for r in row) for row in links_for(cl, 4).ranks))
+    got = pl._phase_ranks(odd, 1)  # numpy ranks become plain ints
+    assert got == links_for(cl, 4).ranks and all(type(r) is int for row in got for r in row)
