@@ -82,7 +82,7 @@ def case(name: str, prof, cluster: Cluster, batch: int, frozen: list[int]) -> di
 def show(res: dict) -> None:
     print(f"\n{res['case']} on {res['cluster']} ({res['gpus']} GPUs, {res['params'] / 1e9:.2f} B parameters, "
           f"global batch {res['batch']}; searched in {res['search_s']:.1f} s)")
-    print(f"{'f':>3}  {'hybrid samples/s':>16} {'plan':<44} {'pp x dp':>10} {'plan':<16} {'fsdp':>10}  {'hyb/ppdp':>8} "
+    print(f"{'f':>3}  {'hybrid samples/s':>16} {'plan':<56} {'pp x dp':>10} {'plan':<16} {'fsdp':>10}  {'hyb/ppdp':>8} "
           f"{'hyb/fsdp':>8}")
     for r in res["rows"]:
         h, p, z = r["hybrid"], r["pp x dp"], r["fsdp"]
@@ -94,7 +94,7 @@ def show(res: dict) -> None:
             return (f"K{x['K']} D{x['D']} M{x['M']} {x['strategy']}" if x else "-")[:w].ljust(w)
 
         ratio = (lambda a, b: f"{a['samples_per_s'] / b['samples_per_s']:>8.2f}" if a and b else f"{'-':>8}")
-        print(f"{r['frozen']:>3}  {sps(h):>16} {plan(h, 44)} {sps(p)} {plan(p, 16)} {sps(z)}  {ratio(h, p)} {ratio(h, z)}")
+        print(f"{r['frozen']:>3}  {sps(h):>16} {plan(h, 56)} {sps(p)} {plan(p, 16)} {sps(z)}  {ratio(h, p)} {ratio(h, z)}")
 
 
 def main() -> None:

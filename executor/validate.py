@@ -70,6 +70,10 @@ def check_strategies(plan: Plan) -> None:
             raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
                               f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "
                               f"1f1b, gpipe or interleaved-1f1b, or with `ptplan plan --strategies off`")
+        if ph.schedule == "2bw" and ph.recompute_layers:
+            raise PtplanError(f"{what}: 2bw recomputes whole stages only (its loop checkpoints each micro-batch's "
+                              f"call on its weight version), not the first layers of one; make the plan with another "
+                              f"--schedule or with `ptplan plan --strategies off`")
         if ph.schedule == "2bw" and (ph.tp > 1 or ph.any_fsdp):
             raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
                               f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "

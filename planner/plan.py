@@ -140,6 +140,10 @@ class Phase:
     recompute: bool | tuple[bool, ...] = False
     """Activation recomputation: a stage keeps only its input per micro-batch. One value, or one per stage
     like ``fsdp``; read it with ``recompute_at(stage)``, ``any_recompute`` or ``stage_recompute``."""
+    recompute_layers: tuple[int, ...] = ()
+    """Galvatron's layer-wise recomputation: per stage (K·V entries), how many of its first active layers it
+    recomputes (one checkpoint unit; the rest keep their activations), 0 = all of them (or no recomputation);
+    empty = 0 everywhere (plans written before it load so). Read it with ``recompute_layers_at(stage)``."""
     slices: tuple[int, ...] = ()
     """Token slices (TeraPipe, causal LMs only): each micro-batch's sequence cut into these lengths (in
     tokens, summing to the profile's sequence length), which flow through the pipeline one after another;
@@ -157,6 +161,12 @@ class Phase:
                 raise PtplanError(f"Phase.{name} must be true/false or {S} of them (one per stage, K*V={S}), "
                                   f"got {v!r}")
             object.__setattr__(self, name, v[0] if len(set(v)) == 1 else v)
+        r = tuple(self.recompute_layers)
+        if r and (len(r) != S or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
+                  or any(x and not self.recompute_at(c) for c, x in enumerate(r))):
+            raise PtplanError(f"Phase.recompute_layers must be {S} counts >= 0 (one per stage), nonzero only where "
+                              f"the stage recomputes, got {r!r}")
+        object.__setattr__(self, "recompute_layers", () if not any(r) else r)
 
     @property
     def world(self) -> int:
@@ -170,6 +180,10 @@ class Phase:
     def recompute_at(self, stage: int) -> bool:
         """Whether stage (chunk) ``stage`` recomputes its activations (``recompute``)."""
         return self.recompute if isinstance(self.recompute, bool) else self.recompute[stage]
+
+    def recompute_layers_at(self, stage: int) -> int:
+        """How many of stage ``stage``'s first active layers it recomputes: 0 = all (``recompute_layers``)."""
+        return self.recompute_layers[stage] if self.recompute_layers else 0
 
     @property
     def stage_fsdp(self) -> tuple[bool, ...]:
@@ -192,11 +206,13 @@ class Phase:
     @property
     def mixed(self) -> bool:
         """Whether the stages' strategies differ (``fsdp`` or ``recompute`` stored per stage)."""
-        return not (isinstance(self.fsdp, bool) and isinstance(self.recompute, bool))
+        return not (isinstance(self.fsdp, bool) and isinstance(self.recompute, bool)) or \
+            len(set(self.recompute_layers)) > 1
 
     def stage_label(self, stage: int) -> str:
         """One stage's FSDP/recomputation part of the strategy: ``fsdp·rc``, ``fsdp``, ``rc`` or ``dp``."""
-        parts = (["fsdp"] if self.fsdp_at(stage) else []) + (["rc"] if self.recompute_at(stage) else [])
+        parts = (["fsdp"] if self.fsdp_at(stage) else []) + \
+            ([f"rc{self.recompute_layers_at(stage) or ''}"] if self.recompute_at(stage) else [])
         return "·".join(parts) or "dp"
 
     @property
@@ -204,7 +220,8 @@ class Phase:
         """Short text of the strategy, e.g. ``tp2·fsdp·rc``; ``dp`` for plain data parallel. A phase whose
         stages differ lists them in stage order, runs of equal stages as ``×n``: ``tp2 · stages
         fsdp·rc | fsdp | dp×2`` (``strategy.phase_label``)."""
-        return phase_label(self.tp, self.stage_fsdp, self.stage_recompute)
+        return phase_label(self.tp, self.stage_fsdp, self.stage_recompute,
+                           [self.recompute_layers_at(c) for c in range(self.K * self.V)])
 
     @property
     def stages(self) -> int:
@@ -362,6 +379,9 @@ class Plan:
         """Plain JSON types (lists, not tuples), ready for json.dumps or the validator."""
         d = json.loads(json.dumps(asdict(self)))
         d["inputs"]["cluster"] = self.inputs.cluster.to_json()
+        for ph in (*d["phases"], d["baseline"]["phase"]):  # written only where a stage recomputes part of itself
+            if not ph["recompute_layers"]:
+                del ph["recompute_layers"]
         return {"schema": d.pop("schema"), **d}
 
 
@@ -433,6 +453,28 @@ def _per_stage(f: Fields, key: str, *, S: int, D: int) -> bool | tuple[bool, ...
     return tuple(raw)
 
 
+def _recompute_layers(f: Fields, parts: list[tuple[int, int]], recompute: bool | tuple[bool, ...]
+                      ) -> tuple[int, ...]:
+    """``Phase.recompute_layers``: per stage, 1 <= r < its layer count where it recomputes (its first r
+    layers), else 0; empty (the default) = 0 everywhere."""
+    raw = f.list("recompute_layers", [])
+    if not raw:
+        return ()
+    key = f"{f.path}.recompute_layers"
+    if len(raw) != len(parts):
+        raise SchemaError(f.what, key, f"has {len(raw)} entries for K*V={len(parts)} stages", "Re-run `ptplan plan`")
+    for i, (r, (lo, hi)) in enumerate(zip(raw, parts)):
+        rc = recompute if isinstance(recompute, bool) else recompute[i]
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise SchemaError(f.what, f"{key}[{i}]", f"expected a layer count >= 0, got {r!r}", "Re-run `ptplan plan`")
+        if r and not rc:
+            raise SchemaError(f.what, f"{key}[{i}]", f"is {r} but stage {i} does not recompute", "Re-run `ptplan plan`")
+        if r >= hi - lo:
+            raise SchemaError(f.what, f"{key}[{i}]", f"is {r} but stage {i} has {hi - lo} layers (0 recomputes all "
+                              f"of them)", "Re-run `ptplan plan`")
+    return tuple(raw)
+
+
 def _phase(f: Fields, num_layers: int, seq_len: int | None = None, family: str | None = None) -> Phase:
     Fields(f.obj, f.what, f.path, allowed=_names(Phase))
     K, D, M = f.int("K", min=1), f.int("D", min=1), f.int("M", min=1)
@@ -495,6 +537,7 @@ def _phase(f: Fields, num_layers: int, seq_len: int | None = None, family: str |
                  ranks=tuple(tuple(r) for r in ranks), predicted=pred, timeline=tuple(tl), notes=tuple(notes),
                  V=V, actions=tuple(actions), tp=tp, fsdp=_per_stage(f, "fsdp", S=K * V, D=D),
                  recompute=_per_stage(f, "recompute", S=K * V, D=D),
+                 recompute_layers=_recompute_layers(f, parts, _per_stage(f, "recompute", S=K * V, D=D)),
                  slices=_slices(f, V=V, tp=tp, seq_len=seq_len, family=family))
 
 

@@ -231,7 +231,8 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
                  predicted=pred, timeline=timeline, notes=tuple(notes), V=c.V,
                  actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                  tp=c.tp, fsdp=tuple(st.fsdp for st in ch.strategies) or c.fsdp,
-                 recompute=tuple(st.recompute for st in ch.strategies) or c.recompute)  # one value if all equal
+                 recompute=tuple(st.recompute for st in ch.strategies) or c.recompute,  # one value if all equal
+                 recompute_layers=tuple(st.recompute_layers for st in ch.strategies))
 
 
 def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, search: PhaseSearch,

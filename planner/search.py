@@ -51,6 +51,8 @@ from .strategy import Strategy, min_table, phase_label, strategy_table, tp_allre
 from .tp_split import tp_refusal
 
 GiB = float(1 << 30)
+LAYERWISE = (1, 2, 4, 8, 16, 32)
+"""Layer counts a stage may recompute from its start, short of all of its layers (``stage_options``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,12 +85,15 @@ class Candidate:
     fsdp_per_stage: bool = False
     """Each stage chooses FSDP on or off (``stage.StageChoice``: the fastest that fits its memory)."""
     recompute_per_stage: bool = False
-    """Each stage chooses recomputation on or off, likewise."""
+    """Each stage chooses recomputation on or off, likewise, and how many of its first layers to recompute
+    (``PhaseSearch.model``)."""
+    recompute_layers: int = 0
+    """With ``recompute``: only the first r layers of each stage (0 = all); set for ``StageChoice``'s models."""
 
     @property
     def strategy(self) -> Strategy:
         """The strategy of every stage (per-stage choices: off here, see ``options``)."""
-        return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute)
+        return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute, recompute_layers=self.recompute_layers)
 
     @property
     def per_stage(self) -> bool:
@@ -135,7 +140,8 @@ class Choice:
     def label(self) -> str:
         """The strategy as text (``strategy.phase_label``: per stage where the stages differ)."""
         sts = self.strategies or (self.cand.strategy,) * self.cand.S
-        return phase_label(self.cand.tp, [st.fsdp for st in sts], [st.recompute for st in sts])
+        return phase_label(self.cand.tp, [st.fsdp for st in sts], [st.recompute for st in sts],
+                           [st.recompute_layers for st in sts])
     notes: tuple[str, ...] = ()
     links: Links | None = field(default=None, repr=False)
 
@@ -242,9 +248,22 @@ class PhaseSearch:
         choosing under the limit the split uses."""
         if cand.per_stage:
             return StageChoice([self.uniform_model(replace(cand, fsdp_per_stage=False, recompute_per_stage=False,
-                                                           fsdp=st.fsdp, recompute=st.recompute), n0, fill_from)
-                                for st in cand.options], self.stage_limit(cand))
+                                                           fsdp=st.fsdp, recompute=st.recompute,
+                                                           recompute_layers=st.recompute_layers), n0, fill_from)
+                                for st in self.stage_options(cand, n0)], self.stage_limit(cand))
         return self.uniform_model(cand, n0, fill_from)
+
+    def stage_options(self, cand: Candidate, n0: int) -> list[Strategy]:
+        """The strategies ``StageChoice`` offers each stage of a per-stage candidate: ``Candidate.options``, and
+        where recomputation is chosen per stage also recomputing only the first r layers (Galvatron's
+        layer-wise choice, r = 1, 2, 4, ... below the active layers), before recomputing them all."""
+        out: list[Strategy] = []
+        n_active = self.n - n0
+        for st in cand.options:
+            if st.recompute and cand.recompute_per_stage:
+                out += [replace(st, recompute_layers=r) for r in LAYERWISE if r < n_active]
+            out.append(st)
+        return out
 
     def uniform_model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel:
         """The stage model of the candidate's one strategy (``Candidate.strategy``) on every stage."""
@@ -255,6 +274,7 @@ class PhaseSearch:
                            action_overhead_s=self.c.action_overhead_s,
                            host_read_bandwidth=self.cfg.host_read_bandwidth,
                            tp=cand.tp, fsdp=cand.fsdp, recompute=cand.recompute,
+                           recompute_layers=cand.recompute_layers,
                            tp_ar=tp_allreduce_coeffs(self.c, cand.tp))
         return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from,
                           shard_table=self.table_for(cand))

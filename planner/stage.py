@@ -62,6 +62,16 @@ reduce-scatter joins the backward and replaces the all-reduce and its flat buffe
 FSDP's gathered-layer transient (``gather_bytes``). The frozen prefix keeps the profile's own numbers
 (stage 0 holds and runs it whole). The default (tp=1, no FSDP) leaves every number above unchanged.
 
+Layer-wise recomputation (Galvatron's, ``PhaseShape.recompute_layers`` = r >= 1): only the stage's first r
+active layers [lo, R), R = min(lo + r, hi), are one checkpoint unit; the others keep their activations:
+
+    backward += Σ forward[lo:R]
+    per_mb    = b · (out[lo-1] + Σ saved[R:hi] + out[hi-1])     (their input, the others' activations)
+    w         = b · (Σ saved[lo:R] + out[R-1])                  (the unit's activations, rebuilt)
+
+(a stage of r layers or fewer recomputes them all, as above). ``executor/runtime.recompute_first`` runs
+exactly this; ``tests/test_stage_strategy_runtime.py`` counts the saved bytes with ``saved_tensors_hooks``.
+
 One ``StageModel`` prices every stage with one strategy. ``StageChoice`` prices stages whose strategies
 differ (issue 14, per stage): over one ``StageModel`` per strategy of the same phase, each candidate stage
 takes the fastest strategy that fits the memory limit, so the partitioner's exact split chooses the split
@@ -79,7 +89,7 @@ What the executor holds is exactly this: a rank materialises only its stage's la
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -179,6 +189,9 @@ class PhaseShape:
     recompute: bool = False
     """Activation recomputation: a micro-batch in flight holds only the stage's input, and the backward
     first reruns the stage's forward."""
+    recompute_layers: int = 0
+    """With recomputation: only the stage's first r active layers are recomputed (0 = all of them; a stage
+    of r layers or fewer recomputes them all)."""
     own_p2p: bool = False
     """The stage exchanges messages in ptplan's own point-to-point loop (PipeDream-2BW,
     ``executor/twobw.py``), not torch.distributed.pipelining's: no receive buffer per micro-batch; a
@@ -210,7 +223,8 @@ class PhaseShape:
                               f"or 2 with PipeDream-2BW")
         if not isinstance(self.recompute, bool):
             raise PtplanError(f"PhaseShape: recompute must be true or false, got {self.recompute!r}")
-        Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute)  # validates tp and fsdp
+        Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute,
+                 recompute_layers=self.recompute_layers)  # validates tp, fsdp and the recomputed layers
 
 
 @dataclass(frozen=True)
@@ -265,9 +279,11 @@ class StageModel:
         f = OPTIMIZER_STATE_FACTOR[sh.optimizer]
         self.cum_state = (sh.weight_versions + f) * table.cum_param + table.cum_grad
         """Additive lower bound of a stage's memory (prefix sums): weights (every version) + gradients + state."""
-        self.cum_time_lb = self.times.cum_fb + (self.times.cum_fwd if sh.recompute else 0.0)
+        self.cum_time_lb = self.times.cum_fb + (self.times.cum_fwd if sh.recompute and not sh.recompute_layers
+                                                else 0.0)
         """Additive lower bound of a stage's busy time (prefix sums): forward + backward (+ the recomputed
-        forward)."""
+        forward when the whole stage recomputes)."""
+        self._index = np.arange(table.n + 1)
         self.ovh = sh.action_overhead_s if sh.K > 1 else 0.0
         self.opt_temp = 0.0 if sh.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[sh.optimizer]
         n0, b, M = sh.frozen, sh.b, sh.M
@@ -301,11 +317,15 @@ class StageModel:
     def strategy(self) -> Strategy:
         """The strategy every stage of this model uses."""
         sh = self.shape
-        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute)
+        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, recompute_layers=sh.recompute_layers)
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
-        """Each stage's strategy in a split: this model's one (``StageChoice`` chooses per stage)."""
-        return (self.strategy,) * len(self.check_ranges(ranges)[0])
+        """Each stage's strategy in a split: this model's one (``StageChoice`` chooses per stage); a stage that
+        recomputes its first r layers but has no more than r recomputes them all (``recompute_layers`` 0)."""
+        lo, hi = self.check_ranges(ranges)
+        st, r = self.strategy, self.shape.recompute_layers
+        whole = replace(st, recompute_layers=0)
+        return tuple(whole if r and r >= b - a else st for a, b in zip(lo.tolist(), hi.tolist()))
 
     # ---- vectorised evaluation -------------------------------------------------------------
     def band(self, I: Any, J: np.ndarray) -> Band:
@@ -322,6 +342,17 @@ class StageModel:
         out_J = t.out_per_sample[J - 1]
         in_bytes = b * at_I(self._out_before)
         full = b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J)
+        r = self.shape.recompute_layers
+        if self.shape.recompute and r:  # the first r layers: their input stashed, the rest's activations kept
+            R = np.minimum(at_I(self._index) + r, J)
+            whole = R >= J
+            tm = self.times
+            part_mb = in_bytes + b * (t.cum_saved[J] - t.cum_saved[R] + out_J)
+            part_w = b * (t.cum_saved[R] - at_I(t.cum_saved) + t.out_per_sample[R - 1])
+            return Band(I=I, J=J, fb=tm.cum_fb[J] - at_I(tm.cum_fb) + tm.cum_fwd[R] - at_I(tm.cum_fwd),
+                        state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
+                        per_mb=np.where(whole, in_bytes, part_mb), in_bytes=in_bytes, out_bytes=b * out_J,
+                        working=np.where(whole, full, part_w))
         if self.shape.recompute:  # the stashed input per micro-batch; one working set rebuilt at a time
             return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb),
                         state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
@@ -393,6 +424,24 @@ class StageModel:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)
         return t, static, per_mb, after, self._inflight[si]
 
+    def peak_upper(self, terms: tuple[np.ndarray, ...]) -> np.ndarray:
+        """Bytes that the prepared stages' peak is at most at any position: ``_combine`` with every
+        position-dependent term on at once (both receive buffers, stage 0's prefix or cache, the most
+        micro-batches in flight), each of which only adds."""
+        sh = self.shape
+        _, inb, outb, state, per_mb, after, w = terms
+        if sh.own_p2p:
+            static = state + outb + self.stage0_static
+            per = per_mb if sh.recompute else per_mb + inb
+        else:
+            static, per = state + sh.M * (inb + outb) + self.stage0_static, per_mb
+        static = static + self.extra_static
+        if self.stage0_after:
+            after = np.maximum(after, self.stage0_after)
+        if sh.recompute:
+            static, after = static + w, np.maximum(after - w, 0.0)
+        return peak_bytes(static, per, float(self._inflight.max()), after)
+
     def evaluate(self, s: int, terms: tuple[np.ndarray, ...], cols: slice = slice(None)
                  ) -> tuple[np.ndarray, np.ndarray]:
         """(busy seconds, peak bytes) of the prepared stages as stage s (see the module docstring)."""
@@ -446,8 +495,9 @@ class StageModel:
         ar = (L.ar_lat + (t.cum_sync[hi] - t.cum_sync[lo]) * L.ar_per_byte) if self.sync else np.zeros(K)
         fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
         bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
-        if sh.recompute:  # the backward reruns the stage's forward first
-            bwd = bwd + (tm.cum_fwd[hi] - tm.cum_fwd[lo])
+        if sh.recompute:  # the backward reruns the (first r layers' of the) stage's forward first
+            upto = np.minimum(lo + sh.recompute_layers, hi) if sh.recompute_layers else hi
+            bwd = bwd + (tm.cum_fwd[upto] - tm.cum_fwd[lo])
         bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
         opt = t.cum_opt_s[hi] - t.cum_opt_s[lo]
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
@@ -478,7 +528,10 @@ class StageChoice:
     the model it chose, exactly as that model alone gives them (the simulator takes per-stage costs).
 
     ``models[0]`` must never be slower than the others on any stage (the search gives the simplest first: no
-    FSDP, no recomputation); then wherever it fits every candidate stage, the others are not evaluated.
+    FSDP, no recomputation); then where it fits every candidate stage at every position (``peak_upper``) the
+    others are not prepared, and where it fits every stage asked for they are not evaluated. The search's
+    models also recompute only a stage's first 1, 2, 4, ... layers (Galvatron's layer-wise choice), so each
+    stage takes the least recomputation that fits.
     """
 
     def __init__(self, models: Sequence[StageModel], limit: float) -> None:
@@ -494,7 +547,8 @@ class StageChoice:
         """Prefix sums of each layer's least busy-time lower bound over the models."""
         self.cum_state = _cum_min([m.cum_state for m in models])
         """Prefix sums of each layer's least memory lower bound over the models."""
-        self._index = np.arange(a.n + 1)
+        self._k0 = len(a.prepare(np.array([a.start]), np.array([a.n])))
+        """How many arrays one model's prepared terms are."""
 
     def _pick(self, got: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(time, peak, model index) per stage from each model's (time, peak)."""
@@ -516,46 +570,47 @@ class StageChoice:
 
     # ---- the partitioner's protocol (``partition._StageFamily``) ------------------------------
     def prepare(self, I: Any, J: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The stages' start and end indices, then the first model's prepared terms: one flat tuple of arrays
-        of the band's shape (the partitioner may slice each of them). The other models prepare their terms
-        only where the first one does not fit everywhere (``_others``)."""
-        Iv = I.take_from(self._index) if hasattr(I, "take_from") else np.asarray(I)
-        Iv, Jv = np.broadcast_arrays(Iv, J)
-        return (Iv, Jv, *self.models[0].prepare(I, J))
+        """The first model's prepared terms when it fits every candidate stage at every position
+        (``StageModel.peak_upper``: then it is every stage's choice, being never slower), else every model's:
+        one flat tuple of arrays of the band's shape either way (the partitioner may slice each of them)."""
+        t0 = self.models[0].prepare(I, J)
+        if len(self.models) == 1 or bool(np.all(self.models[0].peak_upper(t0) <= self.limit)):
+            return t0
+        return t0 + tuple(x for m in self.models[1:] for x in m.prepare(I, J))
 
-    def _others(self, got0: tuple[np.ndarray, np.ndarray], terms: tuple[np.ndarray, ...], cols: slice,
-                run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(time, peak, model) from the first model's (time, peak): where it fits every stage it is the answer
-        (the first model is never slower: recomputation adds a forward, FSDP all-gathers and reduce-scatters),
-        else every model is evaluated (``run(model, its terms)``) and ``_pick`` chooses."""
-        t0, m0 = got0
-        if np.all(np.asarray(m0) <= self.limit):
+    def _split(self, terms: tuple[np.ndarray, ...]) -> list[tuple[np.ndarray, ...]]:
+        k = len(terms) // len(self.models)
+        return [tuple(terms[i * k:(i + 1) * k]) for i in range(len(self.models))]
+
+    def _each(self, terms: tuple[np.ndarray, ...], run: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(time, peak, model) per stage: the first model's where only its terms were prepared or where it
+        fits every stage asked for, else ``_pick`` over every model's (``run(model, its terms)``)."""
+        parts = self._split(terms) if len(terms) > self._k0 else [terms]
+        t0, m0 = run(self.models[0], parts[0])
+        if len(parts) == 1 or bool(np.all(np.asarray(m0) <= self.limit)):
             return np.asarray(t0, dtype=float), np.asarray(m0, dtype=float), np.zeros(np.shape(m0), dtype=np.int64)
-        I, J = terms[0][..., cols], terms[1][..., cols]
-        return self._pick([got0, *(run(m, m.prepare(I, J)) for m in self.models[1:])])
+        return self._pick([(t0, m0), *(run(m, x) for m, x in zip(self.models[1:], parts[1:]))])
 
     def evaluate(self, s: int, terms: tuple[np.ndarray, ...], cols: slice = slice(None)
                  ) -> tuple[np.ndarray, np.ndarray]:
-        got0 = self.models[0].evaluate(s, terms[2:], cols)
-        t, mem, _ = self._others(got0, terms, cols, lambda m, x: m.evaluate(s, x))
+        t, mem, _ = self._each(terms, lambda m, x: m.evaluate(s, x, cols))
         return t, mem
 
     def evaluate_split(self, terms: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
-        got0 = self.models[0].evaluate_split(terms[2:])
-        t, mem, _ = self._others(got0, terms, slice(None), lambda m, x: m.evaluate_split(x))
+        t, mem, _ = self._each(terms, lambda m, x: m.evaluate_split(x))
         return t, mem
 
     # ---- one split -------------------------------------------------------------------------
     def choose(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """The model (index into ``models``) each stage of a split takes."""
         lo, hi = self.models[0].check_ranges(ranges)
-        terms = self.prepare(lo, hi)
-        _, _, idx = self._others(self.models[0].evaluate_split(terms[2:]), terms, slice(None),
-                                 lambda m, x: m.evaluate_split(x))
+        _, _, idx = self._each(self.prepare(lo, hi), lambda m, x: m.evaluate_split(x))
         return tuple(int(i) for i in idx)
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
-        return tuple(self.models[i].strategy for i in self.choose(ranges))
+        picks = self.choose(ranges)
+        each = {i: self.models[i].stage_strategies(ranges) for i in set(picks)}
+        return tuple(each[i][s] for s, i in enumerate(picks))
 
     def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
         picks = self.choose(ranges)

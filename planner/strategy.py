@@ -72,6 +72,9 @@ class Strategy:
     """Sharded data parallel (ZeRO-3) over the D replicas instead of plain all-reduce DP."""
     recompute: bool = False
     """Activation recomputation: keep only the stage's input per micro-batch."""
+    recompute_layers: int = 0
+    """With recomputation, Galvatron's layer-wise choice: only the stage's first r active layers are
+    recomputed (one checkpoint unit), the others keep their activations; 0 = every layer of the stage."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1 or self.tp & (self.tp - 1):
@@ -79,41 +82,47 @@ class Strategy:
         for name in ("fsdp", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise PtplanError(f"strategy {name} must be true or false, got {getattr(self, name)!r}")
+        r = self.recompute_layers
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0 or (r and not self.recompute):
+            raise PtplanError(f"strategy recompute_layers={r!r}: recompute the first r >= 1 layers (with "
+                              f"recomputation on), or 0 for the whole stage")
 
     @property
     def label(self) -> str:
-        """Short text, e.g. ``tp2·fsdp·rc``; ``dp`` for the default."""
+        """Short text, e.g. ``tp2·fsdp·rc``; ``dp`` for the default; ``rc2``: the first 2 layers recomputed."""
         parts = ([f"tp{self.tp}"] if self.tp > 1 else []) + (["fsdp"] if self.fsdp else []) + \
-            (["rc"] if self.recompute else [])
+            ([f"rc{self.recompute_layers or ''}"] if self.recompute else [])
         return "·".join(parts) or "dp"
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Inverse of ``label``."""
-        tp, fsdp, rc = 1, False, False
+        tp, fsdp, rc, r = 1, False, False, 0
         for part in text.split("·"):
             if m := re.fullmatch(r"tp(\d+)", part):
                 tp = int(m.group(1))
             elif part == "fsdp":
                 fsdp = True
-            elif part == "rc":
-                rc = True
+            elif m := re.fullmatch(r"rc(\d*)", part):
+                rc, r = True, int(m.group(1) or 0)
             elif part != "dp":
                 raise PtplanError(f"strategy {text!r}: unknown part {part!r}; write e.g. tp2·fsdp·rc or dp")
-        return cls(tp=tp, fsdp=fsdp, recompute=rc)
+        return cls(tp=tp, fsdp=fsdp, recompute=rc, recompute_layers=r)
 
     @property
     def is_default(self) -> bool:
         return self.tp == 1 and not self.fsdp and not self.recompute
 
 
-def phase_label(tp: int, fsdp: Sequence[bool], recompute: Sequence[bool]) -> str:
-    """A phase's strategy as text from its stages' FSDP and recomputation flags: one strategy for every stage
-    is its ``Strategy.label`` (``tp2·fsdp·rc``, ``dp``); stages that differ are listed in stage order, runs of
-    equal ones as ``×n``: ``tp2 · stages fsdp·rc | fsdp | dp×2``."""
-    labels = ["·".join((["fsdp"] if f else []) + (["rc"] if r else [])) or "dp" for f, r in zip(fsdp, recompute)]
+def phase_label(tp: int, fsdp: Sequence[bool], recompute: Sequence[bool], layers: Sequence[int] = ()) -> str:
+    """A phase's strategy as text from its stages' FSDP and recomputation flags (and recomputed layer counts,
+    0 = all): one strategy for every stage is its ``Strategy.label`` (``tp2·fsdp·rc``, ``dp``); stages that
+    differ are listed in stage order, runs of equal ones as ``×n``: ``tp2 · stages fsdp·rc2 | fsdp | dp×2``."""
+    layers = list(layers) or [0] * len(recompute)
+    labels = [Strategy(fsdp=f, recompute=r, recompute_layers=k).label for f, r, k in zip(fsdp, recompute, layers)]
     if len(set(labels)) <= 1:
-        return Strategy(tp=tp, fsdp=bool(fsdp) and fsdp[0], recompute=bool(recompute) and recompute[0]).label
+        return Strategy(tp=tp, fsdp=bool(fsdp) and fsdp[0], recompute=bool(recompute) and recompute[0],
+                        recompute_layers=layers[0] if layers else 0).label
     names: list[str] = []
     counts: list[int] = []
     for lb in labels:

@@ -195,7 +195,8 @@ def _strategy_words(ph: Phase) -> str:
         parts.append(f"FSDP{on} (sharded over the D={ph.D} replicas)")
     if rc:
         on = "" if len(rc) == S else f" on stage{'s' if len(rc) > 1 else ''} {_ranges(rc)}"
-        parts.append(f"activation recomputation{on}")
+        some = [f"stage {c}: its first {ph.recompute_layers_at(c)} layers" for c in rc if ph.recompute_layers_at(c)]
+        parts.append(f"activation recomputation{on}" + (f" ({'; '.join(some)})" if some else ""))
     return ", ".join(parts) or "plain data parallel"
 
 

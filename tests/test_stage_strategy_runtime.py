@@ -40,6 +40,20 @@ def _plan(model):
                                spec(2, K=2, D=2, M=4, b=1, ranks=l1, schedule="1f1b")], MIXED)
 
 
+def _plan_layerwise(model):
+    """``_plan`` with Galvatron's layer-wise recomputation: phase 0's stage 0 (5 layers) recomputes only its first
+    2, phase 2's stage 0 (3 layers) only its first one."""
+    import dataclasses
+
+    from ptplan.planner.plan import plan_from_json
+
+    plan = _plan(model)
+    layers = {0: (2, 0), 2: (1, 0)}
+    phases = tuple(dataclasses.replace(ph, recompute_layers=layers.get(i, ())) for i, ph in enumerate(plan.phases))
+    plan = dataclasses.replace(plan, phases=phases)
+    return plan_from_json(json.loads(json.dumps(plan.to_json())), source="test plan")
+
+
 MIXED_V2 = [((True, False, False, True), (True, False, True, False)),  # K=2, V=2: position 0 runs chunks 0
             (False, True),                                              # (fsdp·rc) and 2 (rc), position 1
             ((True, False), (False, True))]                             # chunks 1 (dp) and 3 (fsdp)
@@ -123,8 +137,10 @@ def _check(name, optimizer, plan, tmp, world: int = 4, chunks=None) -> float:
                 assert n_fsdp > 0 and loc < full and (ph.tp > 1 or loc <= -(-full // ph.D) + n), (r, step, n, loc, full)
             else:  # a plain data-parallel (or tp-only) stage of the same phase: nothing FSDP manages
                 assert n_fsdp == 0 and (n > 0) == (ph.tp > 1), (r, step, n, n_fsdp)
-            want = sorted(list(ph.partition[c]) for c in chunks_of(ph, k) if ph.recompute_at(c))
-            assert ran == want, (r, step, ran, want)  # checkpointed exactly where its stage recomputes
+            want = sorted([ph.partition[c][0], ph.partition[c][0] + ph.recompute_layers_at(c)]
+                          if ph.recompute_layers_at(c) else list(ph.partition[c])
+                          for c in chunks_of(ph, k) if ph.recompute_at(c))
+            assert ran == want, (r, step, ran, want)  # checkpointed exactly where (and what) its stage recomputes
     ref, ref_losses = reference(name, optimizer, data, **({} if chunks is None else {"chunks": chunks}))
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
@@ -138,14 +154,16 @@ def _check(name, optimizer, plan, tmp, world: int = 4, chunks=None) -> float:
 
 
 @pytest.mark.parametrize("name,optimizer,V", [("bert-tiny", "sgd", 1), ("bert-tiny", "adamw", 1), ("gpt2-tiny", "sgd", 1),
-                                              ("gpt2-tiny", "adamw", 1), ("bert-tiny", "sgd", 2)])
+                                              ("gpt2-tiny", "adamw", 1), ("bert-tiny", "sgd", 2),
+                                              ("bert-tiny", "adamw", "layerwise"), ("gpt2-tiny", "sgd", "layerwise")])
 def test_per_stage_strategies_through_transitions_match_reference(name, optimizer, V, tmp_path):
-    plan = (_plan if V == 1 else _plan_v2)(_build(name))
+    plan = {1: _plan, 2: _plan_v2, "layerwise": _plan_layerwise}[V](_build(name))
     assert [ph.mixed for ph in plan.phases] == [True, False, True]
-    assert plan.phases[0].strategy_label == ("stages fsdp·rc | dp" if V == 1 else "stages fsdp·rc | dp | rc | fsdp")
+    assert plan.phases[0].strategy_label == {1: "stages fsdp·rc | dp", 2: "stages fsdp·rc | dp | rc | fsdp",
+                                             "layerwise": "stages fsdp·rc2 | dp"}[V]
     worst = _check(name, optimizer, plan, tmp_path)
-    print(f"parity per-stage strategies {name} {plan.phases[0].schedule} {optimizer}: max relative difference "
-          f"{worst:.1e}")
+    print(f"parity per-stage strategies {name} {plan.phases[0].schedule} {optimizer} {plan.phases[0].strategy_label} "
+          f"-> {plan.phases[2].strategy_label}: max relative difference {worst:.1e}")
 
 
 @pytest.mark.slow
@@ -161,3 +179,51 @@ def test_per_stage_fsdp_next_to_tensor_parallel_on_eight_processes_matches_refer
     worst = _check("llama-tiny", optimizer, plan, tmp_path, world=8, chunks={0: 4, 1: 8, 2: 4})
     print(f"parity per-stage strategies with tp2, 8 processes, llama-tiny 1f1b {optimizer}: max relative "
           f"difference {worst:.1e}")
+
+
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny"])
+def test_recomputing_the_first_layers_keeps_their_input_and_the_others_activations(name):
+    """Galvatron's layer-wise choice (``Phase.recompute_layers``, ``runtime.recompute_first``): a middle stage
+    with M=3 micro-batches in flight that recomputes its first r=2 layers saves their input and the other
+    layers' activations as the profiler measured them -- ``planner/stage.py``'s per_mb = b * (out[lo-1] +
+    sum saved[lo+r:hi]) --, reruns only those r layers in each backward, and gives the same gradients."""
+    from ptplan.executor.profiler import _memory_pass
+    from ptplan.executor.runtime import recompute_first
+    from ptplan.executor.stage import StageModule
+    from tests.test_hybrid_runtime import _saved_bytes_in_flight
+
+    torch.manual_seed(0)
+    model = _build(name)
+    model.train()
+    b, M, lo, hi, r = 2, 3, 1, len(model.layers) - 1, 2
+    x, y, mask = model.make_batch(b * M, generator=torch.Generator().manual_seed(5))
+    out, saved = _memory_pass(model, x[:b], y[:b], None if mask is None else mask[:b], b)
+    with torch.no_grad():
+        h = model.layers[0](x, attention_mask=mask)
+    xs = [t.detach().requires_grad_(True) for t in h.chunk(M)]
+    ms = mask.chunk(M) if mask is not None else [None] * M
+    grads, got = {}, {}
+    for first in (0, r):
+        stage = StageModule(model.layers, lo, hi, 0)
+        if first:
+            recompute_first(stage, first)
+        calls = [0, 0]
+        hooks = [model.layers[lo].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)),
+                 model.layers[lo + r].register_forward_pre_hook(lambda *_: calls.__setitem__(1, calls[1] + 1))]
+        nbytes, outs = _saved_bytes_in_flight(stage, xs, ms)
+        fwd = list(calls)
+        for o in outs:
+            o.float().pow(2).mean().backward()
+        for hk in hooks:
+            hk.remove()
+        got[first] = (nbytes, fwd, [calls[0] - fwd[0], calls[1] - fwd[1]])
+        grads[first] = {p: p.grad.clone() for p in stage.parameters()}
+        stage.zero_grad(set_to_none=True)
+    want = b * M * (out[lo - 1] + sum(saved[lo + r:hi])) + (0 if mask is None else mask.untyped_storage().nbytes())
+    print(f"{name}: saved in flight recomputing the first {r} layers {got[r][0]} B (model: {want} B), "
+          f"all kept {got[0][0]} B")
+    assert got[r][0] == pytest.approx(want, rel=0.02), (got[r][0], want)
+    assert got[r][0] < got[0][0]
+    assert got[0][1:] == ([M, M], [0, 0]) and got[r][1:] == ([M, M], [M, 0])  # only the first r layers rerun
+    for p in grads[0]:
+        torch.testing.assert_close(grads[r][p], grads[0][p], rtol=1e-6, atol=1e-8)
