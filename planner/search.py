@@ -51,7 +51,7 @@ from .strategy import Strategy, min_table, phase_label, strategy_table, tp_allre
 from .tp_split import tp_refusal
 
 GiB = float(1 << 30)
-LAYERWISE = (1, 2, 4, 8, 16, 32)
+LAYERWISE = (1, 2, 4, 8)
 """Layer counts a stage may recompute from its start, short of all of its layers (``stage_options``)."""
 
 
