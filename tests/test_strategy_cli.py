@@ -66,15 +66,19 @@ def test_strategy_fields_round_trip_and_are_validated(planned, tmp_path):
 
 def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
     """The executor runs recomputation, FSDP and tensor parallelism for every family, tp x FSDP on a 2-D mesh
-    included (tests/test_hybrid_runtime.py, tests/test_tp_families.py): the synthetic GPT's tp4·fsdp plan passes
-    ``ptplan run``'s check, and so does the same plan for ViT and Llama; for a family without a split (a custom
-    model's) it is refused with the fix, and so is 2BW with it."""
+    included (tests/test_hybrid_runtime.py, tests/test_tp_families.py): the synthetic GPT's plan (tp8, stage 0
+    recomputing its first layers) passes ``ptplan run``'s check, and so does it with tp x FSDP on every stage
+    where D > 1, and for ViT and Llama; for a family without a split (a custom model's) it is refused with the
+    fix, and so is 2BW with it."""
     import dataclasses
 
     from ptplan.executor.validate import check_strategies, check_world
 
     d, _, _ = planned
+    check_world(load_plan(d / "auto.json"), 32)
     plan = load_plan(d / "auto.json")
+    plan = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, fsdp=True, recompute_layers=())
+                                                  if ph.D > 1 and ph.tp > 1 else ph for ph in plan.phases))
     assert any(ph.tp > 1 and ph.fsdp for ph in plan.phases)
     check_world(plan, 32)
 
@@ -89,7 +93,7 @@ def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
                                           r"parallelism but this plan's model is a custom.*--strategies off"):
         check_strategies(as_family("custom"))
     twobw = dataclasses.replace(plan, phases=tuple(dataclasses.replace(ph, schedule="2bw") for ph in plan.phases))
-    with pytest.raises(PtplanError, match=r"2bw with tp\d·fsdp.* is not run by the executor"):
+    with pytest.raises(PtplanError, match=r"2bw with tp\d.*fsdp.* is not run by the executor"):
         check_strategies(twobw)
 
 
