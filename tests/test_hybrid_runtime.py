@@ -99,8 +99,7 @@ def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cach
 
     from ptplan.executor.config import RunConfig
     from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.testing import recorded_run
 
     model = _build(name)
     o = OPT[optimizer]
@@ -111,21 +110,8 @@ def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cach
                     cache_dir=os.path.join(tmp, "ram"))
     os.makedirs(os.path.join(tmp, "ram"), exist_ok=True)
 
-    def worker(rank: int, world: int) -> None:
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
-
-        def after(step: int, r: int) -> None:
-            with open(os.path.join(tmp, f"sharded-{r}.jsonl"), "a") as fh:
-                fh.write(json.dumps([step, *_optimizer_params(r)]) + "\n")
-
-        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save,
-                                                                          after_step=after))
-
-    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=150)
-    assert res.ok, res.explain()
-    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
-    sharded = {r: [json.loads(x) for x in open(os.path.join(tmp, f"sharded-{r}.jsonl"))] for r in range(4)}
+    snaps, sharded = recorded_run(cfg, plan, model, TensorDataset(*data), world=4, tmpdir=tmp, deadline_s=150,
+                                  record=lambda step, r: [step, *_optimizer_params(r)])
     return snaps, cfg.log, sharded
 
 

@@ -25,8 +25,7 @@ from ptplan.executor.config import RunConfig
 from ptplan.executor.data import TensorDataset
 from ptplan.executor.models import build_model
 from ptplan.executor.runlog import read_records
-from ptplan.executor.training import Hooks, run_training
-from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, run_world, spec
+from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, recorded_run, spec
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -133,21 +132,7 @@ def elastic_run(name: str, schedule: str, optimizer: str, data, tmp: str, plan=N
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
                     freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
                     timeout_s=60, log=os.path.join(tmp, "run.jsonl"))
-    ds = TensorDataset(*data)
-
-    def worker(rank: int, world: int) -> None:
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
-
-        run_training(cfg, plan, model, ds, hooks=Hooks(snapshots=True, on_snapshot=save))
-
-    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=150)
-    assert res.ok, res.explain()
-    snaps = {}
-    for f in os.listdir(tmp):
-        if f.startswith("snap-"):
-            step = int(f.split("-")[1])
-            snaps[step] = torch.load(os.path.join(tmp, f))
+    snaps, _ = recorded_run(cfg, plan, model, TensorDataset(*data), world=4, tmpdir=tmp, deadline_s=150)
     return snaps, cfg.log
 
 

@@ -81,8 +81,7 @@ def _run(name, optimizer, data, tmp, plan, world: int = 4):
     those parameters FSDP manages) and which layer ranges ran under ``torch.utils.checkpoint`` in that step."""
     from ptplan.executor.config import RunConfig
     from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.testing import recorded_run
 
     model = _build(name)
     o = OPT[optimizer]
@@ -91,10 +90,11 @@ def _run(name, optimizer, data, tmp, plan, world: int = 4):
                     freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
                     timeout_s=60, log=os.path.join(tmp, "run.jsonl"), cache="off")
 
-    def worker(rank: int, world: int) -> None:
+    seen: set[tuple[int, int]] = set()  # per child (forked): the layer ranges checkpointed since the last step
+
+    def before(rank: int) -> None:
         import torch.utils.checkpoint as ck
 
-        seen: set[tuple[int, int]] = set()
         real = ck.checkpoint
 
         def counting(fn, *args, **kw):  # StageModule passes its bound ``_run_active``
@@ -104,21 +104,13 @@ def _run(name, optimizer, data, tmp, plan, world: int = 4):
 
         ck.checkpoint = counting
 
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
+    def record(step: int, r: int) -> list:
+        got = [step, *_optimizer_params(r), sorted(seen), _fsdp_params()]
+        seen.clear()
+        return got
 
-        def after(step: int, r: int) -> None:
-            with open(os.path.join(tmp, f"rank-{r}.jsonl"), "a") as fh:
-                fh.write(json.dumps([step, *_optimizer_params(r), sorted(seen), _fsdp_params()]) + "\n")
-            seen.clear()
-
-        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save,
-                                                                          after_step=after))
-
-    res = run_world(world, worker, tmpdir=tmp, timeout_s=60, deadline_s=240)
-    assert res.ok, res.explain()
-    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
-    per_rank = {r: [json.loads(x) for x in open(os.path.join(tmp, f"rank-{r}.jsonl"))] for r in range(world)}
+    snaps, per_rank = recorded_run(cfg, plan, model, TensorDataset(*data), world=world, tmpdir=tmp, before=before,
+                                   record=record, deadline_s=240)
     return snaps, cfg.log, per_rank
 
 

@@ -23,8 +23,7 @@ from ptplan.executor.config import RunConfig
 from ptplan.executor.data import TensorDataset
 from ptplan.executor.models import build_model
 from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.testing import assert_parity, make_plan, recorded_run, spec
 from ptplan.executor.validate import check_plan
 from ptplan.planner.errors import PtplanError, SchemaError
 from ptplan.planner.plan import plan_from_json
@@ -120,19 +119,15 @@ def elastic_run(name: str, optimizer: str, data, tmp: str, cache: bool = False) 
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
                     freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
                     timeout_s=30, log=os.path.join(tmp, "run.jsonl"), **kw)
-    ds = TensorDataset(*data)
 
-    def worker(rank: int, world: int) -> None:
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
-
+    def before(rank: int) -> None:
         sliced_mod.RECORD = []
-        run_training(cfg, plan, model, ds, hooks=Hooks(snapshots=True, on_snapshot=save))
+
+    def after(rank: int) -> None:
         torch.save(sliced_mod.RECORD, os.path.join(tmp, f"ran-{rank}.pt"))
 
-    res = run_world(2, worker, tmpdir=tmp, timeout_s=30, deadline_s=90)
-    assert res.ok, res.explain()
-    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
+    snaps, _ = recorded_run(cfg, plan, model, TensorDataset(*data), world=2, tmpdir=tmp, before=before, after=after,
+                            timeout_s=30, deadline_s=90)
     return snaps, cfg.log
 
 

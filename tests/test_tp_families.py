@@ -13,7 +13,6 @@ import math
 import os
 
 import pytest
-import torch
 
 import tests.test_runtime_parity as trp
 from ptplan.executor.models import build_model
@@ -58,8 +57,7 @@ def _run(build, optimizer: str, plan, tmp: str, world: int):
     every transition, per rank what its optimizer holds sharded after each step, and the run log."""
     from ptplan.executor.config import RunConfig
     from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.testing import recorded_run
 
     model = build()
     data = trp._data(model)
@@ -69,21 +67,8 @@ def _run(build, optimizer: str, plan, tmp: str, world: int):
                     freeze_every=trp.STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
                     timeout_s=60, log=os.path.join(tmp, "run.jsonl"))
 
-    def worker(rank: int, world: int) -> None:
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
-
-        def after(step: int, r: int) -> None:
-            with open(os.path.join(tmp, f"sharded-{r}.jsonl"), "a") as fh:
-                fh.write(json.dumps([step, *_optimizer_params(r)]) + "\n")
-
-        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save,
-                                                                          after_step=after))
-
-    res = run_world(world, worker, tmpdir=tmp, timeout_s=60, deadline_s=240)
-    assert res.ok, res.explain()
-    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
-    sharded = {r: [json.loads(x) for x in open(os.path.join(tmp, f"sharded-{r}.jsonl"))] for r in range(world)}
+    snaps, sharded = recorded_run(cfg, plan, model, TensorDataset(*data), world=world, tmpdir=tmp, deadline_s=240,
+                                  record=lambda step, r: [step, *_optimizer_params(r)])
     return data, snaps, cfg.log, sharded
 
 

@@ -26,8 +26,7 @@ from ptplan.executor.config import RunConfig
 from ptplan.executor.data import TensorDataset
 from ptplan.executor.models import build_model
 from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, recorded_run, spec
 from ptplan.planner.schedule import two_bw
 
 
@@ -123,19 +122,15 @@ def elastic_run(name: str, optimizer: str, data, tmp: str, recompute: tuple[bool
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED, freeze_every=STEPS,
                     steps_per_epoch=len(COUNTS), epochs=1, progress=False, timeout_s=60,
                     log=os.path.join(tmp, "run.jsonl"))
-    ds = TensorDataset(*data)
 
-    def worker(rank: int, world: int) -> None:
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
-
+    def before(rank: int) -> None:
         twobw.RECORD = []
-        run_training(cfg, plan, model, ds, hooks=Hooks(snapshots=True, on_snapshot=save))
+
+    def after(rank: int) -> None:
         torch.save(twobw.RECORD, os.path.join(tmp, f"order-{rank}.pt"))
 
-    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=150)
-    assert res.ok, res.explain()
-    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
+    snaps, _ = recorded_run(cfg, plan, model, TensorDataset(*data), world=4, tmpdir=tmp, before=before, after=after,
+                            deadline_s=150)
     return snaps, cfg.log
 
 
