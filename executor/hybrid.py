@@ -38,9 +38,19 @@ Conv1D layout. A tp that does not divide a layer's heads, key/value heads or MLP
 (``ptplan plan --strategies auto`` never chooses one and ``ptplan run`` refuses it before launch:
 ``planner/tp_split.py``, used by ``search.PhaseSearch`` and ``validate.check_model``).
 
+The frozen prefix (stage 0 of a phase that runs it rather than reading the AutoCache; ``prefix``) is treated
+like the active layers but has no gradient and no optimizer state: each prefix layer with a split gets a
+Megatron twin over the tp group, and when stage 0's strategy has FSDP (D > 1) the prefix layers are
+``fully_shard``-ed over its data-parallel group (``reshard_after_forward=True``: each layer is its own FSDP
+root, which by default would keep its gathered weights after the forward; frozen, FSDP only all-gathers them
+in every no-grad forward and never reduce-scatters). The canonical storage is released while split and the
+full weights are gathered back into it on leaving (no optimizer slot or state moves); ``stage.stage_module``
+runs the twins. A prefix served by the AutoCache is never entered: it stays whole in host memory.
+``tests/test_frozen_prefix_runtime.py`` checks parity through transitions and each rank's local sizes.
+
 Measured (``pytest -s tests/test_tp_families.py``, 4 gloo processes, tp2 (K=2) -> FSDP (K=2, D=2) -> tp2 with
 recomputation (K=1, D=2) against the single-process reference, max relative difference): SGD 1.6e-07 to
-4.8e-07, AdamW 1.7e-06 to 2.8e-05 for ViT, DistilBERT, Llama, Mistral (4-token sliding window), Qwen2 and
+5.5e-07, AdamW 1.7e-06 to 2.8e-05 for ViT, DistilBERT, Llama, Mistral (4-token sliding window), Qwen2 and
 RoBERTa; 8 processes, llama-tiny tp2 x FSDP on a 2 x 2 x 2 mesh -> dp -> tp2 x FSDP (1 x 4 x 2): SGD 2.0e-07,
 AdamW 5.9e-05. BERT and GPT-2: ``tests/test_hybrid_runtime.py``.
 
@@ -69,13 +79,17 @@ class ShardedStage:
     def __init__(self, layers: nn.ModuleList, layer_params: list[list[nn.Parameter]], owned: list[int],
                  opt: torch.optim.Optimizer, *, dp: tuple | None, tp: tuple | None, device: torch.device,
                  release: Callable[[int], None], place: Callable[[int], None],
-                 fsdp_layers: set[int] | None = None) -> None:
+                 fsdp_layers: set[int] | None = None, prefix: list[int] | None = None) -> None:
         assert dp is not None or tp is not None
         self.layers, self.layer_params, self.owned, self.opt = layers, layer_params, owned, opt
+        self.prefix: list[int] = list(prefix or [])
+        """The frozen prefix layers this rank runs (stage 0 of a phase that does not cache them): split like active
+        layers over ``tp`` and, when ``fsdp_layers`` names them, sharded over ``dp``; they have no gradient and no
+        optimizer state, so only their weights move (FSDP all-gathers them in the no-grad forward)."""
         self.dp, self.tp, self.device = dp, tp, device
         self.fsdp_layers: set[int] = set() if dp is None else set(owned) if fsdp_layers is None else set(fsdp_layers)
         """The owned layers FSDP shards over ``dp`` (all of them unless ``fsdp_layers`` names some: a phase whose
-        stages differ shards only its FSDP stages' layers); FSDP reduce-scatters their gradients in the backward,
+        stages differ shards only its FSDP stages' layers; the prefix's too when stage 0 has FSDP); FSDP reduce-scatters their gradients in the backward,
         so the runtime's flat all-reduce leaves them out."""
         self.fsdp = bool(self.fsdp_layers)
         """Whether FSDP shards any layer here."""
@@ -87,6 +101,8 @@ class ShardedStage:
         self.back: dict[int, Callable[[Tensor], Tensor]] = {}
         """id(canonical parameter) -> how a full tensor of its twin maps back to its layout (GPT-2's Conv1D
         weights train transposed in ``nn.Linear``s, ``_gpt2_twin``); identity when absent."""
+        self._frozen_back: dict[int, dict[str, Callable[[Tensor], Tensor]]] = {}
+        """A split frozen prefix layer -> its parameters' maps back to the canonical layout (GPT-2)."""
 
     def _slots(self) -> dict[int, tuple[int, int]]:
         return {id(p): (g, j) for g, group in enumerate(self.opt.param_groups) for j, p in enumerate(group["params"])}
@@ -113,11 +129,15 @@ class ShardedStage:
 
         dp_mesh, tp_mesh = self._meshes()
         slots, keys = self._slots(), state_keys(self.opt)
-        for i in self.owned:
+        for i in [*self.prefix, *self.owned]:
             split = tp_mesh is not None and tp_plan(self.layers[i], tp_mesh.size()) is not None
             shard = dp_mesh is not None and i in self.fsdp_layers
             if not split and not shard:
                 continue  # replicated (every tp rank runs the canonical layer whole), or a plain-DP stage's layer
+            if i in self.prefix:
+                self.copies[i] = self._frozen_twin(i, tp_mesh if split else None, dp_mesh if shard else None)
+                self._release(i)
+                continue
             full_state = {id(p): ensure_state(self.opt, p) for p in self.layers[i].parameters()}
             twin = copy.deepcopy(self.layers[i])
             maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
@@ -144,6 +164,22 @@ class ShardedStage:
             self.copies[i] = twin
             self._release(i)
 
+    def _frozen_twin(self, i: int, tp_mesh, dp_mesh) -> nn.Module:
+        """A frozen prefix layer's split and/or sharded copy: no optimizer slot or state to move; its
+        parameters stay frozen (``requires_grad`` off), so FSDP only all-gathers them in the forward."""
+        from torch.distributed.fsdp import fully_shard
+
+        twin = copy.deepcopy(self.layers[i])
+        if tp_mesh is not None:
+            maps = _gpt2_twin(twin, tp_mesh.size())
+            _parallelize(twin, tp_mesh)
+            self._frozen_back[i] = {n: back for n, (_, back) in maps.items()}
+        twin.requires_grad_(False)
+        if dp_mesh is not None:  # resharded after every forward: each layer is its own FSDP root, which by
+            fully_shard(twin, mesh=dp_mesh, reshard_after_forward=True)  # default keeps its gathered weights
+        twin.eval()
+        return twin
+
     def leave(self) -> None:
         """Bring every sharded parameter and its state back into the canonical layers (collective)."""
         from torch.distributed.tensor import DTensor
@@ -153,6 +189,13 @@ class ShardedStage:
         with torch.no_grad():
             for i in self.copies:
                 self._place(i)
+                if i in self.prefix:  # frozen: the weights only (every rank gathers every shard)
+                    back_of = self._frozen_back.pop(i, {})
+                    by_name = dict(self.copies[i].named_parameters())
+                    for name, p in self.layers[i].named_parameters():
+                        q = by_name[name]
+                        p.data.copy_(back_of.get(name, _same)(q.full_tensor() if isinstance(q, DTensor) else q.detach()))
+                    continue
                 for p in self.layer_params[i]:
                     q = self.live.pop(id(p))
                     back = self.back.pop(id(p), _same)

@@ -7,7 +7,8 @@ record says ``memory_sampled`` and ``ptplan compare`` leaves it out of the timin
 stage.py's term in brackets:
 
 - **params** [weights]: bytes of the stage module's parameters (its active layers, and the frozen
-  prefix on stage 0 when it recomputes it), from the tensors.
+  prefix on stage 0 when it recomputes it), from the tensors: a split or sharded layer's local shard
+  (``hybrid``: active layers and, under tp or FSDP on stage 0, the prefix's twins).
 - **grads** [gradients]: bytes of the ``.grad`` tensors of those parameters after the step.
 - **optimizer** [optimizer]: bytes of the optimizer state tensors of those parameters (AdamW: two
   moments and a 4-byte step counter per parameter tensor, the counters being what stage.py leaves

@@ -17,7 +17,9 @@ in the backward, the optimizer stepping the shards), and the flat all-reduce lea
 left -- full weights and optimizer state gathered back into the canonical layers -- before a switch, a gather,
 a cache change and at the end, so everything below moves plain full tensors. A phase with ``Phase.tp`` > 1
 does the same with tensor-parallel copies over the stage's tp group (ranks ``ranks[p][s] + j``, ``groups``),
-the flat all-reduce then running on each rank's local shards. A stage with recomputation
+the flat all-reduce then running on each rank's local shards. Stage 0's frozen prefix, when it runs it (not
+cached), is split over tp and, when its chunk 0 has FSDP, sharded over its data-parallel group the same way
+(frozen: weights only, all-gathered in the no-grad forward; gathered back on leaving). A stage with recomputation
 (``Phase.recompute_at``) runs its active layers under ``torch.utils.checkpoint`` (``stage.StageModule``), or
 only its first r of them (``Phase.recompute_layers_at``, Galvatron's layer-wise choice: ``recompute_first``).
 FSDP and recomputation are per stage (chunk): a phase's stages may differ (``ptplan plan --strategies auto``
@@ -233,10 +235,13 @@ class ElasticRuntime:
             fs = self._fsdp_chunks(ph)
             dp = (self.groups.dp_group, dp_ranks_of(ph, place)) if fs else None
             tp = (self.groups.tp_group, tp_ranks_of(ph, place)) if ph.tp > 1 else None
+            # stage 0's frozen prefix (when it runs it: not cached) is split and sharded as its chunk 0 is
+            prefix = list(range(ph.frozen_layers)) if place.stage == 0 and not self._caches(ph) else []
+            fsdp_layers = {i for c in fs for i in range(*ph.partition[c])} | (set(prefix) if 0 in fs else set())
             self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, dp=dp, tp=tp,
                                         device=self.device, release=self.store.release,
                                         place=lambda i: self.store.place(i, DEVICE, keep_values=False),
-                                        fsdp_layers={i for c in fs for i in range(*ph.partition[c])})
+                                        fsdp_layers=fsdp_layers, prefix=prefix)
             self.sharded.enter()
             twins = self.sharded.copies
         self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)

@@ -111,10 +111,11 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, layers: nn.ModuleList | list[nn.Module], lo: int, hi: int, prefix: int, *,
-                 recompute: bool = False, active: list[nn.Module] | None = None) -> None:
+                 recompute: bool = False, active: list[nn.Module] | None = None,
+                 frozen: list[nn.Module] | None = None) -> None:
         super().__init__()
         self.lo, self.hi, self.prefix_len, self.recompute = lo, hi, prefix, recompute
-        self.prefix = nn.ModuleList(layers[:prefix])
+        self.prefix = nn.ModuleList(layers[:prefix] if frozen is None else frozen)
         self.active = nn.ModuleList(layers[lo:hi] if active is None else active)
 
     def train(self, mode: bool = True) -> "StageModule":
@@ -145,12 +146,14 @@ def stage_module(model: nn.Module, phase: Phase, stage: int, *, cached_prefix: b
 
     ``cached_prefix``: the caller feeds stage 0 the frozen prefix's output (AutoCache), so the module
     holds no prefix; the frozen layers are put in eval mode all the same, as they run when computed.
-    ``twins``: layer index -> the module that runs in its place (FSDP's sharded copies, ``hybrid``).
+    ``twins``: layer index -> the module that runs in its place (the split and/or sharded copies of the
+    active layers and, on stage 0, of the frozen prefix: ``hybrid``).
     """
     lo, hi = phase.partition[stage]
     prefix = phase.frozen_layers if stage == 0 and not cached_prefix else 0
     active = None if not twins else [twins.get(i, model.layers[i]) for i in range(lo, hi)]
-    mod = StageModule(model.layers, lo, hi, prefix, recompute=phase.recompute, active=active)
+    frozen = None if not twins else [twins.get(i, model.layers[i]) for i in range(prefix)]
+    mod = StageModule(model.layers, lo, hi, prefix, recompute=phase.recompute, active=active, frozen=frozen)
     mod.train()
     if cached_prefix:
         for layer in model.layers[:phase.frozen_layers]:

@@ -65,7 +65,9 @@ def holdings(phase: Phase, rank: int, num_layers: int, *, cached_prefix: bool) -
 
     Its stage's active layers live on the device. Stage 0 also holds the frozen prefix: on the device
     when it recomputes it, in host memory when ``cached_prefix`` (the AutoCache serves the prefix's
-    output, and a cache fill streams those layers through the device one at a time).
+    output, and a cache fill streams those layers through the device one at a time). These are the full
+    layers a switch moves; inside a phase with tp or FSDP a split or sharded layer (the prefix's too) keeps
+    only its shard (``hybrid.ShardedStage``), which is gathered back before the next switch.
     """
     held = {i: DEVICE for i in owned_layers(phase, rank, num_layers)}
     if any(row[0] <= rank < row[0] + phase.tp for row in phase.ranks):

@@ -415,7 +415,7 @@ class PhaseSearch:
         n = self.n
         prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
         setup = cache_setup_s(self.t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
-                              fill_from=fill_from) if c.cache else 0.0  # the prefix is never sharded
+                              fill_from=fill_from) if c.cache else 0.0  # the cached prefix is whole
         L = self.links(K, c.schedule, c.V, c.tp)
         sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
         sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])

@@ -59,8 +59,11 @@ Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSD
 cost above is first replaced by one shard's (``strategy_table``: times / tp plus the Megatron
 all-reduces and FSDP's all-gathers, weights and gradients / tp and / D), FSDP's per-micro-batch
 reduce-scatter joins the backward and replaces the all-reduce and its flat buffer, and ``static`` gains
-FSDP's gathered-layer transient (``gather_bytes``). The frozen prefix keeps the profile's own numbers
-(stage 0 holds and runs it whole). The default (tp=1, no FSDP) leaves every number above unchanged.
+FSDP's gathered-layer transient (``gather_bytes``). An uncached frozen prefix is priced from the same
+per-shard table -- stage 0 runs it split over tp and, when stage 0 has FSDP, sharded over D: its weights and
+no-grad forward (with its all-reduces and all-gathers) are the shard's, and it has no gradient terms --; a
+cached prefix stays whole in host memory, so the cache set-up and the streamed weights keep the profile's own
+numbers (``StageModel.raw``). The default (tp=1, no FSDP) leaves every number above unchanged.
 
 Layer-wise recomputation (Galvatron's, ``PhaseShape.recompute_layers`` = r >= 1): only the stage's first r
 active layers [lo, R), R = min(lo + r, hi), are one checkpoint unit; the others keep their activations:
@@ -267,7 +270,8 @@ class StageModel:
         self.extra_static = gather_bytes(table, st)
         """FSDP's gathered-layer transient, held on every stage (0 without FSDP)."""
         self.raw = table
-        """The profile's own table: the frozen prefix is never split or sharded (``strategy.py``)."""
+        """The profile's own table: the AutoCache's prefix (whole in host memory) is priced from it; an uncached
+        prefix runs split and sharded as the stage's active layers (``strategy.py``), from ``t``."""
         table = shard_table if shard_table is not None else strategy_table(
             table, st, sh.D, sh.tp_ar, (float(np.mean(links.ar_lat)), float(np.mean(links.ar_per_byte))))
         self.t = table
@@ -308,8 +312,8 @@ class StageModel:
             streamed = 0.0 if sh.device_is_host else float(self.raw.max_param_upto[n0])
             self.stage0_after = streamed + float(b * out[:n0].max())
         else:
-            self.stage0_static = float(self.raw.cum_param[n0])
-            self.prefix_s = float(self.times.cum_nograd[n0])
+            self.stage0_static = float(table.cum_param[n0])  # split (/ tp) and, with FSDP, sharded (/ D)
+            self.prefix_s = float(self.times.cum_nograd[n0])  # + its all-reduces (tp) and all-gathers (FSDP)
             self.read_setup_s = self.fill_setup_s = 0.0
             self.stage0_after = 0.0
 
@@ -469,7 +473,7 @@ class StageModel:
         terms = self.prepare(lo, hi)
         _, static, per_mb, after, infl = self._combine(terms, np.arange(sh.S))
         weights = t.cum_param[hi] - t.cum_param[lo]
-        w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else self.raw.cum_param[sh.frozen])
+        w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
         g = t.cum_grad[hi] - t.cum_grad[lo]
         o = OPTIMIZER_STATE_FACTOR[sh.optimizer] * weights
         rc = terms[6] if sh.recompute else np.zeros(sh.S)  # recomputation's working set

@@ -15,7 +15,7 @@ Per layer, with tp > 1 (only layers whose ``kind`` is ``attention``, ``mlp`` or 
 
     forward  = forward / tp + a · (lat_tp + b · out · per_byte_tp)     a = 1 all-reduce per half
     backward = backward / tp + a · (lat_tp + b · out · per_byte_tp)        (attention or MLP), 2 per block
-    no-grad  = unchanged (only the frozen prefix runs it, and the prefix is never split: below)
+    no-grad  = no-grad forward / tp + a · (…)                           (the frozen prefix: below)
     W, G     = W / tp, G / tp
     saved    = unchanged (conservative: LayerNorm inputs, residuals and dropout masks are not split
                without sequence parallelism; the profile does not separate them)
@@ -25,7 +25,7 @@ Embedding, norm and head layers are replicated over the tp ranks (each computes 
 
 With FSDP (ZeRO-3: FSDP2 ``fully_shard`` over the stage's D replicas), per layer:
 
-    forward         += lat_ag + (W / tp) · per_byte_ag      the weights all-gathered per micro-batch
+    forward, no-grad += lat_ag + (W / tp) · per_byte_ag     the weights all-gathered per micro-batch
     backward        += lat_ag + (W / tp) · per_byte_ag      and again for the backward,
                      + lat_ag + (G / tp) · per_byte_ag      then the gradient reduce-scattered, in every
                                                            micro-batch's backward (FSDP2's default:
@@ -40,10 +40,15 @@ where a ring all-gather of B bytes costs half a ring all-reduce of B (lat_ag, pe
 stage's data-parallel all-reduce coefficients). Frozen layers have G = 0 (no gradient, no optimizer
 state, no sync) as before; in cached phases the prefix is not held at all.
 
-The frozen prefix is not sharded: stage 0's ranks (every tp rank of them) hold it whole and run it whole
-(``executor/transition.holdings``, ``ShardedStage`` shards only the active layers), so the stage model
-prices the prefix -- its weights, its no-grad forward, the cache fill -- from the profile's own table,
-never from this one (``StageModel.raw``, ``PhaseSearch.lower_bound``).
+The frozen prefix (layers [0, n0), run by stage 0 under no_grad before its active layers) is split and
+sharded like the active layers when stage 0 runs it (``executor/hybrid.ShardedStage``: its layers' Megatron
+twins over the tp group, and ``fully_shard`` over stage 0's data-parallel group when stage 0's strategy has
+FSDP), so the stage model prices it from this table too: its weights W / tp (split layers; the embedding
+whole) and / D under FSDP, its no-grad forward as above (/ tp plus the forward's all-reduces, plus an
+all-gather per layer per micro-batch under FSDP); it has no gradient, optimizer state or reduce-scatter.
+Stage 0's chosen strategy (``stage.StageChoice``) decides whether it is FSDP-sharded. A prefix the AutoCache
+serves stays whole in host memory, so its cache fill (``stage.cache_setup_s``, the streamed weights) is
+priced from the profile's own table (``StageModel.raw``).
 """
 from __future__ import annotations
 
@@ -174,7 +179,7 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     div = np.where(a > 0, st.tp, 1).astype(float)
     bs = table.batch_sizes[None, :]
     comm = a[:, None] * (tp_ar[0] + bs * table.out_per_sample[:, None] * tp_ar[1]) if st.tp > 1 else 0.0
-    fwd, bwd, nog = table._fwd / div[:, None] + comm, table._bwd / div[:, None] + comm, table._nog
+    fwd, bwd, nog = table._fwd / div[:, None] + comm, table._bwd / div[:, None] + comm, table._nog / div[:, None] + comm
     bww = table._bww / div[:, None]
     W, G = table.param_bytes / div, table.grad_bytes / div
     sync = G
@@ -183,7 +188,7 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
         # FSDP2 reduce-scatters each layer's gradient in every micro-batch's backward (half an
         # all-reduce's bytes); there is no sync after the pipeline (the runtime skips its all-reduce)
         rs = np.where(G > 0, (dp_ar[0] + G * dp_ar[1]) / 2.0, 0.0)
-        fwd, bwd = fwd + ag[:, None], bwd + (ag + rs)[:, None]
+        fwd, bwd, nog = fwd + ag[:, None], bwd + (ag + rs)[:, None], nog + ag[:, None]  # frozen: no rs
         sync = np.zeros_like(G)
         W, G = W / D, G / D
         t.optimizer_s = table.optimizer_s / div / D

@@ -1,6 +1,8 @@
 """Per-stage strategies (planner/strategy.py) in the one stage model: tensor parallel, FSDP, recomputation."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -88,18 +90,47 @@ def test_fsdp_shards_state_and_reduce_scatters():
 
 
 def test_frozen_prefix_has_no_gradient_terms_under_any_strategy():
+    """An uncached frozen prefix is split and sharded as the executor runs it (``hybrid.ShardedStage``): its
+    attention and MLP halves' weights / tp, the embedding whole, everything / D under FSDP on stage 0; its no-grad
+    forward / tp plus the forward's Megatron all-reduces, plus an all-gather per layer per micro-batch under FSDP;
+    no gradient, optimizer, reduce-scatter or all-reduce term."""
     prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
     n0 = prof.frozen_boundary(2)
-    for tp, fsdp in ((1, False), (2, False), (2, True)):
-        m, _ = model(prof, tp=tp, fsdp=fsdp, frozen=n0)
+    raw = CostTable(prof)
+    a = splittable(raw)
+    b = 2
+    nog = np.diff(raw.at(b).cum_nograd)
+    for tp, fsdp in ((1, False), (2, False), (1, True), (2, True)):
+        m, cl = model(prof, tp=tp, fsdp=fsdp, frozen=n0, b=b)
+        D = m.shape.D
         ranges = [(n0, n0 + 2), (n0 + 2, prof.num_layers)]
         mem = m.stage_memory(ranges)
         t = m.t
         assert mem[0].gradients == int(t.cum_grad[n0 + 2] - t.cum_grad[n0])  # active layers only
-        # + the frozen prefix's weights, whole: stage 0 holds and runs the prefix unsplit, unsharded
-        raw = CostTable(prof)
-        assert mem[0].weights == int(t.cum_param[n0 + 2] - t.cum_param[n0] + raw.cum_param[n0])
-        assert m.prefix_s == pytest.approx(float(raw.at(m.shape.b).cum_nograd[n0]))
+        f = OPTIMIZER_STATE_FACTOR[m.shape.optimizer]
+        assert mem[0].optimizer == int(f * (t.cum_param[n0 + 2] - t.cum_param[n0]))  # no state for the prefix
+        c0 = m.stage_costs(ranges)[0]
+        assert c0.allreduce_s == pytest.approx(0.0 if fsdp else float(m.links.ar_lat[0] + (
+            t.cum_sync[n0 + 2] - t.cum_sync[n0]) * m.links.ar_per_byte[0]))  # the active layers' sync only
+        div = np.where(a > 0, tp, 1) * (D if fsdp else 1)
+        prefix_w = float((raw.param_bytes[:n0] / div[:n0]).sum())
+        assert mem[0].weights == int(t.cum_param[n0 + 2] - t.cum_param[n0] + prefix_w)
+        assert mem[1].weights == int(t.cum_param[prof.num_layers] - t.cum_param[n0 + 2])  # stage 1: no prefix
+        lat, per = tp_allreduce_coeffs(cl, tp)
+        want = nog[:n0] / np.where(a > 0, tp, 1)[:n0]
+        if tp > 1:  # the forward's Megatron all-reduces
+            want = want + a[:n0] * (lat + b * raw.out_per_sample[:n0] * per)
+        if fsdp:  # each prefix layer all-gathered per micro-batch (half a ring all-reduce of its tp shard)
+            L = m.links
+            dlat, dper = float(np.mean(L.ar_lat)), float(np.mean(L.ar_per_byte))
+            want = want + (dlat + raw.param_bytes[:n0] / np.where(a > 0, tp, 1)[:n0] * dper) / 2
+        assert m.prefix_s == pytest.approx(float(want.sum()))
+        if tp > 1 or fsdp:
+            assert mem[0].weights < int(t.cum_param[n0 + 2] - t.cum_param[n0] + raw.cum_param[n0])
+        # the cached phase keeps the prefix whole in host memory: not on the device, its fill priced whole
+        mc = StageModel(raw, replace(m.shape, cache=True), m.links)
+        assert mc.stage_memory(ranges)[0].weights == int(t.cum_param[n0 + 2] - t.cum_param[n0])
+        assert mc.prefix_s == 0.0 and mc.fill_setup_s >= m.shape.M * float(raw.at(b).cum_nograd[n0])
 
 
 def test_a_layer_larger_than_a_gpu_fits_only_with_tensor_parallel_and_fsdp():

@@ -37,9 +37,9 @@ def test_off_refuses_the_memory_bound_model_and_auto_plans_it(planned):
     assert auto.exit_code == 0, auto.output
     assert "strategy" in auto.output and "tp" in auto.output
     plan = load_plan(d / "auto.json")
-    # every phase that trains or holds a 34 GB MLP half on its GPUs splits or shards it; only the phase
-    # that trains just the head with the whole frozen prefix in the AutoCache (its weights in host
-    # memory, streamed one layer at a time for the fill) runs plain data parallel
+    # every phase that trains or holds a 34 GB MLP half on its GPUs splits or shards it (a phase that trained
+    # just the head with the whole frozen prefix in the AutoCache could run plain data parallel; this plan
+    # runs that phase's prefix split over tp2 instead, uncached)
     for ph in plan.phases:
         assert ph.tp > 1 or ph.fsdp or (ph.cache and ph.frozen_layers >= 5), ph
     assert plan.world_size == 32 and all(ph.world == 32 for ph in plan.phases)
@@ -121,7 +121,8 @@ def test_table_and_report_show_each_phase_mesh(planned, tmp_path):
     out = CliRunner().invoke(cli, ["show", str(d / "auto.json"), "--out", str(tmp_path / "r.html")])
     assert out.exit_code == 0, out.output
     html = (tmp_path / "r.html").read_text()
-    assert any(ph.strategy_label == "dp" for ph in plan.phases)  # a plain phase: its table row names the mesh
+    # every phase splits: the head-only phase (both blocks frozen) runs its prefix split tp2, uncached
+    assert all(ph.tp > 1 for ph in plan.phases)
     for ph in plan.phases:
         if ph.strategy_label != "dp":
             assert f"{ph.strategy_label} (mesh K × D × tp = {ph.K} × {ph.D} × {ph.tp})" in html

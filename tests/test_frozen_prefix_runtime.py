@@ -1,0 +1,212 @@
+"""The frozen prefix under tensor parallelism and FSDP (issue 14) runs split and sharded for real: stage 0 of an
+uncached phase with tp > 1 runs its prefix layers' Megatron twins (``hybrid.ShardedStage``, the canonical storage
+released), and with FSDP on stage 0 (D > 1) the prefix layers are ``fully_shard``-ed over its data-parallel
+group, all-gathered in the no-grad forward and never reduce-scattered -- 4 forked gloo processes through
+transitions into and out of those phases (the frozen count growing 0 -> 1 -> 2), equal to the single-process
+reference of ``tests/test_runtime_parity.py``; per rank and step, every prefix parameter's local size is its
+full size / tp (split) or / D (sharded).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ptplan.executor.runlog import read_records
+from ptplan.executor.testing import assert_parity, spec
+from tests.test_hybrid_runtime import _mixed_plan
+from tests.test_runtime_parity import COUNTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data, reference
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    yield
+
+
+def _plan(kind: str):
+    """Three phases (frozen blocks 0, 1, 2; micro-batches per global batch 4, 4, 8: the reference's) whose
+    middle one has a frozen prefix under ``kind``; the first has none, the last runs it plain."""
+    specs = {"tp": [spec(0, K=4, D=1, M=4, b=2), spec(1, K=2, D=1, M=4, b=2), spec(2, K=1, D=4, M=2, b=1)],
+             "fsdp": [spec(0, K=4, D=1, M=4, b=2), spec(1, K=2, D=2, M=2, b=2), spec(2, K=2, D=2, M=4, b=1)],
+             "tp-fsdp": [spec(0, K=4, D=1, M=4, b=2), spec(1, K=1, D=2, M=2, b=2), spec(2, K=1, D=4, M=2, b=1)]}
+    strategies = {"tp": [(1, False, False), (2, False, False), (1, False, False)],
+                  # FSDP on stage 0 only (the prefix's stage), stage 1 plain data parallel
+                  "fsdp": [(1, False, False), (1, (True, False), False), (1, False, False)],
+                  "tp-fsdp": [(1, False, False), (2, True, False), (1, False, False)]}
+    return lambda model: _mixed_plan(model, specs[kind], strategies[kind])
+
+
+def _prefix_report(rank: int) -> dict | None:
+    """On a rank running stage 0 with a frozen prefix: per prefix layer, whether it has a Megatron split, its
+    canonical storage (numel: 0 when released), and per parameter (local numel, full numel, has a gradient)."""
+    import gc
+    import warnings
+
+    from ptplan.executor.hybrid import tp_plan
+    from ptplan.executor.runtime import ElasticRuntime
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rts = [o for o in gc.get_objects() if isinstance(o, ElasticRuntime)]
+    assert len(rts) == 1, len(rts)
+    rt = rts[0]
+    mod = rt.module
+    if rt.groups.place.stage != 0 or not len(mod.prefix):
+        return None
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def sharded_on(p, dim: str) -> bool:  # FSDP's dp placement on a 2-D mesh is a _StridedShard
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        return dim in names and not isinstance(p.placements[names.index(dim)], Replicate)
+
+    out = []
+    for i, layer in enumerate(mod.prefix):
+        canon = rt.model.layers[i]
+        out.append({"split": tp_plan(canon, 2) is not None,
+                    "canonical": sum(p.numel() for p in canon.parameters()),
+                    "params": [(getattr(p, "_local_tensor", p).numel(), p.numel(), p.shape[0], sharded_on(p, "tp"),
+                                sharded_on(p, "dp"), p.grad is not None) for p in layer.parameters()]})
+    return {"tp": rt.phase.tp, "D": rt.phase.D, "fsdp0": bool(rt.phase.fsdp_at(0)), "layers": out}
+
+
+_COUNTED = ("all_gather_single", "reduce_scatter_single")
+
+
+def _run(name, optimizer, data, tmp, plan):
+    from ptplan.executor.config import RunConfig
+    from ptplan.executor.data import TensorDataset
+    from ptplan.executor.testing import run_world
+    from ptplan.executor.training import Hooks, run_training
+
+    model = _build(name)
+    o = OPT[optimizer]
+    cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
+                    weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
+                    freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
+                    timeout_s=60, log=os.path.join(tmp, "run.jsonl"), cache="off")
+
+    def worker(rank: int, world: int) -> None:
+        def save(event: str, step: int, weights) -> None:
+            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
+
+        def after(step: int, r: int) -> None:
+            with open(os.path.join(tmp, f"prefix-{r}.jsonl"), "a") as fh:
+                fh.write(json.dumps([step, _prefix_report(r)]) + "\n")
+
+        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save,
+                                                                          after_step=after))
+
+    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=180)
+    assert res.ok, res.explain()
+    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
+    reports = {r: [json.loads(x) for x in open(os.path.join(tmp, f"prefix-{r}.jsonl"))] for r in range(4)}
+    return snaps, cfg.log, reports
+
+
+def _check_shards(plan, reports) -> int:
+    """Every prefix parameter on every stage-0 rank is split (/ tp) and/or sharded (/ D) as the phase says;
+    none has a gradient; a split or sharded layer's canonical storage is released. Returns the reports checked."""
+    checked = 0
+    for r, rows in reports.items():
+        assert [x[0] for x in rows] == list(range(1, 7))
+        for step, rep in rows:
+            ph = plan.phases[COUNTS[step - 1]]
+            if rep is None:
+                continue
+            checked += 1
+            tp, D = ph.tp, (ph.D if ph.fsdp_at(0) else 1)
+            assert len(rep["layers"]) == ph.frozen_layers
+            for lay in rep["layers"]:
+                split = tp > 1 and lay["split"]
+                total = sum(full for _, full, *_ in lay["params"])
+                assert lay["canonical"] == (0 if split or D > 1 else total), (r, step, lay)  # released while split
+                n_split = 0
+                for loc, full, dim0, on_tp, on_dp, grad in lay["params"]:
+                    assert not grad, (r, step, lay)  # frozen: no gradient, so nothing to reduce-scatter
+                    assert on_tp == (split and on_tp) and on_dp == (D > 1), (r, step, lay)
+                    whole = full // tp if on_tp else full  # the tp rank's part
+                    assert not on_tp or whole * tp == full
+                    n_split += on_tp
+                    if D == 1:
+                        assert loc == whole, (r, step, loc, full)
+                    else:  # FSDP shards dim 0 over D (padded: the last shard may be short)
+                        assert loc * D <= whole + D * (full // dim0) and loc < whole, (r, step, loc, whole)
+                assert (n_split > 0) == split, (r, step, lay)  # every split layer's projections are split
+    return checked
+
+
+PLANS = ["tp", "fsdp", "tp-fsdp"]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("kind,name,optimizer", [(k, n, o) for k in PLANS for n, o in
+                                                 (("bert-tiny", "sgd"), ("bert-tiny", "adamw"),
+                                                  ("gpt2-tiny", "sgd"), ("gpt2-tiny", "adamw"))])
+def test_split_and_sharded_prefix_matches_reference(kind, name, optimizer, tmp_path):
+    data = _data(_build(name))
+    plan = _plan(kind)(_build(name))
+    assert plan.phases[1].frozen_layers > 0 and not plan.phases[1].cache
+    snaps, log, reports = _run(name, optimizer, data, str(tmp_path), plan)
+    # every step with a frozen prefix, on each of its stage-0 ranks (D pipelines x tp)
+    want = sum(plan.phases[f].D * plan.phases[f].tp for f in COUNTS if plan.phases[f].frozen_layers)
+    assert _check_shards(plan, reports) == want
+    ref, ref_losses = reference(name, optimizer, data)
+    assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
+    worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
+    print(f"parity frozen prefix {kind} {name} {optimizer}: max relative difference {worst:.1e}")
+    steps = [x for x in read_records(log) if x["type"] == "step"]
+    for x, want_loss in zip(steps, ref_losses):
+        assert math.isclose(x["loss"], want_loss, rel_tol=1e-5), (x["step"], x["loss"], want_loss)
+
+
+@pytest.mark.multiproc
+def test_a_frozen_fsdp_layer_all_gathers_under_no_grad_and_never_reduce_scatters(tmp_path):
+    """A frozen layer (requires_grad off) ``fully_shard``-ed over 2 ranks, run under ``no_grad`` before a
+    trainable layer whose backward runs: its output equals the whole layer's, it is all-gathered in the
+    forward (FSDP2's ``all_gather_single``) and nothing is reduce-scattered (``reduce_scatter_single``)."""
+    from ptplan.executor.testing import run_world
+
+    def worker(rank: int, world: int) -> None:
+        import copy
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        calls = {k: 0 for k in _COUNTED}
+        for k in _COUNTED:
+            real = getattr(dist, k)
+
+            def counted(*a, _k=k, _real=real, **kw):
+                calls[_k] += 1
+                return _real(*a, **kw)
+            setattr(dist, k, counted)
+        model = _build("bert-tiny")
+        x, _, mask = model.make_batch(4, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            h = model.layers[0](x, attention_mask=mask)
+            want = model.layers[1](h, attention_mask=mask)
+        frozen = copy.deepcopy(model.layers[1]).requires_grad_(False).eval()
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh=[0, 1], mesh_dim_names=("dp",))
+        fully_shard(frozen, mesh=mesh, reshard_after_forward=True)  # as ``hybrid.ShardedStage`` shards the prefix
+        local = sum(p.to_local().numel() for p in frozen.parameters())
+        full = sum(p.numel() for p in frozen.parameters())
+        with torch.no_grad():
+            got = frozen(h, attention_mask=mask)
+        torch.testing.assert_close(got, want)
+        # sharded again after the forward (the gathered weights freed), not kept whole
+        assert sum(getattr(p, "_local_tensor", p).numel() for p in frozen.parameters()) == local
+        model.layers[2](got, attention_mask=mask).float().pow(2).mean().backward()
+        assert all(p.grad is None for p in frozen.parameters())
+        with open(os.path.join(str(tmp_path), f"calls-{rank}.json"), "w") as fh:
+            json.dump([calls, local, full], fh)
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    for r in range(2):
+        calls, local, full = json.load(open(tmp_path / f"calls-{r}.json"))
+        assert calls["all_gather_single"] >= 1 and calls["reduce_scatter_single"] == 0, calls
+        assert local * 2 <= full + 2 * 16, (local, full)  # each rank holds about half (dim 0 padded per tensor)
