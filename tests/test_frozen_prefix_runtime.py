@@ -76,10 +76,10 @@ _COUNTED = ("all_gather_single", "reduce_scatter_single")
 
 
 def _run(name, optimizer, data, tmp, plan):
+    """The parity run (``testing.recorded_run``), recording per rank after each step its prefix (``_prefix_report``)."""
     from ptplan.executor.config import RunConfig
     from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.testing import recorded_run
 
     model = _build(name)
     o = OPT[optimizer]
@@ -87,22 +87,8 @@ def _run(name, optimizer, data, tmp, plan):
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
                     freeze_every=STEPS_PER_PHASE, steps_per_epoch=len(COUNTS), epochs=1, progress=False,
                     timeout_s=60, log=os.path.join(tmp, "run.jsonl"), cache="off")
-
-    def worker(rank: int, world: int) -> None:
-        def save(event: str, step: int, weights) -> None:
-            torch.save(weights, os.path.join(tmp, f"snap-{step}-{event}.pt"))
-
-        def after(step: int, r: int) -> None:
-            with open(os.path.join(tmp, f"prefix-{r}.jsonl"), "a") as fh:
-                fh.write(json.dumps([step, _prefix_report(r)]) + "\n")
-
-        run_training(cfg, plan, model, TensorDataset(*data), hooks=Hooks(snapshots=True, on_snapshot=save,
-                                                                          after_step=after))
-
-    res = run_world(4, worker, tmpdir=tmp, timeout_s=60, deadline_s=180)
-    assert res.ok, res.explain()
-    snaps = {int(f.split("-")[1]): torch.load(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("snap-")}
-    reports = {r: [json.loads(x) for x in open(os.path.join(tmp, f"prefix-{r}.jsonl"))] for r in range(4)}
+    snaps, reports = recorded_run(cfg, plan, model, TensorDataset(*data), world=4, tmpdir=tmp,
+                                  record=lambda step, r: [step, _prefix_report(r)])
     return snaps, cfg.log, reports
 
 
