@@ -124,6 +124,47 @@ def _check_shards(plan, reports) -> int:
     return checked
 
 
+def _check_prefix_bytes(name, plan, reports) -> int:
+    """The prefix's bytes each stage-0 rank holds (fp32: 4 per element) against the stage model's prefix weights
+    term (``StageModel.stage0_static`` under the phase's tp and stage 0's FSDP, the profile measured here): equal,
+    up to the one approximation ``strategy_table`` makes for every split layer, active or frozen -- it divides a
+    split layer's whole weight by tp, while its norms and row-parallel biases stay whole on each tp rank."""
+    from functools import lru_cache
+
+    from ptplan.executor.profiler import profile_model
+    from ptplan.planner.cluster import cpu_cluster
+    from ptplan.planner.costs import CostTable
+    from ptplan.planner.schedule import peak_inflight
+    from ptplan.planner.stage import PhaseShape, StageModel, links_for
+    from ptplan.planner.strategy import tp_allreduce_coeffs
+
+    @lru_cache(maxsize=None)
+    def table() -> CostTable:
+        return CostTable(profile_model(_build(name), device="cpu", batch_sizes=(1, 2), warmup=0, repeats=1,
+                                       progress=False))
+
+    checked = 0
+    for rows in reports.values():
+        for step, rep in rows:
+            ph = plan.phases[COUNTS[step - 1]]
+            if rep is None or not (ph.tp > 1 or ph.fsdp_at(0) and ph.D > 1):
+                continue
+            D = ph.D if ph.fsdp_at(0) else 1
+            shape = PhaseShape(K=ph.K, M=ph.M, b=ph.micro_batch_size, D=ph.D, frozen=ph.frozen_layers, cache=False,
+                               inflight=peak_inflight(ph.schedule, ph.K, ph.M), optimizer="adamw",
+                               device_is_host=True, tp=ph.tp, fsdp=bool(ph.fsdp_at(0)),
+                               tp_ar=tp_allreduce_coeffs(cpu_cluster(4), ph.tp))
+            predicted = StageModel(table(), shape, links_for(cpu_cluster(ph.world), ph.K)).stage0_static
+            held = 4 * sum(loc for lay in rep["layers"] for loc, *_ in lay["params"])
+            whole = 4 * sum(full for lay in rep["layers"] for _, full, *_ in lay["params"])
+            replicated = 4 * sum(full for lay in rep["layers"] if ph.tp > 1 and lay["split"]
+                                 for _, full, _, on_tp, *_ in lay["params"] if not on_tp)
+            assert held == predicted + replicated * (1 - 1 / ph.tp) / D, (step, held, predicted, replicated)
+            assert held < whole and float(table().cum_param[ph.frozen_layers]) == whole
+            checked += 1
+    return checked
+
+
 PLANS = ["tp", "fsdp", "tp-fsdp"]
 
 
@@ -139,6 +180,7 @@ def test_split_and_sharded_prefix_matches_reference(kind, name, optimizer, tmp_p
     # every step with a frozen prefix, on each of its stage-0 ranks (D pipelines x tp)
     want = sum(plan.phases[f].D * plan.phases[f].tp for f in COUNTS if plan.phases[f].frozen_layers)
     assert _check_shards(plan, reports) == want
+    assert _check_prefix_bytes(name, plan, reports) == sum(plan.phases[1].D * plan.phases[1].tp for f in COUNTS if f == 1)
     ref, ref_losses = reference(name, optimizer, data)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
