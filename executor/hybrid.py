@@ -7,8 +7,9 @@ tp ranks run each stage of a pipeline together (its tensor-parallel group, ``gro
 Entering (``ShardedStage.enter``, after the transition has given every rank of the group full copies of
 its active layers and of their optimizer state): each active layer is copied (``copy.deepcopy``) and the
 copy is sharded with ``fully_shard`` over a ``DeviceMesh`` made from the position's data-parallel group
-(``DeviceMesh.from_group``), one FSDP unit per layer; the canonical layer's storage is freed (only 1/D
-of it stays, in the copy). The run's one optimizer (``optim``) keeps its parameter order: each canonical
+(``DeviceMesh.from_group``), one FSDP unit per layer, resharded after every forward (``shard_layer``: all-
+gathered in each micro-batch's forward and again in its backward, never held whole between them); the
+canonical layer's storage is freed (only 1/D of it stays, in the copy). The run's one optimizer (``optim``) keeps its parameter order: each canonical
 parameter in its param groups is replaced by the copy's sharded (DTensor) parameter, and its state
 tensors by DTensor shards with the same placement (``distribute_tensor``, no communication: every rank
 holds the full state). FSDP reduce-scatters (averages over D) each layer's gradient in the backward,
@@ -41,9 +42,8 @@ Conv1D layout. A tp that does not divide a layer's heads, key/value heads or MLP
 The frozen prefix (stage 0 of a phase that runs it rather than reading the AutoCache; ``prefix``) is treated
 like the active layers but has no gradient and no optimizer state: each prefix layer with a split gets a
 Megatron twin over the tp group, and when stage 0's strategy has FSDP (D > 1) the prefix layers are
-``fully_shard``-ed over its data-parallel group (``reshard_after_forward=True``: each layer is its own FSDP
-root, which by default would keep its gathered weights after the forward; frozen, FSDP only all-gathers them
-in every no-grad forward and never reduce-scatters). The canonical storage is released while split and the
+``fully_shard``-ed over its data-parallel group (``shard_layer``; frozen, FSDP only all-gathers them in every
+no-grad forward and never reduce-scatters). The canonical storage is released while split and the
 full weights are gathered back into it on leaving (no optimizer slot or state moves); ``stage.stage_module``
 runs the twins. A prefix served by the AutoCache is never entered: it stays whole in host memory.
 ``tests/test_frozen_prefix_runtime.py`` checks parity through transitions and each rank's local sizes.
@@ -124,7 +124,6 @@ class ShardedStage:
 
     def enter(self) -> None:
         """Shard every owned layer (collective over the groups)."""
-        from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         dp_mesh, tp_mesh = self._meshes()
@@ -145,7 +144,7 @@ class ShardedStage:
                 maps = _gpt2_twin(twin, tp_mesh.size())
                 _parallelize(twin, tp_mesh)
             if shard:
-                fully_shard(twin, mesh=dp_mesh)
+                shard_layer(twin, dp_mesh)
             by_name = dict(twin.named_parameters())
             for name, p in self.layers[i].named_parameters():
                 q = by_name[name]
@@ -167,16 +166,14 @@ class ShardedStage:
     def _frozen_twin(self, i: int, tp_mesh, dp_mesh) -> nn.Module:
         """A frozen prefix layer's split and/or sharded copy: no optimizer slot or state to move; its
         parameters stay frozen (``requires_grad`` off), so FSDP only all-gathers them in the forward."""
-        from torch.distributed.fsdp import fully_shard
-
         twin = copy.deepcopy(self.layers[i])
         if tp_mesh is not None:
             maps = _gpt2_twin(twin, tp_mesh.size())
             _parallelize(twin, tp_mesh)
             self._frozen_back[i] = {n: back for n, (_, back) in maps.items()}
         twin.requires_grad_(False)
-        if dp_mesh is not None:  # resharded after every forward: each layer is its own FSDP root, which by
-            fully_shard(twin, mesh=dp_mesh, reshard_after_forward=True)  # default keeps its gathered weights
+        if dp_mesh is not None:
+            shard_layer(twin, dp_mesh)
         twin.eval()
         return twin
 
@@ -307,6 +304,18 @@ def split_widths(layer: nn.Module) -> dict[str, int]:
     if sp.up:
         out["intermediate size"] = _width(layer.get_submodule(sp.up[0]))
     return out
+
+
+def shard_layer(layer: nn.Module, dp_mesh) -> None:
+    """``fully_shard`` one layer over the data-parallel mesh, resharded after every forward. Each layer is its
+    own FSDP root (no FSDP module above it), and FSDP2 by default keeps a root's gathered weights from its
+    forward to its backward: with several micro-batches in flight a stage would hold its layers whole. Resharded,
+    a layer is all-gathered in every micro-batch's forward and again in its backward, and its gradient
+    reduce-scattered there -- what ``planner/strategy.py`` prices (weights / D, two gathered layers at a time).
+    A frozen layer (requires_grad off) is only all-gathered, in its forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
 
 
 def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:

@@ -238,3 +238,62 @@ def test_a_frozen_fsdp_layer_all_gathers_under_no_grad_and_never_reduce_scatters
         calls, local, full = json.load(open(tmp_path / f"calls-{r}.json"))
         assert calls["all_gather_single"] >= 1 and calls["reduce_scatter_single"] == 0, calls
         assert local * 2 <= full + 2 * 16, (local, full)  # each rank holds about half (dim 0 padded per tensor)
+
+
+@pytest.mark.multiproc
+def test_an_active_fsdp_layer_is_resharded_between_its_forward_and_backward(tmp_path):
+    """``hybrid.shard_layer`` as the runtime shards a trainable layer over 2 ranks: after each micro-batch's
+    forward the layer holds only its shard (FSDP2 would keep a root layer's gathered weights until the
+    backward, so a stage with micro-batches in flight would hold its layers whole, against the stage
+    model's weights / D); each backward all-gathers again and reduce-scatters once: 2 all-gathers and 1
+    reduce-scatter per micro-batch, as ``planner/strategy.py`` prices it; gradients equal the whole layer's."""
+    from ptplan.executor.hybrid import shard_layer
+    from ptplan.executor.testing import run_world
+
+    def worker(rank: int, world: int) -> None:
+        import copy
+
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        calls = {k: 0 for k in _COUNTED}
+        for k in _COUNTED:
+            real = getattr(dist, k)
+
+            def counted(*a, _k=k, _real=real, **kw):
+                calls[_k] += 1
+                return _real(*a, **kw)
+            setattr(dist, k, counted)
+        model = _build("bert-tiny")
+        x, _, mask = model.make_batch(6, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            h = model.layers[0](x, attention_mask=mask)
+        whole = copy.deepcopy(model.layers[1]).train()
+        layer = copy.deepcopy(model.layers[1]).train()
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh=[0, 1], mesh_dim_names=("dp",))
+        shard_layer(layer, mesh)
+        local = sum(p.to_local().numel() for p in layer.parameters())
+        full = sum(p.numel() for p in layer.parameters())
+        M, held = 3, []
+        mbs = h.chunk(M)
+        outs = []
+        for m in range(M):  # every micro-batch's forward first (GPipe), each sharded again after it
+            outs.append(layer(mbs[m], attention_mask=mask.chunk(M)[m]))
+            held.append(sum(getattr(p, "_local_tensor", p).numel() for p in layer.parameters()))
+        gathers_fwd = calls["all_gather_single"]
+        for o in outs:
+            o.float().pow(2).mean().backward()
+        for m in range(M):
+            whole(mbs[m], attention_mask=mask.chunk(M)[m]).float().pow(2).mean().backward()
+        # FSDP averages the gradients over the 2 ranks, which ran the same data here
+        for (n, p), q in zip(layer.named_parameters(), whole.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7, msg=n)
+        with open(os.path.join(str(tmp_path), f"active-{rank}.json"), "w") as fh:
+            json.dump([calls, gathers_fwd, held, local, full], fh)
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    for r in range(2):
+        calls, gathers_fwd, held, local, full = json.load(open(tmp_path / f"active-{r}.json"))
+        assert held == [local] * 3 and local * 2 <= full + 2 * 16, (held, local, full)
+        assert gathers_fwd == 3 and calls["all_gather_single"] == 6 and calls["reduce_scatter_single"] == 3, calls
