@@ -75,6 +75,21 @@ def _prefix_report(rank: int) -> dict | None:
 _COUNTED = ("all_gather_single", "reduce_scatter_single")
 
 
+def _count_collectives() -> dict[str, int]:
+    """In a child process: count FSDP2's ``_COUNTED`` collectives from now on (the returned dict, by name)."""
+    import torch.distributed as dist
+
+    calls = {k: 0 for k in _COUNTED}
+    for k in _COUNTED:
+        real = getattr(dist, k)
+
+        def counted(*a, _k=k, _real=real, **kw):
+            calls[_k] += 1
+            return _real(*a, **kw)
+        setattr(dist, k, counted)
+    return calls
+
+
 def _run(name, optimizer, data, tmp, plan):
     """The parity run (``testing.recorded_run``), recording per rank after each step its prefix (``_prefix_report``)."""
     from ptplan.executor.config import RunConfig
@@ -204,14 +219,7 @@ def test_a_frozen_fsdp_layer_all_gathers_under_no_grad_and_never_reduce_scatters
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
-        calls = {k: 0 for k in _COUNTED}
-        for k in _COUNTED:
-            real = getattr(dist, k)
-
-            def counted(*a, _k=k, _real=real, **kw):
-                calls[_k] += 1
-                return _real(*a, **kw)
-            setattr(dist, k, counted)
+        calls = _count_collectives()
         model = _build("bert-tiny")
         x, _, mask = model.make_batch(4, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
@@ -256,14 +264,7 @@ def test_an_active_fsdp_layer_is_resharded_between_its_forward_and_backward(tmp_
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
-        calls = {k: 0 for k in _COUNTED}
-        for k in _COUNTED:
-            real = getattr(dist, k)
-
-            def counted(*a, _k=k, _real=real, **kw):
-                calls[_k] += 1
-                return _real(*a, **kw)
-            setattr(dist, k, counted)
+        calls = _count_collectives()
         model = _build("bert-tiny")
         x, _, mask = model.make_batch(6, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
