@@ -343,8 +343,9 @@ class ActivationCache:
     def _evict(self, keys: list[tuple[int, int]], promote: list[tuple[int, int]]) -> None:
         """Remove ``keys``, then move complete spilled slabs among ``promote`` into the freed RAM."""
         if keys:
-            self._stats.bytes_evicted += self.store.remove(keys)
-            self._stats.slabs_evicted += len(keys)
+            slabs, freed = self.store.remove(keys)
+            self._stats.slabs_evicted += slabs
+            self._stats.bytes_evicted += freed
         if self.spill_dir is not None and promote:
             self._stats.slabs_promoted += self.store.promote(promote)
 

@@ -326,18 +326,21 @@ class SlabStore:
         if slab is not None:
             slab.close()
 
-    def remove(self, keys: list[tuple[int, int]]) -> int:
-        """Unlink these slabs (wherever they are); returns the bytes their files held."""
-        freed = 0
+    def remove(self, keys: list[tuple[int, int]]) -> tuple[int, int]:
+        """Unlink these slabs (wherever they are); returns (slabs, bytes) that this call unlinked. The
+        processes of a node may evict the same slab at once (each saw it superseded): only the one whose
+        unlink succeeds counts it."""
+        removed = freed = 0
         listing = self.listing()
         for key in keys:
             self._drop(key)
             if key in listing:
                 path = listing[key][1]
                 with _ignore_missing():
-                    freed += os.stat(path).st_blocks * 512
+                    size = os.stat(path).st_blocks * 512
                     os.unlink(path)
-        return freed
+                    removed, freed = removed + 1, freed + size
+        return removed, freed
 
     def promote(self, keys: list[tuple[int, int]]) -> int:
         """Move complete (all rows valid) spilled slabs among ``keys`` into RAM while the budget allows.

@@ -285,6 +285,29 @@ def test_evict_below_drops_old_counts_and_promotes_spilled_slabs(tmp_path):
         assert torch.equal(cache.get(ids, 7), prefix_forward(model, x, mask, ids, 7))
 
 
+def test_a_slab_evicted_by_two_processes_at_once_is_counted_once(tmp_path):
+    """The processes of a node share the cache and may each see a slab superseded and evict it at the same
+    time: only the process whose unlink succeeds counts it (``slabs_evicted`` and ``bytes_evicted`` are summed
+    over the node's processes in the run log). Two handles on one cache directory, as two ranks hold it: both
+    list the slabs at 3, the first evicts them, then the second acts on what it listed."""
+    model = build_model("bert-tiny")
+    ids, x, mask = _batch(model, 8)
+    with _cache(model, tmp_path, 8) as cache:
+        other = ActivationCache(tmp_path, job_id=cache.job_id, create=False)
+        prefix_forward(model, x, mask, ids, 3, cache)
+        stale = other.store.listing()
+        keys = sorted(k for k in stale if k[0] == 3)
+        assert len(keys) == 2
+        cache._evict(keys, promote=[])
+        other.store.listing = lambda: stale  # the second rank listed before the first one unlinked
+        other._evict(keys, promote=[])
+        a, b = cache.stats(), other.stats()
+        assert (a.slabs_evicted, b.slabs_evicted) == (2, 0)
+        assert a.bytes_evicted > 0 and b.bytes_evicted == 0
+        assert _slabs(cache) == []
+        other.close()
+
+
 # ---- refusing nondeterministic prefixes --------------------------------------------------------
 
 def test_active_dropout_in_prefix_is_refused_with_the_layer_and_fix(tmp_path):
