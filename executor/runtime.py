@@ -21,7 +21,7 @@ the flat all-reduce then running on each rank's local shards. Stage 0's frozen p
 cached), is split over tp and, when its chunk 0 has FSDP, sharded over its data-parallel group the same way
 (frozen: weights only, all-gathered in the no-grad forward; gathered back on leaving). A stage with recomputation
 (``Phase.recompute_at``) runs its active layers under ``torch.utils.checkpoint`` (``stage.StageModule``), or
-only its first r of them (``Phase.recompute_layers_at``, Galvatron's layer-wise choice: ``recompute_first``).
+only its first r of them (``Phase.recompute_layers_at``, Galvatron's layer-wise choice: ``stage.recompute_first``).
 FSDP and recomputation are per stage (chunk): a phase's stages may differ (``ptplan plan --strategies auto``
 chooses per stage), so one position may shard and recompute while the next runs plain data parallel.
 Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
@@ -246,10 +246,6 @@ class ElasticRuntime:
             twins = self.sharded.copies
         self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
                        for c in chunks_of(ph, self.groups.place.stage)}
-        for c, mod in self.chunks.items():  # recomputation per stage (a phase's stages may differ)
-            mod.recompute = ph.recompute_at(c)
-            if mod.recompute and ph.recompute_layers_at(c):  # only its first r layers (Galvatron's layer-wise)
-                recompute_first(mod, ph.recompute_layers_at(c))
         mods = list(self.chunks.values())
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
         if ph.slices:  # token slices (TeraPipe): executor/sliced.py's own loop over the canonical layers
@@ -513,40 +509,6 @@ class ElasticRuntime:
         self._unshard()
         destroy_groups(self.groups)
         self.groups = None
-
-
-class RecomputedLayers(torch.nn.Module):
-    """Consecutive layers of a stage run as one ``torch.utils.checkpoint`` unit (non-reentrant): a
-    micro-batch in flight keeps only their input, and its backward reruns them first."""
-
-    def __init__(self, layers: list[torch.nn.Module], lo: int) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers)
-        self.lo, self.hi = lo, lo + len(layers)
-
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        if torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-
-            return checkpoint(self._run_active, x, attention_mask, use_reentrant=False)
-        return self._run_active(x, attention_mask)
-
-    def _run_active(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
-        for layer in self.layers:
-            x = layer(x, attention_mask=attention_mask)
-        return x
-
-
-def recompute_first(mod: torch.nn.Module, r: int) -> None:
-    """Make stage module ``mod`` (``stage.StageModule``) recompute only its first r active layers
-    (``Phase.recompute_layers``): those become one ``RecomputedLayers`` unit, the others keep their
-    activations, and the module's own whole-stage checkpoint is switched off."""
-    active = list(mod.active)
-    if not 1 <= r < len(active):
-        raise PtplanError(f"recompute the first {r} of a stage's {len(active)} active layers: use 1..{len(active) - 1}, "
-                          f"or 0 for all of them; re-run `ptplan plan`")
-    mod.recompute = False
-    mod.active = torch.nn.ModuleList([RecomputedLayers(active[:r], mod.lo), *active[r:]])
 
 
 def _timedelta(seconds: float):

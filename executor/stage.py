@@ -140,6 +140,40 @@ class StageModule(nn.Module):
         return x
 
 
+class RecomputedLayers(nn.Module):
+    """Consecutive layers of a stage run as one ``torch.utils.checkpoint`` unit (non-reentrant): a
+    micro-batch in flight keeps only their input, and its backward reruns them first."""
+
+    def __init__(self, layers: list[nn.Module], lo: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.lo, self.hi = lo, lo + len(layers)
+
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._run_active, x, attention_mask, use_reentrant=False)
+        return self._run_active(x, attention_mask)
+
+    def _run_active(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, attention_mask=attention_mask)
+        return x
+
+
+def recompute_first(mod: nn.Module, r: int) -> None:
+    """Make stage module ``mod`` (``stage.StageModule``) recompute only its first r active layers
+    (``Phase.recompute_layers``): those become one ``RecomputedLayers`` unit, the others keep their
+    activations, and the module's own whole-stage checkpoint is switched off."""
+    active = list(mod.active)
+    if not 1 <= r < len(active):
+        raise PtplanError(f"recompute the first {r} of a stage's {len(active)} active layers: use 1..{len(active) - 1}, "
+                          f"or 0 for all of them; re-run `ptplan plan`")
+    mod.recompute = False
+    mod.active = nn.ModuleList([RecomputedLayers(active[:r], mod.lo), *active[r:]])
+
+
 def stage_module(model: nn.Module, phase: Phase, stage: int, *, cached_prefix: bool = False,
                  twins: dict[int, nn.Module] | None = None) -> StageModule:
     """The module for stage (chunk) ``stage`` of ``phase``, made of ``model.layers`` (views, not copies).
@@ -153,7 +187,9 @@ def stage_module(model: nn.Module, phase: Phase, stage: int, *, cached_prefix: b
     prefix = phase.frozen_layers if stage == 0 and not cached_prefix else 0
     active = None if not twins else [twins.get(i, model.layers[i]) for i in range(lo, hi)]
     frozen = None if not twins else [twins.get(i, model.layers[i]) for i in range(prefix)]
-    mod = StageModule(model.layers, lo, hi, prefix, recompute=phase.recompute, active=active, frozen=frozen)
+    mod = StageModule(model.layers, lo, hi, prefix, recompute=phase.recompute_at(stage), active=active, frozen=frozen)
+    if mod.recompute and phase.recompute_layers_at(stage):  # only its first r layers (Galvatron's layer-wise)
+        recompute_first(mod, phase.recompute_layers_at(stage))
     mod.train()
     if cached_prefix:
         for layer in model.layers[:phase.frozen_layers]:

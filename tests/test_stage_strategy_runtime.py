@@ -180,7 +180,7 @@ def test_recomputing_the_first_layers_keeps_their_input_and_the_others_activatio
     layers' activations as the profiler measured them -- ``planner/stage.py``'s per_mb = b * (out[lo-1] +
     sum saved[lo+r:hi]) --, reruns only those r layers in each backward, and gives the same gradients."""
     from ptplan.executor.profiler import _memory_pass
-    from ptplan.executor.runtime import recompute_first
+    from ptplan.executor.stage import recompute_first
     from ptplan.executor.stage import StageModule
     from tests.test_hybrid_runtime import _saved_bytes_in_flight
 
