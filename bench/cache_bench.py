@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-from ptplan.executor.cache import ActivationCache, prefix_forward, prefix_sample_shape
-from ptplan.executor.cache_guard import eval_mode
-from ptplan.executor.data import SyntheticDataset, epoch_order
-from ptplan.executor.models import build_model
+from ptplan.executor.cache.autocache import ActivationCache, prefix_forward, prefix_sample_shape
+from ptplan.executor.cache.guard import eval_mode
+from ptplan.executor.data.dataset import SyntheticDataset, epoch_order
+from ptplan.executor.families.models import build_model
 
 PLANNER_DEFAULT_BW = 10e9
 
@@ -163,7 +163,7 @@ def main() -> None:
 
     # predictions (per step, then per epoch)
     if args.profile_now:
-        from ptplan.executor.profiler import profile_model
+        from ptplan.executor.profiling.profiler import profile_model
         from ptplan.planner.profile import save_profile
 
         t0 = time.perf_counter()

@@ -79,12 +79,13 @@ def _fit_action(per_rank: list[dict[int, dict[str, float]]]) -> tuple[float, flo
 
 
 def _step_overhead(repeats: int, tmp: str) -> dict[str, float]:
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import SyntheticDataset
-    from ptplan.executor.models import build_model
-    from ptplan.executor.runlog import read_records
-    from ptplan.executor.testing import make_plan, run_world, spec
-    from ptplan.executor.training import run_training
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import SyntheticDataset
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.training.runlog import read_records
+    from ptplan.executor.handplan import make_plan, spec
+    from ptplan.executor.launch.local import run_world
+    from ptplan.executor.training.loop import run_training
 
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
     b = 4
@@ -166,7 +167,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/overhead_bench.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from ptplan.executor.testing import run_world
+    from ptplan.executor.launch.local import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "pipe.json")

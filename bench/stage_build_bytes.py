@@ -4,7 +4,7 @@ stage of a 4-stage plan, against the whole model.
 Each build runs in its own fresh Python process (``python -c``) so that its peak resident memory (``ru_maxrss``)
 is its own: the interpreter, torch and transformers, the module tree and the built layers. Bytes materialised =
 the parameters not on the meta device right after ``build_model`` returns. The stages are ``stage_layers`` of
-phase 0 of a K=4, D=1 plan with an even partition (``executor.testing.make_plan``), at half granularity.
+phase 0 of a K=4, D=1 plan with an even partition (``executor.handplan.make_plan``), at half granularity.
 
     python bench/stage_build_bytes.py [--model bert-base] [--stages 4] [--seq 128]
 
@@ -24,7 +24,7 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
-from ptplan.executor.models import build_model
+from ptplan.executor.families.models import build_model
 name, seq, layers = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 t0 = time.perf_counter()
 m = build_model(name, seq_len=seq, layers=layers)
@@ -51,9 +51,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "stage_build_bytes.json"))
     args = ap.parse_args()
 
-    from ptplan.executor.models import build_model
-    from ptplan.executor.testing import make_plan, spec
-    from ptplan.executor.training import stage_layers
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.handplan import make_plan, spec
+    from ptplan.executor.training.loop import stage_layers
 
     shell = build_model(args.model, seq_len=args.seq, layers=[])
     plan = make_plan(shell, [spec(0, K=args.stages, D=1, M=args.stages, b=1)])

@@ -7,7 +7,7 @@ M micro-batches.
 The slice cost is MEASURED: profiles/gpt2_cpu_fp32_slices.json holds a GPT-2 block (hidden 768) timed on
 this CPU on a (b, s, c) grid (b 1, 2; s 64, 256, 1024, 2048; c 0, 512, 1024; one thread, CPU time) and
 the fit t = const + per_token·b·s + per_context·b·c + per_pair·b·s·c + per_square·b·s² (coefficients
->= 0, relative errors) of its forward and backward (``python -m ptplan.executor.slice_profile``). Batch
+>= 0, relative errors) of its forward and backward (``python -m ptplan.executor.profiling.slices``). Batch
 sizes above 2 and contexts beyond 1024 extrapolate the fit (linear in b).
 
 1. Planning time of ``planner.terapipe.optimal_slices`` for L = 2048, K = 48 (one measured GPT-2 block per
@@ -22,7 +22,7 @@ sizes above 2 and contexts beyond 1024 extrapolate the fit (linear in b).
 
 4. ``--measure PROFILE``: the executor for real. PROFILE is a gpt2-tiny profile with slices measured at
    the sequence length L it was profiled with (``ptplan profile gpt2-tiny --seq-len 1024 --batch-sizes 1,2
-   --slices --timer cpu``); two forked processes (gloo, one thread each) run executor/sliced.py's loop on
+   --slices --timer cpu``); two forked processes (gloo, one thread each) run executor/runtime/sliced.py's loop on
    K = 2 stages, M = 1, unsliced and with the planner's slices, and the median step (after one warm-up)
    is set beside ``sliced_phase``'s prediction (compute only: no optimizer, gloo sends not priced).
 
@@ -57,8 +57,8 @@ def _measure_worker(rank: int, world: int, L: int, b: int, slices: list[int], ra
     import torch
     import torch.distributed as dist
 
-    from ptplan.executor.models import build_model
-    from ptplan.executor.sliced import SlicedStage, run_sliced_step
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.runtime.sliced import SlicedStage, run_sliced_step
     from ptplan.planner.schedule import terapipe
 
     model = build_model("gpt2-tiny", seq_len=L, dropout=0.0, seed=0)
@@ -82,7 +82,7 @@ def _measure_worker(rank: int, world: int, L: int, b: int, slices: list[int], ra
 
 def measure(path: str, steps: int) -> list[dict]:
     """Part 4 (module docstring)."""
-    from ptplan.executor.testing import run_world
+    from ptplan.executor.launch.local import run_world
 
     prof = load_profile(path)
     L = prof.model.seq_len

@@ -34,13 +34,14 @@ from pathlib import Path
 
 import torch
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import SyntheticDataset
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.training import run_training
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.validate import frozen_boundary
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import SyntheticDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.training.loop import run_training
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.validate import frozen_boundary
 from ptplan.planner.partition import optimal_partition
 
 TRAJECTORY = (0, 4, 7, 9)

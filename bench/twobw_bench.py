@@ -22,7 +22,7 @@ Part 2 (``--part 2``, real runs, about a minute on a quiet 2-core box): the ship
 profile (measured on this machine: AMD EPYC, one thread per process), one plan each for flushed 1F1B
 and PipeDream-2BW pinned to K = 2, M = 4 micro-batches of b = 8 on ``cpu:2`` (two processes, one per
 core), no freezing; each is run for real (``ptplan run``, gloo; 2BW on its own point-to-point loop,
-``executor/twobw.py``) and its median step time compared with the prediction (``planner.compare``,
+``executor/runtime/twobw.py``) and its median step time compared with the prediction (``planner.compare``,
 first step left out; for 2BW the prediction is the simulator's steady-state period, one mini-batch
 per step). Runs during which other processes used the CPU are repeated once (``calibrate``'s rule)
 or marked contended. Writes ``bench/results/twobw_bench_runs.json``.

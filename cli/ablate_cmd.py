@@ -98,7 +98,7 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     table = format_ablation(result)
     page = None
     if report is not None:
-        from ptplan.planner.viz import ablation_html
+        from ptplan.planner.report.viz import ablation_html
 
         page = ablation_html(result, table)  # built before anything is written
     if json_out is not None:

@@ -53,7 +53,7 @@ def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, o
     if not out.endswith(".pt") or (eval_out is not None and not eval_out.endswith(".pt")):
         raise PtplanError(f"--out {out}{'' if eval_out is None else f' / --eval-out {eval_out}'}: write .pt files "
                           f"(what ptplan run --data reads)")
-    from ptplan.executor.dataprep import prepare_data
+    from ptplan.executor.data.prep import prepare_data
 
     got = prepare_data(src, tokenizer=tokenizer, seq_len=seq_len, out=out, text_column=text_column,
                        label_column=label_column, label_map=label_map, task=task, split=split, eval_out=eval_out,

@@ -293,7 +293,7 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     dt = time.perf_counter() - t0
     html = None
     if report:
-        from ptplan.planner.viz import report_html
+        from ptplan.planner.report.viz import report_html
 
         html = report_html(result)  # built before anything is written: all outputs or none
     save_plan(result, out)

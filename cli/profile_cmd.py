@@ -80,7 +80,7 @@ def parse_batch_sizes(text: str) -> list[int]:
                    "The profile is marked projected and every plan made from it says so.")
 @click.option("--slices", is_flag=True,
               help="Causal LMs: also time a decoder block on token slices (s tokens after c cached ones, a (b, s, c) "
-                   "grid) and store TeraPipe's fitted slice cost in the profile (executor/slice_profile.py).")
+                   "grid) and store TeraPipe's fitted slice cost in the profile (executor/profiling/slices.py).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
             batch_sizes: str | None, num_labels: int | None, granularity: str, warmup: int, repeats: int,
@@ -123,8 +123,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
 
     import torch  # torch only when profiling: the other commands stay fast
 
-    from ptplan.executor.models import build_model
-    from ptplan.executor.profiler import agreement, check_batch_sizes, head_num_labels, profile_model, resolve_device
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.profiling.profiler import agreement, check_batch_sizes, head_num_labels, profile_model, resolve_device
     from ptplan.planner.profile import save_profile
 
     labels = head_num_labels(model_name, num_labels)
@@ -143,8 +143,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     if project is not None:
         import datetime
 
-        from ptplan.executor.project import project_profile
-        from ptplan.executor.profiler import powers_of_two
+        from ptplan.executor.profiling.project import project_profile
+        from ptplan.executor.profiling.profiler import powers_of_two
 
         prof = project_profile(model, dev_model, batch_sizes=sizes or powers_of_two(64),
                                command=command_line(click.get_current_context()),
@@ -159,7 +159,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()))
     if slices:
-        from ptplan.executor.slice_profile import profile_slices, with_slices
+        from ptplan.executor.profiling.slices import profile_slices, with_slices
 
         prof = with_slices(prof, profile_slices(model, device=device, warmup=warmup, repeats=repeats, timer=timer,
                                                 command=prof.provenance.command))

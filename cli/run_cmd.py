@@ -121,9 +121,9 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     two nodes:  ptplan run plan.json --model bert-base --nproc-per-node 8 --nnodes 2 \\
                   --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1   (on each node)
     """
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.job import with_plan_num_labels
-    from ptplan.executor.launch import Rendezvous, command, launch, worker_log_path
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.training.job import with_plan_num_labels
+    from ptplan.executor.launch.launcher import Rendezvous, command, launch, worker_log_path
 
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
@@ -173,10 +173,10 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
     outputs (never an input, folders writable), the data file (dtype, ids, labels, sequence length, size)
     and, on one node, the checkpoint a --resume would read (readable, of this plan and run)."""
     from ptplan.cli.main import check_outputs
-    from ptplan.executor.data import check_data, load_dataset
-    from ptplan.executor.freezing import FreezeSchedule
-    from ptplan.executor.job import build_for_plan, samples_needed
-    from ptplan.executor.validate import (batch_policy_of, check_model, check_phase, check_trajectory, check_world,
+    from ptplan.executor.data.dataset import check_data, load_dataset
+    from ptplan.executor.training.freezing import FreezeSchedule
+    from ptplan.executor.training.job import build_for_plan, samples_needed
+    from ptplan.executor.training.validate import (batch_policy_of, check_model, check_phase, check_trajectory, check_world,
                                           global_batch_of)
     from ptplan.planner.plan import load_plan
 
@@ -201,7 +201,7 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
     if data_file is not None and not os.path.exists(data_file):
         raise PtplanError(f"--data {cfg.data}: no such file; pass 'synthetic' or a .pt/.npz file")
     if cfg.export is not None and not (cfg.export_best and cfg.resume):  # a resumed --export-best: the best so far
-        from ptplan.executor.export import check_export_dir
+        from ptplan.executor.training.export import check_export_dir
 
         check_export_dir(cfg.export)
     if cfg.weights is not None and not os.path.isdir(cfg.weights):
@@ -248,7 +248,7 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
 def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> None:
     """On one node, the checkpoint --resume reads: present, readable and of this plan and run (several nodes:
     the workers look for it on every node, see ``executor.training``)."""
-    from ptplan.executor import checkpoint as ckpt
+    from ptplan.executor.training import checkpoint as ckpt
 
     data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
     run_id = {"samples": samples, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,

@@ -6,7 +6,7 @@ import os
 import click
 
 from ptplan.planner.plan import load_plan
-from ptplan.planner.viz import write_report
+from ptplan.planner.report.viz import write_report
 
 
 @click.command("show")

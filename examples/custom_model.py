@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.models import LayeredModel, LayerSpec, backbone_layers, custom_model
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.families.models import LayeredModel, LayerSpec, backbone_layers, custom_model
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
 
 SEQ, CLASSES = 16, 4
 KEYWORDS = (11, 12, 13, 14)
@@ -108,7 +109,7 @@ def hand_plan(model: LayeredModel, *, steps: int, batch: int = 8):
 
 def planned(model: LayeredModel, *, samples: int, epochs: int, batch: int = 8):
     """Profile the model on this CPU and let ptplan's planner plan it for 2 processes."""
-    from ptplan.executor.profiler import profile_model
+    from ptplan.executor.profiling.profiler import profile_model
     from ptplan.planner.cluster import cpu_cluster
     from ptplan.planner.config import TrainingConfig
     from ptplan.planner.freeze import FreezePolicy
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.hand_plan:
         cfg = replace(cfg, freeze_every=a.steps)
     run_two_processes(cfg, plan, data, held, out, a.weights)
-    from ptplan.executor.runlog import read_records
+    from ptplan.executor.training.runlog import read_records
 
     if int(os.environ.get("RANK", "0")) != 0:
         return

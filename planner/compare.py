@@ -33,7 +33,7 @@ class PhaseComparison:
     predicted_peak_memory_bytes: int
     """The fullest stage's predicted peak."""
     measured_peak_memory_bytes: int | None
-    """The fullest rank's measured peak (``executor/memory.py``), None when not measured."""
+    """The fullest rank's measured peak (``executor/runtime/memory.py``), None when not measured."""
     memory_error: float | None
     predicted_stage_memory_bytes: tuple[int, ...] = ()
     measured_stage_memory_bytes: tuple[int, ...] = ()

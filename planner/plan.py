@@ -406,7 +406,7 @@ def _prediction(f: Fields) -> Prediction:
 
 
 CAUSAL_SLICE_FAMILIES = ("gpt2", "llama")
-"""Model families whose phases may carry token slices (the executor's slice-aware layers: executor/sliced.py)."""
+"""Model families whose phases may carry token slices (the executor's slice-aware layers: executor/runtime/sliced.py)."""
 
 
 def _slices(f: Fields, *, V: int, tp: int, seq_len: int | None, family: str | None) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """The run-log contract (``run.jsonl``, ``ptplan.runlog/1``): typed records, one reader, used by the writer too.
 
 One JSON object per line, each with a ``type``. ``ptplan run`` (rank 0) writes them through
-``executor/runlog.py``, which passes every record through ``parse_record`` first, so a record that
+``executor/training/runlog.py``, which passes every record through ``parse_record`` first, so a record that
 this reader would refuse is never written; ``ptplan compare`` and ``ptplan show --run`` read them
 with ``read_run_log``. Every field is checked by name (unknown keys are refused); a torn last line
 (a run killed while writing) is left out with a warning instead of refusing the whole log.

@@ -84,10 +84,10 @@ Not modelled (each small, or outside a training step): AdamW's step counter (4 b
 parameter tensor); what a rank holds *during* a phase transition (what it keeps, what it has
 received and what it has not sent yet); rank 0 gathering the whole model into host memory for a
 checkpoint; and every rank building the whole model once in host memory at start-up
-(``executor/stage.py``).
+(``executor/runtime/stage.py``).
 
 What the executor holds is exactly this: a rank materialises only its stage's layers
-(``executor/runtime.py``), and ``executor/memory.py`` measures the same terms.
+(``executor/runtime/elastic.py``), and ``executor/runtime/memory.py`` measures the same terms.
 """
 from __future__ import annotations
 
@@ -197,7 +197,7 @@ class PhaseShape:
     of r layers or fewer recomputes them all)."""
     own_p2p: bool = False
     """The stage exchanges messages in ptplan's own point-to-point loop (PipeDream-2BW,
-    ``executor/twobw.py``), not torch.distributed.pipelining's: no receive buffer per micro-batch; a
+    ``executor/runtime/twobw.py``), not torch.distributed.pipelining's: no receive buffer per micro-batch; a
     received activation stays with its micro-batch until its backward (``per_mb``), a received
     gradient only while that backward runs (one buffer)."""
     tp: int = 1

@@ -215,7 +215,7 @@ def profile_slice_cost(profile, b: int = 1, part: str = "both") -> SliceCost:
     sp = profile.token_slices
     if sp is None:
         raise PtplanError(f"profile {profile.model.name} has no token-slice costs; measure them with `ptplan profile "
-                          f"{profile.model.name} --slices` (or python -m ptplan.executor.slice_profile)")
+                          f"{profile.model.name} --slices` (or python -m ptplan.executor.profiling.slices)")
     fits = {"forward": (sp.forward,), "backward": (sp.backward,), "both": (sp.forward, sp.backward)}
     if part not in fits:
         raise PtplanError(f"part must be forward, backward or both, got {part!r}")
@@ -457,7 +457,7 @@ def require_slice_costs(profile) -> None:
 
 def sliceable(phase) -> bool:
     """Whether the executor can run the phase token-sliced: one stage per position, no tensor parallelism,
-    FSDP, recomputation or 2BW (executor/sliced.py's loop runs plain layers, GPipe-ordered)."""
+    FSDP, recomputation or 2BW (executor/runtime/sliced.py's loop runs plain layers, GPipe-ordered)."""
     return phase.V == 1 and phase.tp == 1 and not phase.any_fsdp and not phase.any_recompute and phase.schedule != "2bw"
 
 

@@ -2,7 +2,7 @@
 heads (grouped-query attention) and the MLP's intermediate width, read from a profile's config (pure).
 
 Megatron's split gives each of tp ranks whole heads (query, key and value column-wise, the attention output
-row-wise) and 1/tp of the MLP's intermediate width (``executor/hybrid.py``). With grouped-query attention
+row-wise) and 1/tp of the MLP's intermediate width (``executor/runtime/hybrid.py``). With grouped-query attention
 (the Llama family: H query heads share G key/value heads, H/G each) a rank holds G/tp key/value heads and
 the H/tp query heads that read them, so tp must divide G too.
 """

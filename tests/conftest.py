@@ -94,7 +94,7 @@ def nothing_left_behind(tmp_path_factory):
     tempfile.tempdir = saved[1]
     if not os.path.isdir("/proc"):
         return
-    from ptplan.executor.launch import tag_is_stale
+    from ptplan.executor.launch.launcher import tag_is_stale
 
     deadline = time.monotonic() + 15
     procs = session_processes(mark)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from plan_fixtures import cpu_plan, deep_plan, many_microbatch_plan, vit_paper_plan
-from ptplan.planner.viz import FIGURES, write_report
+from ptplan.planner.report.viz import FIGURES, write_report
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(120)]
 
@@ -128,7 +128,7 @@ def test_report_with_a_run_draws_the_comparison_figure(driver, tmp_path):
 
     from ptplan.planner.compare import compare, read_run_log
     from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA
-    from ptplan.planner.viz import COMPARISON
+    from ptplan.planner.report.viz import COMPARISON
 
     plan = vit_paper_plan()
     recs = [{"type": "header", "schema": RUNLOG_SCHEMA, "plan_fingerprint": plan.inputs.profile.fingerprint,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from ptplan.executor.cache import ActivationCache, default_root, prefix_forward, prefix_sample_shape
-from ptplan.executor.data import SyntheticDataset
-from ptplan.executor.models import build_model
+from ptplan.executor.cache.autocache import ActivationCache, default_root, prefix_forward, prefix_sample_shape
+from ptplan.executor.data.dataset import SyntheticDataset
+from ptplan.executor.families.models import build_model
 from ptplan.planner.errors import PtplanError
 
 TOL = 1e-6

@@ -17,7 +17,7 @@ from ptplan.planner.plan import save_plan
 from ptplan.planner.planner import TrainingConfig, make_plan
 from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA, RunLog
 from ptplan.planner.synthetic import synthetic_profile
-from ptplan.planner.viz import COMPARISON, FIGURES, build_figures, report_html
+from ptplan.planner.report.viz import COMPARISON, FIGURES, build_figures, report_html
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +163,13 @@ def test_report_figure_and_show_run(plan, tmp_path):
 def test_real_run_logs_peak_memory_and_compares(tmp_path):
     import torch
 
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import SyntheticDataset
-    from ptplan.executor.models import build_model
-    from ptplan.executor.profiler import profile_model
-    from ptplan.executor.runlog import read_records
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import run_training
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import SyntheticDataset
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.profiling.profiler import profile_model
+    from ptplan.executor.training.runlog import read_records
+    from ptplan.executor.launch.local import run_world
+    from ptplan.executor.training.loop import run_training
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

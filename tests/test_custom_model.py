@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import epoch_order
-from ptplan.executor.models import LayerSpec, backbone_layers, custom_model
-from ptplan.executor.optim import make_optimizer
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import max_rel_diff, run_world
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import epoch_order
+from ptplan.executor.families.models import LayerSpec, backbone_layers, custom_model
+from ptplan.executor.runtime.optim import make_optimizer
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.launch.local import run_world
+from parity import max_rel_diff
 from ptplan.planner.errors import PtplanError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +138,7 @@ def test_custom_model_checks_its_inputs(example):
 
 
 def test_profiler_measures_a_custom_model_under_its_name(example):
-    from ptplan.executor.profiler import profile_model
+    from ptplan.executor.profiling.profiler import profile_model
 
     model = example.build(seed=0)
     prof = profile_model(model, device="cpu", batch_sizes=[2], warmup=0, repeats=1, progress=False)

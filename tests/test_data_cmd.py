@@ -15,8 +15,8 @@ import torch
 from click.testing import CliRunner
 
 from ptplan.cli.main import cli
-from ptplan.executor.data import check_data, load_dataset
-from ptplan.executor.dataprep import prepare_data
+from ptplan.executor.data.dataset import check_data, load_dataset
+from ptplan.executor.data.prep import prepare_data
 from ptplan.planner.errors import PtplanError
 
 TEXTS = {"sport": ["the match ended in a draw", "she won the race by a second", "the keeper saved a penalty",
@@ -66,7 +66,7 @@ def _run(*args: str):
 def test_classification_csv_with_a_stratified_split(minilm_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from ptplan.executor.models import build_model
+    from ptplan.executor.families.models import build_model
 
     src = _csv(tmp_path / "topics.csv", _rows())
     r = _run(src, "--tokenizer", minilm_dir, "--seq-len", 12, "--out", tmp_path / "train.pt", "--split", 0.34,
@@ -121,7 +121,7 @@ def test_jsonl_numeric_labels_and_a_recorded_map_reused(minilm_dir, tmp_path):
 def test_causal_lm_text_for_next_token_loss(tmp_path):
     from transformers import AutoTokenizer
 
-    from ptplan.executor.models import build_model
+    from ptplan.executor.families.models import build_model
 
     texts = [t for ts in TEXTS.values() for t in ts]
     folder = make_bpe_folder(tmp_path / "tok", texts)
@@ -207,8 +207,8 @@ def test_a_failed_write_leaves_neither_file(minilm_dir, tmp_path, monkeypatch):
 
 
 def test_seq_len_from_the_plan(minilm_dir, tmp_path):
-    from ptplan.executor.models import build_model
-    from ptplan.executor.testing import make_plan, spec
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.handplan import make_plan, spec
     from ptplan.planner.plan import save_plan
 
     plan = make_plan(build_model("bert-tiny", seq_len=10, dropout=0.0), [spec(0, K=1, D=1, M=1, b=2)],

@@ -1,4 +1,4 @@
-"""Held-out evaluation (``executor/evaluate.py``, ``--eval-data``): the pipelined, data-parallel evaluation of
+"""Held-out evaluation (``executor/training/evaluate.py``, ``--eval-data``): the pipelined, data-parallel evaluation of
 a running job equals a single-process evaluation of the same weights.
 
 4 forked gloo processes go K=4,D=1 -> K=2,D=2 -> K=1,D=4, evaluating every 2 steps (before each
@@ -18,13 +18,14 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.evaluate import evaluate_local, shard_range
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.training.evaluate import evaluate_local, shard_range
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.errors import PtplanError
 
 pytestmark = pytest.mark.multiproc

@@ -26,8 +26,8 @@ def example():
 
 
 def test_prepared_data_is_stratified_real_text_the_run_accepts(example, minilm_dir, tmp_path):
-    from ptplan.executor.data import check_data, load_dataset
-    from ptplan.executor.models import build_model
+    from ptplan.executor.data.dataset import check_data, load_dataset
+    from ptplan.executor.families.models import build_model
 
     topics = ("trivia", "coding", "emotion")
     pairs = example.statements(topics, per_class=20, seed=0)

@@ -14,12 +14,13 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.export import check_export_dir
-from ptplan.executor.models import build_model
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.training.export import check_export_dir
+from ptplan.executor.families.models import build_model
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.errors import PtplanError
 
 pytestmark = pytest.mark.multiproc
@@ -105,8 +106,8 @@ def test_export_best_and_model_only_checkpoints(tmp_path):
     whose held-out accuracy (then loss) is best -- checked here with transformers alone on the same data."""
     from safetensors.torch import load_file
 
-    from ptplan.executor.runlog import read_records
-    from ptplan.executor.training import model_checkpoint_path
+    from ptplan.executor.training.runlog import read_records
+    from ptplan.executor.training.loop import model_checkpoint_path
 
     name = "bert-tiny"
     model = _build(name)
@@ -162,7 +163,7 @@ def _cli(*args: str, timeout: int = 300) -> str:
 
 def _executor_model(name: str, ck, **kw):
     """The executor's model holding the weights of the run's last checkpoint (written after the last step)."""
-    from ptplan.executor import checkpoint as ckpt
+    from ptplan.executor.training import checkpoint as ckpt
 
     model = build_model(name, dropout=0.0, **kw)
     model.load_state_dict(ckpt.load_checkpoint(str(ck))["model"], strict=True)
@@ -178,7 +179,7 @@ def test_digits_vit_ten_classes_through_the_cli(tmp_path):
     import transformers as tf
 
     datasets = pytest.importorskip("sklearn.datasets")
-    from ptplan.executor.runlog import read_records
+    from ptplan.executor.training.runlog import read_records
 
     digits = datasets.load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16.0
@@ -226,8 +227,8 @@ def test_llama_tiny_causal_lm_through_the_cli(tmp_path):
     import transformers as tf
     from test_data_cmd import TEXTS, make_bpe_folder
 
-    from ptplan.executor.data import load_dataset
-    from ptplan.executor.runlog import read_records
+    from ptplan.executor.data.dataset import load_dataset
+    from ptplan.executor.training.runlog import read_records
 
     parts = [t for ts in TEXTS.values() for t in ts]
     lines = [f"{a}, then {b}" for a in parts for b in parts if a != b][:120]

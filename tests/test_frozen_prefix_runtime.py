@@ -15,8 +15,9 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, spec
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import spec
+from parity import assert_parity
 from tests.test_hybrid_runtime import _mixed_plan
 from tests.test_runtime_parity import COUNTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data, reference
 
@@ -45,8 +46,8 @@ def _prefix_report(rank: int) -> dict | None:
     import gc
     import warnings
 
-    from ptplan.executor.hybrid import tp_plan
-    from ptplan.executor.runtime import ElasticRuntime
+    from ptplan.executor.runtime.hybrid import tp_plan
+    from ptplan.executor.runtime.elastic import ElasticRuntime
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -92,9 +93,9 @@ def _count_collectives() -> dict[str, int]:
 
 def _run(name, optimizer, data, tmp, plan):
     """The parity run (``testing.recorded_run``), recording per rank after each step its prefix (``_prefix_report``)."""
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import recorded_run
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from parity import recorded_run
 
     model = _build(name)
     o = OPT[optimizer]
@@ -146,7 +147,7 @@ def _check_prefix_bytes(name, plan, reports) -> int:
     split layer's whole weight by tp, while its norms and row-parallel biases stay whole on each tp rank."""
     from functools import lru_cache
 
-    from ptplan.executor.profiler import profile_model
+    from ptplan.executor.profiling.profiler import profile_model
     from ptplan.planner.cluster import cpu_cluster
     from ptplan.planner.costs import CostTable
     from ptplan.planner.schedule import peak_inflight
@@ -210,7 +211,7 @@ def test_a_frozen_fsdp_layer_all_gathers_under_no_grad_and_never_reduce_scatters
     """A frozen layer (requires_grad off) ``fully_shard``-ed over 2 ranks, run under ``no_grad`` before a
     trainable layer whose backward runs: its output equals the whole layer's, it is all-gathered in the
     forward (FSDP2's ``all_gather_single``) and nothing is reduce-scattered (``reduce_scatter_single``)."""
-    from ptplan.executor.testing import run_world
+    from ptplan.executor.launch.local import run_world
 
     def worker(rank: int, world: int) -> None:
         import copy
@@ -255,8 +256,8 @@ def test_an_active_fsdp_layer_is_resharded_between_its_forward_and_backward(tmp_
     backward, so a stage with micro-batches in flight would hold its layers whole, against the stage
     model's weights / D); each backward all-gathers again and reduce-scatters once: 2 all-gathers and 1
     reduce-scatter per micro-batch, as ``planner/strategy.py`` prices it; gradients equal the whole layer's."""
-    from ptplan.executor.hybrid import shard_layer
-    from ptplan.executor.testing import run_world
+    from ptplan.executor.runtime.hybrid import shard_layer
+    from ptplan.executor.launch.local import run_world
 
     def worker(rank: int, world: int) -> None:
         import copy

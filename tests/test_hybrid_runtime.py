@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, spec
-from ptplan.executor.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from parity import assert_parity, max_rel_diff
+from ptplan.executor.training.runlog import read_records
 from ptplan.planner.plan import plan_from_json
 from tests.test_runtime_parity import (COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data,
                                        reference)
@@ -97,9 +98,9 @@ def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cach
     holds sharded (``_optimizer_params``)."""
     import os
 
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import recorded_run
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from parity import recorded_run
 
     model = _build(name)
     o = OPT[optimizer]
@@ -232,7 +233,7 @@ def test_tensor_parallel_with_the_autocache_matches_reference(tmp_path):
 def test_strategies_the_executor_does_not_run_are_refused():
     """FSDP with a split backward and FSDP in PipeDream-2BW phases (its own loop has no FSDP hooks) are
     refused, naming the fix; 2BW with recomputation runs (tests/test_twobw.py checks its numbers)."""
-    from ptplan.executor.validate import check_strategies
+    from ptplan.executor.training.validate import check_strategies
     from ptplan.planner.errors import PtplanError
     import tests.test_twobw as tb
 
@@ -268,8 +269,8 @@ def test_recompute_keeps_only_the_stage_input_and_reruns_its_forward(name):
     measured per layer (``planner/stage.py``'s per_mb = b * sum saved[lo:hi]); with it only the stage's input
     (per_mb = b * out[lo-1]; and the attention mask), and each backward reruns the stage's
     forward once; the gradients are the same."""
-    from ptplan.executor.profiler import _memory_pass
-    from ptplan.executor.stage import StageModule
+    from ptplan.executor.profiling.profiler import _memory_pass
+    from ptplan.executor.runtime.stage import StageModule
 
     torch.manual_seed(0)
     model = _build(name)
@@ -307,8 +308,8 @@ def test_recompute_keeps_only_the_stage_input_and_reruns_its_forward(name):
 
 def test_tensor_parallel_layout_places_every_rank():
     """K=2, D=2, tp=2 on 8 ranks (first ranks 0, 2 | 4, 6): each rank's place, its groups, the layers it holds."""
-    from ptplan.executor.groups import dp_members, dp_ranks_of, locate, pipeline_members, tp_members, tp_ranks_of
-    from ptplan.executor.transition import holdings, needs, owned_layers
+    from ptplan.executor.runtime.groups import dp_members, dp_ranks_of, locate, pipeline_members, tp_members, tp_ranks_of
+    from ptplan.executor.runtime.transition import holdings, needs, owned_layers
 
     model = _build("bert-tiny")
     plan = make_plan(model, [spec(1, K=2, D=2, M=2, b=2)], trajectory=[1])
@@ -333,7 +334,7 @@ def test_tensor_parallel_layout_places_every_rank():
 
 
 def test_tp_plan_splits_bert_layers_and_leaves_others_whole():
-    from ptplan.executor.hybrid import tp_plan
+    from ptplan.executor.runtime.hybrid import tp_plan
     from ptplan.planner.errors import PtplanError
 
     model = _build("bert-tiny")
@@ -356,11 +357,11 @@ def test_evaluation_in_sharded_phases_equals_single_process_evaluation(tmp_path)
     the weights, and training still equals the reference."""
     import os
 
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.evaluate import evaluate_local
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from ptplan.executor.training.evaluate import evaluate_local
+    from ptplan.executor.launch.local import run_world
+    from ptplan.executor.training.loop import Hooks, run_training
 
     name, tmp = "bert-tiny", str(tmp_path)
     model = _build(name)
@@ -404,10 +405,10 @@ def test_global_norm_clipping_counts_each_shard_once(tmp_path):
     (K=1, D=4: each replica its shard) equals ``tests/test_training_essentials.py``'s single-process
     reference with torch's ``clip_grad_norm_`` (every step clips, so a shard counted twice or missed shows)."""
     import tests.test_training_essentials as te
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from ptplan.executor.launch.local import run_world
+    from ptplan.executor.training.loop import Hooks, run_training
 
     o = te.OPT["sgd"]
     model = te._build()
@@ -457,7 +458,7 @@ def memory_bound(tmp_path_factory):
     from click.testing import CliRunner
 
     from ptplan.cli.main import cli
-    from ptplan.executor.profiler import profile_model
+    from ptplan.executor.profiling.profiler import profile_model
     from ptplan.planner.cluster import cpu_cluster
     from ptplan.planner.plan import load_plan
     from ptplan.planner.profile import save_profile
@@ -492,7 +493,7 @@ def test_memory_bound_model_is_refused_without_strategies_and_planned_with_them(
 def test_memory_bound_plan_runs_and_matches_reference(memory_bound, tmp_path):
     """The auto plan run by the runtime for 4 steps through its transition (0 -> 1 frozen blocks) on 4
     processes: equal to the single-process reference, every rank training split layers, and each rank's
-    measured peak (``executor/memory.py``) within the device the plan was made for, which one unsplit MLP
+    measured peak (``executor/runtime/memory.py``) within the device the plan was made for, which one unsplit MLP
     half with its AdamW state (4 x 529,152 bytes) alone would overflow."""
     name, _, _, plan = memory_bound
     data = _build(name).make_batch(48, generator=torch.Generator().manual_seed(123))
@@ -522,7 +523,7 @@ def test_gpt2_twin_is_the_same_layer_in_linears_and_maps_back():
     q|k|v rows are ordered [q_0 k_0 v_0 | q_1 k_1 v_1]."""
     import copy
 
-    from ptplan.executor.hybrid import _gpt2_twin
+    from ptplan.executor.runtime.hybrid import _gpt2_twin
 
     model = _build("gpt2-tiny")
     x = torch.randn(2, 8, model.layers[1].ln_1.weight.shape[0], generator=torch.Generator().manual_seed(0))

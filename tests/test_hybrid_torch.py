@@ -2,7 +2,7 @@
 ColwiseParallel/RowwiseParallel), FSDP2 ``fully_shard`` and ``torch.utils.checkpoint`` train a tiny BERT
 block on CPU with gloo on a DeviceMesh of 2 forked processes, each equal (≤ 1e-5) to a single-process
 reference after one SGD step. The executor now runs all three inside the elastic runtime
-(``executor/hybrid.py``, ``executor/stage.py``; parity through transitions in ``tests/test_hybrid_runtime.py``).
+(``executor/runtime/hybrid.py``, ``executor/runtime/stage.py``; parity through transitions in ``tests/test_hybrid_runtime.py``).
 
 All three run here (torch 2.13 CPU, gloo). Measured max relative differences (``pytest -s
 tests/test_hybrid_torch.py``, 17 s for the three): TP 5.8e-09, FSDP2 6.0e-08, checkpoint 6.0e-08.
@@ -17,13 +17,14 @@ import copy
 import pytest
 import torch
 
-from ptplan.executor.testing import max_rel_diff, run_world
+from ptplan.executor.launch.local import run_world
+from parity import max_rel_diff
 
 LR = 0.1
 
 
 def _block_and_input():
-    from ptplan.executor.models import build_model
+    from ptplan.executor.families.models import build_model
 
     model = build_model("bert-tiny", granularity="block", dropout=0.0, seed=0)
     block = model.layers[1]

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers as tf
 
-from ptplan.executor.models import (MODEL_NAMES, LayeredModel, LayerSpec, _apply_overrides, _flatten, backbone_layers,
+from ptplan.executor.families.models import (MODEL_NAMES, LayeredModel, LayerSpec, _apply_overrides, _flatten, backbone_layers,
                                     build_model, model_source, preset_config)
 from ptplan.planner.errors import PtplanError
 
@@ -44,7 +44,7 @@ def _reference(m: LayeredModel) -> torch.nn.Module:
     """The Hugging Face task model with the preset's own config (a tied head stays tied: qwen2-tiny) holding
     the adapter's initial weights, copied name by name: ``build_model`` initialises each layer from its own
     seed (a stage builds only its layers), so the same global seed no longer gives the same weights."""
-    from ptplan.executor.export import hf_model
+    from ptplan.executor.training.export import hf_model
 
     cfg = preset_config(m.name)
     _apply_overrides(cfg, m.family, num_labels=m.num_labels, dropout=0.0, image_size=m.image_size)
@@ -308,7 +308,7 @@ def test_bad_names_and_options():
 def test_llama_adapter_runs_mistral_and_qwen2(family):
     """Mistral and Qwen2 share Llama's decoder structure: the same layer list computes their logits
     (grouped-query attention: 4 heads over 2 key/value heads; right padding on one sample)."""
-    from ptplan.executor.models import _flatten
+    from ptplan.executor.families.models import _flatten
 
     cfg_cls, model_cls = {"mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[family]
@@ -469,7 +469,7 @@ def test_hugging_face_sizes_have_the_published_parameter_counts():
 def test_new_families_export_to_folders_transformers_loads(name, tmp_path):
     """``export_hf`` writes the family's own Hugging Face class (a Mistral is a MistralForCausalLM), and
     ``AutoModelFor...from_pretrained`` of it predicts what the layer list predicts."""
-    from ptplan.executor.export import export_hf
+    from ptplan.executor.training.export import export_hf
 
     m = _tiny(name, **({"num_labels": 3} if "bert" in name else {}))
     with torch.no_grad():  # weights unlike the init: what a run would have trained

@@ -9,13 +9,13 @@ import torch
 from click.testing import CliRunner
 
 from ptplan.cli.main import cli
-from ptplan.executor.config import RunConfig
-from ptplan.executor.job import build_for_plan, plan_num_labels, with_plan_num_labels
-from ptplan.executor.models import build_model
-from ptplan.executor.profiler import (DefaultSizes, agreement, default_batch_sizes, estimate_peak_bytes,
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.training.job import build_for_plan, plan_num_labels, with_plan_num_labels
+from ptplan.executor.families.models import build_model
+from ptplan.executor.profiling.profiler import (DefaultSizes, agreement, default_batch_sizes, estimate_peak_bytes,
                                      head_num_labels, powers_of_two, profile_model, profile_num_labels,
                                      static_bytes)
-from ptplan.executor.testing import make_plan, spec
+from ptplan.executor.handplan import make_plan, spec
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import save_plan
 from ptplan.planner.profile import load_profile, profile_from_json, save_profile

@@ -1,12 +1,12 @@
-"""Projected profiles (executor/project.py): exact operation counts on the meta device, a device model's roofline."""
+"""Projected profiles (executor/profiling/project.py): exact operation counts on the meta device, a device model's roofline."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ptplan.executor import profiler
-from ptplan.executor.models import build_model
-from ptplan.executor.project import Op, op_seconds, project_profile, record_layers
+from ptplan.executor.profiling import profiler
+from ptplan.executor.families.models import build_model
+from ptplan.executor.profiling.project import Op, op_seconds, project_profile, record_layers
 from ptplan.planner.cluster import get_preset
 from ptplan.planner.config import TrainingConfig
 from ptplan.planner.devices import DEVICES, get_device

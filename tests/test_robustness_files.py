@@ -18,14 +18,15 @@ import torch
 from click.testing import CliRunner
 
 from ptplan.cli.main import cli
-from ptplan.executor import checkpoint as ckpt
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset, load_dataset
-from ptplan.executor.launch import owner_tag
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import RunLog, read_records
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training import checkpoint as ckpt
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset, load_dataset
+from ptplan.executor.launch.launcher import owner_tag
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import RunLog, read_records
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.plan import save_plan
 from ptplan.planner.runlog import read_run_log
 

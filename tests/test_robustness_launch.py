@@ -20,8 +20,8 @@ import uuid
 import pytest
 import torch
 
-from ptplan.executor.models import build_model
-from ptplan.executor.testing import make_plan, spec
+from ptplan.executor.families.models import build_model
+from ptplan.executor.handplan import make_plan, spec
 from ptplan.planner.plan import save_plan
 from ptplan.planner.runlog import read_run_log
 
@@ -100,7 +100,7 @@ class Run:
         """{rank: pid} of the running workers."""
         out = {}
         for pid, cmd in _processes(self.mark):
-            if "ptplan.executor.worker" in cmd and "torch.distributed.run" not in cmd:
+            if "ptplan.executor.launch.worker" in cmd and "torch.distributed.run" not in cmd:
                 with open(f"/proc/{pid}/environ", "rb") as f:
                     env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
                 out[int(env[b"RANK"])] = pid

@@ -20,14 +20,15 @@ import time
 import pytest
 import torch
 
-from ptplan.executor.checkpoint import load_checkpoint
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.job import build_for_plan, make_dataset, with_plan_num_labels
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training.checkpoint import load_checkpoint
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.training.job import build_for_plan, make_dataset, with_plan_num_labels
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.plan import load_plan, save_plan
 
 pytestmark = pytest.mark.multiproc
@@ -152,7 +153,7 @@ def _worker_of_rank(rank: int, parents: set[int]) -> int | None:
                     env = f.read().split(b"\0")
             except OSError:
                 continue
-            if b"ptplan.executor.worker" in cmd and b"torch.distributed.run" not in cmd and f"RANK={rank}".encode() in env:
+            if b"ptplan.executor.launch.worker" in cmd and b"torch.distributed.run" not in cmd and f"RANK={rank}".encode() in env:
                 return c
     return None
 

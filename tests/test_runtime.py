@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import (SyntheticDataset, TensorDataset, epoch_order, global_batch_ids, iterate,
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import (SyntheticDataset, TensorDataset, epoch_order, global_batch_ids, iterate,
                                   load_dataset, shard)
-from ptplan.executor.groups import locate
-from ptplan.executor.models import build_model
-from ptplan.executor.optim import ensure_state, make_optimizer
-from ptplan.executor.testing import even_partition, make_plan, spec
-from ptplan.executor.transition import DEVICE, HOST, holdings, needs, owned_layers, plan_transfers, sources
-from ptplan.executor.validate import check_plan, frozen_boundary, model_fingerprint
+from ptplan.executor.runtime.groups import locate
+from ptplan.executor.families.models import build_model
+from ptplan.executor.runtime.optim import ensure_state, make_optimizer
+from ptplan.executor.handplan import even_partition, make_plan, spec
+from ptplan.executor.runtime.transition import DEVICE, HOST, holdings, needs, owned_layers, plan_transfers, sources
+from ptplan.executor.training.validate import check_plan, frozen_boundary, model_fingerprint
 from ptplan.planner.errors import PtplanError
 
 

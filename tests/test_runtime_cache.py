@@ -23,12 +23,13 @@ import pytest
 import torch
 from torch import nn
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
 
 pytestmark = pytest.mark.multiproc
 

@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 
 from ptplan.cli.main import cli
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, spec
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
 from ptplan.planner.plan import save_plan
 
 
@@ -52,7 +52,7 @@ def test_dry_run_prints_the_torchrun_command(plan_file):
     r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "2", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "-m torch.distributed.run" in r.output and "--standalone" in r.output
-    assert "-m ptplan.executor.worker --config" in r.output
+    assert "-m ptplan.executor.launch.worker --config" in r.output
     r = CliRunner().invoke(cli, ["run", str(plan_file), "--model", "bert-tiny", "--nproc-per-node", "1",
                                  "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
                                  "--rdzv-endpoint", "host:29400", "--rdzv-id", "j1", "--dry-run"])
@@ -135,7 +135,7 @@ def _worker_config(output: str) -> dict:
 
 
 def test_paths_reach_the_workers_absolute(plan_file, tmp_path, monkeypatch):
-    from ptplan.executor.export import hf_model
+    from ptplan.executor.training.export import hf_model
 
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
     (tmp_path / "in").mkdir()
@@ -201,10 +201,11 @@ def _reference(name: str, data, *, bf16: bool, lr: float = 0.05):
 def test_bf16_autocast_run_matches_a_single_process_autocast_reference(name, tmp_path):
     import math
 
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import max_rel_diff, run_world
-    from ptplan.executor.training import Hooks, run_training
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from ptplan.executor.launch.local import run_world
+    from parity import max_rel_diff
+    from ptplan.executor.training.loop import Hooks, run_training
 
     model = build_model(name, seq_len=8, dropout=0.0, seed=0)
     plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1])

@@ -21,11 +21,12 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, recorded_run, spec
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from parity import assert_parity, max_rel_diff, recorded_run
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,6 +1,6 @@
 """The executor runs exactly the plan's actions.
 
-Pure: how a phase's action lists become torch's schedule IR (``executor/actions.py``) and what it refuses.
+Pure: how a phase's action lists become torch's schedule IR (``executor/runtime/actions.py``) and what it refuses.
 Multi-process: 4 gloo processes run an elastic plan (K=4,D=1 -> K=2,D=2 -> K=1,D=4) while every
 rank records the compute actions its stages really run -- torch's ``PipelineStage`` entry points
 (``forward_one_chunk``, ``backward_one_chunk`` with or without ``full_backward``,
@@ -18,15 +18,16 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.actions import check_message_order, phase_schedule, torch_actions, torch_text
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.groups import chunks_of, locate
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, run_world, schedule_text, spec
-from ptplan.executor.training import Hooks, run_training
-from ptplan.executor.transition import DEVICE, HOST, holdings, needs, owned_layers
+from ptplan.executor.runtime.actions import check_message_order, phase_schedule, torch_actions, torch_text
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.runtime.groups import chunks_of, locate
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, schedule_text, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.loop import Hooks, run_training
+from ptplan.executor.runtime.transition import DEVICE, HOST, holdings, needs, owned_layers
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.schedule import Schedule, ScheduleError, build_schedule, parse_action, torch_compute_order
 
@@ -148,7 +149,7 @@ def _record_compute_actions() -> list[str]:
     action in torch's text to the returned list."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from ptplan.executor.stage import LocalSchedule
+    from ptplan.executor.runtime.stage import LocalSchedule
 
     log: list[str] = []
 

@@ -19,14 +19,16 @@ import shutil
 import pytest
 import torch
 
-from ptplan.executor import models
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, make_plan, run_world, spec
-from ptplan.executor.training import Hooks, run_training, stage_layers, start_phase
-from ptplan.executor.transition import holdings
+from ptplan.executor.families import models
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from parity import assert_parity
+from ptplan.executor.training.loop import Hooks, run_training, stage_layers, start_phase
+from ptplan.executor.runtime.transition import holdings
 from tests.test_runtime_parity import COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _data, reference
 
 TINY = ("bert-tiny", "vit-tiny", "gpt2-tiny", "llama-tiny", "roberta-tiny", "distilbert-tiny", "mistral-tiny",

@@ -321,7 +321,7 @@ def test_phase_accessors_and_labels(bert_small):
 def test_run_check_accepts_layerwise_recomputation_but_not_in_two_bw_phases(bert_small):
     """``ptplan run``'s check: a stage recomputing its first layers runs with torch's schedules; PipeDream-2BW's
     own loop recomputes whole stages only, so such a 2BW phase is refused with the fix."""
-    from ptplan.executor.validate import check_strategies
+    from ptplan.executor.training.validate import check_strategies
 
     plan = load_plan(bert_small[0] / "auto.json")
     lw = dataclasses.replace(plan.phases[0], recompute_layers=(2, 0))

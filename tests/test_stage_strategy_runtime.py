@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.groups import chunks_of, fsdp_chunks, locate
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, spec
+from ptplan.executor.runtime.groups import chunks_of, fsdp_chunks, locate
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import spec
+from parity import assert_parity
 from tests.test_hybrid_runtime import _mixed_plan, _optimizer_params
 from tests.test_runtime_parity import COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data, reference
 
@@ -79,9 +80,9 @@ def _fsdp_params() -> int:
 def _run(name, optimizer, data, tmp, plan, world: int = 4):
     """The parity run, recording per rank after each step what its optimizer holds sharded (and how many of
     those parameters FSDP manages) and which layer ranges ran under ``torch.utils.checkpoint`` in that step."""
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import recorded_run
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from parity import recorded_run
 
     model = _build(name)
     o = OPT[optimizer]
@@ -179,9 +180,9 @@ def test_recomputing_the_first_layers_keeps_their_input_and_the_others_activatio
     with M=3 micro-batches in flight that recomputes its first r=2 layers saves their input and the other
     layers' activations as the profiler measured them -- ``planner/stage.py``'s per_mb = b * (out[lo-1] +
     sum saved[lo+r:hi]) --, reruns only those r layers in each backward, and gives the same gradients."""
-    from ptplan.executor.profiler import _memory_pass
-    from ptplan.executor.stage import recompute_first
-    from ptplan.executor.stage import StageModule
+    from ptplan.executor.profiling.profiler import _memory_pass
+    from ptplan.executor.runtime.stage import recompute_first
+    from ptplan.executor.runtime.stage import StageModule
     from tests.test_hybrid_runtime import _saved_bytes_in_flight
 
     torch.manual_seed(0)

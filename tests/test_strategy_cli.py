@@ -72,7 +72,7 @@ def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
     fix, and so is 2BW with it."""
     import dataclasses
 
-    from ptplan.executor.validate import check_strategies, check_world
+    from ptplan.executor.training.validate import check_strategies, check_world
 
     d, _, _ = planned
     check_world(load_plan(d / "auto.json"), 32)
@@ -98,7 +98,7 @@ def test_run_accepts_the_strategies_it_runs_and_refuses_the_rest(planned):
 
 
 def test_report_draws_a_plan_with_tensor_parallel_groups(planned):
-    from ptplan.planner.viz import report_html
+    from ptplan.planner.report.viz import report_html
 
     d, _, _ = planned
     html = report_html(load_plan(d / "auto.json"))

@@ -1,9 +1,9 @@
-"""Token-sliced pipelined training (executor/sliced.py): slices equal the unsliced model in one process, and a
+"""Token-sliced pipelined training (executor/runtime/sliced.py): slices equal the unsliced model in one process, and a
 2-process K=2 run of TeraPipe's schedule (non-uniform slices, M=2) equals a single-process unsliced
 reference in gradients and weights (SGD 1e-5, AdamW 1e-4) for GPT-2-tiny and llama-tiny, through a freeze
 change (the frozen prefix runs unsliced under no_grad).
 
-Difference measure as elsewhere (executor/testing.max_rel_diff): per tensor max|run - ref| / max(max|ref|, 0.02).
+Difference measure as elsewhere (tests/parity.max_rel_diff): per tensor max|run - ref| / max(max|ref|, 0.02).
 """
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.models import build_model
-from ptplan.executor.sliced import SlicedStage, check_slice_order, offsets, run_sliced_step
-from ptplan.executor.testing import max_rel_diff, run_world
+from ptplan.executor.families.models import build_model
+from ptplan.executor.runtime.sliced import SlicedStage, check_slice_order, offsets, run_sliced_step
+from ptplan.executor.launch.local import run_world
+from parity import max_rel_diff
 from ptplan.planner.schedule import Action, ActionKind, Schedule, ScheduleError, terapipe
 
 

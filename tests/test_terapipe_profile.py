@@ -1,4 +1,4 @@
-"""Token-slice profiling (executor/slice_profile.py) and the profile's optional ``token_slices`` field: measured on a
+"""Token-slice profiling (executor/profiling/slices.py) and the profile's optional ``token_slices`` field: measured on a
 (b, s, c) grid for GPT-2 and Llama blocks, the model left as found, the fit stored with its error, validated on
 load (older profiles without it still load), and the shipped gpt2 slice profile is a measured one."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ptplan.executor.models import build_model
-from ptplan.executor.slice_profile import profile_slices, with_slices
+from ptplan.executor.families.models import build_model
+from ptplan.executor.profiling.slices import profile_slices, with_slices
 from ptplan.planner.errors import PtplanError, SchemaError
 from ptplan.planner.profile import load_profile, profile_from_json, save_profile
 from ptplan.planner.terapipe import profile_slice_cost

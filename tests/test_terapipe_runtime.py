@@ -18,13 +18,14 @@ import os
 import pytest
 import torch
 
-from ptplan.executor import sliced as sliced_mod
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, make_plan, recorded_run, spec
-from ptplan.executor.validate import check_plan
+from ptplan.executor.runtime import sliced as sliced_mod
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from parity import assert_parity, recorded_run
+from ptplan.executor.training.validate import check_plan
 from ptplan.planner.errors import PtplanError, SchemaError
 from ptplan.planner.plan import plan_from_json
 from ptplan.planner.schedule import terapipe
@@ -149,7 +150,7 @@ def test_token_sliced_elastic_run_matches_unsliced_reference(name, optimizer, ca
     assert [(r["K"], r["D"], r["frozen_blocks"]) for r in steps] == [(2, 1, 0)] * 2 + [(1, 2, 1)] * 2 + [(2, 1, 2)] * 2
     for r, want in zip(steps, ref_losses):
         assert math.isclose(r["loss"], want, rel_tol=1e-5), (r["step"], r["loss"], want)
-    # the token-sliced phases ran executor/sliced.py's loop (phase 2 on the reversed rank order), phase 1 did not
+    # the token-sliced phases ran executor/runtime/sliced.py's loop (phase 2 on the reversed rank order), phase 1 did not
     ran = {r: torch.load(tmp_path / f"ran-{r}.pt") for r in range(2)}
     assert ran[0] == [(2, 0, SLICES[0])] * 2 + [(2, 1, SLICES[2])] * 2, ran[0]
     assert ran[1] == [(2, 1, SLICES[0])] * 2 + [(2, 0, SLICES[2])] * 2, ran[1]

@@ -1,5 +1,5 @@
 """Tensor parallelism for every family (issue 14): ViT, DistilBERT, Llama, Mistral (with a sliding window)
-and Qwen2 layers split Megatron-style (``executor/hybrid.py``: q/k/v column-wise by heads -- by key/value
+and Qwen2 layers split Megatron-style (``executor/runtime/hybrid.py``: q/k/v column-wise by heads -- by key/value
 heads with grouped-query attention --, the attention output row-wise; the MLP's first linear(s) column-wise,
 its second row-wise) train equal to the single-process reference of ``tests/test_runtime_parity.py``
 through phase transitions that enter, leave and re-enter tp; one 8-process run on a K x D x tp = 2 x 2 x 2
@@ -15,9 +15,10 @@ import os
 import pytest
 
 import tests.test_runtime_parity as trp
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, spec
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import spec
+from parity import assert_parity
 from tests.test_hybrid_runtime import _mixed_plan, _optimizer_params
 
 OPT, SEED, SEQ, TOL = trp.OPT, trp.SEED, trp.SEQ, trp.TOL
@@ -35,7 +36,7 @@ def _one_thread(one_torch_thread):
 def mistral_dir(tmp_path_factory):
     """A tiny Mistral (llama-tiny's sizes: 4 query heads sharing 2 key/value heads) with a sliding window of
     4 tokens, as a local model folder (the preset has none)."""
-    from ptplan.executor.models import preset_config
+    from ptplan.executor.families.models import preset_config
 
     d = tmp_path_factory.mktemp("mistral") / "mistral-window"
     d.mkdir()
@@ -55,9 +56,9 @@ def _builder(name: str, granularity: str):
 def _run(build, optimizer: str, plan, tmp: str, world: int):
     """The elastic run of ``tests/test_hybrid_runtime.py`` on ``world`` processes: rank 0's snapshots after
     every transition, per rank what its optimizer holds sharded after each step, and the run log."""
-    from ptplan.executor.config import RunConfig
-    from ptplan.executor.data import TensorDataset
-    from ptplan.executor.testing import recorded_run
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.data.dataset import TensorDataset
+    from parity import recorded_run
 
     model = build()
     data = trp._data(model)
@@ -169,7 +170,7 @@ def test_every_family_splits_its_attention_and_mlp(name, granularity):
     norms and heads none. The widths read from the layers equal those read from the config (the check)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from ptplan.executor.hybrid import split_widths, tp_plan
+    from ptplan.executor.runtime.hybrid import split_widths, tp_plan
     from ptplan.planner.tp_split import split_widths as config_widths
 
     model = _builder(name, granularity)()
@@ -198,8 +199,8 @@ def test_every_family_splits_its_attention_and_mlp(name, granularity):
 def test_tp_that_does_not_divide_the_key_value_heads_is_refused():
     """llama-tiny has 4 query heads and 2 key/value heads: tp2 runs, tp4 is refused before launch
     (``check_plan``) and by the split itself, naming the numbers and the fix."""
-    from ptplan.executor.hybrid import tp_plan
-    from ptplan.executor.validate import check_plan
+    from ptplan.executor.runtime.hybrid import tp_plan
+    from ptplan.executor.training.validate import check_plan
     from ptplan.planner.errors import PtplanError
 
     build = _builder("llama-tiny", "half")

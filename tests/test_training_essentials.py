@@ -17,13 +17,15 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset, epoch_order
-from ptplan.executor.models import build_model
-from ptplan.executor.optim import lr_factor, param_groups
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import make_plan, max_rel_diff, run_world, spec
-from ptplan.executor.training import Hooks, run_training
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset, epoch_order
+from ptplan.executor.families.models import build_model
+from ptplan.executor.runtime.optim import lr_factor, param_groups
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from parity import max_rel_diff
+from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.errors import PtplanError
 
 pytestmark = pytest.mark.multiproc

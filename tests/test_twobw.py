@@ -1,4 +1,4 @@
-"""PipeDream-2BW in the executor (executor/twobw.py): a 4-process elastic run (K=4,D=1 -> K=2,D=2 -> K=1,D=4,
+"""PipeDream-2BW in the executor (executor/runtime/twobw.py): a 4-process elastic run (K=4,D=1 -> K=2,D=2 -> K=1,D=4,
 three mini-batches per phase) equals a single-process reference of the same 2BW semantics, and runs
 the planner's flush-free order.
 
@@ -21,12 +21,13 @@ import os
 import pytest
 import torch
 
-from ptplan.executor import twobw
-from ptplan.executor.config import RunConfig
-from ptplan.executor.data import TensorDataset
-from ptplan.executor.models import build_model
-from ptplan.executor.runlog import read_records
-from ptplan.executor.testing import assert_parity, make_plan, max_rel_diff, recorded_run, spec
+from ptplan.executor.runtime import twobw
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.data.dataset import TensorDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.training.runlog import read_records
+from ptplan.executor.handplan import make_plan, spec
+from parity import assert_parity, max_rel_diff, recorded_run
 from ptplan.planner.schedule import two_bw
 
 
@@ -185,7 +186,7 @@ def test_two_bw_plans_pass_the_executors_check():
     """``ptplan run --dry-run``'s check (actions.phase_schedule) takes the planner's 2BW lists and refuses others."""
     from dataclasses import replace
 
-    from ptplan.executor.actions import phase_schedule
+    from ptplan.executor.runtime.actions import phase_schedule
     from ptplan.planner.errors import PtplanError
 
     plan = _plan(_build("gpt2-tiny"))

@@ -17,7 +17,7 @@ from ptplan.cli.main import cli
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import save_plan
 from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA
-from ptplan.planner.viz import (FIGURES, MAX_GRID_CELLS, SLIDER_MAX_PHASES, TIMELINE_BARS_PER_LANE, build_figures,
+from ptplan.planner.report.viz import (FIGURES, MAX_GRID_CELLS, SLIDER_MAX_PHASES, TIMELINE_BARS_PER_LANE, build_figures,
                                 report_html, timeline_blocks, trajectory_runs, write_report)
 
 UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -496,7 +496,7 @@ def test_two_bw_report_shows_one_steady_state_period():
     steady state with one period (one mini-batch) shaded, the simulator's period, and says so -- where the
     flushed schedules' timeline is one iteration."""
     from ptplan.planner.schedule import TWOBW_WINDOW
-    from ptplan.planner.viz import _duration, steady_state
+    from ptplan.planner.report.viz import _duration, steady_state
 
     plan = _pinned_plan("gpt2_cpu_fp32", "cpu:4", "2bw", K=4, M=8, batch=32)
     ph = plan.phases[0]
@@ -534,7 +534,7 @@ def test_two_bw_report_shows_one_steady_state_period():
 
 
 def test_flushed_plans_keep_the_one_iteration_timeline(plan, figs):
-    from ptplan.planner.viz import steady_state
+    from ptplan.planner.report.viz import steady_state
 
     assert all(steady_state(ph) is None for ph in plan.phases)
     first = next(i for i, ph in enumerate(plan.phases) if ph.timeline)

@@ -1,0 +1,1 @@
+"""AutoCache: the frozen prefix's outputs per sample, stored, guarded and run inside a job."""

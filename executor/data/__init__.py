@@ -1,0 +1,1 @@
+"""Training data: datasets the runtime reads and ``ptplan data``'s preparation of text files."""

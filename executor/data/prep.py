@@ -1,0 +1,310 @@
+"""``ptplan data``: a CSV or JSONL file of texts (and labels) tokenized into the training format ``ptplan run`` reads.
+
+The output is a ``.pt`` file holding a dict (``data.load_dataset`` reads it):
+
+- ``inputs``: int64 token ids ``[N, S]``, padded (right) or cut to the sequence length S;
+- ``attention_mask``: int64 ``[N, S]``, 1 on real tokens, 0 on padding;
+- ``labels``: classification: int64 class ids ``[N]`` in 0..C-1; causal LM: the token ids ``[N, S]``
+  with -100 on padding (the model shifts them: position t predicts token t+1, ``models.LayeredModel.loss``);
+- ``meta``: plain data: the task, the label names in id order (``label_names[c]`` is the text of class
+  c), the sequence length, the tokenizer folder, the source file and how many texts were cut.
+
+Every check runs before anything is written; the files are written next to their destination and
+renamed into place, so a refused or failed call leaves nothing behind.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ptplan.planner.errors import PtplanError
+
+TASKS = ("classification", "causal-lm")
+CAUSAL_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+"""Hugging Face ``model_type`` values whose folders default to ``--task causal-lm``."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare_data`` wrote."""
+
+    task: str
+    seq_len: int
+    samples: int
+    """Rows in ``out``."""
+    eval_samples: int = 0
+    """Rows in ``eval_out`` (0 without a split)."""
+    label_names: list[str] = field(default_factory=list)
+    """Classification: the label text of class c at index c (empty for causal LM)."""
+    truncated: int = 0
+    """Texts longer than ``seq_len`` tokens, cut."""
+
+
+def read_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[str]]:
+    """The rows of a .csv (header line first) or .jsonl (one JSON object per line) file, and its columns."""
+    p = Path(path)
+    if not p.is_file():
+        raise PtplanError(f"{p}: no such file; give a .csv or .jsonl file of texts")
+    suffix = p.suffix.lower()
+    if suffix not in (".csv", ".jsonl", ".json", ".ndjson"):
+        raise PtplanError(f"{p}: unknown format {suffix or '(no suffix)'}; give a .csv file (header line first) or "
+                          f"a .jsonl file (one JSON object per line)")
+    try:
+        text = p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise PtplanError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    rows: list[dict[str, Any]] = []
+    columns: list[str] = []
+    if suffix == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        columns = list(reader.fieldnames or [])
+        for i, row in enumerate(reader, start=2):
+            if None in row:
+                raise PtplanError(f"{p} line {i}: {len(columns) + len(row[None])} fields but the header has "
+                                  f"{len(columns)}; quote fields that hold commas")
+            rows.append(row)
+    else:
+        for i, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PtplanError(f"{p} line {i}: not JSON ({e.msg}); one JSON object per line") from None
+            if not isinstance(obj, dict):
+                raise PtplanError(f"{p} line {i}: a JSON {type(obj).__name__}, expected an object such as "
+                                  f'{{"text": "...", "label": "..."}}')
+            rows.append(obj)
+            columns += [k for k in obj if k not in columns]
+    if not rows:
+        raise PtplanError(f"{p} holds no rows; nothing to tokenize")
+    return rows, columns
+
+
+def default_task(tokenizer_dir: str | os.PathLike) -> str:
+    """``causal-lm`` when the folder's config.json names a decoder-only model type, else ``classification``."""
+    cfg = Path(tokenizer_dir) / "config.json"
+    try:
+        model_type = json.loads(cfg.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "classification"
+    return "causal-lm" if model_type in CAUSAL_MODEL_TYPES else "classification"
+
+
+def _label_key(v: Any) -> str:
+    return str(v).strip() if not isinstance(v, bool) else str(v).lower()
+
+
+def _sort_key(name: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(name), name)
+    except ValueError:
+        return (1, 0.0, name)
+
+
+def read_label_map(spec: str) -> list[str]:
+    """Label names in class order from ``spec``: a JSON file (a list of names, or {name: id} with ids
+    0..C-1), or a .pt file written by ``ptplan data`` (its recorded map, to tokenize more data alike)."""
+    p = Path(spec)
+    if not p.is_file():
+        raise PtplanError(f"--label-map {spec}: no such file; give 'auto', a JSON file (a list of label names, or "
+                          f"{{name: id}}) or a .pt file written by ptplan data")
+    if p.suffix == ".pt":
+        import torch
+
+        try:
+            d = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+            raise PtplanError(f"--label-map {spec}: cannot read it ({e})") from None
+        names = (d.get("meta") or {}).get("label_names") if isinstance(d, dict) else None
+        if not names:
+            raise PtplanError(f"--label-map {spec} records no label map (not written by ptplan data for "
+                              f"classification)")
+        return [str(n) for n in names]
+    try:
+        obj = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise PtplanError(f"--label-map {spec}: not a JSON file ({e})") from None
+    if isinstance(obj, list) and obj:
+        names = [_label_key(n) for n in obj]
+    elif isinstance(obj, dict) and obj:
+        ids = sorted(obj.values()) if all(isinstance(v, int) and not isinstance(v, bool) for v in obj.values()) else None
+        if ids != list(range(len(obj))):
+            raise PtplanError(f"--label-map {spec}: the ids must be the integers 0..{len(obj) - 1}, each once; got "
+                              f"{sorted(obj.values(), key=str)}")
+        names = [_label_key(k) for k, _ in sorted(obj.items(), key=lambda kv: kv[1])]
+    else:
+        raise PtplanError(f"--label-map {spec}: expected a non-empty list of names or a {{name: id}} object")
+    if len(set(names)) != len(names):
+        raise PtplanError(f"--label-map {spec}: a label name appears twice")
+    return names
+
+
+def _column(rows: list[dict[str, Any]], name: str, what: str, columns: list[str], src: str, hint: str) -> list[Any]:
+    if name not in columns:
+        raise PtplanError(f"{src} has no {what} column {name!r} (columns: {', '.join(columns) or 'none'}); {hint}")
+    out = []
+    for i, row in enumerate(rows):
+        v = row.get(name)
+        if v is None:
+            raise PtplanError(f"{src} row {i + 1}: no value in the {what} column {name!r}")
+        out.append(v)
+    return out
+
+
+def _split(labels: list[int] | None, n: int, share: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, held-out ids): ``share`` of each class held out (at least one of each class with two or
+    more rows; stratified), or of all rows for causal LM; both in a seeded random order."""
+    rng = random.Random(seed)
+    groups = [list(range(n))] if labels is None else [[i for i in range(n) if labels[i] == c]
+                                                       for c in sorted(set(labels))]
+    train, held = [], []
+    for g in groups:
+        rng.shuffle(g)
+        k = min(len(g) - 1, max(1, round(share * len(g)))) if len(g) > 1 else 0
+        held += g[:k]
+        train += g[k:]
+    rng.shuffle(train)
+    rng.shuffle(held)
+    return train, held
+
+
+def _load_tokenizer(tokenizer_dir: str | os.PathLike):
+    d = Path(tokenizer_dir)
+    if not d.is_dir():
+        raise PtplanError(f"--tokenizer {d}: no such folder; give a local Hugging Face model or tokenizer folder "
+                          f"(with tokenizer.json or vocab files)")
+    from transformers import AutoTokenizer
+
+    from ptplan.executor.families.models import _quiet_transformers
+
+    try:
+        with _quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a folder without a tokenizer
+        raise PtplanError(f"--tokenizer {d}: no tokenizer could be loaded from it ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); give a folder with tokenizer.json, or "
+                          f"vocab.txt / vocab.json and merges.txt") from None
+
+
+def _save_atomic(items: list[tuple[dict[str, Any], Path]]) -> None:
+    """torch.save each (object, path) to a temporary file beside it, then rename all into place."""
+    import torch
+
+    tmps: list[tuple[str, Path]] = []
+    try:
+        for obj, dest in items:
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.absolute().parent)
+            os.close(fd)
+            tmps.append((tmp, dest))
+            torch.save(obj, tmp)
+        for tmp, dest in tmps:
+            os.replace(tmp, dest)
+    except OSError as e:
+        raise PtplanError(f"cannot write {tmps[-1][1] if tmps else items[0][1]}: {e.strerror or e}; free space or "
+                          f"write elsewhere") from None
+    finally:
+        for tmp, _ in tmps:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_len: int, out: str | os.PathLike,
+                 text_column: str = "text", label_column: str = "label", label_map: str = "auto",
+                 task: str | None = None, split: float = 0.0, eval_out: str | os.PathLike | None = None,
+                 seed: int = 0) -> Prepared:
+    """Tokenize ``src`` (.csv/.jsonl) with the folder ``tokenizer``'s tokenizer into ``out`` (and, with
+    ``split`` > 0, that share of the rows, stratified by class, into ``eval_out``), padded or cut to
+    ``seq_len`` tokens. ``task`` None: from the folder (``default_task``). Classification labels map to
+    0..C-1 by ``label_map``: ``auto`` (the distinct labels, numbers in numeric order, else sorted) or a
+    file (``read_label_map``); a label outside a given map is refused. Raises PtplanError before
+    writing anything."""
+    import torch
+
+    task = task or default_task(tokenizer)
+    if task not in TASKS:
+        raise PtplanError(f"unknown --task {task!r}; use one of {', '.join(TASKS)}")
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise PtplanError(f"--seq-len must be at least 2 tokens, got {seq_len}")
+    if split and not 0 < split < 1:
+        raise PtplanError(f"--split must lie strictly between 0 and 1 (the held-out share), got {split}")
+    if bool(split) != (eval_out is not None):
+        raise PtplanError("--split and --eval-out go together: --split 0.2 --eval-out eval.pt holds out 20 % of the "
+                          "rows")
+    name = os.fspath(src)
+    rows, columns = read_rows(src)
+    texts = _column(rows, text_column, "text", columns, name, "pass --text-column NAME")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise PtplanError(f"{name} row {i + 1}: the text column {text_column!r} holds a "
+                              f"{type(t).__name__} ({t!r}), expected text")
+    names: list[str] = []
+    labels: list[int] | None = None
+    if task == "classification":
+        raw = [_label_key(v) for v in _column(rows, label_column, "label", columns, name,
+                                              "pass --label-column NAME, or --task causal-lm for language-modelling "
+                                              "text without labels")]
+        if label_map == "auto":
+            names = sorted(set(raw), key=_sort_key)
+        else:
+            names = read_label_map(label_map)
+        ids = {n: c for c, n in enumerate(names)}
+        unknown = sorted({v for v in raw if v not in ids}, key=_sort_key)
+        if unknown:
+            first = raw.index(unknown[0]) + 1
+            raise PtplanError(f"{name} row {first}: label {unknown[0]!r} is not in --label-map {label_map} "
+                              f"({', '.join(names)})" + (f"; {len(unknown)} unknown labels in all" if len(unknown) > 1
+                                                         else "") + "; fix the row or extend the map")
+        labels = [ids[v] for v in raw]
+        if len(names) < 2:
+            raise PtplanError(f"{name}: every row has the label {names[0]!r}; classification needs two classes or "
+                              f"more")
+    tok = _load_tokenizer(tokenizer)
+    if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise PtplanError(f"--tokenizer {tokenizer}: the tokenizer has neither a padding nor an end token; "
+                              f"add a pad_token to its tokenizer_config.json")
+        tok.pad_token = tok.eos_token  # usual for decoder-only models: padding is masked out anyway
+    tok.padding_side = "right"
+    full = tok(texts, truncation=False, add_special_tokens=True)["input_ids"]
+    truncated = sum(len(ids_) > seq_len for ids_ in full)
+    enc = tok(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
+    inputs = enc["input_ids"].to(torch.int64)
+    mask = enc["attention_mask"].to(torch.int64)
+    if inputs.shape[1] != seq_len:
+        raise PtplanError(f"--tokenizer {tokenizer}: the tokenizer returned {inputs.shape[1]} tokens per text, not "
+                          f"{seq_len}")
+    if task == "causal-lm":
+        y = inputs.masked_fill(mask == 0, -100)
+        if bool((mask.sum(1) < 2).any()):
+            bad = int((mask.sum(1) < 2).nonzero()[0]) + 1
+            raise PtplanError(f"{name} row {bad}: fewer than two tokens, nothing to predict; drop empty texts")
+    else:
+        assert labels is not None
+        y = torch.tensor(labels, dtype=torch.int64)
+    meta = {"task": task, "seq_len": seq_len, "tokenizer": os.path.abspath(tokenizer), "source": os.path.abspath(name),
+            "label_names": names, "text_column": text_column,
+            "label_column": label_column if task == "classification" else None, "truncated": truncated}
+    n = inputs.shape[0]
+    if eval_out is None:
+        _save_atomic([({"inputs": inputs, "attention_mask": mask, "labels": y, "meta": {**meta, "part": "all"}},
+                       Path(out))])
+        return Prepared(task=task, seq_len=seq_len, samples=n, label_names=names, truncated=truncated)
+    train, held = _split(labels, n, split, seed)
+    if not train or not held:
+        raise PtplanError(f"{name}: {n} rows cannot be split {1 - split:.0%}/{split:.0%}; give more rows or another "
+                          f"--split")
+
+    def part(ix: list[int], what: str) -> dict[str, Any]:
+        t = torch.tensor(ix, dtype=torch.int64)
+        return {"inputs": inputs[t], "attention_mask": mask[t], "labels": y[t], "meta": {**meta, "part": what}}
+
+    _save_atomic([(part(train, "train"), Path(out)), (part(held, "eval"), Path(eval_out))])
+    return Prepared(task=task, seq_len=seq_len, samples=len(train), eval_samples=len(held), label_names=names,
+                    truncated=truncated)

@@ -1,0 +1,1 @@
+"""Profiles: measured on a device, projected from counted operations, token-slice costs."""

@@ -1,0 +1,240 @@
+"""Projected profiles: every layer's operations counted exactly on the meta device, timed by a device model.
+
+``ptplan profile MODEL --project h100 --dtype bfloat16`` writes a ``ptplan.profile/1`` file for a GPU
+nobody here has. Nothing runs on real data: the model is moved to the ``meta`` device (tensors with
+shapes, no storage), and each layer's forward (grad enabled), backward (input and weight gradients; and the input gradient alone,
+so that the weight-gradient part zero-bubble schedules run apart is their difference)
+and no-grad forward run under a dispatch mode that records every aten operation with
+
+- its FLOPs, from ``torch.utils.flop_counter``'s formulas (matrix multiplies, convolutions,
+  attention kernels; elementwise operations count 0: they are bound by memory, below);
+- its bytes moved: the sizes of its tensor inputs and outputs (views move nothing and are skipped).
+
+Each operation then takes ``launch + max(FLOPs / (peak x eff(FLOPs)), bytes / (bandwidth x eff_mem))``
+(a roofline with the device model's efficiency assumptions, ``planner/devices.py``), and a layer's
+time is the sum of its operations'. The optimizer step (AdamW, per layer) reads the weights, the
+gradients and both moments and writes the weights and both moments back: 7 weight-sized streams.
+
+Memory fields are exact, not projected: parameter, gradient and optimizer bytes from the tensors,
+output and saved-for-backward bytes per sample from the measuring profiler's own memory pass
+(``profiler._memory_pass``: one real forward on the CPU of the largest micro-batch up to
+``MEMORY_BATCH`` samples, so that projecting a large model stays quick; saved tensors counted
+through ``saved_tensors_hooks``), so a projected profile's memory equals a measured one's. (The
+meta pass is for operations only: on the meta device torch picks the unfused attention path,
+which saves more than the CPU's or CUDA's fused kernels.) The whole-model step is the sum of
+the layers (a projection has no second measurement to check it against), and the provenance says
+``projected`` with the device model, so every plan made from it warns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from ptplan.planner.devices import DeviceModel
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
+
+from ptplan.executor.families.models import LayeredModel, config_summary
+from ptplan.executor.profiling.profiler import _memory_pass
+
+# aten operations that only change a tensor's view of its storage: no kernel moves data
+_VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
+          "slice", "select", "as_strided", "detach", "alias", "split", "split_with_sizes", "chunk", "unbind",
+          "narrow", "_reshape_alias", "view_as", "expand_as", "unfold", "diagonal", "lift_fresh", "empty",
+          "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_to_copy_meta", "is_same_size",
+          "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_local_scalar_dense"}
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "convolution_backward",
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_flash_attention_backward",
+           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+           "_flash_attention_forward", "_efficient_attention_forward", "_flash_attention_backward",
+           "_efficient_attention_backward"}
+
+
+MEMORY_BATCH = 8
+"""The memory pass runs at the largest projected micro-batch size up to this. Bytes per sample hardly
+depend on the size: bert-tiny's blocks save the same at 4 and 8 samples; only the embedding's
+sample-independent part (5,408 vs 4,880 bytes per sample) is spread over more samples."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One recorded aten operation."""
+
+    name: str
+    flops: float
+    bytes: float
+
+
+class _Recorder(TorchDispatchMode):
+    """Records (name, FLOPs, bytes moved) of every aten operation run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in _VIEWS:
+            return out
+        moved = sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                    if isinstance(t, Tensor))
+        flops = 0.0
+        count = flop_registry.get(func.overloadpacket)
+        if count is not None:
+            flops = float(count(*args, **kwargs, out_val=out))
+        self.ops.append(Op(name=name, flops=flops, bytes=float(moved)))
+        return out
+
+
+def op_seconds(op: Op, device: DeviceModel, dtype: str) -> float:
+    """One operation's projected seconds (see the module docstring)."""
+    e = device.efficiency
+    t_mem = op.bytes / (device.memory_bandwidth * e.memory)
+    t_math = 0.0
+    if op.flops > 0:
+        peak = device.matmul_peak(dtype) if op.name in _MATMUL else device.vector_flops
+        half = peak * e.matmul_half_s
+        t_math = op.flops / (peak * e.matmul_max * op.flops / (op.flops + half))
+    return e.launch_s + max(t_mem, t_math)
+
+
+def _storage(t: Tensor) -> tuple[int, int]:
+    """(identity, bytes) of a tensor's storage; meta storages have no address, so the C object identifies them."""
+    st = t.untyped_storage()
+    return st._cdata, st.nbytes()
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """A layer's recorded operations for one micro-batch size, and its exact memory per sample."""
+
+    forward: tuple[Op, ...]
+    backward: tuple[Op, ...]
+    """The whole backward (input and weight gradients)."""
+    input_grad: tuple[Op, ...]
+    """The input gradient alone (empty for the first layer, whose input is data)."""
+    nograd: tuple[Op, ...]
+    output_bytes: int
+    saved_bytes: int
+
+
+def record_layers(model: LayeredModel, b: int) -> list[LayerOps]:
+    """Every layer of ``model`` (already on the meta device) run on a meta micro-batch of b samples;
+    ``output_bytes`` and ``saved_bytes`` are as the meta pass saw them (the profile takes the CPU's)."""
+    return _record(model, b)
+
+
+def _record(model: LayeredModel, b: int) -> list[LayerOps]:
+    """Every layer of ``model`` (already on the meta device) run on a meta micro-batch of b samples."""
+    x, labels, mask = model.make_batch(b)
+    x, labels = x.to("meta"), labels.to("meta")
+    mask = None if mask is None else mask.to("meta")
+    out: list[LayerOps] = []
+    h = x
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        layer.train()
+        xin = h if i == 0 else h.detach().requires_grad_(True)
+        params = [p for p in layer.parameters() if p.requires_grad]
+        own = {_storage(p)[0] for p in layer.parameters()}
+        seen: set[int] = set()
+        saved = [0]
+
+        def pack(t: Tensor) -> Tensor:  # each storage once, parameters not (as the measuring profiler counts)
+            if isinstance(t, Tensor):
+                key, nbytes = _storage(t)
+                if key not in own and key not in seen:
+                    seen.add(key)
+                    saved[0] += nbytes
+            return t
+
+        fwd = _Recorder()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+            y = layer(xin, attention_mask=mask)
+            loss = model.loss(y, labels) if i == n - 1 else None
+        # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
+        # schedules run apart) is the difference: a separate weight-only pass would redo the gradients
+        # of intermediate activations
+        root, seed = (loss, None) if loss is not None else (y, torch.ones_like(y))
+        bwd, inp = _Recorder(), _Recorder()
+        if i > 0:
+            with inp:
+                torch.autograd.grad(root, [xin], grad_outputs=seed, retain_graph=True, allow_unused=True)
+        with bwd:
+            torch.autograd.grad(root, ([xin] if i > 0 else []) + params, grad_outputs=seed, allow_unused=True)
+        layer.eval()
+        nog = _Recorder()
+        with torch.no_grad(), nog:
+            yn = layer(h.detach(), attention_mask=mask)
+            if i == n - 1:
+                model.loss(yn, labels)
+        out.append(LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops),
+                            nograd=tuple(nog.ops),
+                            output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved[0] // b)))
+        h = y.detach()
+    model.train()
+    return out
+
+
+def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Sequence[int],
+                    command: str = "", date: str = "") -> Profile:
+    """A ``projected`` profile of ``model`` (on any device; moved to meta here) on ``device``."""
+    params = list(model.parameters())
+    if not params:
+        raise PtplanError(f"model {model.name} has no parameters")
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(params[0].dtype)
+    if dtype is None:
+        raise PtplanError(f"cannot project a {params[0].dtype} model; use float32, bfloat16 or float16")
+    device.matmul_peak(dtype)  # refuses a dtype the device cannot run, before any work
+    bs = sorted(set(int(b) for b in batch_sizes))
+    if not bs or bs[0] < 1:
+        raise PtplanError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
+    sizes = [(sum(p.numel() for p in layer.parameters()),
+              sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in model.layers]
+    mb = max(b for b in bs if b <= MEMORY_BATCH) if bs[0] <= MEMORY_BATCH else bs[0]
+    x, labels, mask = model.make_batch(mb)  # the measuring profiler's memory pass
+    with torch.random.fork_rng():
+        out_bytes, saved_bytes = _memory_pass(model, x, labels, mask, mb)
+    model = model.to("meta")
+    per_b = [record_layers(model, b) for b in bs]
+    e = device.efficiency
+
+    def secs(ops: Sequence[Op]) -> float:
+        return sum(op_seconds(op, device, dtype) for op in ops)
+
+    records = []
+    for i, spec in enumerate(model.specs):
+        count, nbytes = sizes[i]
+        opt = 0.0 if count == 0 else 2 * e.launch_s + 7 * nbytes / (device.memory_bandwidth * e.memory)
+        records.append(LayerRecord(
+            index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
+            grad_bytes=nbytes, optimizer_bytes=2 * nbytes, output_bytes_per_sample=out_bytes[i],
+            saved_bytes_per_sample=saved_bytes[i],
+            forward_s=tuple(secs(p[i].forward) for p in per_b), backward_s=tuple(secs(p[i].backward) for p in per_b),
+            backward_weight_s=tuple(max(0.0, secs(p[i].backward) - secs(p[i].input_grad)) for p in per_b),
+            nograd_forward_s=tuple(secs(p[i].nograd) for p in per_b), optimizer_s=opt))
+    fwd = tuple(sum(r.forward_s[j] for r in records) for j in range(len(bs)))
+    fb = tuple(sum(r.forward_s[j] + r.backward_s[j] for r in records) for j in range(len(bs)))
+    info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
+                     dtype=dtype, granularity=model.granularity, config=config_summary(model))
+    flops = [sum(op.flops for op in p[i].forward + p[i].backward) for p in per_b[-1:] for i in range(len(records))]
+    return Profile(
+        model=info,
+        device=DeviceInfo(kind="cuda", name=device.name, memory_bytes=device.memory_bytes,
+                          torch_version=torch.__version__, date=date),
+        batch_sizes=tuple(bs), layers=tuple(records), whole_model=WholeModel(forward_s=fwd, forward_backward_s=fb),
+        measurement={"method": "projected: aten operations counted on the meta device, timed by a roofline",
+                     "memory_batch_size": mb,
+                     "device_source": device.source, "efficiency": vars(e),
+                     "flops_at_largest_batch": math.fsum(flops), "whole_model": "sum of the layers (projected)"},
+        provenance=Provenance(source="projected", command=command, device_model=device.key))

@@ -1,0 +1,1 @@
+"""The elastic runtime: one rank's stages, schedules, sharding, transitions and optimizer."""

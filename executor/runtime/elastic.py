@@ -1,0 +1,527 @@
+"""One rank's elastic runtime: its stage's layers, the optimizer, the current phase, its groups and stage.
+
+Legend: K positions (ranks) per pipeline, V chunks (stages) per position, D pipelines, M micro-batches per
+pipeline.
+
+A rank holds exactly what ``planner/stage.py`` says its stage holds (``transition.holdings``): the
+active layers of its stage on the device, plus on stage 0 the frozen prefix -- on the device when
+it recomputes it, in host memory when the AutoCache serves it. Every other layer of the canonical
+model keeps its ``nn.Parameter`` objects without storage (``stage.LayerStore``), so one optimizer
+over all parameters stays valid (``optim``: it keeps state only for this rank's active layers). A
+phase gives each rank one stage, or V chunks at one pipeline position (``stage``), run by the plan's
+action lists (``actions``) on torch.distributed.pipelining's custom-schedule runtime; their
+gradients are averaged over the position's data-parallel group by one flat all-reduce after the
+schedule's step (never DDP around a stage). A stage with FSDP (``Phase.fsdp_at``, D > 1) instead trains
+FSDP2-sharded copies of its active layers over that group (``hybrid.ShardedStage``: gradients reduce-scattered
+in the backward, the optimizer stepping the shards), and the flat all-reduce leaves those layers out; it is
+left -- full weights and optimizer state gathered back into the canonical layers -- before a switch, a gather,
+a cache change and at the end, so everything below moves plain full tensors. A phase with ``Phase.tp`` > 1
+does the same with tensor-parallel copies over the stage's tp group (ranks ``ranks[p][s] + j``, ``groups``),
+the flat all-reduce then running on each rank's local shards. Stage 0's frozen prefix, when it runs it (not
+cached), is split over tp and, when its chunk 0 has FSDP, sharded over its data-parallel group the same way
+(frozen: weights only, all-gathered in the no-grad forward; gathered back on leaving). A stage with recomputation
+(``Phase.recompute_at``) runs its active layers under ``torch.utils.checkpoint`` (``stage.StageModule``), or
+only its first r of them (``Phase.recompute_layers_at``, Galvatron's layer-wise choice: ``stage.recompute_first``).
+FSDP and recomputation are per stage (chunk): a phase's stages may differ (``ptplan plan --strategies auto``
+chooses per stage), so one position may shard and recompute while the next runs plain data parallel.
+Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps nor sends, allocates
+what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
+frees what it only sent, destroys the old groups and creates the new ones in the same order on
+every rank (``groups``), and rebuilds the stage and its schedule. The training loop is in
+``training``. A PipeDream-2BW phase (schedule ``2bw``) runs its own flush-free loop instead
+(``twobw.TwoBWPipe``: each ``train_step`` runs one mini-batch's stretch of a continuous 1F1B, with
+two weight versions and one-step-stale updates); ``switch``, ``gather`` and ``close`` first drain it.
+A token-sliced phase (``Phase.slices``, TeraPipe) runs ``sliced.SlicedPipe``'s point-to-point loop on the
+canonical layers instead of torch's schedule; each ``train_step`` runs the whole schedule, so it leaves
+nothing to drain, and its gradients are averaged and stepped as in any phase.
+In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by
+``cache_run``), stage 0's module holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s
+output for the shard, computed micro-batch by micro-batch as recomputation would.
+
+Memory outside the steady state: before the first ``switch`` a rank holds what it built, in host
+memory -- under ``ptplan run`` its own stage of the phase it starts in (``training.start_phase``), so the
+first switch moves nothing; during a switch a rank holds what it keeps plus, until sent, what it gives
+away; ``gather`` makes rank 0 hold the whole model (and, for checkpoints, every active layer's
+optimizer state) in host memory until it returns -- one source rank's messages at a time.
+"""
+
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import Phase, Plan
+
+from ptplan.executor.runtime.actions import phase_schedule
+from ptplan.executor.cache.autocache import ActivationCache, prefix_forward
+from ptplan.executor.runtime.groups import PhaseGroups, build_groups, chunks_of, destroy_groups, dp_ranks_of, fsdp_chunks, tp_ranks_of
+from ptplan.executor.runtime.hybrid import ShardedStage, local, tp_split
+from ptplan.executor.runtime.optim import drop_state, ensure_state, state_keys
+from ptplan.executor.runtime.stage import LayerStore, build_schedule, set_trainable, stage_module
+from ptplan.executor.runtime.transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
+from ptplan.executor.runtime.sliced import SlicedPipe
+from ptplan.executor.runtime.twobw import TwoBWPipe
+
+
+class ElasticRuntime:
+    """One rank's view of the run: its layers' storage, optimizer, current phase, groups and stage."""
+
+    def __init__(self, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 device: torch.device, timeout_s: float, backend: str) -> None:
+        self.plan, self.model, self.opt = plan, model, optimizer
+        self.device, self.backend = device, backend
+        self.timeout = _timedelta(timeout_s)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.n = len(model.layers)
+        self.store = LayerStore(model.layers, device)
+        self.layer_params = self.store.params
+        seen: dict[int, int] = {}
+        for i, ps in enumerate(self.layer_params):
+            for p in ps:
+                if id(p) in seen and seen[id(p)] != i:
+                    raise PtplanError(f"layers {seen[id(p)]} and {i} share a parameter (tied weights); the runtime "
+                                      f"needs every parameter in exactly one layer")
+                seen[id(p)] = i
+        self.layer_of = seen
+        self.sizes = self.store.sizes
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.block_of = [s.block for s in model.specs]
+        self.phase_schedules = [phase_schedule(ph, i) for i, ph in enumerate(plan.phases)]
+        """Per phase, the schedule it runs (``actions.phase_schedule``: the plan's action lists, checked
+        here, before any collective, so a plan the executor cannot run fails on every rank at once)."""
+        self.phase_index: int | None = None
+        self.phase: Phase | None = None
+        self.groups: PhaseGroups | None = None
+        self.chunks: dict[int, torch.nn.Module] = {}
+        """The stages (chunks) this rank runs in the current phase: chunk index -> module."""
+        self.module = None
+        """This rank's stage module (V = 1), or all its chunks in one ModuleList (V > 1)."""
+        self.schedule = None
+        self.owned: list[int] = []
+        self.held: dict[int, str] = {}
+        """The layers this rank holds in the current phase and where (``transition.holdings``)."""
+        self.last_allreduce_s = 0.0
+        """Seconds of the last step's data-parallel gradient all-reduce on this rank."""
+        self.current: list[frozenset[int]] = [frozenset()] * self.n
+        """Per layer, the ranks holding a current copy (in a phase: the ranks that need it; ``transition``)."""
+        self.cache: ActivationCache | None = None
+        """The node's AutoCache (``cache_run``; set with ``set_cache``). None: always recompute."""
+        self.clip_grad_norm: float | None = None
+        """Clip the global gradient norm to this before each optimizer step (``train_step``); None: do not."""
+        self.last_grad_norm: float | None = None
+        """With clipping: the last step's global gradient norm before clipping."""
+        self._norms: list[float] | None = None
+        """2BW, while a step asked for gradient norms: per block, the squared norms of its updates so far."""
+        self.sharded: ShardedStage | None = None
+        """While this rank's stage has FSDP (``Phase.fsdp_at``, D > 1) or tp > 1: its active layers sharded over
+        its data-parallel group and/or split over its tp group (``hybrid``); None otherwise, and between leaving
+        and re-entering a phase."""
+        self.memory_hook: Callable[[str, Tensor], None] | None = None
+        """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
+        (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
+
+    # ---- moving layers ---------------------------------------------------------------------
+    def _weights_of(self, layers: tuple[int, ...]) -> list[Tensor]:
+        return [p.data for i in layers for p in self.layer_params[i]]
+
+    def _state_of(self, layers: tuple[int, ...]) -> list[Tensor]:
+        return [t for i in layers for p in self.layer_params[i] for t in ensure_state(self.opt, p)]
+
+    def _transfers(self, have: Sequence[frozenset[int]], need: Sequence[frozenset[int]], state: bool
+                   ) -> list[Transfer]:
+        return plan_transfers(have, need, [2 * s for s in self.sizes] if state else self.sizes)
+
+    def _exchange(self, transfers: list[Transfer], state: bool) -> int:
+        return exchange(transfers, self.rank, self._state_of if state else self._weights_of, self.device,
+                        batched=self.backend == "nccl")
+
+    def _params_of(self, layers) -> set[int]:
+        return {id(p) for i in layers for p in self.layer_params[i]}
+
+    def _settle(self, held: dict[int, str], *, also: set[int], current: Sequence[frozenset[int]] | None) -> None:
+        """Free every layer neither in ``held`` nor in ``also``, then give each held layer storage where
+        it belongs, keeping its values when this rank's copy is current (``current`` None: all are)."""
+        for i in range(self.n):
+            if i not in held and i not in also and self.store.where[i] is not None:
+                self.store.release(i)
+        for i, where in held.items():
+            if self.store.where[i] != where:
+                self.store.place(i, where, keep_values=current is None or self.rank in current[i])
+
+    def switch(self, index: int, *, have_weights: list[frozenset[int]],
+               have_state: list[frozenset[int]] | None) -> dict[str, Any]:
+        """Enter phase ``index``: move weights and optimizer state, free and allocate, rebuild groups and stage.
+
+        ``have_weights[i]``: ranks holding a current copy of layer i; ``have_state[i]``: ranks holding
+        layer i's optimizer state (None: no state exists yet). Returns seconds per part (the slowest
+        rank's) and bytes sent (all ranks together).
+        """
+        new = self.plan.phases[index]
+        t0 = time.perf_counter()
+        self._drain_2bw()
+        self._unshard()
+        self.module = self.schedule = None  # the old stage and its receive buffers go first
+        self.chunks = {}
+        self.opt.zero_grad(set_to_none=True)
+        need = needs(new, self.n)
+        held = holdings(new, self.rank, self.n, cached_prefix=self._caches(new))
+        owned = owned_layers(new, self.rank, self.n)
+        weights = self._transfers(have_weights, need, state=False)
+        state: list[Transfer] = []
+        if have_state is not None:
+            active = [i >= new.frozen_layers for i in range(self.n)]
+            have_s = [h if a else frozenset() for h, a in zip(have_state, active)]
+            state = self._transfers(have_s, [nd if a and h else frozenset() for nd, h, a in zip(need, have_s, active)],
+                                    state=True)
+        sent_state = sources(state, self.rank)
+        drop_state(self.opt, self._params_of(set(owned) | sent_state))
+        self._settle(held, also=sources(weights, self.rank) | sent_state, current=have_weights)
+        sent_w = self._exchange(weights, state=False)
+        t1 = time.perf_counter()
+        sent_s = self._exchange(state, state=True)
+        drop_state(self.opt, self._params_of(owned))
+        self._settle(held, also=set(), current=None)
+        self.current, self.owned, self.held = need, owned, held
+        t2 = time.perf_counter()
+        set_trainable(self.model, new.frozen_layers)
+        old = self.phase
+        if old is None or self.groups is None or (old.K, old.D, old.tp, old.ranks) != (new.K, new.D, new.tp,
+                                                                                         new.ranks):
+            destroy_groups(self.groups)
+            self.groups = None
+            self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
+        t3 = time.perf_counter()
+        self._build_stage(new, index)
+        t4 = time.perf_counter()
+        self.phase, self.phase_index = new, index
+        secs = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0], dtype=torch.float64, device=self.device)
+        sent = torch.tensor([sent_w, sent_s], dtype=torch.float64, device=self.device)
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sent)
+        w, s, g, r, total = secs.tolist()
+        bw, bs = sent.tolist()
+        return {"seconds": total, "parts": {"weights": w, "optimizer_state": s, "groups": g, "rebuild": r},
+                "bytes": {"weights": int(bw), "optimizer_state": int(bs)}}
+
+    def _unshard(self) -> None:
+        """Leave FSDP (collective over the data-parallel group): full weights and optimizer state back in
+        the canonical layers, the stage dropped (rebuilt by ``_build_stage``)."""
+        if self.sharded is not None:
+            self.module = self.schedule = None
+            self.chunks = {}
+            self.sharded.leave()
+            self.sharded = None
+
+    def _fsdp_chunks(self, ph: Phase) -> tuple[int, ...]:
+        """This rank's chunks that FSDP shards in ``ph`` (``Phase.fsdp_at``: a phase's stages may differ)."""
+        return fsdp_chunks(ph, self.groups.place.stage)
+
+    def _wants_shards(self, ph: Phase | None) -> bool:
+        return ph is not None and (ph.tp > 1 or bool(self._fsdp_chunks(ph)))
+
+    def _build_stage(self, ph: Phase, index: int, *, shard: bool = True) -> None:
+        """This rank's chunks and schedule for ``ph``; with ``shard`` (and a phase with tp or FSDP) on
+        sharded copies of its active layers (``hybrid``; collective over the group), else on the layers."""
+        twins = None
+        if self._wants_shards(ph) and shard:
+            place = self.groups.place
+            fs = self._fsdp_chunks(ph)
+            dp = (self.groups.dp_group, dp_ranks_of(ph, place)) if fs else None
+            tp = (self.groups.tp_group, tp_ranks_of(ph, place)) if ph.tp > 1 else None
+            # stage 0's frozen prefix (when it runs it: not cached) is split and sharded as its chunk 0 is
+            prefix = list(range(ph.frozen_layers)) if place.stage == 0 and not self._caches(ph) else []
+            fsdp_layers = {i for c in fs for i in range(*ph.partition[c])} | (set(prefix) if 0 in fs else set())
+            self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, dp=dp, tp=tp,
+                                        device=self.device, release=self.store.release,
+                                        place=lambda i: self.store.place(i, DEVICE, keep_values=False),
+                                        fsdp_layers=fsdp_layers, prefix=prefix)
+            self.sharded.enter()
+            twins = self.sharded.copies
+        self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
+                       for c in chunks_of(ph, self.groups.place.stage)}
+        mods = list(self.chunks.values())
+        self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
+        if ph.slices:  # token slices (TeraPipe): executor/runtime/sliced.py's own loop over the canonical layers
+            row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
+            self.schedule = SlicedPipe(self.model, ph, self.phase_schedules[index], position=k, row=row,
+                                       cached_prefix=self._caches(ph), group=self.groups.pp_group, device=self.device)
+            return
+        if ph.schedule == "2bw":
+            row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
+            self.schedule = TwoBWPipe(self.module, stage=k, K=ph.K, M=ph.M, prev_rank=row[k - 1] if k > 0 else None,
+                                      next_rank=row[k + 1] if k < ph.K - 1 else None, loss_fn=self.model.loss,
+                                      device=self.device, update=self._twobw_update)
+            return
+        self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
+                                       self.model.loss)
+
+    def _reshard(self) -> None:
+        """In a phase with tp or FSDP whose stage is not sharded now (after ``drain`` or a gather): shard it
+        again (collective over the group; every rank of the phase calls it at the same point)."""
+        if self._wants_shards(self.phase) and self.sharded is None:
+            self.module = self.schedule = None
+            self.chunks = {}
+            self._build_stage(self.phase, self.phase_index)
+
+    def _drain_2bw(self) -> None:
+        if isinstance(self.schedule, TwoBWPipe):
+            self.schedule.drain()
+
+    def drain(self) -> None:
+        """Make the stage's layers hold the weights training has reached, as plain modules (collective over
+        the phase's ranks): a 2BW phase runs its outstanding backwards and updates; a phase with tp or FSDP
+        gathers its shards back and runs its chunks on the full layers until the next ``train_step`` shards
+        them again -- so an evaluation (``evaluate``) runs the same forward on every rank whatever its
+        strategy, with no collective inside a layer (FSDP replicas may evaluate unequal shard counts)."""
+        self._drain_2bw()
+        if self.sharded is not None:
+            self._unshard()
+            self._build_stage(self.phase, self.phase_index, shard=False)
+
+    def _twobw_update(self, pairs: list[tuple[torch.nn.Parameter, Tensor | None]]) -> None:
+        """2BW's update of one stage: the mini-batch's gradient averaged over the data-parallel group, the
+        optimizer step, and (for adaptive freezing) its per-block norms."""
+        for p, g in pairs:
+            p.grad = g
+        t0 = time.perf_counter()
+        self._allreduce_grads()
+        self.last_allreduce_s += time.perf_counter() - t0
+        if self._norms is not None and self.groups.place.pipeline == 0:
+            for p, _ in pairs:
+                b = self.block_of[self.layer_of[id(p)]]
+                if b is not None and p.grad is not None:
+                    self._norms[b] += p.grad.double().pow(2).sum().item()
+        self.opt.step()
+        for p, _ in pairs:
+            p.grad = None
+
+    def set_cache(self, cache: ActivationCache | None) -> None:
+        """Read the frozen prefix's output from ``cache`` in caching phases from now on (call before the
+        first ``switch``, or between steps: then the prefix moves between host and device as needed and
+        the current stage is rebuilt)."""
+        self.cache = cache
+        if self.phase is not None:
+            self._unshard()
+            self.held = holdings(self.phase, self.rank, self.n, cached_prefix=self._caches(self.phase))
+            self._settle(self.held, also=set(), current=None)
+            self._build_stage(self.phase, self.phase_index)
+
+    # ---- one optimizer step ----------------------------------------------------------------
+    def _live_params(self, i: int) -> list[torch.nn.Parameter]:
+        """Layer i's parameters as they train now (FSDP: the sharded ones)."""
+        return self.layer_params[i] if self.sharded is None else self.sharded.params(i)
+
+    def _fsdp_layer(self, i: int) -> bool:
+        """Whether layer i trains FSDP-sharded now (its gradient reduce-scattered, a shard per replica)."""
+        return self.sharded is not None and i in self.sharded.fsdp_layers
+
+    def _grad_sq(self, g: Tensor, i: int) -> Tensor:
+        """This rank's share of the squared norm of layer i's gradient ``g`` in a whole-model norm summed over
+        the world: each stage counted once -- on pipeline 0, or for an FSDP layer on every replica (each its
+        shard); a tensor-parallel shard on every tp rank, a replicated tensor on tp index 0 only."""
+        place = self.groups.place
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        if not (place.pipeline == 0 or self._fsdp_layer(i)):
+            return zero
+        if place.tp != 0 and not tp_split(g):
+            return zero
+        return local(g).double().pow(2).sum()
+
+    def _owned_grads(self) -> list[tuple[int, Tensor]]:
+        """(layer, gradient) of every owned layer's parameters that have one."""
+        return [(i, p.grad) for i in self.owned for p in self._live_params(i) if p.grad is not None]
+
+    def _allreduce_grads(self) -> None:
+        """Average the gradients over the data-parallel group with one flat all-reduce (per dtype), leaving
+        out the FSDP layers' (reduce-scattered in the backward). Every rank of the group holds the same
+        chunks, so all of them leave out the same layers."""
+        ph = self.phase
+        if ph.D == 1:
+            return
+        # tensor parallel: each rank its shards
+        grads = [local(g) for i, g in self._owned_grads() if not self._fsdp_layer(i)]
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for _, gs in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([g.reshape(-1) for g in gs])  # the stage's one transient (planner/stage.py's "after")
+            if self.memory_hook is not None:
+                self.memory_hook("transient", flat)
+            dist.all_reduce(flat, group=self.groups.dp_group)
+            flat.div_(ph.D)
+            off = 0
+            for g in gs:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+            del flat
+
+    def _clip(self) -> None:
+        """Scale every gradient by min(1, c / (norm + 1e-6)), norm the global norm of the whole model's
+        gradients after the data-parallel average: each stage's squares counted once (on pipeline 0's
+        replica), summed over the world -- ``clip_grad_norm_``'s rule on the whole model, in one all-reduce."""
+        assert self.clip_grad_norm is not None
+        grads = self._owned_grads()
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for i, g in grads:
+            sq += self._grad_sq(g, i)
+        dist.all_reduce(sq)
+        norm = math.sqrt(float(sq.item()))
+        self.last_grad_norm = norm
+        coef = self.clip_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for _, g in grads:
+                g.mul_(coef)
+
+    def _caches(self, ph: Phase) -> bool:
+        """Whether stage 0 of ``ph`` reads the frozen prefix's output from the cache."""
+        return self.cache is not None and ph.cache and ph.frozen_layers > 0
+
+    def train_step(self, batch: tuple[Tensor, Tensor, Tensor | None], *, want_norms: bool,
+                   ids: Tensor | None = None) -> tuple[float, list[float]]:
+        """Forward, backward, data-parallel gradient average and optimizer step on this rank's shard.
+
+        ``ids``: the shard's sample ids (needed when the phase caches the frozen prefix). Returns the
+        global mean loss and, with ``want_norms``, the per-block gradient norms (every rank gets the
+        same numbers: one all-reduce over the world).
+        """
+        self._reshard()  # after an evaluation (``drain``)
+        ph, place = self.phase, self.groups.place
+        first, last = 0 in self.chunks, ph.stages - 1 in self.chunks
+        x, y, mask = (None if t is None else t.to(self.device) for t in batch)
+        if first and self._caches(ph):  # the shard's prefix output, micro-batch by micro-batch
+            assert ids is not None, "a caching phase needs the shard's sample ids"
+            x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache,
+                               micro_batch_size=ph.micro_batch_size)
+            if self.memory_hook is not None:
+                self.memory_hook("buffers", x)
+        kw = {} if mask is None else {"attention_mask": mask}
+        if isinstance(self.schedule, TwoBWPipe):
+            return self._train_step_2bw(x, y, kw, want_norms=want_norms)
+        self.opt.zero_grad(set_to_none=True)
+        losses: list[Tensor] = []
+        args = (x,) if first else ()
+        ends = {"target": y, "losses": losses} if last else {}
+        if isinstance(self.schedule, SlicedPipe):  # a token-sliced phase: gradients left in the parameters
+            losses += self.schedule.step(x if first else None, y if last else None, mask)
+        else:
+            self.schedule.step(*args, return_outputs=False, **ends, **kw)
+        t0 = time.perf_counter()
+        self._allreduce_grads()  # all but the FSDP layers' (reduce-scattered in the backward)
+        self.last_allreduce_s = time.perf_counter() - t0
+        if self.clip_grad_norm is not None:
+            self._clip()
+        self.opt.step()
+        L = self.model.num_blocks
+        vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
+        if last and place.tp == 0:  # a tensor-parallel group's ranks compute the same loss
+            vec[0] = torch.stack([loss.double() for loss in losses]).mean()
+        if want_norms:  # one replica per stage counts its (averaged) gradients (``_grad_sq``)
+            for i in self.owned:
+                b = self.block_of[i]
+                if b is None:
+                    continue
+                for p in self._live_params(i):
+                    if p.grad is not None:
+                        vec[1 + b] += self._grad_sq(p.grad, i)
+        dist.all_reduce(vec)
+        vec = vec.cpu()
+        return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+
+    def _train_step_2bw(self, x: Tensor, y: Tensor, kw: dict[str, Tensor], *, want_norms: bool
+                        ) -> tuple[float, list[float]]:
+        """``train_step`` in a 2BW phase: one mini-batch's stretch (``twobw``); the loss is the mean over
+        the mini-batch's micro-batches at its weight version; the norms are those of the gradients that
+        updated this rank's stage during the stretch (zero where none did)."""
+        ph, pipe = self.phase, self.schedule
+        L = self.model.num_blocks
+        self._norms = [0.0] * L if want_norms else None
+        self.last_allreduce_s = 0.0
+        losses = pipe.step(x if pipe.prev is None else None, y if pipe.next is None else None, kw)
+        vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
+        if losses:
+            vec[0] = torch.stack([loss.double() for loss in losses]).mean()
+        if want_norms:
+            vec[1:] = torch.tensor(self._norms, dtype=torch.float64)
+        self._norms = None
+        dist.all_reduce(vec)
+        vec = vec.cpu()
+        return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+
+    # ---- whole-model views -----------------------------------------------------------------
+    def gather(self, with_state: bool = False) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
+        """Bring every layer (and optionally every active layer's optimizer state) to rank 0; collective.
+
+        Rank 0 gets ({name: weights}, {name: {key: state}}), CPU tensors; the others get empty dicts.
+        Rank 0 gives the layers it does not hold host storage for the exchange (one source rank at a
+        time) and frees it again before returning: the returned tensors are then the only copies.
+        """
+        self._drain_2bw()
+        self._unshard()
+        ph = self.phase
+        to0 = [frozenset({0})] * self.n
+        weights_t = self._transfers(self.current, to0, state=False)
+        state_t: list[Transfer] = []
+        if with_state:
+            active = [i >= ph.frozen_layers for i in range(self.n)]
+            state_t = self._transfers([h if a else frozenset() for h, a in zip(self.current, active)],
+                                      [nd if a else frozenset() for nd, a in zip(to0, active)], state=True)
+        if self.rank == 0:
+            for i in range(self.n):
+                if self.store.where[i] is None:
+                    self.store.place(i, HOST, keep_values=False)
+        for transfers, state in ((weights_t, False), (state_t, True)):
+            for src in sorted({t.src for t in transfers}):
+                self._exchange([t for t in transfers if t.src == src], state=state)
+        if self.rank != 0:
+            self._reshard()
+            return {}, {}
+
+        def out(p: Tensor, t: Tensor) -> Tensor:  # a held layer's tensors stay in use: copy them
+            t = t.detach()
+            return t.to("cpu", copy=True) if self.layer_of[id(p)] in self.held else t.cpu()
+
+        weights = {name: out(p, p) for name, p in self.model.named_parameters()}
+        state: dict[str, dict[str, Tensor]] = {}
+        if with_state:
+            keys = state_keys(self.opt)
+            for i in range(ph.frozen_layers, self.n):
+                for p in self.layer_params[i]:
+                    state[self.names[id(p)]] = {k: out(p, v) for k, v in zip(keys, ensure_state(self.opt, p))}
+        drop_state(self.opt, self._params_of(self.owned))
+        self._settle(self.held, also=set(), current=None)
+        self._reshard()
+        return weights, state
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of the parameters this rank holds now: ``{"device": ..., "host": ...}``."""
+        return {"device": self.store.held_bytes(DEVICE), "host": self.store.held_bytes(HOST)}
+
+    def close(self) -> None:
+        """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
+        self._drain_2bw()
+        self._unshard()
+        destroy_groups(self.groups)
+        self.groups = None
+
+
+def _timedelta(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def phase_index(plan: Plan, frozen_blocks: int) -> int:
+    return plan.phase_index(frozen_blocks)
+
+
+def broadcast_int(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())

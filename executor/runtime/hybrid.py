@@ -1,0 +1,436 @@
+"""Sharded stages for issue 14: FSDP2 ``fully_shard`` (``Phase.fsdp``) and Megatron tensor parallelism
+with DTensor ``parallelize_module`` (``Phase.tp``) of one rank's active layers in a phase.
+
+Legend: D pipelines, so D ranks at each pipeline position hold the same stage (its data-parallel group);
+tp ranks run each stage of a pipeline together (its tensor-parallel group, ``groups``).
+
+Entering (``ShardedStage.enter``, after the transition has given every rank of the group full copies of
+its active layers and of their optimizer state): each active layer is copied (``copy.deepcopy``) and the
+copy is sharded with ``fully_shard`` over a ``DeviceMesh`` made from the position's data-parallel group
+(``DeviceMesh.from_group``), one FSDP unit per layer, resharded after every forward (``shard_layer``: all-
+gathered in each micro-batch's forward and again in its backward, never held whole between them); the
+canonical layer's storage is freed (only 1/D of it stays, in the copy). The run's one optimizer (``optim``) keeps its parameter order: each canonical
+parameter in its param groups is replaced by the copy's sharded (DTensor) parameter, and its state
+tensors by DTensor shards with the same placement (``distribute_tensor``, no communication: every rank
+holds the full state). FSDP reduce-scatters (averages over D) each layer's gradient in the backward,
+so the runtime's flat all-reduce is skipped.
+
+Leaving (``leave``; before a transition, a gather, a cache change, or the end): every sharded parameter
+and state tensor is all-gathered (``full_tensor``) into the canonical parameter's storage, the
+optimizer gets its canonical parameters back, and the copies are dropped -- so the transition code
+(``transition``) moves plain full tensors, as in any phase.
+
+Tensor parallelism (``tp_plan``) works the same way over the stage's tensor-parallel group: each active
+layer with a plan (the attention and MLP halves, or whole blocks, of every family: BERT and RoBERTa,
+DistilBERT, ViT, GPT-2, Llama, Mistral, Qwen2; ``_SPLITS`` names each adapter class's modules; GPT-2's
+``Conv1D``s first become ``nn.Linear``s holding the transposed weights, the fused q|k|v rows reordered per
+rank, ``_gpt2_twin``) is copied and split Megatron-style -- query, key and value column-wise (each rank its
+heads; with grouped-query attention its G/tp key/value heads and the H/tp query heads that read them, so tp
+must divide G), the attention output row-wise; the MLP's first linear column-wise (Llama's gate and up
+projections both), its second row-wise --, DTensor all-reducing the row-parallel outputs in the forward and
+the input gradients in the backward. Every Hugging Face attention here views its projections with -1 heads,
+so the copy runs its local heads; its stored head counts are divided by tp as well (``_LOCAL_COUNTS``).
+Rotary embeddings act per head and Mistral's sliding window is in the mask (``models.py``): both unchanged by
+the split. Norms stay plain tensors and the row-parallel biases replicated DTensors, equal on every tp rank.
+Layers without a plan (embeddings, the head) are not copied: every tp rank runs them whole, on the same
+input, with the same gradients. The data-parallel all-reduce then runs on each rank's local shards, over the
+ranks with its tp index. On leaving, a GPT-2 copy's tensors (weights and state) are mapped back to the
+Conv1D layout. A tp that does not divide a layer's heads, key/value heads or MLP width is an error
+(``ptplan plan --strategies auto`` never chooses one and ``ptplan run`` refuses it before launch:
+``planner/tp_split.py``, used by ``search.PhaseSearch`` and ``validate.check_model``).
+
+The frozen prefix (stage 0 of a phase that runs it rather than reading the AutoCache; ``prefix``) is treated
+like the active layers but has no gradient and no optimizer state: each prefix layer with a split gets a
+Megatron twin over the tp group, and when stage 0's strategy has FSDP (D > 1) the prefix layers are
+``fully_shard``-ed over its data-parallel group (``shard_layer``; frozen, FSDP only all-gathers them in every
+no-grad forward and never reduce-scatters). The canonical storage is released while split and the
+full weights are gathered back into it on leaving (no optimizer slot or state moves); ``stage.stage_module``
+runs the twins. A prefix served by the AutoCache is never entered: it stays whole in host memory.
+``tests/test_frozen_prefix_runtime.py`` checks parity through transitions and each rank's local sizes.
+
+Measured (``pytest -s tests/test_tp_families.py``, 4 gloo processes, tp2 (K=2) -> FSDP (K=2, D=2) -> tp2 with
+recomputation (K=1, D=2) against the single-process reference, max relative difference): SGD 1.6e-07 to
+5.5e-07, AdamW 1.7e-06 to 2.8e-05 for ViT, DistilBERT, Llama, Mistral (4-token sliding window), Qwen2 and
+RoBERTa; 8 processes, llama-tiny tp2 x FSDP on a 2 x 2 x 2 mesh -> dp -> tp2 x FSDP (1 x 4 x 2): SGD 2.0e-07,
+AdamW 5.9e-05. BERT and GPT-2: ``tests/test_hybrid_runtime.py``.
+
+The canonical layers are copied rather than sharded in place because ``fully_shard`` changes a module
+for good (its class, its hooks, its parameters); a layer trains sharded in one phase and plain in the next.
+The price: entering holds a full second copy of one layer at a time, until ``fully_shard`` frees it.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ptplan.executor.runtime.optim import ensure_state, state_keys
+
+
+class ShardedStage:
+    """The active layers ``owned`` of this rank, while it is entered: split over the tensor-parallel group
+    ``tp`` (``parallelize_module`` with ``tp_plan``) and/or sharded over the data-parallel group ``dp``
+    (``fully_shard``); each a (process group, its ranks) pair or None. With both, the mesh is 2-D
+    (``dp`` x ``tp``, ``mesh[p][j]`` the rank of replica p with tp index j), as FSDP2 + TP wants it."""
+
+    def __init__(self, layers: nn.ModuleList, layer_params: list[list[nn.Parameter]], owned: list[int],
+                 opt: torch.optim.Optimizer, *, dp: tuple | None, tp: tuple | None, device: torch.device,
+                 release: Callable[[int], None], place: Callable[[int], None],
+                 fsdp_layers: set[int] | None = None, prefix: list[int] | None = None) -> None:
+        assert dp is not None or tp is not None
+        self.layers, self.layer_params, self.owned, self.opt = layers, layer_params, owned, opt
+        self.prefix: list[int] = list(prefix or [])
+        """The frozen prefix layers this rank runs (stage 0 of a phase that does not cache them): split like active
+        layers over ``tp`` and, when ``fsdp_layers`` names them, sharded over ``dp``; they have no gradient and no
+        optimizer state, so only their weights move (FSDP all-gathers them in the no-grad forward)."""
+        self.dp, self.tp, self.device = dp, tp, device
+        self.fsdp_layers: set[int] = set() if dp is None else set(owned) if fsdp_layers is None else set(fsdp_layers)
+        """The owned layers FSDP shards over ``dp`` (all of them unless ``fsdp_layers`` names some: a phase whose
+        stages differ shards only its FSDP stages' layers; the prefix's too when stage 0 has FSDP); FSDP reduce-scatters their gradients in the backward,
+        so the runtime's flat all-reduce leaves them out."""
+        self.fsdp = bool(self.fsdp_layers)
+        """Whether FSDP shards any layer here."""
+        self._release, self._place = release, place
+        self.copies: dict[int, nn.Module] = {}
+        """Layer index -> its sharded copy (while entered)."""
+        self.live: dict[int, nn.Parameter] = {}
+        """id(canonical parameter) -> the sharded parameter training in its place."""
+        self.back: dict[int, Callable[[Tensor], Tensor]] = {}
+        """id(canonical parameter) -> how a full tensor of its twin maps back to its layout (GPT-2's Conv1D
+        weights train transposed in ``nn.Linear``s, ``_gpt2_twin``); identity when absent."""
+        self._frozen_back: dict[int, dict[str, Callable[[Tensor], Tensor]]] = {}
+        """A split frozen prefix layer -> its parameters' maps back to the canonical layout (GPT-2)."""
+
+    def _slots(self) -> dict[int, tuple[int, int]]:
+        return {id(p): (g, j) for g, group in enumerate(self.opt.param_groups) for j, p in enumerate(group["params"])}
+
+    def _meshes(self):
+        """(data-parallel mesh or None, tensor-parallel mesh or None), slices of one mesh when both."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        kind = self.device.type
+        if self.dp is not None and self.tp is not None:
+            (dg, dranks), (tg, tranks) = self.dp, self.tp
+            j = sorted(set(dranks) & set(tranks))[0] - min(tranks)  # this rank's tp index
+            grid = [[r - j + t for t in range(len(tranks))] for r in sorted(dranks)]  # [replica][tp index]
+            mesh = DeviceMesh.from_group([dg, tg], kind, mesh=grid, mesh_dim_names=("dp", "tp"))
+            return mesh["dp"], mesh["tp"]
+        if self.dp is not None:
+            return DeviceMesh.from_group(self.dp[0], kind, mesh=sorted(self.dp[1]), mesh_dim_names=("dp",)), None
+        return None, DeviceMesh.from_group(self.tp[0], kind, mesh=sorted(self.tp[1]), mesh_dim_names=("tp",))
+
+    def enter(self) -> None:
+        """Shard every owned layer (collective over the groups)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        dp_mesh, tp_mesh = self._meshes()
+        slots, keys = self._slots(), state_keys(self.opt)
+        for i in [*self.prefix, *self.owned]:
+            split = tp_mesh is not None and tp_plan(self.layers[i], tp_mesh.size()) is not None
+            shard = dp_mesh is not None and i in self.fsdp_layers
+            if not split and not shard:
+                continue  # replicated (every tp rank runs the canonical layer whole), or a plain-DP stage's layer
+            if i in self.prefix:
+                self.copies[i] = self._frozen_twin(i, tp_mesh if split else None, dp_mesh if shard else None)
+                self._release(i)
+                continue
+            full_state = {id(p): ensure_state(self.opt, p) for p in self.layers[i].parameters()}
+            twin = copy.deepcopy(self.layers[i])
+            maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
+            if split:
+                maps = _gpt2_twin(twin, tp_mesh.size())
+                _parallelize(twin, tp_mesh)
+            if shard:
+                shard_layer(twin, dp_mesh)
+            by_name = dict(twin.named_parameters())
+            for name, p in self.layers[i].named_parameters():
+                q = by_name[name]
+                to, back = maps.get(name, (_same, _same))
+                assert to(p.detach()).shape == q.shape, (name, p.shape, q.shape)
+                g, j = slots[id(p)]
+                self.opt.param_groups[g]["params"][j] = q
+                self.opt.state[q] = {k: (distribute_tensor(to(v), q.device_mesh, q.placements, src_data_rank=None)
+                                         if v.shape == p.shape and isinstance(q, DTensor) else
+                                         to(v).clone() if v.shape == p.shape else v)
+                                     for k, v in zip(keys, full_state[id(p)])}
+                if name in maps:
+                    self.back[id(p)] = back
+                self.opt.state.pop(p, None)
+                self.live[id(p)] = q
+            self.copies[i] = twin
+            self._release(i)
+
+    def _frozen_twin(self, i: int, tp_mesh, dp_mesh) -> nn.Module:
+        """A frozen prefix layer's split and/or sharded copy: no optimizer slot or state to move; its
+        parameters stay frozen (``requires_grad`` off), so FSDP only all-gathers them in the forward."""
+        twin = copy.deepcopy(self.layers[i])
+        if tp_mesh is not None:
+            maps = _gpt2_twin(twin, tp_mesh.size())
+            _parallelize(twin, tp_mesh)
+            self._frozen_back[i] = {n: back for n, (_, back) in maps.items()}
+        twin.requires_grad_(False)
+        if dp_mesh is not None:
+            shard_layer(twin, dp_mesh)
+        twin.eval()
+        return twin
+
+    def leave(self) -> None:
+        """Bring every sharded parameter and its state back into the canonical layers (collective)."""
+        from torch.distributed.tensor import DTensor
+
+        slots = self._slots()
+        keys = state_keys(self.opt)
+        with torch.no_grad():
+            for i in self.copies:
+                self._place(i)
+                if i in self.prefix:  # frozen: the weights only (every rank gathers every shard)
+                    back_of = self._frozen_back.pop(i, {})
+                    by_name = dict(self.copies[i].named_parameters())
+                    for name, p in self.layers[i].named_parameters():
+                        q = by_name[name]
+                        p.data.copy_(back_of.get(name, _same)(q.full_tensor() if isinstance(q, DTensor) else q.detach()))
+                    continue
+                for p in self.layer_params[i]:
+                    q = self.live.pop(id(p))
+                    back = self.back.pop(id(p), _same)
+                    p.data.copy_(back(q.full_tensor() if isinstance(q, DTensor) else q.detach()))
+                    st = self.opt.state.pop(q, {})
+                    if st:
+                        self.opt.state[p] = {k: (back(st[k].full_tensor()) if isinstance(st[k], DTensor) else
+                                                 back(st[k]) if st[k].shape == q.shape else st[k]) for k in keys}
+                    g, j = slots[id(q)]
+                    self.opt.param_groups[g]["params"][j] = p
+                    p.grad = None
+        self.copies.clear()
+
+    def params(self, i: int) -> list[nn.Parameter]:
+        """Layer i's parameters training now (sharded ones for an owned layer)."""
+        return [self.live.get(id(p), p) for p in self.layer_params[i]]
+
+
+@dataclass(frozen=True)
+class _Split:
+    """Where the Megatron split of one adapter layer applies (module paths inside the layer)."""
+
+    attention: str | None
+    """The Hugging Face attention module (it holds the head size; its head counts become the rank's own);
+    None: the layer has no attention."""
+    qkv: tuple[str, ...] = ()
+    """Query, key, value projections (GPT-2: the fused q|k|v one), split column-wise: each rank its heads."""
+    out: str | None = None
+    """The attention's output projection, split row-wise."""
+    up: tuple[str, ...] = ()
+    """The MLP's first linear(s) (Llama's gate and up projections), split column-wise."""
+    down: str | None = None
+    """The MLP's second linear, split row-wise."""
+
+
+def _att(path: str, qkv: tuple[str, ...], out: str, at: str | None = None) -> dict[str, object]:
+    return dict(attention=(at or path).rstrip("."), qkv=tuple(path + n for n in qkv), out=out)
+
+
+def _mlp(up: tuple[str, ...], down: str) -> dict[str, object]:
+    return dict(up=up, down=down)
+
+
+_BERT_QKV, _VIT_QKV = ("query", "key", "value"), ("q_proj", "k_proj", "v_proj")
+_DISTIL_QKV = ("q_lin", "k_lin", "v_lin")
+_SPLITS: dict[str, _Split] = {
+    # BERT and RoBERTa (BertAttention: self.query/key/value, output.dense; BertIntermediate/BertOutput .dense)
+    "BertAttentionHalf": _Split(**_att("attention.self.", _BERT_QKV, "attention.output.dense")),
+    "BertMLPHalf": _Split(None, **_mlp(("intermediate.dense",), "output.dense")),
+    "BertBlock": _Split(**_att("layer.attention.self.", _BERT_QKV, "layer.attention.output.dense"),
+                        **_mlp(("layer.intermediate.dense",), "layer.output.dense")),
+    # DistilBERT (DistilBertSelfAttention: q_lin, k_lin, v_lin, out_lin; FFN: lin1, lin2)
+    "DistilBertAttentionHalf": _Split(**_att("attention.", _DISTIL_QKV, "attention.out_lin")),
+    "DistilBertMLPHalf": _Split(None, **_mlp(("ffn.lin1",), "ffn.lin2")),
+    "DistilBertBlock": _Split(**_att("block.attention.", _DISTIL_QKV, "block.attention.out_lin"),
+                              **_mlp(("block.ffn.lin1",), "block.ffn.lin2")),
+    # ViT (ViTAttention: q_proj, k_proj, v_proj, o_proj; ViTMLP: fc1, fc2)
+    "ViTAttentionHalf": _Split(**_att("attention.", _VIT_QKV, "attention.o_proj")),
+    "ViTMLPHalf": _Split(None, **_mlp(("mlp.fc1",), "mlp.fc2")),
+    "ViTBlock": _Split(**_att("layer.attention.", _VIT_QKV, "layer.attention.o_proj"),
+                       **_mlp(("layer.mlp.fc1",), "layer.mlp.fc2")),
+    # Llama, Mistral, Qwen2 (q_proj, k_proj, v_proj, o_proj; gate_proj, up_proj, down_proj)
+    "LlamaAttentionHalf": _Split(**_att("self_attn.", _VIT_QKV, "self_attn.o_proj")),
+    "LlamaMLPHalf": _Split(None, **_mlp(("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")),
+    "LlamaBlockLayer": _Split(**_att("attn.self_attn.", _VIT_QKV, "attn.self_attn.o_proj"),
+                              **_mlp(("mlp.mlp.gate_proj", "mlp.mlp.up_proj"), "mlp.mlp.down_proj")),
+    # GPT-2 (GPT2Attention: fused c_attn, c_proj; GPT2MLP: c_fc, c_proj; Conv1Ds until ``_gpt2_twin``)
+    "GPT2AttentionHalf": _Split(**_att("attn.", ("c_attn",), "attn.c_proj")),
+    "GPT2MLPHalf": _Split(None, **_mlp(("mlp.c_fc",), "mlp.c_proj")),
+    "GPT2BlockLayer": _Split(**_att("block.attn.", ("c_attn",), "block.attn.c_proj"),
+                             **_mlp(("block.mlp.c_fc",), "block.mlp.c_proj")),
+}
+"""Per adapter layer class (``executor/families/models.py``): its Megatron split. Every Hugging Face attention here
+views its projections with -1 heads (``view(*shape, -1, head_dim)``), so the rank's local width sets its
+head count; Llama's ``num_key_value_groups`` (query heads per key/value head) is a ratio the split keeps."""
+
+_GPT2_HALF = ("GPT2AttentionHalf", "GPT2MLPHalf", "GPT2BlockLayer")
+
+_LOCAL_COUNTS = ("num_attention_heads", "num_heads", "n_heads", "num_key_value_heads", "all_head_size",
+                 "embed_dim", "split_size")
+"""Attention attributes that count heads or their width, divided by tp in a rank's copy (BERT's
+``num_attention_heads``/``all_head_size``, GPT-2's ``num_heads``/``embed_dim``/``split_size``: its forward
+splits the fused q|k|v by ``split_size``; DistilBERT's ``n_heads``, ViT's ``num_attention_heads``)."""
+
+
+def _width(m: nn.Module) -> int:
+    """Output features of an ``nn.Linear`` or a GPT-2 ``Conv1D`` (``nf``)."""
+    return int(getattr(m, "nf", None) or m.out_features)
+
+
+def split_widths(layer: nn.Module) -> dict[str, int]:
+    """The widths tensor parallelism must divide in one layer (as ``planner.tp_split.split_widths`` reads
+    them from a config): its attention heads, key/value heads (grouped-query attention), MLP width; {} for
+    a layer without a split."""
+    sp = _SPLITS.get(type(layer).__name__)
+    if sp is None:
+        return {}
+    out: dict[str, int] = {}
+    if sp.attention is not None:
+        att = layer.get_submodule(sp.attention)
+        hd = int(getattr(att, "head_dim", None) or att.attention_head_size)
+        widths = [_width(layer.get_submodule(n)) for n in sp.qkv]
+        if len(widths) == 1:  # GPT-2's fused q|k|v
+            out["attention heads"] = widths[0] // (3 * hd)
+        else:
+            out["attention heads"] = widths[0] // hd
+            if widths[1] != widths[0]:
+                out["key/value heads"] = widths[1] // hd
+    if sp.up:
+        out["intermediate size"] = _width(layer.get_submodule(sp.up[0]))
+    return out
+
+
+def shard_layer(layer: nn.Module, dp_mesh) -> None:
+    """``fully_shard`` one layer over the data-parallel mesh, resharded after every forward. Each layer is its
+    own FSDP root (no FSDP module above it), and FSDP2 by default keeps a root's gathered weights from its
+    forward to its backward: with several micro-batches in flight a stage would hold its layers whole. Resharded,
+    a layer is all-gathered in every micro-batch's forward and again in its backward, and its gradient
+    reduce-scattered there -- what ``planner/strategy.py`` prices (weights / D, two gathered layers at a time).
+    A frozen layer (requires_grad off) is only all-gathered, in its forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
+
+
+def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
+    """The Megatron split of one layer for ``parallelize_module`` (module path -> ColwiseParallel or
+    RowwiseParallel), or None when the layer has none (embeddings, norms, heads: it runs replicated). Every
+    attention and MLP half or block of every family in ``tp_families`` has one (GPT-2's Conv1D paths are
+    split once ``_gpt2_twin`` made them ``nn.Linear``s). PtplanError when ``tp`` does not divide its heads,
+    key/value heads or intermediate width (``ptplan run`` checks the plan before: ``validate.check_strategies``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ptplan.planner.errors import PtplanError
+
+    sp = _SPLITS.get(type(layer).__name__)
+    if sp is None:
+        return None
+    widths = split_widths(layer)
+    bad = [f"{n} {what}" for what, n in widths.items() if n % tp]
+    if bad:
+        raise PtplanError(f"tensor parallelism tp={tp} cannot split a {type(layer).__name__}: it does not divide its "
+                          f"{' and '.join(bad)} ({', '.join(f'{w} {n}' for w, n in widths.items())}); use a tp that "
+                          f"divides them all, or plan with `ptplan plan --strategies off`")
+    plan: dict[str, object] = {n: ColwiseParallel() for n in (*sp.qkv, *sp.up)}
+    plan.update({n: RowwiseParallel() for n in (sp.out, sp.down) if n is not None})
+    return plan
+
+
+def tp_families() -> tuple[str, ...]:
+    """Model families whose Transformer layers ``tp_plan`` splits (every adapter's; ``executor/families/models.py``)."""
+    return ("bert", "roberta", "distilbert", "vit", "gpt2", "llama", "mistral", "qwen2")
+
+
+def _parallelize(layer: nn.Module, mesh) -> None:
+    """Split ``layer`` (a copy) over the tp mesh and give its attention the rank's own head counts."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh.size()
+    plan = tp_plan(layer, tp)
+    assert plan is not None
+    parallelize_module(layer, mesh, plan)
+    sp = _SPLITS[type(layer).__name__]
+    if sp.attention is not None:  # each rank holds heads/tp heads (and key/value heads/tp)
+        att = layer.get_submodule(sp.attention)
+        for name in _LOCAL_COUNTS:
+            n = getattr(att, name, None)
+            if isinstance(n, int) and not isinstance(n, bool):
+                assert n % tp == 0, (name, n, tp)
+                setattr(att, name, n // tp)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _gpt2_twin(layer: nn.Module, tp: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
+    """Make a GPT-2 layer's copy splittable by ``parallelize_module``: each ``Conv1D`` (y = x W + b, W of
+    shape (in, out)) becomes an ``nn.Linear`` holding W transposed; the fused q|k|v projection's output
+    rows are reordered so that a column split gives rank j the rows [q_j | k_j | v_j] of its heads.
+    Returns, per parameter name, (canonical -> twin, twin -> canonical) for full tensors (weights and the
+    optimizer's elementwise state alike). Other layers: unchanged, {}."""
+    from transformers.pytorch_utils import Conv1D
+
+    kind = type(layer).__name__
+    if kind not in _GPT2_HALF:
+        return {}
+    maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
+    for path, conv in list(layer.named_modules()):
+        if not isinstance(conv, Conv1D):
+            continue
+        n_in, n_out = conv.weight.shape
+        idx = torch.arange(n_out)
+        if path.endswith("c_attn"):  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+            H = n_out // 3
+            c = H // tp
+            idx = torch.cat([torch.arange(3)[:, None] * H + j * c + torch.arange(c)[None, :] for j in range(tp)]
+                            ).reshape(-1)
+        inv = torch.empty_like(idx)
+        inv[idx] = torch.arange(n_out)
+
+        def w_to(w: Tensor, idx: Tensor = idx) -> Tensor:
+            return w.t()[idx.to(w.device)].contiguous()
+
+        def w_back(w: Tensor, inv: Tensor = inv) -> Tensor:
+            return w[inv.to(w.device)].t().contiguous()
+
+        def b_to(b: Tensor, idx: Tensor = idx) -> Tensor:
+            return b[idx.to(b.device)].contiguous()
+
+        def b_back(b: Tensor, inv: Tensor = inv) -> Tensor:
+            return b[inv.to(b.device)].contiguous()
+
+        lin = nn.Linear(n_in, n_out, device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w_to(conv.weight))
+            lin.bias.copy_(b_to(conv.bias))
+        lin.weight.requires_grad_(conv.weight.requires_grad)
+        lin.bias.requires_grad_(conv.bias.requires_grad)
+        parent, _, leaf = path.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, leaf, lin)
+        maps[f"{path}.weight"] = (w_to, w_back)
+        maps[f"{path}.bias"] = (b_to, b_back)
+    return maps
+
+
+def tp_split(g: Tensor) -> bool:
+    """Whether a (gradient) tensor is split over the tensor-parallel mesh dimension (each tp rank a part)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(g, DTensor):
+        return False
+    names = g.device_mesh.mesh_dim_names or ()
+    return "tp" in names and isinstance(g.placements[names.index("tp")], Shard)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's part of a tensor (a DTensor's local shard; a plain tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

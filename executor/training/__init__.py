@@ -1,0 +1,1 @@
+"""The training job: configuration, the loop, checkpoints, evaluation, export and the run log."""

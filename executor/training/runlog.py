@@ -1,0 +1,153 @@
+"""The run log (``run.jsonl``): a header, then one JSON object per step and per transition; rank 0 writes.
+
+Records (``ptplan compare`` reads them)::
+
+    {"type": "header", "schema": "ptplan.runlog/1", "plan_fingerprint", "model", "world_size", ...}
+    {"type": "step", "epoch", "step", "phase", "frozen_blocks", "K", "D", "seconds", "samples", "loss",
+     "allreduce_seconds"}
+    {"type": "transition", "step", "from_phase", "to_phase", "seconds",
+     "parts": {"weights", "optimizer_state", "groups", "rebuild"}, "bytes": {...}, ...}
+
+``step`` counts optimizer steps from 0 over the whole run; ``phase`` indexes ``plan.phases``;
+``seconds`` is rank 0's wall time of the step (it waits for the step's last collective);
+``allreduce_seconds`` the part of it rank 0 spent averaging gradients over its data-parallel group.
+On the sampled step of each phase visit (the 2nd) the record also holds ``memory_sampled: true``,
+``peak_memory_bytes`` (the largest rank's stage working set) and ``memory`` (the method and every
+rank's break-down); see ``executor/runtime/memory.py``. That step's ``seconds`` include the measuring hooks.
+Also written: ``freeze_decision`` (adaptive freezing: the norms and the count chosen) and ``resume`` (the
+step it continues from: ``planner.runlog`` replaces the records the first run wrote from that step on).
+With the AutoCache (``executor/cache/run.py``): ``cache_setup`` once (directory, budget, the plan's
+predicted bytes, accepted determinism notes) and ``cache`` after every epoch: that epoch's ``hits``,
+``refreshes``, ``misses``, ``rows_written``, ``rows_not_cached``, ``slabs_evicted``, ``bytes_evicted``,
+``slabs_promoted`` and ``disk_full`` (slabs not created because a cache folder's file system was full)
+summed over the ranks, the run's ``totals`` of those, and ``ram_bytes``,
+``disk_bytes``, ``ram_slabs``, ``disk_slabs`` in use (summed over the nodes, after the eviction).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+from typing import Any
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.runlog import SCHEMA, parse_record
+
+
+class RunLog:
+    """Appends records to a JSON-lines file, one whole line per write; a no-op without a path.
+
+    A new log (``append=False``) replaces the file only when the first step is logged: a run that fails
+    before training leaves an existing log as it was (its records so far are kept in memory). A resumed
+    log (``append=True``) is opened at once; a torn last line (a run killed or a disk filled while it was
+    written) is cut off first, so the file stays readable. A write that fails (a full disk) is rolled
+    back to the last whole line and raised as PtplanError. ``sync`` makes the file durable (fsync); the
+    training loop calls it at phase changes, epoch ends and checkpoints, and ``close`` does.
+    """
+
+    def __init__(self, path: str | os.PathLike | None, *, append: bool = False) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self._fd: int | None = None
+        self._size = 0
+        self._pending: list[bytes] | None = None
+        if self.path is None:
+            return
+        d = os.path.dirname(self.path)
+        if d:
+            os.makedirs(d, exist_ok=True)
+        if append:
+            self._open(truncate=False)
+        else:
+            self._pending = []
+
+    def _open(self, *, truncate: bool) -> None:
+        assert self.path is not None
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), 0o666)
+            size = os.fstat(self._fd).st_size
+            if size and not truncate:
+                with open(self.path, "rb") as f:  # cut a torn last line
+                    f.seek(max(0, size - (1 << 20)))
+                    tail = f.read()
+                if not tail.endswith(b"\n"):
+                    cut = tail.rfind(b"\n")
+                    size = size - len(tail) + cut + 1 if cut >= 0 else (0 if size <= len(tail) else size)
+                    os.ftruncate(self._fd, size)
+            self._size = size
+        except OSError as e:
+            raise PtplanError(f"cannot open the run log {self.path}: {e.strerror}") from None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Check the record with the reader's own parser (``planner.runlog``), then append it."""
+        if self.path is None:
+            return
+        rec = parse_record(json.loads(json.dumps(record, default=_plain)), what="run log record (before writing)")
+        line = (json.dumps(rec.to_json(), sort_keys=False) + "\n").encode()
+        if self._pending is not None:
+            self._pending.append(line)
+            if rec.type != "step":
+                return
+            self._open(truncate=True)
+            lines, self._pending = self._pending, None
+            for ln in lines:
+                self._append(ln)
+            return
+        self._append(line)
+
+    def _append(self, line: bytes) -> None:
+        assert self._fd is not None
+        try:
+            done = 0
+            while done < len(line):
+                done += os.pwrite(self._fd, line[done:], self._size + done)
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, self._size)  # no torn line: the log ends at the last whole record
+            except OSError:
+                pass
+            full = " (the disk is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+            raise PtplanError(f"cannot write the run log {self.path}: {e.strerror}{full}; it ends at the last "
+                              f"whole record. Free space, then continue with --resume") from None
+        self._size += len(line)
+
+    def sync(self) -> None:
+        """Make what was written durable (fsync); a no-op before the first step."""
+        if self._fd is not None:
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                pass
+
+    def header(self, **fields: Any) -> None:
+        self.write({"type": "header", "schema": SCHEMA, **fields})
+
+    def step(self, *, epoch: int, step: int, phase: int, frozen_blocks: int, K: int, D: int, seconds: float,
+             samples: int, loss: float, **extra: Any) -> None:
+        self.write({"type": "step", "epoch": epoch, "step": step, "phase": phase, "frozen_blocks": frozen_blocks,
+                    "K": K, "D": D, "seconds": seconds, "samples": samples, "loss": loss, **extra})
+
+    def transition(self, *, step: int, from_phase: int | None, to_phase: int, seconds: float,
+                   parts: dict[str, float], **extra: Any) -> None:
+        self.write({"type": "transition", "step": step, "from_phase": from_phase, "to_phase": to_phase,
+                    "seconds": seconds, "parts": parts, **extra})
+
+    def close(self) -> None:
+        """Sync and close; a log that never reached a step leaves the file as it was."""
+        self._pending = None
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
+
+
+def _plain(x: Any) -> Any:
+    """JSON for numpy/torch scalars that slip into records."""
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"run log: {type(x).__name__} is not JSON")
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a run log, in order (for tests and tools; ``planner.compare`` has its own reader)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

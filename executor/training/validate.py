@@ -1,0 +1,178 @@
+"""Checks a plan against the job before any training: world size, model, batch split, schedule limits.
+
+Every failure is a PtplanError with the numbers and the fix (the CLI prints it and exits 2).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from torch import nn
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import Phase, Plan
+from ptplan.planner.tp_split import tp_refusal
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """The structure hash a profile of this model records (names, kinds, blocks, parameter counts)."""
+    h = hashlib.sha256()
+    for layer, spec in zip(model.layers, model.specs):
+        params = sum(p.numel() for p in layer.parameters())
+        h.update(f"{spec.name}|{spec.kind}|{spec.block}|{params};".encode())
+    return h.hexdigest()[:16]
+
+
+def _config(model: nn.Module) -> dict[str, Any]:
+    """The model's Hugging Face config as a dict ({} for a custom model)."""
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    return to_dict() if callable(to_dict) else {}
+
+
+def frozen_boundary(model: nn.Module, frozen_blocks: int) -> int:
+    """Index of the first active layer with ``frozen_blocks`` frozen (as ``Profile.frozen_boundary``)."""
+    if frozen_blocks == 0:
+        return 0
+    for i, spec in enumerate(model.specs):
+        if spec.block is not None and spec.block >= frozen_blocks:
+            return i
+    return max(i for i, s in enumerate(model.specs) if s.block is not None) + 1
+
+
+def global_batch_of(plan: Plan) -> int:
+    """The plan's training batch: global under constant-global, per pipeline under constant-pipeline."""
+    return plan.inputs.training.batch
+
+
+def batch_policy_of(plan: Plan) -> str:
+    return plan.inputs.training.batch_policy
+
+
+def check_strategies(plan: Plan) -> None:
+    """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
+
+    Runs: recomputation (``Phase.recompute``, on every stage or per stage) with every schedule (2BW's loop
+    checkpoints each micro-batch's ``functional_call`` on its weight version); FSDP (``Phase.fsdp``, on every
+    stage or per stage) with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor
+    parallelism (``Phase.tp``), alone or
+    with FSDP on a 2-D mesh, with or without the AutoCache, for the families ``hybrid.tp_families`` names.
+    Not with 2BW: FSDP's and DTensor's hooks are not wired into its own loop."""
+    from ptplan.executor.runtime.hybrid import tp_families
+
+    family = plan.inputs.profile.family
+    for i, ph in enumerate(plan.phases):
+        what = f"plan phase {i} ({ph.frozen_blocks} frozen blocks, {ph.strategy_label})"
+        fix = "make the plan with `ptplan plan --strategies off`"
+        if ph.tp > 1 and family not in tp_families():
+            raise PtplanError(f"{what}: the executor splits {', '.join(tp_families())} layers for tensor parallelism "
+                              f"but this plan's model is a {family}; {fix}")
+        if ph.any_fsdp and ph.D > 1 and ph.schedule in ("zb-h1", "zb-v"):
+            raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
+                              f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "
+                              f"1f1b, gpipe or interleaved-1f1b, or with `ptplan plan --strategies off`")
+        if ph.schedule == "2bw" and ph.recompute_layers:
+            raise PtplanError(f"{what}: 2bw recomputes whole stages only (its loop checkpoints each micro-batch's "
+                              f"call on its weight version), not the first layers of one; make the plan with another "
+                              f"--schedule or with `ptplan plan --strategies off`")
+        if ph.schedule == "2bw" and (ph.tp > 1 or ph.any_fsdp):
+            raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
+                              f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "
+                              f"`ptplan plan --strategies off`")
+
+
+def check_world(plan: Plan, world_size: int) -> None:
+    """The job's process count is the plan's (strategies are checked first: ``check_strategies``)."""
+    check_strategies(plan)
+    want = plan.world_size
+    if world_size != want:
+        p = plan.phases[0]
+        raise PtplanError(
+            f"the plan needs K*D = {p.K}*{p.D} = {want} processes but this job has {world_size}; "
+            f"launch it with {want} processes in all (--nnodes x --nproc-per-node = {want}) or make a plan for "
+            f"{world_size} GPUs with `ptplan plan`")
+
+
+def check_model(plan: Plan, model: nn.Module) -> None:
+    prof = plan.inputs.profile
+    have = dict(model=model.name, num_layers=len(model.layers), num_blocks=model.num_blocks,
+                granularity=model.granularity)
+    desc = (f"{model.name} ({model.num_blocks} blocks, {len(model.layers)} layers at {model.granularity} "
+            f"granularity)")
+    fix = f"pass --model {prof.model} or make a plan for {model.name} (`ptplan profile` then `ptplan plan`)"
+    for key, value in have.items():
+        if getattr(prof, key) != value:
+            raise PtplanError(f"the plan is for {prof.model} ({prof.num_blocks} blocks, {prof.num_layers} layers at "
+                              f"{prof.granularity} granularity) but the model is {desc}: {key} "
+                              f"{getattr(prof, key)!r} != {value!r}; {fix}")
+    fp = prof.fingerprint
+    if fp and fp != model_fingerprint(model):
+        raise PtplanError(f"the plan's profile fingerprint {fp} does not match {desc} (fingerprint "
+                          f"{model_fingerprint(model)}: layer names, kinds or parameter counts differ, e.g. another "
+                          f"--weights config, image size or label count); {fix}")
+    L = model.num_blocks
+    for i, ph in enumerate(plan.phases):
+        if ph.frozen_blocks > L:
+            raise PtplanError(f"plan phase {i} freezes {ph.frozen_blocks} blocks but {model.name} has {L}")
+        if ph.tp > 1 and (why := tp_refusal(model.family, _config(model), ph.tp)):  # heads, kv heads, MLP width
+            raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks, {ph.strategy_label}): {why}; "
+                              f"make the plan with `ptplan plan --strategies off`")
+        b = frozen_boundary(model, ph.frozen_blocks)
+        if ph.frozen_layers != b:
+            raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) starts its pipeline at layer "
+                              f"{ph.frozen_layers} but in {desc} block {ph.frozen_blocks} starts at layer {b}; {fix}")
+        if ph.partition[-1][1] != len(model.layers):
+            raise PtplanError(f"plan phase {i}'s partition ends at layer {ph.partition[-1][1]} but {desc} has "
+                              f"{len(model.layers)} layers; {fix}")
+        if ph.slices and sum(ph.slices) != model.seq_len:  # token slices (TeraPipe): executor/runtime/sliced.py
+            raise PtplanError(f"plan phase {i} ({ph.frozen_blocks} frozen blocks) cuts sequences of "
+                              f"{sum(ph.slices)} tokens into slices {list(ph.slices)} but {model.name} runs "
+                              f"sequences of {model.seq_len}; profile and plan at --seq-len {model.seq_len}, or plan "
+                              f"with --token-slices off")
+
+
+def check_phase(i: int, ph: Phase, global_batch: int | None, policy: str) -> None:
+    """The phase's schedule and batch split. The schedule is checked by the very function the runtime
+    builds it with (``actions.phase_schedule``: sizes, the stored action lists, message order), so a plan
+    refused here is exactly one the workers could not run."""
+    from ptplan.executor.runtime.actions import phase_schedule
+
+    phase_schedule(ph, i)
+    if global_batch is None:
+        return
+    if policy == "constant-global":
+        split = ph.D * ph.M
+        if global_batch % split or global_batch // split != ph.micro_batch_size:
+            raise PtplanError(
+                f"plan phase {i} ({ph.frozen_blocks} frozen blocks) cannot split the global batch of {global_batch} "
+                f"samples into D*M = {ph.D}*{ph.M} = {split} equal micro-batches of {ph.micro_batch_size}: "
+                f"{ph.D}*{ph.M}*{ph.micro_batch_size} = {ph.global_batch}; use a global batch divisible by {split} "
+                f"and re-plan")
+    elif ph.pipeline_batch != global_batch:
+        raise PtplanError(
+            f"plan phase {i} ({ph.frozen_blocks} frozen blocks) runs {ph.M}*{ph.micro_batch_size} = "
+            f"{ph.pipeline_batch} samples per pipeline but the plan's per-pipeline batch is {global_batch}; "
+            f"use a batch divisible by M={ph.M} and re-plan")
+
+
+def check_trajectory(plan: Plan) -> None:
+    """Every frozen count the plan's freeze steps reach has a phase (the plan reader checks it too)."""
+    have = sorted(p.frozen_blocks for p in plan.phases)
+    for T, f in enumerate(plan.freeze_steps):
+        if f not in have:
+            raise PtplanError(f"the plan's freeze step {T} reaches {f} frozen blocks but the plan has phases only "
+                              f"for {have}; re-run `ptplan plan`")
+
+
+def check_plan(plan: Plan, model: nn.Module, world_size: int) -> None:
+    """Everything that must hold before training starts."""
+    check_world(plan, world_size)
+    check_model(plan, model)
+    check_trajectory(plan)
+    gb, policy = global_batch_of(plan), batch_policy_of(plan)
+    for i, ph in enumerate(plan.phases):
+        check_phase(i, ph, gb, policy)
+    if policy == "constant-global":
+        sizes = {ph.global_batch for ph in plan.phases}
+        if len(sizes) > 1:
+            raise PtplanError(f"constant-global-batch plan whose phases use different global batches {sorted(sizes)}; "
+                              f"re-plan with `ptplan plan`")

@@ -1,0 +1,1 @@
+"""The plan report: plotly figures and the one offline HTML file (``ptplan show``, ``ptplan plan --report``)."""
