@@ -1,11 +1,12 @@
 """``ptplan ablate``: parse flags, predict every ablation row (planner/ablate.py), print the table, write --json."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
-from ptplan.cli.plan_cmd import (DEFAULT_PROFILE, _check_outputs, freeze_from_options, resolve_profile_path,
+from ptplan.cli.plan_cmd import (DEFAULT_PROFILE, freeze_from_options, resolve_profile_path,
                                  shared_options)
 from ptplan.planner.ablate import Ablation, AblationRow
 from ptplan.planner.errors import PtplanError
@@ -85,9 +86,10 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     from ptplan.planner.profile import load_profile
 
     ppath = resolve_profile_path(profile)
-    outs = [Path(p) for p in (json_out, report) if p is not None]
-    if outs:
-        _check_outputs([ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []), outs)
+    from ptplan.cli.outputs import check_outputs
+
+    check_outputs([("profile", os.fspath(ppath))] + ([("cluster file", cluster_name)] if Path(cluster_name).is_file()
+                                                     else []), [("--json", json_out), ("--report", report)])
     prof = load_profile(ppath)
     cluster = resolve_cluster(cluster_name)
     freeze = freeze_from_options(freeze_policy, alpha, manual, freeze_every)

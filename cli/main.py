@@ -1,12 +1,11 @@
 """The ``ptplan`` command group: each subcommand lives in its own module and only parses and hands over."""
 from __future__ import annotations
 
-import os
 import sys
-from typing import Sequence
 
 import click
 
+from ptplan.cli.outputs import check_outputs, same_file as _same_file  # noqa: F401  (every command imports them here)
 from ptplan.planner.errors import PtplanError
 
 
@@ -36,55 +35,6 @@ class PtplanGroup(click.Group):
                        f"dependencies: pip install torch==2.13.0 transformers (or the torch build for your GPU), "
                        f'or pip install -e ".[executor]" from a checkout', err=True)
             sys.exit(2)
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether two paths name one file (after links and relative parts), existing or not."""
-    try:
-        if os.path.exists(a) and os.path.exists(b):
-            return os.path.samefile(a, b)
-    except OSError:
-        pass
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _creatable(folder: str) -> bool:
-    """Whether ``folder`` exists as a writable folder, or can be made under its nearest existing ancestor."""
-    d = os.path.abspath(folder or ".")
-    while not os.path.exists(d):
-        parent = os.path.dirname(d)
-        if parent == d:
-            return False
-        d = parent
-    return os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK)
-
-
-def check_outputs(inputs: Sequence[tuple[str, str | None]], outputs: Sequence[tuple[str, str | None]], *,
-                  make_folders: bool = False) -> None:
-    """Every command's output guard, called before anything is read or written: no output is one of the
-    inputs or another output, none is an existing folder, and each one's folder exists (``make_folders``:
-    can be made). ``inputs``/``outputs``: (what, path) pairs, e.g. ("plan", "plan.json") and
-    ("--out", "report.html"); None paths are skipped. Raises PtplanError with the fix."""
-    seen: list[tuple[str, str]] = []
-    for what, out in outputs:
-        if out is None:
-            continue
-        for name, src in inputs:
-            if src is not None and _same_file(out, src):
-                raise PtplanError(f"{what} {out} is the {name} itself; writing there would destroy the {name}. "
-                                  f"Give {what} another file name")
-        for other, path in seen:
-            if _same_file(out, path):
-                raise PtplanError(f"{other} and {what} are the same file ({out}); give them different names")
-        if os.path.isdir(out):
-            raise PtplanError(f"{what} {out} is a folder; give a file name")
-        folder = os.path.dirname(os.path.abspath(out))
-        if not (_creatable(folder) if make_folders else os.path.isdir(folder)):
-            raise PtplanError(f"{what} {out}: the folder {folder} does not exist"
-                              + (" and cannot be made" if make_folders else "") + "; create it or write elsewhere")
-        if os.path.exists(out) and not os.access(out, os.W_OK):
-            raise PtplanError(f"{what} {out} exists and is not writable")
-        seen.append((what, out))
 
 
 @click.group(cls=PtplanGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -170,19 +170,13 @@ class _PlanCommand(click.Command):
             formatter.write_dl([(m, ", ".join(v)) for m, v in by_model.items()])
 
 
-def _check_outputs(inputs: list[Path], outputs: list[Path]) -> None:
-    """Outputs in existing folders, never an input, never each other."""
-    seen: dict[Path, Path] = {}
-    ins = {p.resolve() for p in inputs}
-    for out in outputs:
-        r = out.resolve()
-        if not r.parent.is_dir():
-            raise PtplanError(f"output folder does not exist: {r.parent}")
-        if r in ins:
-            raise PtplanError(f"output {out} is also an input; write it elsewhere")
-        if r in seen:
-            raise PtplanError(f"outputs {seen[r]} and {out} are the same file; give different names")
-        seen[r] = out
+def _check_outputs(inputs: list[Path], outputs: list[str | Path], names: tuple[str, ...] = ("--out", "--report")) -> None:
+    """The one output check (cli/outputs.py) for plan and ablate: outputs in existing writable folders, never an
+    input, never each other, never empty or a folder."""
+    from ptplan.cli.outputs import check_outputs
+
+    check_outputs([("input", os.fspath(p)) for p in inputs],
+                  [(name, os.fspath(p)) for name, p in zip(names, outputs)])
 
 
 def shared_options(f: Any) -> Any:
@@ -275,7 +269,7 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
 
     ppath = resolve_profile_path(profile)
     inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else [])
-    _check_outputs(inputs, [Path(out)] + ([Path(report)] if report else []))
+    _check_outputs(inputs, [out] + ([report] if report is not None else []))
     prof = load_profile(ppath)
     cluster = resolve_cluster(cluster_name)
     freeze = freeze_from_options(freeze_policy, alpha, manual, freeze_every, adaptive)

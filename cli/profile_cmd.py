@@ -117,9 +117,11 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         dev_model = get_device(project)
         dev_model.matmul_peak(dtype)  # the dtype exists on that device
         dev_kind = dev_model.key
-    path = Path(out) if out else None  # default: from the model's name, once built
-    if path is not None and not path.parent.is_dir():
-        raise PtplanError(f"output folder does not exist: {path.parent}")
+    from ptplan.cli.outputs import check_outputs
+
+    weights_in = [("--weights folder", weights)] if weights else []
+    check_outputs(weights_in, [("--out", out)])
+    path = Path(out) if out is not None else None  # default: from the model's name, once built
 
     import torch  # torch only when profiling: the other commands stay fast
 
@@ -139,7 +141,9 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
-    path = path or default_out(model.name, dev_kind, dtype)
+    if path is None:
+        path = default_out(model.name, dev_kind, dtype)
+        check_outputs(weights_in, [("the default --out", os.fspath(path))])
     if project is not None:
         import datetime
 

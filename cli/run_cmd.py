@@ -155,6 +155,9 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     if dry_run:
         click.echo(shlex.join(command(cfg, rdzv)))
         return
+    from ptplan.cli.outputs import make_parent_folders
+
+    make_parent_folders(cfg.log, wlog)  # checked creatable before launch; the workers open them
     outcome = launch(cfg, rdzv, worker_log=wlog)
     if outcome.swept:
         click.echo(f"note: removed {len(outcome.swept)} file(s) left by ended ptplan jobs: "

@@ -1,6 +1,7 @@
 """Small helpers to validate JSON records field by field and write files atomically."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -154,11 +155,21 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write text to path via a temporary file in the same folder, so no half-written file remains."""
+    """Write text to path via a temporary file in the same folder, so no half-written file remains. Every
+    failure to write (no folder, a folder as the path, a read-only folder, a full disk) is one PtplanError
+    naming the path, and the temporary file is removed."""
     p = Path(path)
+    if os.fspath(path) == "":
+        raise PtplanError("output file name is empty; give a file name")
+    if p.is_dir():
+        raise PtplanError(f"cannot write {p}: it is a folder; give a file name")
     if p.parent and not p.parent.exists():
         raise PtplanError(f"output folder does not exist: {p.parent}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
+    except OSError as e:
+        raise PtplanError(f"cannot write {p}: the folder {p.parent} is not writable ({e.strerror}); "
+                          f"write elsewhere") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -166,11 +177,14 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError):
+            full = " (the disk is full: free space or write elsewhere)" if e.errno == errno.ENOSPC else ""
+            raise PtplanError(f"cannot write {p}: {e.strerror or e}{full}; nothing was written") from None
         raise
 
 
