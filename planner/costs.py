@@ -10,7 +10,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import PtplanError
 from .profile import Profile, interp_rows
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each dtype a profile may be measured in."""
+OPTIMIZER_SLOTS = {"adamw": 2, "sgd": 1}
+"""Parameter-sized state tensors per parameter: AdamW's two moments (exp_avg, exp_avg_sq), SGD's momentum
+buffer. torch allocates each like its parameter (``zeros_like(p)``), so in the parameters' dtype: bf16
+weights get bf16 moments (the executor trains with plain torch optimizers, no fp32 master copy)."""
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (a profile's ``model.dtype``); PtplanError naming the known ones."""
+    if dtype not in DTYPE_BYTES:
+        raise PtplanError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def optimizer_state_bytes(params, dtype: str, optimizer: str = "adamw"):
+    """THE optimizer-state bytes of ``params`` parameters (a number or an array) stored in ``dtype`` under
+    ``optimizer``: params · bytes(dtype) · slots(optimizer) (``OPTIMIZER_SLOTS``). The profiler, the projection,
+    the synthetic profiles and the stage model all call this one function (issue 21)."""
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise PtplanError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_SLOTS)}")
+    return params * (dtype_bytes(dtype) * OPTIMIZER_SLOTS[optimizer])
 
 
 def _cum(a: np.ndarray) -> np.ndarray:
@@ -57,6 +81,9 @@ class CostTable:
                                   else (0.0,) * len(r.backward_s) for r in p.layers], dtype=float)
         self.params = np.array([r.params for r in p.layers], dtype=float)
         self.param_bytes = np.array([r.param_bytes for r in p.layers], dtype=float)
+        self.dtype = p.model.dtype
+        self.dtype_bytes = dtype_bytes(p.model.dtype)
+        """Bytes per element of the profile's dtype (its weights, gradients and activations)."""
         self.grad_bytes = np.array([r.grad_bytes for r in p.layers], dtype=float)
         self.saved_per_sample = np.array([r.saved_bytes_per_sample for r in p.layers], dtype=float)
         self.out_per_sample = np.array([r.output_bytes_per_sample for r in p.layers], dtype=float)

@@ -98,15 +98,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from .cluster import Cluster
-from .costs import CostTable
+from .costs import OPTIMIZER_SLOTS, CostTable, optimizer_state_bytes
 from .errors import PtplanError
 from .plan import MemoryBreakdown
 from .replicate import layout
 from .simulate import StageCost, peak_bytes
 from .strategy import Strategy, gather_bytes, strategy_table
 
-OPTIMIZER_STATE_FACTOR = {"adamw": 2.0, "sgd": 1.0}
-"""Optimizer-state bytes per byte of weights (torch allocates state like the parameter)."""
+OPTIMIZER_STATE_FACTOR = {k: float(v) for k, v in OPTIMIZER_SLOTS.items()}
+"""Optimizer-state bytes per byte of weights (``costs.OPTIMIZER_SLOTS``: torch allocates state like the
+parameter); kept for callers that scale a byte count -- the stage model itself calls
+``costs.optimizer_state_bytes``."""
 OPTIMIZER_TEMP_FACTOR_GPU = {"adamw": 1.0, "sgd": 0.0}
 """Weight-sized temporaries of torch's foreach optimizer step on CUDA (AdamW's sqrt of the second
 moment); on CPU torch steps tensor by tensor and the temporary is one tensor's size (not modelled)."""
@@ -280,8 +282,9 @@ class StageModel:
         every backward instead)."""
         self.start, self.n = sh.frozen, table.n
         self.times = table.at(sh.b)
-        f = OPTIMIZER_STATE_FACTOR[sh.optimizer]
-        self.cum_state = (sh.weight_versions + f) * table.cum_param + table.cum_grad
+        self.cum_opt_state = self.optimizer_bytes(table.cum_param)
+        """Prefix sums of the optimizer state's bytes (one shard's: the table's weights / tp and / D)."""
+        self.cum_state = sh.weight_versions * table.cum_param + self.cum_opt_state + table.cum_grad
         """Additive lower bound of a stage's memory (prefix sums): weights (every version) + gradients + state."""
         self.cum_time_lb = self.times.cum_fb + (self.times.cum_fwd if sh.recompute and not sh.recompute_layers
                                                 else 0.0)
@@ -316,6 +319,13 @@ class StageModel:
             self.prefix_s = float(self.times.cum_nograd[n0])  # + its all-reduces (tp) and all-gathers (FSDP)
             self.read_setup_s = self.fill_setup_s = 0.0
             self.stage0_after = 0.0
+
+    def optimizer_bytes(self, weight_bytes: Any) -> Any:
+        """Optimizer-state bytes of weights of ``weight_bytes`` bytes in the table's dtype:
+        ``costs.optimizer_state_bytes`` of their parameter count (the one function the profiler, the projection
+        and the synthetic profiles call)."""
+        t = self.t
+        return optimizer_state_bytes(weight_bytes / t.dtype_bytes, t.dtype, self.shape.optimizer)
 
     @property
     def strategy(self) -> Strategy:
@@ -475,7 +485,7 @@ class StageModel:
         weights = t.cum_param[hi] - t.cum_param[lo]
         w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
         g = t.cum_grad[hi] - t.cum_grad[lo]
-        o = OPTIMIZER_STATE_FACTOR[sh.optimizer] * weights
+        o = self.optimizer_bytes(weights)
         rc = terms[6] if sh.recompute else np.zeros(sh.S)  # recomputation's working set
         total = peak_bytes(static, per_mb, infl, after)
         raw_after = self._combine_raw(terms[:6], np.arange(sh.S))[3]

@@ -6,6 +6,7 @@ twice the forward. These profiles are labelled ``device.kind = "cpu"``, ``device
 """
 from __future__ import annotations
 
+from .costs import optimizer_state_bytes
 from .profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
 
@@ -14,13 +15,14 @@ def synthetic_profile(*, num_blocks: int = 12, hidden: int = 768, seq_len: int =
                       overhead_s: float = 20e-6, dtype_bytes: int = 4, name: str | None = None) -> Profile:
     """An attention/MLP-half profile of a GPT-style decoder with ``num_blocks`` blocks."""
     h, s = hidden, seq_len
+    dtype = "float32" if dtype_bytes == 4 else "bfloat16"
     act = s * h * dtype_bytes
 
     def rec(i: int, nm: str, kind: str, block: int | None, params: int, fwd_flops: float, saved: int) -> LayerRecord:
         f = tuple(overhead_s + fwd_flops * b / flops_per_s for b in batch_sizes)
         return LayerRecord(index=i, name=nm, kind=kind, block=block, params=params,
                            param_bytes=params * dtype_bytes, grad_bytes=params * dtype_bytes,
-                           optimizer_bytes=params * 8, output_bytes_per_sample=act, saved_bytes_per_sample=saved,
+                           optimizer_bytes=int(optimizer_state_bytes(params, dtype)), output_bytes_per_sample=act, saved_bytes_per_sample=saved,
                            forward_s=f, backward_s=tuple(2 * x for x in f),
                            nograd_forward_s=tuple(0.95 * x for x in f))
 
@@ -37,7 +39,7 @@ def synthetic_profile(*, num_blocks: int = 12, hidden: int = 768, seq_len: int =
     fb = tuple(3 * x for x in fwd)
     return Profile(
         model=ModelInfo(name=name or f"synthetic-gpt-{num_blocks}x{hidden}", family="gpt2", num_blocks=num_blocks,
-                        seq_len=seq_len, dtype="float32" if dtype_bytes == 4 else "bfloat16", granularity="half",
+                        seq_len=seq_len, dtype=dtype, granularity="half",
                         config={"n_layer": num_blocks, "n_embd": hidden, "n_positions": seq_len, "vocab_size": vocab}),
         device=DeviceInfo(kind="cpu", name="synthetic", memory_bytes=0, torch_version="none", date="1970-01-01"),
         batch_sizes=tuple(batch_sizes), layers=tuple(layers),

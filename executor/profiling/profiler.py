@@ -65,14 +65,13 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ptplan.planner.costs import optimizer_state_bytes
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
 from ptplan.executor.families.models import CAUSAL_FAMILIES, LayeredModel, config_summary, family_of
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-ADAMW_STATE_BYTES_PER_PARAM = 8
-"""AdamW keeps two fp32 moments (exp_avg, exp_avg_sq) per parameter."""
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -444,8 +443,10 @@ def powers_of_two(max_batch: int = DEFAULT_MAX_BATCH) -> tuple[int, ...]:
 
 
 def static_bytes(model: LayeredModel) -> int:
-    """Parameters + gradients (model dtype) + AdamW state (two fp32 moments) of the whole model."""
-    return sum(p.numel() * (2 * p.element_size() + ADAMW_STATE_BYTES_PER_PARAM) for p in model.parameters())
+    """Parameters + gradients + AdamW state (``costs.optimizer_state_bytes``: two moments in the parameters' dtype)
+    of the whole model."""
+    return sum(p.numel() * 2 * p.element_size() + optimizer_state_bytes(p.numel(), DTYPE_NAMES[p.dtype])
+               for p in model.parameters())
 
 
 def estimate_peak_bytes(*, static: int, saved_per_sample: int, batch_size: int,
@@ -664,7 +665,7 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
         nbytes = sum(p.numel() * p.element_size() for p in ps)
         records.append(LayerRecord(
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
-            grad_bytes=nbytes, optimizer_bytes=ADAMW_STATE_BYTES_PER_PARAM * count,
+            grad_bytes=nbytes, optimizer_bytes=sum(optimizer_state_bytes(p.numel(), DTYPE_NAMES[p.dtype]) for p in ps),
             output_bytes_per_sample=last.out_bytes[i], saved_bytes_per_sample=last.saved_bytes[i],
             forward_s=tuple(r.forward[i] for r in results), backward_s=tuple(r.backward[i] for r in results),
             nograd_forward_s=tuple(r.nograd[i] for r in results),

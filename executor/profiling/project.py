@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from ptplan.planner.costs import optimizer_state_bytes
 from ptplan.planner.devices import DeviceModel
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
@@ -218,7 +219,8 @@ def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Se
         opt = 0.0 if count == 0 else 2 * e.launch_s + 7 * nbytes / (device.memory_bandwidth * e.memory)
         records.append(LayerRecord(
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
-            grad_bytes=nbytes, optimizer_bytes=2 * nbytes, output_bytes_per_sample=out_bytes[i],
+            grad_bytes=nbytes, optimizer_bytes=int(optimizer_state_bytes(count, dtype)),
+            output_bytes_per_sample=out_bytes[i],
             saved_bytes_per_sample=saved_bytes[i],
             forward_s=tuple(secs(p[i].forward) for p in per_b), backward_s=tuple(secs(p[i].backward) for p in per_b),
             backward_weight_s=tuple(max(0.0, secs(p[i].backward) - secs(p[i].input_grad)) for p in per_b),
