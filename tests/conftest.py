@@ -1,5 +1,6 @@
 """Shared pytest fixtures: skip ``gpu`` tests without CUDA, one torch thread for multi-process tests,
-the bundled pretrained MiniLM folder, and a session check that ptplan leaves nothing behind."""
+the bundled pretrained MiniLM folder, a session check that ptplan leaves nothing behind, and a summary
+section naming the browser tests that were skipped and why."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +15,24 @@ import pytest
 
 SESSION_MARK = "PTPLAN_TEST_SESSION"
 """Set for the whole session; every process a test starts inherits it (launchers, torchrun, workers)."""
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say loudly which browser tests were skipped and why (a missing chromium must not vanish into 's')."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if "browser" in getattr(r, "keywords", {})]
+    if not skipped:
+        return
+    terminalreporter.section("browser tests skipped", sep="=", yellow=True, bold=True)
+    reasons = {}
+    for r in skipped:
+        reason = r.longrepr[2] if isinstance(r.longrepr, tuple) and len(r.longrepr) == 3 else str(r.longrepr)
+        reasons.setdefault(reason.removeprefix("Skipped: "), []).append(r.nodeid)
+    for reason, ids in reasons.items():
+        terminalreporter.write_line(f"{len(ids)} browser test(s) did not run: {reason}", yellow=True)
+        for nodeid in ids:
+            terminalreporter.write_line(f"  {nodeid}")
+    terminalreporter.write_line("the report's rendering is untested in this run; .ci/run installs chromium "
+                                "and fails when it cannot", yellow=True)
 
 
 def pytest_collection_modifyitems(config, items):
