@@ -206,6 +206,8 @@ class PhaseShape:
     """Tensor-parallel width of every stage (``strategy.py``): K · D · tp GPUs."""
     fsdp: bool = False
     """Sharded data parallel (ZeRO-3) over the D replicas (``strategy.py``)."""
+    sp: bool = False
+    """Sequence parallelism with tp > 1 (``strategy.Strategy.sp``): every split layer's saved activations / tp."""
     tp_ar: tuple[float, float] = (0.0, 0.0)
     """(latency s, s/byte) of the tp group's all-reduce (``strategy.tp_allreduce_coeffs``)."""
     device_is_host: bool = False
@@ -229,7 +231,7 @@ class PhaseShape:
         if not isinstance(self.recompute, bool):
             raise PtplanError(f"PhaseShape: recompute must be true or false, got {self.recompute!r}")
         Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute,
-                 recompute_layers=self.recompute_layers)  # validates tp, fsdp and the recomputed layers
+                 recompute_layers=self.recompute_layers, sp=self.sp)  # validates tp, fsdp and the recomputed layers
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,7 @@ class StageModel:
             raise PtplanError("a phase with nothing frozen has no prefix to cache")
         if not 0 <= fill_from <= sh.frozen:
             raise PtplanError(f"fill_from={fill_from} must lie in 0..{sh.frozen}")
-        st = Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute)
+        st = Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, sp=sh.sp)
         self.extra_static = gather_bytes(table, st)
         """FSDP's gathered-layer transient, held on every stage (0 without FSDP)."""
         self.raw = table
@@ -331,7 +333,8 @@ class StageModel:
     def strategy(self) -> Strategy:
         """The strategy every stage of this model uses."""
         sh = self.shape
-        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, recompute_layers=sh.recompute_layers)
+        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, recompute_layers=sh.recompute_layers,
+                        sp=sh.sp)
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
         """Each stage's strategy in a split: this model's one (``StageChoice`` chooses per stage); a stage that

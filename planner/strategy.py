@@ -17,8 +17,23 @@ Per layer, with tp > 1 (only layers whose ``kind`` is ``attention``, ``mlp`` or 
     backward = backward / tp + a · (lat_tp + b · out · per_byte_tp)        (attention or MLP), 2 per block
     no-grad  = no-grad forward / tp + a · (…)                           (the frozen prefix: below)
     W, G     = W / tp, G / tp
-    saved    = unchanged (conservative: LayerNorm inputs, residuals and dropout masks are not split
-               without sequence parallelism; the profile does not separate them)
+    saved    = saved · (u + (1 − u) / tp)     (``tp_saved_share``: the part Megatron's split divides)
+
+The activations saved for backward divide where Megatron's split divides them (Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", per layer of hidden h, a heads, s tokens,
+b samples, 16-bit: s·b·h·(34 + 5·a·s/h) bytes without tp, s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) with tp, and
+s·b·h·(34 + 5·a·s/h)/tp with sequence parallelism). Per half (each owns one LayerNorm, 2·s·b·h):
+
+    attention: 13·sbh + 5·a·s²·b, of which 5·sbh are not split (its LayerNorm input, the QKV input, the
+               output dropout's mask) and 8·sbh + 5·a·s²·b are (Q, K, V, scores, softmax and its mask, ...)
+    mlp:       21·sbh, of which 5·sbh are not split (LayerNorm input, the first linear's input, the dropout
+               mask) and 16·sbh are (the 4h-wide GeLU input and output)
+    block:     both: 10·sbh not split, 24·sbh + 5·a·s²·b split
+
+so the measured saved bytes of a layer are scaled by u + (1 − u)/tp with u = unsplit / total of its kind
+(the profile measures the total; the ratio is Megatron's). With sequence parallelism (``Strategy.sp``) u = 0:
+everything divides by tp, at the same communication volume (an all-gather and a reduce-scatter instead of
+each all-reduce). Replicated layers (embedding, norm, head) keep their activations whole.
 
 with lat_tp, per_byte_tp the ring all-reduce over tp ranks of one node (``cluster.allreduce_seconds``).
 Embedding, norm and head layers are replicated over the tp ranks (each computes them whole).
@@ -65,6 +80,38 @@ from .errors import PtplanError
 
 TP_KINDS = {"attention": 1, "mlp": 1, "block": 2}
 """Megatron all-reduces per forward (and as many per backward) of a layer of this kind."""
+MEGATRON_SAVED = {"attention": (5.0, 8.0, 1.0), "mlp": (5.0, 16.0, 0.0), "block": (10.0, 24.0, 1.0)}
+"""Per kind, Megatron's saved activations in units of s·b·h (16-bit): (not split by tp, split by tp, how many
+5·a·s/h attention-score terms -- split -- it holds)."""
+_HIDDEN_KEYS = ("n_embd", "hidden_size", "dim", "d_model")
+_HEAD_KEYS = ("n_head", "num_attention_heads", "n_heads")
+
+
+def _config_int(config: dict, keys: Sequence[str]) -> int | None:
+    for k in keys:
+        v = config.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def tp_saved_share(table: CostTable, tp: int, sp: bool = False) -> np.ndarray:
+    """Per layer, the factor on its saved-for-backward bytes on one of tp ranks (module docstring): 1 for
+    replicated layers; u + (1 − u)/tp for split ones, u = Megatron's unsplit share of the layer's kind, with the
+    attention-score term 5·a·s/h from the profile's config (left out where the config lacks the width or the
+    heads); 1/tp for split layers under sequence parallelism."""
+    p = table.profile
+    h, a = _config_int(p.model.config, _HIDDEN_KEYS), _config_int(p.model.config, _HEAD_KEYS)
+    x = 5.0 * a * p.model.seq_len / h if h and a else 0.0
+    out = np.ones(table.n)
+    if tp == 1:
+        return out
+    for i, r in enumerate(p.layers):
+        if r.kind in MEGATRON_SAVED:
+            unsplit, split, scores = MEGATRON_SAVED[r.kind]
+            u = 0.0 if sp else unsplit / (unsplit + split + scores * x)
+            out[i] = u + (1.0 - u) / tp
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +127,14 @@ class Strategy:
     recompute_layers: int = 0
     """With recomputation, Galvatron's layer-wise choice: only the stage's first r active layers are
     recomputed (one checkpoint unit), the others keep their activations; 0 = every layer of the stage."""
+    sp: bool = False
+    """Sequence parallelism (Megatron's, with tp > 1): LayerNorm and dropout work and activations split over the
+    tp ranks too, so every saved activation of a split layer divides by tp, at the same communication volume.
+    Priced by the stage model; the runtime (executor/runtime/hybrid.py) does not run it yet."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
+            raise PtplanError(f"strategy sp={self.sp!r}: sequence parallelism is true or false and needs tp > 1")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1 or self.tp & (self.tp - 1):
             raise PtplanError(f"strategy tp={self.tp!r}: the tensor-parallel width must be a power of two >= 1")
         for name in ("fsdp", "recompute"):
@@ -95,24 +148,27 @@ class Strategy:
     @property
     def label(self) -> str:
         """Short text, e.g. ``tp2·fsdp·rc``; ``dp`` for the default; ``rc2``: the first 2 layers recomputed."""
-        parts = ([f"tp{self.tp}"] if self.tp > 1 else []) + (["fsdp"] if self.fsdp else []) + \
+        parts = ([f"tp{self.tp}"] if self.tp > 1 else []) + (["sp"] if self.sp else []) + \
+            (["fsdp"] if self.fsdp else []) + \
             ([f"rc{self.recompute_layers or ''}"] if self.recompute else [])
         return "·".join(parts) or "dp"
 
     @classmethod
     def parse(cls, text: str) -> "Strategy":
         """Inverse of ``label``."""
-        tp, fsdp, rc, r = 1, False, False, 0
+        tp, fsdp, rc, r, sp = 1, False, False, 0, False
         for part in text.split("·"):
             if m := re.fullmatch(r"tp(\d+)", part):
                 tp = int(m.group(1))
+            elif part == "sp":
+                sp = True
             elif part == "fsdp":
                 fsdp = True
             elif m := re.fullmatch(r"rc(\d*)", part):
                 rc, r = True, int(m.group(1) or 0)
             elif part != "dp":
                 raise PtplanError(f"strategy {text!r}: unknown part {part!r}; write e.g. tp2·fsdp·rc or dp")
-        return cls(tp=tp, fsdp=fsdp, recompute=rc, recompute_layers=r)
+        return cls(tp=tp, fsdp=fsdp, recompute=rc, recompute_layers=r, sp=sp)
 
     @property
     def is_default(self) -> bool:
@@ -182,6 +238,9 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     fwd, bwd, nog = table._fwd / div[:, None] + comm, table._bwd / div[:, None] + comm, table._nog / div[:, None] + comm
     bww = table._bww / div[:, None]
     W, G = table.param_bytes / div, table.grad_bytes / div
+    if st.tp > 1:
+        t.saved_per_sample = table.saved_per_sample * tp_saved_share(table, st.tp, st.sp)
+        t.cum_saved = _cum(t.saved_per_sample)
     sync = G
     if st.fsdp and D > 1:
         ag = (dp_ar[0] + W * dp_ar[1]) / 2.0

@@ -11,7 +11,7 @@ from ptplan.planner.costs import CostTable
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.schedule import peak_inflight
 from ptplan.planner.stage import OPTIMIZER_STATE_FACTOR, PhaseShape, StageModel, links_for
-from ptplan.planner.strategy import Strategy, gather_bytes, splittable, tp_allreduce_coeffs
+from ptplan.planner.strategy import Strategy, gather_bytes, splittable, tp_allreduce_coeffs, tp_saved_share
 from ptplan.planner.synthetic import synthetic_profile
 
 
@@ -58,7 +58,12 @@ def test_tensor_parallel_terms_by_hand():
         w = float((t.param_bytes[lo:hi] / div[lo:hi]).sum())
         assert mb.weights == int(w)
         assert mb.optimizer == int(OPTIMIZER_STATE_FACTOR["adamw"] * w)
-        assert mb.activations == mb0.activations  # conservative: activations are not split
+        # activations divide where Megatron's split divides them (was: unchanged, "conservative"): each
+        # micro-batch in flight holds b · (Σ saved · share + the stage's output), share = u + (1 - u)/2 on the
+        # attention / MLP halves (tests/test_cost_terms.py checks share against Megatron's formula)
+        share = tp_saved_share(t, 2)
+        per_mb = 2 * (float((t.saved_per_sample[lo:hi] * share[lo:hi]).sum()) + t.out_per_sample[hi - 1])
+        assert mb.activations == int(mb.inflight * per_mb) and mb.activations < mb0.activations
         assert mb.total < mb0.total
 
 
