@@ -85,6 +85,9 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     from ptplan.planner.jsonio import write_json
     from ptplan.planner.profile import load_profile
 
+    from ptplan.cli.flags import PLAN_RULES, check_freeze_every, refuse_inapplicable
+
+    refuse_inapplicable(click.get_current_context(), PLAN_RULES)
     ppath = resolve_profile_path(profile)
     from ptplan.cli.outputs import check_outputs
 
@@ -96,6 +99,15 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     training = TrainingConfig(epochs=epochs, samples_per_epoch=samples_per_epoch, batch=batch,
                               batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, start_K=start_k,
                               memory_fraction=memory_fraction, allow_extrapolation=allow_extrapolation)
+    from ptplan.planner.config import check_batch_reach
+
+    check_batch_reach(training, cluster.world_size, max(prof.batch_sizes))
+    check_freeze_every("--freeze-every", freeze_every, epochs * (samples_per_epoch // batch),
+                       f"{epochs} epochs of at most {samples_per_epoch:,} // {batch:,} steps")
+    from ptplan.planner.config import epoch_order_problem
+
+    if (why := epoch_order_problem(samples_per_epoch, cluster.gpus_per_node, cluster.host_memory_bytes)) is not None:
+        raise PtplanError(why)
     result = run_ablation(prof, cluster, training, freeze)
     table = format_ablation(result)
     page = None

@@ -267,6 +267,9 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     from ptplan.planner.planner import TrainingConfig, make_plan
     from ptplan.planner.profile import load_profile
 
+    from ptplan.cli.flags import PLAN_RULES, check_freeze_every, refuse_inapplicable, twobw_warning
+
+    refuse_inapplicable(click.get_current_context(), PLAN_RULES)
     ppath = resolve_profile_path(profile)
     inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else [])
     _check_outputs(inputs, [out] + ([report] if report is not None else []))
@@ -277,6 +280,17 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
                               batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, pin_K=pin_k,
                               start_K=start_k, pin_M=pin_m, cache=cache, memory_fraction=memory_fraction,
                               allow_extrapolation=allow_extrapolation)
+    from ptplan.planner.config import check_batch_reach
+
+    check_batch_reach(training, cluster.world_size, max(prof.batch_sizes))
+    check_freeze_every("--freeze-every", freeze_every, epochs * (samples_per_epoch // batch),
+                       f"{epochs} epochs of at most {samples_per_epoch:,} // {batch:,} steps")
+    if (note := twobw_warning(schedule, freeze_policy, freeze_every)) is not None:
+        click.echo(f"warning: {note}", err=True)
+    from ptplan.planner.config import epoch_order_problem
+
+    if (why := epoch_order_problem(samples_per_epoch, cluster.gpus_per_node, cluster.host_memory_bytes)) is not None:
+        raise PtplanError(why)
     t0 = time.perf_counter()
     bar = _Progress(enabled=not quiet and sys.stderr.isatty())
     try:

@@ -141,6 +141,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
+    if sizes is not None and project is None:
+        check_sizes_fit(model, resolve_device(device), sizes)
     if path is None:
         path = default_out(model.name, dev_kind, dtype)
         check_outputs(weights_in, [("the default --out", os.fspath(path))])
@@ -172,6 +174,36 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     if prof.measurement.get("skipped_reason"):
         click.echo(f"note: {prof.measurement['skipped_reason']}")
     click.echo(f"wrote {path}")
+
+
+def check_sizes_fit(model, dev, sizes: list[int]) -> None:
+    """Refuse --batch-sizes whose largest would not fit the device's memory (CPU: the available RAM), before
+    allocating it: the profiler's own estimate (parameters, gradients, optimizer state, and the bytes saved for
+    backward per sample measured in one forward of a single sample, times b, with its margin)."""
+    import torch
+
+    from ptplan.executor.profiling.profiler import (MEMORY_MARGIN, _memory_pass, estimate_peak_bytes, memory_limit,
+                                                    static_bytes)
+
+    limit, limit_name = memory_limit(dev, model)
+    if limit is None:
+        return
+    model.to(dev)
+    x, labels, mask = model.make_batch(1, torch.Generator().manual_seed(0))
+    to = (lambda t: None if t is None else t.to(dev))
+    saved = sum(_memory_pass(model, to(x), to(labels), to(mask), 1)[1])
+    for p in model.parameters():
+        p.grad = None
+    static = static_bytes(model)
+    b = max(sizes)
+    need = estimate_peak_bytes(static=static, saved_per_sample=saved, batch_size=b)
+    if need > limit:
+        fit = max(1, int((limit / MEMORY_MARGIN - static) // max(saved, 1)))
+        raise PtplanError(f"--batch-sizes: micro-batch {b:,} would need about {need / 2**30:,.1f} GiB (parameters, "
+                          f"gradients and optimizer state {static / 2**30:,.2f} GiB + {saved / 2**20:,.2f} MiB saved "
+                          f"for backward per sample x {b:,}, x {MEMORY_MARGIN:g}) but {limit_name} is "
+                          f"{limit / 2**30:,.1f} GiB; give sizes up to about {fit:,}, or leave --batch-sizes out "
+                          f"(the default stops at the memory limit)")
 
 
 def command_line(ctx: click.Context) -> str:

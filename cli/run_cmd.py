@@ -125,6 +125,9 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     from ptplan.executor.training.job import with_plan_num_labels
     from ptplan.executor.launch.launcher import Rendezvous, command, launch, worker_log_path
 
+    from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
+
+    refuse_inapplicable(click.get_current_context(), RUN_RULES)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)
@@ -240,12 +243,44 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
         del ds
     else:
         n = samples_needed(plan, cfg)
+        _check_synthetic_epoch(cfg, plan, n, rdzv.nproc_per_node)
+    _check_run_length(cfg, plan, n)
     if cfg.eval_data is not None:
         ev = load_dataset(cfg.eval_data)
         check_data(ev, model, what=f"--eval-data {cfg.eval_data}")
         del ev
     if cfg.resume and rdzv.nodes == 1:
         _check_resumable(cfg, plan, model.name, world, n)
+
+
+def _check_run_length(cfg, plan, samples: int) -> None:
+    """--freeze-every within the steps the run has (a freeze step that never comes freezes nothing)."""
+    from ptplan.cli.flags import check_freeze_every
+
+    biggest = max(ph.global_batch for ph in plan.phases)
+    epochs = cfg.epochs or plan.inputs.training.epochs
+    per_epoch = cfg.steps_per_epoch or samples // biggest
+    check_freeze_every("--freeze-every", cfg.freeze_every, epochs * per_epoch,
+                       f"{epochs} epochs of {per_epoch} steps", "leave it out (the plan's cadence)")
+
+
+def _check_synthetic_epoch(cfg, plan, samples: int, nproc_per_node: int) -> None:
+    """With --data synthetic: --steps-per-epoch within the plan's epoch (the plan's samples per epoch is the data
+    size a synthetic run stands for), and each process's shuffled order of the epoch within this machine's
+    available memory."""
+    from ptplan.executor.profiling.profiler import _available_host_bytes
+    from ptplan.planner.config import epoch_order_problem
+
+    biggest = max(ph.global_batch for ph in plan.phases)
+    have = plan.inputs.training.samples_per_epoch
+    if cfg.steps_per_epoch and samples > have:
+        raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs {cfg.steps_per_epoch}*{biggest} = "
+                          f"{samples:,} samples per epoch but the plan's epoch has {have:,} ({have // biggest} steps of "
+                          f"{biggest}); give --steps-per-epoch {max(have // biggest, 1)} or less, or re-plan with "
+                          f"--samples-per-epoch {samples}")
+    why = epoch_order_problem(samples, nproc_per_node, _available_host_bytes())
+    if why is not None:
+        raise PtplanError(f"--data synthetic: {why} (available now on this machine)")
 
 
 def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> None:

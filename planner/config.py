@@ -123,6 +123,46 @@ class TrainingConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def check_batch_reach(training: TrainingConfig, world_size: int, largest_micro_batch: int) -> None:
+    """Refuse, in closed form and before any search, a batch no schedule can split: with micro-batches of at
+    most ``largest_micro_batch`` samples (the profile's largest measured size, unless extrapolation is allowed)
+    a pipeline of K positions needs M >= its batch / b micro-batches, and schedules are built for at most
+    ``schedule.MICRO_BATCHES_PER_STAGE`` · K · V of them. Whatever K divides the ``world_size`` devices, that
+    holds only if batch <= MICRO_BATCHES_PER_STAGE · world_size · V · b (both batch policies)."""
+    from .schedule import MICRO_BATCHES_PER_STAGE
+
+    if training.allow_extrapolation:
+        return
+    V = max(INTERLEAVED_V) if training.schedule in ("auto", "interleaved-1f1b", "looped-bfs") else \
+        2 if training.schedule == "zb-v" else 1
+    reach = MICRO_BATCHES_PER_STAGE * world_size * V * largest_micro_batch
+    if training.batch > reach:
+        per = "global" if training.batch_policy == "constant-global" else "per-pipeline"
+        raise PtplanError(
+            f"a {per} batch of {training.batch:,} samples needs more than {MICRO_BATCHES_PER_STAGE}*K*V micro-batches "
+            f"per pipeline on any of the {world_size} devices' pipelines: with micro-batches of at most "
+            f"{largest_micro_batch} samples (the profile's largest measured size) the most a step can take is "
+            f"{MICRO_BATCHES_PER_STAGE}*{world_size}*{V}*{largest_micro_batch} = {reach:,}; use --batch {reach} or "
+            f"less, profile larger micro-batch sizes, or --allow-extrapolation")
+
+
+SAMPLE_ORDER_BYTES = 8
+"""Bytes per sample of the order each training process draws an epoch from (an int64 permutation)."""
+
+
+def epoch_order_problem(samples_per_epoch: int, processes_per_node: int, host_memory_bytes: int | None) -> str | None:
+    """Why an epoch of ``samples_per_epoch`` cannot be run on a node whose ``processes_per_node`` processes each
+    keep its shuffled sample order (``SAMPLE_ORDER_BYTES`` per sample) in ``host_memory_bytes`` (None: unknown,
+    no bound); None when it fits."""
+    need = SAMPLE_ORDER_BYTES * samples_per_epoch * processes_per_node
+    if host_memory_bytes is None or need <= host_memory_bytes:
+        return None
+    return (f"{samples_per_epoch:,} samples per epoch: each of a node's {processes_per_node} processes keeps the "
+            f"epoch's shuffled sample order ({SAMPLE_ORDER_BYTES} bytes per sample), {need / 2**30:,.1f} GiB per node, "
+            f"but a node has {host_memory_bytes / 2**30:,.1f} GiB of host memory; give the real data-set size "
+            f"(--samples-per-epoch) or --steps-per-epoch")
+
+
 def training_from_json(f: Fields) -> TrainingConfig:
     """A TrainingConfig from a plan's ``inputs.training`` object (unknown keys rejected by name)."""
     known = [x.name for x in fields(TrainingConfig)]

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .cluster import Cluster, cluster_from_json
-from .config import SCHEDULES, TrainingConfig, training_from_json
+from .config import SCHEDULES, TrainingConfig, epoch_order_problem, training_from_json
 from .errors import PtplanError, SchemaError
 from .freeze import FreezePolicy, freeze_from_json
 from .jsonio import Fields, read_json, write_json
@@ -584,6 +584,10 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
         raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
                           "Re-create the plan with `ptplan plan` (plans from older versions do not load)")
     inputs = _inputs(top.obj_("inputs"))
+    why = epoch_order_problem(inputs.training.samples_per_epoch, inputs.cluster.gpus_per_node,
+                              inputs.cluster.host_memory_bytes)
+    if why is not None:
+        raise SchemaError(source, "inputs.training.samples_per_epoch", why)
     num_layers, num_blocks = inputs.profile.num_layers, inputs.profile.num_blocks
     seq_len, family = inputs.profile.seq_len, inputs.profile.family
     phases = [_phase(p, num_layers, seq_len, family) for p in top.objs("phases")]

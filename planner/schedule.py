@@ -230,6 +230,25 @@ def _sizes(name: str, K: int, M: int, V: int = 1) -> tuple[int, int, int]:
     return out[0], out[1], out[2]
 
 
+MICRO_BATCHES_PER_STAGE = 1024
+"""M is at most this many times the stage count K·V. There a flush schedule's bubble (K·V−1)/(M+K·V−1) is
+already below 1/1025 (0.1 %), so a larger M buys nothing but per-micro-batch overhead, while every action list
+(and the simulation, the plan file and the executor's step) grows with M: a bound from K, V and M, checked before
+anything is built, so a huge batch is refused in closed form instead of materialising millions of actions."""
+
+
+def max_micro_batches(K: int, V: int = 1) -> int:
+    """The largest M a schedule of K positions with V chunks each is built for (``MICRO_BATCHES_PER_STAGE``)."""
+    return MICRO_BATCHES_PER_STAGE * K * V
+
+
+def _bounded_m(name: str, K: int, M: int, V: int) -> None:
+    if M > max_micro_batches(K, V):
+        raise ScheduleError(f"{name}: M={M:,} micro-batches on K*V={K * V} stages is above "
+                            f"{MICRO_BATCHES_PER_STAGE}*K*V = {max_micro_batches(K, V):,}, where the bubble is already "
+                            f"below 0.1 %; use larger micro-batches (fewer of them) or a smaller batch")
+
+
 def _one_chunk(name: str, V: int) -> None:
     if V != 1:
         raise ScheduleError(f"{name} holds one stage per rank: V must be 1, got V={V}; use 'interleaved-1f1b' "
@@ -620,6 +639,7 @@ def check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
 def _check_sizes(name: str, K: int, M: int, V: int = 1) -> None:
     key = _key(name)
     K, M, V = _sizes(key, K, M, V)
+    _bounded_m(key, K, M, V)
     if key in ("gpipe", "1f1b", "zb-h1", "2bw"):
         _one_chunk(key, V)
     if key in ("1f1b", "zb-h1", "2bw"):
@@ -692,7 +712,9 @@ def build_schedule(name: str, K: int, M: int, V: int = 1) -> Schedule:
     compiled form of it is reused across calls.
     """
     key = _key(name)
-    return _build_cached(key, *_sizes(key, K, M, V))
+    K, M, V = _sizes(key, K, M, V)
+    _bounded_m(key, K, M, V)
+    return _build_cached(key, K, M, V)
 
 
 @lru_cache(maxsize=256)

@@ -87,26 +87,45 @@ class SyntheticDataset:
         return torch.cat(xs), torch.cat(ys), m
 
 
+def _read_tensors(p: str) -> dict:
+    """The dict a .pt or .npz data file holds, read without running code from it (``weights_only``; npz without
+    pickles); a file that is not one (random bytes, a truncated copy, another format) is one PtplanError."""
+    how = "a .pt file (a dict of tensors, as `ptplan data` writes) or an .npz file"
+    if p.endswith(".npz"):
+        import numpy as np
+
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                return {k: torch.from_numpy(z[k]) for k in z.files}
+        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+            raise PtplanError(f"data file {p} is not a readable .npz file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200] if str(e) else ''}); give {how}") from None
+    if not p.endswith(".pt"):
+        raise PtplanError(f"data file {p}: unknown format; use .pt (dict of tensors) or .npz")
+    try:
+        d = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... for bad bytes
+        raise PtplanError(f"data file {p} is not a readable .pt file ({type(e).__name__}; it is read with "
+                          f"weights_only, so only tensors and plain containers load); give {how}") from None
+    if not isinstance(d, dict):
+        raise PtplanError(f"data file {p} holds a {type(d).__name__}; expected a dict of tensors")
+    return d
+
+
 def load_dataset(path: str | os.PathLike) -> TensorDataset:
     """A .pt (dict of tensors) or .npz file with ``inputs``, ``labels`` and optional ``attention_mask``."""
     p = os.fspath(path)
     if not os.path.exists(p):
         raise PtplanError(f"data file {p} does not exist; pass --data synthetic or a .pt/.npz file")
-    if p.endswith(".npz"):
-        import numpy as np
-
-        with np.load(p) as z:
-            d = {k: torch.from_numpy(z[k]) for k in z.files}
-    elif p.endswith(".pt"):
-        d = torch.load(p, map_location="cpu", weights_only=True)
-        if not isinstance(d, dict):
-            raise PtplanError(f"data file {p} holds a {type(d).__name__}; expected a dict of tensors")
-    else:
-        raise PtplanError(f"data file {p}: unknown format; use .pt (dict of tensors) or .npz")
+    d = _read_tensors(p)
     missing = [k for k in ("inputs", "labels") if k not in d]
     if missing:
-        raise PtplanError(f"data file {p} lacks {missing}; it has {sorted(d)} (needs inputs, labels, "
+        raise PtplanError(f"data file {p} lacks {missing}; it has {sorted(map(str, d))} (needs inputs, labels, "
                           f"optional attention_mask)")
+    for k in ("inputs", "labels", "attention_mask"):
+        if k in d and not isinstance(d[k], torch.Tensor):
+            raise PtplanError(f"data file {p}: {k!r} is a {type(d[k]).__name__}, expected a tensor; write the file "
+                              f"with `ptplan data`")
     return TensorDataset(d["inputs"], d["labels"], d.get("attention_mask"))
 
 
