@@ -58,6 +58,8 @@ def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, o
     got = prepare_data(src, tokenizer=tokenizer, seq_len=seq_len, out=out, text_column=text_column,
                        label_column=label_column, label_map=label_map, task=task, split=split, eval_out=eval_out,
                        seed=seed)
+    for note in got.warnings:
+        click.echo(f"warning: {note}", err=True)
     where = out if eval_out is None else f"{out} and {got.eval_samples} held out to {eval_out}"
     click.echo(f"ptplan data: {got.samples} samples of {got.seq_len} tokens ({got.task}) to {where}")
     if got.truncated:

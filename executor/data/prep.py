@@ -44,10 +44,16 @@ class Prepared:
     """Classification: the label text of class c at index c (empty for causal LM)."""
     truncated: int = 0
     """Texts longer than ``seq_len`` tokens, cut."""
+    warnings: list[str] = field(default_factory=list)
+    """What looks wrong but does not stop the file being written (e.g. a class with a single example)."""
 
 
 def read_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of a .csv (header line first) or .jsonl (one JSON object per line) file, and its columns."""
+    """The rows of a .csv (header line first) or .jsonl (one JSON object per line) file, and its columns.
+
+    Rows end at real line breaks only (``\\n``, ``\\r\\n``, ``\\r``): not at U+0085, U+2028, form feeds or the other
+    characters ``str.splitlines`` also breaks at, which occur inside real texts. A CSV is read by the csv module
+    from the file opened with ``newline=''``, so a quoted field keeps its line breaks."""
     p = Path(path)
     if not p.is_file():
         raise PtplanError(f"{p}: no such file; give a .csv or .jsonl file of texts")
@@ -56,34 +62,72 @@ def read_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[str]]
         raise PtplanError(f"{p}: unknown format {suffix or '(no suffix)'}; give a .csv file (header line first) or "
                           f"a .jsonl file (one JSON object per line)")
     try:
-        text = p.read_text(encoding="utf-8-sig")
+        rows, columns = _read_csv(p) if suffix == ".csv" else _read_jsonl(p)
     except UnicodeDecodeError as e:
-        raise PtplanError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
-    rows: list[dict[str, Any]] = []
-    columns: list[str] = []
-    if suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
-        columns = list(reader.fieldnames or [])
-        for i, row in enumerate(reader, start=2):
-            if None in row:
-                raise PtplanError(f"{p} line {i}: {len(columns) + len(row[None])} fields but the header has "
-                                  f"{len(columns)}; quote fields that hold commas")
-            rows.append(row)
-    else:
-        for i, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PtplanError(f"{p} line {i}: not JSON ({e.msg}); one JSON object per line") from None
-            if not isinstance(obj, dict):
-                raise PtplanError(f"{p} line {i}: a JSON {type(obj).__name__}, expected an object such as "
-                                  f'{{"text": "...", "label": "..."}}')
-            rows.append(obj)
-            columns += [k for k in obj if k not in columns]
+        raise PtplanError(f"{p}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
     if not rows:
         raise PtplanError(f"{p} holds no rows; nothing to tokenize")
+    return rows, columns
+
+
+def _read_csv(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """A CSV's rows as dicts by its header. A field may be as long as the file (the csv module's default limit,
+    131,072 characters, is lifted to the file's size for this read); an unterminated quote is named by the line
+    where its field starts."""
+    old = csv.field_size_limit()
+    csv.field_size_limit(max(old, p.stat().st_size + 1))
+    rows: list[dict[str, Any]] = []
+    columns: list[str] = []
+    try:
+        with open(p, encoding="utf-8-sig", newline="") as fh:
+            reader = csv.reader(fh, strict=True)
+            start = 1
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as e:
+                    if "end of data" in str(e) or "unexpected end" in str(e):
+                        raise PtplanError(f"{p} line {start}: a quoted field opens here and never closes (an "
+                                          f"unterminated quote runs to the end of the file); close the quote, or "
+                                          f"double a quote inside a field (\"\")") from None
+                    raise PtplanError(f"{p} line {start}: not valid CSV ({e}); quote the whole field and double "
+                                      f"the quotes inside it") from None
+                here, start = start, reader.line_num + 1
+                if not row:
+                    continue
+                if not columns:
+                    columns = row
+                    continue
+                if len(row) > len(columns):
+                    raise PtplanError(f"{p} line {here}: {len(row)} fields but the header has {len(columns)}; quote "
+                                      f"fields that hold commas")
+                rows.append(dict(zip(columns, row + [None] * (len(columns) - len(row)))))
+    finally:
+        csv.field_size_limit(old)
+    return rows, columns
+
+
+def _read_jsonl(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """One JSON object per line; lines end at ``\\n`` only (JSON strings may hold U+2028 and U+0085 raw)."""
+    rows: list[dict[str, Any]] = []
+    columns: list[str] = []
+    with open(p, encoding="utf-8-sig", newline="") as fh:
+        text = fh.read()
+    for i, line in enumerate(text.split("\n"), start=1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PtplanError(f"{p} line {i}: not JSON ({e.msg}); one JSON object per line") from None
+        if not isinstance(obj, dict):
+            raise PtplanError(f"{p} line {i}: a JSON {type(obj).__name__}, expected an object such as "
+                              f'{{"text": "...", "label": "..."}}')
+        rows.append(obj)
+        columns += [k for k in obj if k not in columns]
     return rows, columns
 
 
@@ -121,7 +165,8 @@ def read_label_map(spec: str) -> list[str]:
         try:
             d = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-            raise PtplanError(f"--label-map {spec}: cannot read it ({e})") from None
+            raise PtplanError(f"--label-map {spec}: not a readable .pt file ({type(e).__name__}; read with "
+                              f"weights_only); give a .pt file written by ptplan data or a JSON file") from None
         names = (d.get("meta") or {}).get("label_names") if isinstance(d, dict) else None
         if not names:
             raise PtplanError(f"--label-map {spec} records no label map (not written by ptplan data for "
@@ -193,6 +238,59 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike):
                           f"vocab.txt / vocab.json and merges.txt") from None
 
 
+def _tiny_classes(labels: list[int], names: list[str], src: str, column: str) -> list[str]:
+    """A warning per class with a single example: usually a corrupted row or a typo in the label column, and a
+    class a model cannot learn (nor a split hold out)."""
+    counts = [0] * len(names)
+    for c in labels:
+        counts[c] += 1
+    return [f"{src}: class {names[c]!r} has a single example (row {labels.index(c) + 1}); check that row's {column!r} "
+            f"column (a typo or a broken row?) before training with {len(names)} classes"
+            for c, k in enumerate(counts) if k == 1]
+
+
+MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+"""config.json keys that give a model's longest sequence."""
+
+
+def model_max_tokens(tok: Any, tokenizer_dir: str | os.PathLike) -> tuple[int | None, str]:
+    """(the longest sequence the tokenizer and model of ``tokenizer_dir`` take, where that comes from); None when
+    neither says (tokenizers report ~1e30 for 'unknown')."""
+    limits: list[tuple[int, str]] = []
+    m = getattr(tok, "model_max_length", None)
+    if isinstance(m, int) and 0 < m < 10**9:
+        limits.append((m, "the tokenizer's model_max_length"))
+    try:
+        cfg = json.loads((Path(tokenizer_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    for key in MAX_POSITION_KEYS:
+        v = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            limits.append((v, f"config.json's {key}"))
+            break
+    if not limits:
+        return None, ""
+    most, where = min(limits)
+    return most, where
+
+
+def check_seq_len(seq_len: int, tok: Any, tokenizer_dir: str | os.PathLike, rows: int) -> None:
+    """--seq-len within the model's longest sequence, and the padded tensors (ids, mask and labels, int64) within
+    the memory available now."""
+    most, where = model_max_tokens(tok, tokenizer_dir)
+    if most is not None and seq_len > most:
+        raise PtplanError(f"--seq-len {seq_len:,} is longer than the model takes: {most:,} tokens ({where} in "
+                          f"{tokenizer_dir}); give --seq-len {most} or less")
+    from ptplan.executor.profiling.profiler import _available_host_bytes
+
+    need = 3 * 8 * rows * seq_len
+    avail = _available_host_bytes()
+    if avail is not None and need > avail:
+        raise PtplanError(f"--seq-len {seq_len:,}: {rows:,} rows padded to it need {need / 2**30:,.1f} GiB but "
+                          f"{avail / 2**30:,.1f} GiB of memory is available; give a shorter --seq-len")
+
+
 def _save_atomic(items: list[tuple[dict[str, Any], Path]]) -> None:
     """torch.save each (object, path) to a temporary file beside it, then rename all into place."""
     import torch
@@ -246,6 +344,7 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
                               f"{type(t).__name__} ({t!r}), expected text")
     names: list[str] = []
     labels: list[int] | None = None
+    notes: list[str] = []
     if task == "classification":
         raw = [_label_key(v) for v in _column(rows, label_column, "label", columns, name,
                                               "pass --label-column NAME, or --task causal-lm for language-modelling "
@@ -265,7 +364,9 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
         if len(names) < 2:
             raise PtplanError(f"{name}: every row has the label {names[0]!r}; classification needs two classes or "
                               f"more")
+        notes = _tiny_classes(labels, names, name, label_column)
     tok = _load_tokenizer(tokenizer)
+    check_seq_len(seq_len, tok, tokenizer, len(texts))
     if tok.pad_token_id is None:
         if tok.eos_token is None:
             raise PtplanError(f"--tokenizer {tokenizer}: the tokenizer has neither a padding nor an end token; "
@@ -295,7 +396,8 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
     if eval_out is None:
         _save_atomic([({"inputs": inputs, "attention_mask": mask, "labels": y, "meta": {**meta, "part": "all"}},
                        Path(out))])
-        return Prepared(task=task, seq_len=seq_len, samples=n, label_names=names, truncated=truncated)
+        return Prepared(task=task, seq_len=seq_len, samples=n, label_names=names, truncated=truncated,
+                        warnings=notes)
     train, held = _split(labels, n, split, seed)
     if not train or not held:
         raise PtplanError(f"{name}: {n} rows cannot be split {1 - split:.0%}/{split:.0%}; give more rows or another "
@@ -307,4 +409,4 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
 
     _save_atomic([(part(train, "train"), Path(out)), (part(held, "eval"), Path(eval_out))])
     return Prepared(task=task, seq_len=seq_len, samples=len(train), eval_samples=len(held), label_names=names,
-                    truncated=truncated)
+                    truncated=truncated, warnings=notes)
