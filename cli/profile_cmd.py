@@ -62,7 +62,12 @@ def parse_batch_sizes(text: str) -> list[int]:
 @click.option("--granularity", type=click.Choice(("half", "block")), default="half", show_default=True,
               help="half: attention and MLP halves of each block; block: one layer per block.")
 @click.option("--warmup", type=int, default=2, show_default=True, help="Untimed repeats per batch size.")
-@click.option("--repeats", type=int, default=5, show_default=True, help="Timed repeats (median) per batch size.")
+@click.option("--repeats", type=int, default=5, show_default=True,
+              help="Timed repeats (median) per batch size; fewer where --budget needs it.")
+@click.option("--budget", type=float, default=2.0, show_default=True, metavar="MINUTES",
+              help="Target time for the whole profile: every micro-batch size is measured, with fewer repeats "
+                   "where the time would not fit (recorded in the profile). 0: exactly --warmup and --repeats "
+                   "(also the default when either is given).")
 @click.option("--threads", type=int, default=None,
               help="torch intra-op threads [default on CPU: 1, as each torchrun process runs "
                    "(OMP_NUM_THREADS=1); on CUDA: torch's].")
@@ -85,7 +90,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
             batch_sizes: str | None, num_labels: int | None, granularity: str, warmup: int, repeats: int,
             threads: int | None, timer: str, dropout: float | None, weights: str | None, out: str | None,
-            project: str | None, quiet: bool, slices: bool = False) -> None:
+            project: str | None, quiet: bool, slices: bool = False, budget: float = 2.0) -> None:
     """Measure every layer of MODEL (forward, backward, no-grad forward, memory) -> profile JSON.
 
     \b
@@ -108,6 +113,8 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         raise PtplanError(f"--warmup must be >= 0, got {warmup}")
     if repeats < 1:
         raise PtplanError(f"--repeats must be >= 1, got {repeats}")
+    if budget < 0 or budget != budget:
+        raise PtplanError(f"--budget must be >= 0 minutes (0: no budget), got {budget}")
     if threads is not None and threads < 1:
         raise PtplanError(f"--threads must be >= 1, got {threads}")
     dev_kind = device.split(":")[0]
@@ -163,7 +170,9 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         click.echo(f"wrote {path}")
         return
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
-                         progress=not quiet, timer=timer, command=command_line(click.get_current_context()))
+                         progress=not quiet, timer=timer, command=command_line(click.get_current_context()),
+                         budget_s=_budget_seconds(click.get_current_context(), budget))
+    prof.measurement.update(model_arg(model_name, weights))
     if slices:
         from ptplan.executor.profiling.slices import profile_slices, with_slices
 
@@ -204,6 +213,23 @@ def check_sizes_fit(model, dev, sizes: list[int]) -> None:
                           f"for backward per sample x {b:,}, x {MEMORY_MARGIN:g}) but {limit_name} is "
                           f"{limit / 2**30:,.1f} GiB; give sizes up to about {fit:,}, or leave --batch-sizes out "
                           f"(the default stops at the memory limit)")
+
+
+def _budget_seconds(ctx: click.Context, minutes: float) -> float | None:
+    """--budget in seconds; None (exact counts) for --budget 0, or when --warmup/--repeats were given and
+    --budget was not."""
+    given = {n for n in ("warmup", "repeats", "budget") if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE}
+    if minutes == 0 or ("budget" not in given and given & {"warmup", "repeats"}):
+        return None
+    return minutes * 60.0
+
+
+def model_arg(model_name: str, weights: str | None) -> dict[str, str | None]:
+    """The MODEL and --weights this profile was made with (folders absolute), so ``ptplan run`` can default
+    to them: ``measurement["model_arg"]``, ``measurement["weights_arg"]``."""
+    folder = os.path.isdir(model_name)
+    return {"model_arg": os.path.abspath(model_name) if folder else model_name,
+            "weights_arg": os.path.abspath(weights) if weights else None}
 
 
 def command_line(ctx: click.Context) -> str:

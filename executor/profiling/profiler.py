@@ -552,19 +552,40 @@ class _SizeResult:
     saved_bytes: list[int]
 
 
+def budget_rounds(budget_s: float, round_s: float, warmup: int, repeats: int, *, first: bool) -> tuple[int, int]:
+    """(warm-up, timed) rounds for one micro-batch size under ``budget_s`` seconds, one round taking ``round_s``
+    (its first round already run counts): all ``warmup + repeats`` when they fit; else as many as fit, with one
+    warm-up on the first size (later sizes run code already warm) and always at least one timed round."""
+    full = warmup + repeats
+    fit = int(budget_s // round_s) if round_s > 0 else full
+    if fit >= full:
+        return warmup, repeats
+    w = min(warmup, 1 if first else 0)
+    return w, max(1, min(repeats, fit - w))
+
+
 def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int, gen: torch.Generator,
-                  warmup: int, repeats: int, bar: Any) -> _SizeResult:
-    """Layered, whole and split-backward steps alternating, then no-grad forwards, then one memory pass, at size b."""
+                  warmup: int, repeats: int, bar: Any, budget_s: float | None = None,
+                  first: bool = True) -> tuple[_SizeResult, tuple[int, int]]:
+    """Layered, whole and split-backward steps alternating, then no-grad forwards, then one memory pass, at size b.
+
+    ``budget_s``: seconds this size may take; the first round is timed and the rounds cut to fit
+    (``budget_rounds``). Returns the result and the (warm-up, timed) rounds run."""
     n = len(model.layers)
     x, labels, mask = model.make_batch(b, gen)
     model.train()
     lf, lb, wf, wfb, sb, sw = [], [], [], [], [], []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    for r in range(warmup + repeats):
+    r = 0
+    while r < warmup + repeats:
+        start = time.perf_counter()
         f_i, b_i = _layered_step(model, clock, x, labels, mask)
         w_f, w_fb = _whole_step(model, clock, x, labels, mask)
         bi_i, bw_i = _split_step(model, clock, x, labels, mask)
+        if r == 0 and budget_s is not None:  # a round also runs a no-grad forward and shares the memory pass
+            round_s = (time.perf_counter() - start) * 1.25
+            warmup, repeats = budget_rounds(budget_s, round_s, warmup, repeats, first=first)
         if r >= warmup:
             lf.append(f_i)
             lb.append(b_i)
@@ -573,6 +594,7 @@ def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int,
             sb.append(bi_i)
             sw.append(bw_i)
         bar.update(1)
+        r += 1
     peak = int(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else None
     _clear_grads(model)
     model.eval()
@@ -591,29 +613,28 @@ def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int,
                        backward_weight=[statistics.median(s[i] for s in sw) for i in range(n)],
                        nograd=[statistics.median(s[i] for s in ln) for i in range(n)],
                        whole_forward=statistics.median(wf), whole_forward_backward=statistics.median(wfb),
-                       peak=peak, out_bytes=out_bytes, saved_bytes=saved_bytes)
+                       peak=peak, out_bytes=out_bytes, saved_bytes=saved_bytes), (warmup, repeats)
 
 
 def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int] | None = None, warmup: int,
                   repeats: int, progress: bool, timer: str = "wall", command: str = "",
-                  memory_limit_bytes: int | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> Profile:
+                  memory_limit_bytes: int | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                  budget_s: float | None = None) -> Profile:
     """Measure every layer of ``model`` at each micro-batch size; the model is left unchanged.
 
     ``batch_sizes``: the sizes to measure; None: powers of two up to ``max_batch``, stopping at the
     memory limit (``memory_limit_bytes``, or when None the device's: see ``memory_limit``).
     ``timer``: ``wall`` (default) or ``cpu`` (process CPU time; CPU device with one thread only).
     ``command``: the command line that asked for this profile, recorded in its provenance.
+    ``budget_s``: a target for the whole profile in seconds (None: exactly ``warmup`` and ``repeats`` per
+    size): every size is still measured, with fewer rounds where the time would not fit (``budget_rounds``;
+    each size gets a share of what is left in proportion to its micro-batch size). The rounds run per size
+    and the machine's load average are recorded in the profile's ``measurement``.
     """
     from tqdm import tqdm
 
     dev = resolve_device(device)
-    if timer not in TIMERS:
-        raise PtplanError(f"unknown timer {timer!r}; choose one of {', '.join(TIMERS)}")
-    if timer == "cpu" and dev.type != "cpu":
-        raise PtplanError("the cpu timer measures CPU time; on CUDA the profiler always uses CUDA events")
-    if timer == "cpu" and torch.get_num_threads() != 1:
-        raise PtplanError(f"the cpu timer needs one torch thread (now {torch.get_num_threads()}); "
-                          "pass --threads 1 or use --timer wall")
+    _check_timer(timer, dev)
     auto = batch_sizes is None
     todo = list(powers_of_two(max_batch) if batch_sizes is None else check_batch_sizes(batch_sizes))
     if warmup < 0:
@@ -638,11 +659,18 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     bar = tqdm(total=len(todo) * per_size, desc=f"profile {model.name}", unit="step",
                file=sys.stderr, disable=not progress, leave=False)
     gen = torch.Generator().manual_seed(0)
+    began, load_before, rounds = time.perf_counter(), _load_average(), []
     try:
         with _preserved(model, dev):
             while todo:
                 b = todo.pop(0)
-                results.append(_measure_size(model, clock, dev, b, gen, warmup, repeats, bar))
+                share = None
+                if budget_s is not None:  # cost grows about linearly with b: a share of what is left
+                    pending = [b] + ([c for c in powers_of_two(max_batch) if c > b] if auto else todo)
+                    share = max(0.0, budget_s - (time.perf_counter() - began)) * b / sum(pending)
+                res, run = _measure_size(model, clock, dev, b, gen, warmup, repeats, bar, share, not measured)
+                results.append(res)
+                rounds.append(run)
                 measured.append(b)
                 if auto:
                     choice = default_batch_sizes(static=static, saved_per_sample=sum(results[-1].saved_bytes),
@@ -650,13 +678,44 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
                                                  max_batch=max_batch)
                     todo = [c for c in choice.sizes if c > b]
                     skipped = choice if choice.skipped else None
-                    bar.total = (len(measured) + len(todo)) * per_size
-                    bar.refresh()
+                bar.total = bar.n + len(todo) * per_size
+                bar.refresh()
             opt_s = _optimizer_steps(model, clock, warmup, repeats)
     finally:
         bar.close()
+    load = {"before": load_before, "after": _load_average(), "seconds": round(time.perf_counter() - began, 1)}
 
     bs = tuple(measured)
+    records = _layer_records(model, results, opt_s)
+    config = config_summary(model)
+    if model.family in DEFAULT_NUM_LABELS:
+        config["num_labels"] = model.num_labels  # the classifier's size, so a run rebuilds the same head
+    info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
+                     dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config)
+    measurement = _measurement(dev, timer, warmup, repeats, measured, results, rounds, budget_s, load)
+    if auto:
+        measurement.update(_default_sizes_record(max_batch, limit, skipped))
+    peaks = tuple(r.peak for r in results if r.peak is not None)
+    return Profile(model=info, device=_device_info(dev), batch_sizes=bs, layers=tuple(records),
+                   whole_model=WholeModel(forward_s=tuple(r.whole_forward for r in results),
+                                          forward_backward_s=tuple(r.whole_forward_backward for r in results),
+                                          peak_memory_bytes=peaks),
+                   measurement=measurement, provenance=Provenance(source="measured", command=command))
+
+
+def _check_timer(timer: str, dev: torch.device) -> None:
+    """The timer exists and suits the device (the CPU timer: CPU, one thread)."""
+    if timer not in TIMERS:
+        raise PtplanError(f"unknown timer {timer!r}; choose one of {', '.join(TIMERS)}")
+    if timer == "cpu" and dev.type != "cpu":
+        raise PtplanError("the cpu timer measures CPU time; on CUDA the profiler always uses CUDA events")
+    if timer == "cpu" and torch.get_num_threads() != 1:
+        raise PtplanError(f"the cpu timer needs one torch thread (now {torch.get_num_threads()}); "
+                          "pass --threads 1 or use --timer wall")
+
+
+def _layer_records(model: LayeredModel, results: list[_SizeResult], opt_s: list[float]) -> list[LayerRecord]:
+    """One LayerRecord per layer from the per-size results (memory from the largest size measured)."""
     last = results[-1]
     records = []
     for i, (layer, spec) in enumerate(zip(model.layers, model.specs)):
@@ -671,11 +730,23 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
             nograd_forward_s=tuple(r.nograd[i] for r in results),
             backward_weight_s=tuple(weight_share(r.backward_input[i], r.backward_weight[i]) * r.backward[i]
                                     for r in results), optimizer_s=opt_s[i]))
-    config = config_summary(model)
-    if model.family in DEFAULT_NUM_LABELS:
-        config["num_labels"] = model.num_labels  # the classifier's size, so a run rebuilds the same head
-    info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
-                     dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config)
+    return records
+
+
+def _default_sizes_record(max_batch: int, limit: int | None, skipped: DefaultSizes | None) -> dict[str, Any]:
+    """What the profile's ``measurement`` says about default micro-batch sizes: the rule and what it skipped."""
+    out: dict[str, Any] = {"batch_sizes": f"default: powers of two up to {max_batch}, stopping where the estimated "
+                                          f"peak exceeds the memory limit",
+                           "memory_limit_bytes": limit, "skipped_batch_sizes": list(skipped.skipped) if skipped else []}
+    if skipped:
+        out["skipped_reason"] = skipped.reason
+    return out
+
+
+def _measurement(dev: torch.device, timer: str, warmup: int, repeats: int, measured: list[int],
+                 results: list[_SizeResult], rounds: list[tuple[int, int]], budget_s: float | None,
+                 load: dict[str, Any]) -> dict[str, Any]:
+    """The profile's ``measurement`` record: how every number was timed (timer, rounds, load, method)."""
     measurement: dict[str, Any] = {
         "warmup": warmup, "repeats": repeats, "statistic": "median",
         "timer": "cuda_events" if dev.type == "cuda" else
@@ -684,26 +755,26 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
                   "whole-model steps alternate with layered steps",
         "head_includes_loss": True, "whole_model_forward": "train mode, grad enabled, loss included",
         "grads_set_to_none_each_step": True,
-        "memory_batch_size": bs[-1], "optimizer": "AdamW (2 fp32 moments per parameter)",
+        "memory_batch_size": measured[-1], "optimizer": "AdamW (2 fp32 moments per parameter)",
         "optimizer_step": "AdamW step over each layer's parameters alone, timed per layer",
         "backward_weight": "backward_s x W / (B + W), B and W timed per layer in a split-backward step (torch's "
                            "stage_backward_input, stage_backward_weight)",
         "backward_split": [{"batch_size": b, "input_s": sum(r.backward_input), "weight_s": sum(r.backward_weight),
                             "backward_s": sum(r.backward)} for b, r in zip(measured, results)],
     }
-    if auto:
-        measurement["batch_sizes"] = (f"default: powers of two up to {max_batch}, stopping where the estimated "
-                                      f"peak exceeds the memory limit")
-        measurement["memory_limit_bytes"] = limit
-        measurement["skipped_batch_sizes"] = list(skipped.skipped) if skipped else []
-        if skipped:
-            measurement["skipped_reason"] = skipped.reason
-    peaks = tuple(r.peak for r in results if r.peak is not None)
-    return Profile(model=info, device=_device_info(dev), batch_sizes=bs, layers=tuple(records),
-                   whole_model=WholeModel(forward_s=tuple(r.whole_forward for r in results),
-                                          forward_backward_s=tuple(r.whole_forward_backward for r in results),
-                                          peak_memory_bytes=peaks),
-                   measurement=measurement, provenance=Provenance(source="measured", command=command))
+    measurement["rounds_per_size"] = [{"batch_size": b, "warmup": w, "repeats": r}
+                                      for b, (w, r) in zip(measured, rounds)]
+    measurement["budget_s"] = budget_s
+    measurement["load_average"] = load  # 1-minute load average at the start and the end (compare reads it)
+    return measurement
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none): how busy the machine was while timing."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def weight_share(input_s: float, weight_s: float) -> float:
