@@ -52,7 +52,8 @@ Model (what the numbers mean):
   seconds and the bubble are per mini-batch of the window.
 - Token slices (TeraPipe: ``Schedule.slices`` = S > 1, the ``terapipe`` schedule): each (stage, slice)
   has its own compute time (``SliceCosts``: a slice after c earlier tokens attends to c + s keys, so
-  it costs more than its share); messages carry the slice's share of the micro-batch; the frozen
+  it costs more than its share); each slice's message pays the link's latency (``send_*_latency_s``) and
+  carries the slice's share of the micro-batch's bytes (α + β·bytes·s/L); the frozen
   prefix runs once per micro-batch before its first slice. On K uniform stages with backward ∝ forward
   and no communication the iteration is TeraPipe's M·Σ t + (K−1)·max t. A micro-batch counts as in
   flight from its first slice's forward to its last slice's backward.
@@ -78,7 +79,8 @@ from .schedule import Action, ActionKind, Schedule, ScheduleError, check_schedul
 
 
 _SECONDS_FIELDS = ("forward_s", "backward_s", "backward_weight_s", "prefix_s", "setup_s", "send_forward_s",
-                   "send_backward_s", "allreduce_s", "optimizer_s")
+                   "send_backward_s", "allreduce_s", "optimizer_s", "send_forward_latency_s",
+                   "send_backward_latency_s", "tp_comm_s", "tp_comm_latency_s", "overhead_s")
 _BYTES_FIELDS = ("fixed_bytes", "activation_bytes_per_mb", "after_bytes")
 
 
@@ -114,6 +116,17 @@ class StageCost:
     the stage's output."""
     after_bytes: int = 0
     """The largest transient after the pipeline drained (all-reduce buffer, optimizer temporaries)."""
+    # ---- what the totals above contain, for pricing token slices (each slice is its own message and action) ----
+    send_forward_latency_s: float = 0.0
+    """The per-message latency (α) inside ``send_forward_s`` (= α + bytes / bandwidth)."""
+    send_backward_latency_s: float = 0.0
+    """The per-message latency inside ``send_backward_s``."""
+    tp_comm_s: float = 0.0
+    """Tensor-parallel all-reduce seconds inside ``forward_s`` (and as many inside ``backward_s``)."""
+    tp_comm_latency_s: float = 0.0
+    """Their latencies (one α per all-reduce): what every token slice pays again."""
+    overhead_s: float = 0.0
+    """The per-action framework overhead inside ``forward_s`` and inside ``backward_s``."""
 
     def __post_init__(self) -> None:
         # plain floats and ints (what ``stage.StageModel.stage_costs`` gives, thousands of times per plan) are
@@ -136,6 +149,11 @@ class StageCost:
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
                 raise PtplanError(f"StageCost.{name} must be an integer number of bytes >= 0, got {v!r}")
             object.__setattr__(self, name, int(v))
+        for part, whole in (("send_forward_latency_s", "send_forward_s"), ("send_backward_latency_s", "send_backward_s"),
+                            ("tp_comm_latency_s", "tp_comm_s")):
+            if getattr(self, part) > getattr(self, whole) * (1 + 1e-9) + 1e-12:
+                raise PtplanError(f"StageCost.{part}={getattr(self, part)} exceeds {whole}={getattr(self, whole)}; "
+                                  f"it is a part of it")
         if self.backward_weight_s > self.backward_s * (1 + 1e-6) + 1e-9:
             raise PtplanError(f"StageCost.backward_weight_s={self.backward_weight_s} exceeds backward_s="
                               f"{self.backward_s}; it is the weight-gradient part of the backward")
@@ -503,8 +521,10 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
             share = c.backward_weight_s / c.backward_s if c.backward_s > 0 else 0.0
             for j, n in enumerate(slice_costs.tokens):
                 f, b = slice_costs.forward_s[s][j], slice_costs.backward_s[s][j]
+                af, ab = c.send_forward_latency_s, c.send_backward_latency_s  # α per message, β per byte
                 dur += (f + (c.prefix_s if j == 0 else 0.0), b, b * (1 - share), b * share,
-                        c.send_forward_s * n / total, c.send_backward_s * n / total, c.allreduce_s, c.optimizer_s)
+                        af + (c.send_forward_s - af) * n / total, ab + (c.send_backward_s - ab) * n / total,
+                        c.allreduce_s, c.optimizer_s)
 
     R = schedule.num_ranks
     s2r = schedule.stage_to_rank

@@ -103,7 +103,7 @@ from .errors import PtplanError
 from .plan import MemoryBreakdown
 from .replicate import layout
 from .simulate import StageCost, peak_bytes
-from .strategy import Strategy, gather_bytes, strategy_table
+from .strategy import Strategy, gather_bytes, splittable, strategy_table
 
 OPTIMIZER_STATE_FACTOR = {k: float(v) for k, v in OPTIMIZER_SLOTS.items()}
 """Optimizer-state bytes per byte of weights (``costs.OPTIMIZER_SLOTS``: torch allocates state like the
@@ -293,6 +293,11 @@ class StageModel:
         """Additive lower bound of a stage's busy time (prefix sums): forward + backward (+ the recomputed
         forward when the whole stage recomputes)."""
         self._index = np.arange(table.n + 1)
+        a = splittable(self.raw) if sh.tp > 1 else np.zeros(table.n)
+        self._cum_tp_lat = np.concatenate(([0.0], np.cumsum(a * sh.tp_ar[0])))
+        """Prefix sums of the tp all-reduces' latencies in one forward (``strategy.py``: a per half, 2 per block)."""
+        self._cum_tp_per_sample = np.concatenate(([0.0], np.cumsum(a * self.raw.out_per_sample * sh.tp_ar[1])))
+        """Prefix sums of their bytes' seconds per sample of the micro-batch."""
         self.ovh = sh.action_overhead_s if sh.K > 1 else 0.0
         self.opt_temp = 0.0 if sh.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[sh.optimizer]
         n0, b, M = sh.frozen, sh.b, sh.M
@@ -518,7 +523,12 @@ class StageModel:
         bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
         opt = t.cum_opt_s[hi] - t.cum_opt_s[lo]
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
+        tp_lat = self._cum_tp_lat[hi] - self._cum_tp_lat[lo]
+        tp_comm = tp_lat + sh.b * (self._cum_tp_per_sample[hi] - self._cum_tp_per_sample[lo])
+        lat_f, lat_b = (s < K - 1) * self._lat_out, (s > 0) * self._lat_in
         return [StageCost(forward_s=float(fwd[i]), backward_s=float(bwd[i]),
+                          send_forward_latency_s=float(lat_f[i]), send_backward_latency_s=float(lat_b[i]),
+                          tp_comm_s=float(tp_comm[i]), tp_comm_latency_s=float(tp_lat[i]), overhead_s=self.ovh,
                           backward_weight_s=min(float(bww[i]), float(bwd[i])),
                           prefix_s=self.prefix_s if i == 0 else 0.0,
                           setup_s=setup if i == 0 else 0.0, send_forward_s=float(send_f[i]),

@@ -38,6 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import PtplanError
+from .simulate import SliceCosts, StageCost
 
 
 @dataclass(frozen=True)
@@ -317,119 +318,195 @@ class SlicedPhase:
     """Simulated iteration of the same phase without token slicing (GPipe)."""
     objective_s: float
     """TeraPipe's objective for the chosen slices: M·Σ t + (K − 1)·max t."""
+    peak_memory_bytes: int = 0
+    """The simulated peak of the busiest rank with the chosen slices (``StageModel``'s memory terms)."""
+    fits: bool = True
+    """Whether that peak fits the cluster's device memory (``TrainingConfig.memory_fraction`` of it); slices that
+    do not fit are never chosen, and an unsliced phase that does not fit says so here."""
 
 
-def sliced_phase(profile, *, L: int, K: int, M: int, b: int, D: int = 1, frozen_blocks: int = 0,
-                 granularity: int = 16, slicing: str = "auto", allreduce_bandwidth: float | None = None,
-                 link_bandwidth: float | None = None, cache: bool = False,
-                 ranges: Sequence[tuple[int, int]] | None = None) -> SlicedPhase:
-    """Token slicing for one phase: the active layers (after ``frozen_blocks`` frozen ones) split into K
-    stages balanced at full length, TeraPipe's optimal slices for that pipeline (``optimal_slices`` on
-    the slowest stage's slice cost, with ``repeat`` = M), and the simulated iteration with and without
-    them (the ``terapipe`` schedule and ``SliceCosts``; ``slicing="auto"`` keeps the unsliced run where
-    the simulator says it is faster, so the choice is never worse than not slicing; "off" never slices).
+def slice_costs(model: StageSliceModel, costs: Sequence[StageCost], L: int, slices: Sequence[int]) -> SliceCosts:
+    """THE per-slice costs of a pipeline: the one stage model's per-micro-batch costs (``costs``, from
+    ``StageModel.stage_costs``) cut into token slices. Per stage k and slice j of s_j tokens after c_j:
 
-    The frozen prefix runs unsliced on stage 0 under no_grad, once per micro-batch (the executor's
-    ``SlicedStage.run_prefix``): its blocks cost the forward fit at (L, 0) each — or nothing with
-    ``cache`` (the AutoCache holds the prefix's output; reading it is not priced here). ``link_bandwidth``
-    (bytes/s) prices the activations sent between stages (hidden · 4 bytes per token and sample; None:
-    free); ``allreduce_bandwidth`` the ring all-reduce of a stage's gradients over D replicas (None:
-    free). ``ranges``: the stages' layer ranges as given (a plan's partition) instead of the balanced
-    split. Memory is not checked here."""
-    from .simulate import SliceCosts, StageCost, simulate
-    from .schedule import terapipe
+        compute_k = forward_s − tp_comm_s − overhead_s           (the stage's measured layers, whole sequence)
+        forward_kj = compute_k · F_k(s_j, c_j) / F_k(L, 0)       (the slice fit's shape, the profile's scale)
+                   + overhead_s                                   (every slice is one more action)
+                   + tp_comm_latency_s + (tp_comm_s − tp_comm_latency_s) · s_j / L
+                                                                  (every slice all-reduces its own rows over tp)
+
+    and the backward alike (``backward_s`` holds as many all-reduces). Each stage's compute row is raised where
+    needed so that its slices cost at least the whole sequence: slicing never removes work (a fit whose b·s·c and
+    b·s² terms disagree would otherwise make many short slices look cheaper than the sequence). Messages pay
+    α + β·bytes·s/L per slice in the simulator (``StageCost.send_*_latency_s``)."""
+    slices = tuple(int(x) for x in slices)
+    offs = np.cumsum([0, *slices[:-1]]).astype(float)
+    sl = np.asarray(slices, dtype=float)
+    f, bw = model.times(sl, offs)
+    f_full, b_full = model.times(float(L), 0.0)
+    rows = []
+    for shape, full, attr in ((f, f_full, "forward_s"), (bw, b_full, "backward_s")):
+        comp = np.array([max(getattr(c, attr) - c.tp_comm_s - c.overhead_s, 0.0) for c in costs])
+        scaled = shape * np.where(full > 0, comp / np.where(full > 0, full, 1.0), 0.0)[:, None]
+        tot = scaled.sum(axis=1)
+        scaled *= np.where((tot > 0) & (tot < comp), comp / np.where(tot > 0, tot, 1.0), 1.0)[:, None]
+        extra = np.array([[c.overhead_s + c.tp_comm_latency_s + (c.tp_comm_s - c.tp_comm_latency_s) * n / L
+                           for n in slices] for c in costs])
+        rows.append(scaled + extra)
+    return SliceCosts(tokens=slices, forward_s=tuple(map(tuple, rows[0])), backward_s=tuple(map(tuple, rows[1])))
+
+
+def _slice_candidates(model: StageSliceModel, costs: Sequence[StageCost], L: int, K: int, M: int,
+                      granularity: int) -> tuple[int, ...]:
+    """Candidate slicings: TeraPipe's optimum for the slowest stage's slice cost (``optimal_slices`` on the priced
+    costs, repeat = M) and 2-8 even slices, each simulated by the caller."""
+    def slowest(s, c):
+        s_arr, c_arr = np.broadcast_arrays(np.asarray(s, dtype=float), np.asarray(c, dtype=float))
+        flat_s, flat_c = s_arr.ravel(), c_arr.ravel()
+        f, bw = model.times(flat_s, flat_c)
+        f_full, b_full = model.times(float(L), 0.0)
+        out = np.zeros_like(flat_s)
+        for k, c0 in enumerate(costs):
+            tf = c0.forward_s - c0.tp_comm_s - c0.overhead_s
+            tb = c0.backward_s - c0.tp_comm_s - c0.overhead_s
+            t = (f[k] * (tf / f_full[k] if f_full[k] > 0 else 0.0) + bw[k] * (tb / b_full[k] if b_full[k] > 0 else 0.0)
+                 + 2 * (c0.overhead_s + c0.tp_comm_latency_s) + 2 * (c0.tp_comm_s - c0.tp_comm_latency_s) * flat_s / L)
+            out = np.maximum(out, t)
+        return out.reshape(s_arr.shape)
+
+    opt = optimal_slices(slowest, L, K, granularity=granularity, repeat=M)
+    return opt.slices
+
+
+def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: int = 0, granularity: int = 16,
+                 slicing: str = "auto", cluster=None, cache: bool = False,
+                 ranges: Sequence[tuple[int, int]] | None = None, L: int | None = None,
+                 optimizer: str = "adamw", tp: int = 1) -> SlicedPhase:
+    """Token slicing for one phase, priced by the one stage model (``stage.StageModel``, GPipe order on
+    ``cluster``: default ``cpu:K·D``, this machine) and ``slice_costs``: the active layers (after
+    ``frozen_blocks`` frozen ones) split into K stages balanced at full length (or ``ranges``, a plan's
+    partition), TeraPipe's optimal slices for that pipeline and 2-8 even ones, each simulated with the
+    ``terapipe`` schedule; ``slicing="auto"`` keeps the unsliced run where the simulator says it is faster or the
+    slices do not fit the memory, so the choice is never worse than not slicing; "off" never slices. Messages,
+    the frozen prefix (or the AutoCache with ``cache``), the data-parallel all-reduce, the optimizer step, the
+    per-action overhead and the memory are the stage model's. L: the profile's sequence length (the stage model
+    prices its measured layers at that length). ``tp``: every stage split over tp GPUs of a node (Megatron; the
+    stage model's shard costs, each slice paying its own all-reduces) -- planned here, but not run by the executor
+    (``slice_refusal``)."""
+    from dataclasses import replace
+
+    from .cluster import cpu_cluster
+    from .config import TrainingConfig
+    from .costs import CostTable
+    from .schedule import gpipe, peak_inflight, terapipe
+    from .simulate import simulate
+    from .stage import PhaseShape, StageModel, links_for
+    from .strategy import tp_allreduce_coeffs
+    from .tp_split import tp_refusal
 
     if slicing not in ("auto", "off"):
         raise PtplanError(f"token slicing must be auto or off, got {slicing!r}")
+    L0 = profile.model.seq_len
+    if L is not None and L != L0:
+        raise PtplanError(f"sliced_phase prices the profile's measured layers at their sequence length {L0}, not "
+                          f"L={L}; profile the model at seq_len {L} (ptplan profile ... --seq-len {L} --slices)")
+    L = L0
     if L % granularity:
         raise PtplanError(f"sequence length {L} is not a multiple of the slice granularity {granularity}")
+    cl = cluster if cluster is not None else cpu_cluster(K * D * tp)
+    if cl.world_size < K * D * tp:
+        raise PtplanError(f"K·D·tp = {K}·{D}·{tp} = {K * D * tp} GPUs do not fit cluster {cl.name} "
+                          f"({cl.world_size}); use a larger cluster or smaller K, D or tp")
+    if tp > 1 and (why := tp_refusal(profile.model.family, profile.model.config, tp)):
+        raise PtplanError(f"tp={tp} cannot split {profile.model.name}: {why}")
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=K * D * M * b, batch=D * M * b)  # its defaults: memory, host reads
     n0 = profile.frozen_boundary(frozen_blocks)
-    fwd_full = profile_slice_cost(profile, b, "forward")
-    both_full = profile_slice_cost(profile, b, "both")
-    costs = []
-    for r in profile.layers[n0:]:
-        share = 1.0 if r.kind == "block" else 0.5 if r.kind in ("attention", "mlp") else 0.0
-        tok = (profile.forward_s(r.index, b) + profile.backward_s(r.index, b)) / profile.model.seq_len
-        costs.append(share * float(both_full(L, 0)) / 2 + (0.0 if share else tok * L))  # the attention's c ~ L/2
+    table = CostTable(profile, time_scale=cl.concurrency_slowdown)
+    shape = PhaseShape(K=K, M=M, b=b, D=D, frozen=n0, cache=cache, inflight=peak_inflight("gpipe", K, M, 1),
+                       optimizer=optimizer, device_is_host=cl.device_is_host, action_overhead_s=cl.action_overhead_s,
+                       host_read_bandwidth=cfg.host_read_bandwidth, tp=tp, tp_ar=tp_allreduce_coeffs(cl, tp))
+    sm = StageModel(table, shape, links_for(cl if tp == 1 else replace(cl, gpus_per_node=cl.gpus_per_node // tp), K))
     if ranges is None:
-        ranges = balanced_ranges(costs, n0, K)
-    else:
-        ranges = tuple((int(a), int(z)) for a, z in ranges)
-        if len(ranges) != K or ranges[0][0] != n0 or ranges[-1][1] != profile.num_layers or any(
-                a >= z or z != nxt for (a, z), (nxt, _) in zip(ranges, ranges[1:] + ((profile.num_layers, 0),))):
-            raise PtplanError(f"stage ranges {list(ranges)} must be K={K} contiguous non-empty ranges covering the "
-                              f"active layers [{n0}, {profile.num_layers})")
+        tm = table.at(b)
+        ranges = balanced_ranges((tm.fwd + tm.bwd)[n0:].tolist(), n0, K)
+    ranges = tuple((int(x), int(z)) for x, z in ranges)
+    if len(ranges) != K or ranges[0][0] != n0 or ranges[-1][1] != profile.num_layers or any(
+            x >= z or z != nxt for (x, z), (nxt, _) in zip(ranges, ranges[1:] + ((profile.num_layers, 0),))):
+        raise PtplanError(f"stage ranges {list(ranges)} must be K={K} contiguous non-empty ranges covering the "
+                          f"active layers [{n0}, {profile.num_layers})")
+    costs = sm.stage_costs(ranges)
     model = stage_slice_model(profile, ranges, b)
-    prefix = 0.0
-    for r in ([] if cache else profile.layers[:n0]):
-        share = 1.0 if r.kind == "block" else 0.5 if r.kind in ("attention", "mlp") else 0.0
-        prefix += share * float(fwd_full(L, 0)) + (0.0 if share else
-                                                 profile.nograd_forward_s(r.index, b) / profile.model.seq_len * L)
-    hidden = int(profile.model.config.get("n_embd") or profile.model.config.get("hidden_size") or 0)
-    send = 0.0 if link_bandwidth is None or K == 1 else b * L * hidden * 4 / link_bandwidth
-    grad_bytes = [sum(r.grad_bytes for r in profile.layers[lo:hi]) for lo, hi in ranges]
+    limit = cl.gpu_memory_bytes * cfg.memory_fraction
+    over = cl.step_overhead_s
 
-    def simulated(slices: Sequence[int]) -> float:
-        offs = np.cumsum([0, *slices[:-1]])
-        f, bw = model.times(np.asarray(slices, dtype=float), offs.astype(float))
-        stage = [StageCost(forward_s=float(np.sum(f[k])) / len(slices), backward_s=float(np.sum(bw[k])) / len(slices),
-                           prefix_s=prefix if k == 0 else 0.0, send_forward_s=send, send_backward_s=send,
-                           allreduce_s=0.0 if D == 1 or allreduce_bandwidth is None else
-                           2 * (D - 1) / D * grad_bytes[k] / allreduce_bandwidth) for k in range(K)]
-        sc = SliceCosts(tokens=tuple(slices), forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
-        return simulate(terapipe(K, M, len(slices)), stage, slice_costs=sc).iteration_s
+    def run(slices: tuple[int, ...]) -> tuple[float, int]:
+        if len(slices) == 1:
+            sim = simulate(gpipe(K, M), costs, step_overhead_s=over)
+        else:
+            sim = simulate(terapipe(K, M, len(slices)), costs, step_overhead_s=over,
+                           slice_costs=slice_costs(model, costs, L, slices))
+        return sim.iteration_s, int(max(sim.rank_peak_memory_bytes))
 
-    unsliced = simulated((L,))
-    best = (L,)
-    obj = _latency(model.slowest, best, K, M)[0]
-    if slicing == "auto":
-        opt = optimal_slices(model.slowest, L, K, granularity=granularity, repeat=M)
-        t = simulated(opt.slices)
-        if t < unsliced:
-            return SlicedPhase(K=K, D=D, M=M, b=b, ranges=ranges, slices=opt.slices, iteration_s=t,
-                               unsliced_s=unsliced, objective_s=opt.latency_s)
-    return SlicedPhase(K=K, D=D, M=M, b=b, ranges=ranges, slices=best, iteration_s=unsliced, unsliced_s=unsliced,
-                       objective_s=obj)
+    unsliced, peak0 = run((L,))
+    best, best_t, best_peak = (L,), unsliced, peak0
+    if slicing == "auto" and K > 1:
+        opt = _slice_candidates(model, costs, L, K, M, granularity)
+        for cand in sorted({opt} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n))
+                                    for n in (2, 3, 4, 6, 8) if n <= L // granularity}, key=len):
+            if len(cand) < 2:
+                continue
+            t, peak = run(cand)
+            if t < best_t and peak <= limit:
+                best, best_t, best_peak = cand, t, peak
+    sc = slice_costs(model, costs, L, best)
+    ts = [float(np.max(np.asarray(sc.forward_s)[:, j] + np.asarray(sc.backward_s)[:, j])) for j in range(len(best))]
+    return SlicedPhase(K=K, D=D, M=M, b=b, ranges=ranges, slices=best, iteration_s=best_t, unsliced_s=unsliced,
+                       objective_s=M * sum(ts) + (K - 1) * max(ts), peak_memory_bytes=best_peak,
+                       fits=best_peak <= limit)
 
 
-def search_sliced(profile, *, gpus: int, batch: int, L: int, frozen_blocks: int = 0, granularity: int = 16,
-                  slicing: str = "auto", **kw) -> SlicedPhase:
-    """The fastest (per sample) phase over K (dividing ``gpus``, D = gpus / K) and M (dividing the pipeline's
-    batch batch / D, b = batch / (D·M)), each with its token slicing (``sliced_phase``)."""
+def search_sliced(profile, *, gpus: int, batch: int, frozen_blocks: int = 0, granularity: int = 16,
+                  slicing: str = "auto", tp: int = 1, **kw) -> SlicedPhase:
+    """The fastest phase that fits the memory (else the fastest) over K (dividing ``gpus`` / tp, D = gpus / (K·tp))
+    and M (dividing the pipeline's batch batch / D, b = batch / (D·M)), each with its token slicing
+    (``sliced_phase``)."""
     n_active = profile.num_layers - profile.frozen_boundary(frozen_blocks)
+    if tp < 1 or gpus % tp:
+        raise PtplanError(f"tp={tp} must divide the {gpus} GPUs")
+    g = gpus // tp
     best: SlicedPhase | None = None
-    for K in range(1, gpus + 1):
-        if gpus % K or K > n_active or batch % (gpus // K):
+    for K in range(1, g + 1):
+        if g % K or K > n_active or batch % (g // K):
             continue
-        D = gpus // K
+        D = g // K
         per = batch // D
         for M in range(1, per + 1):
             if per % M:
                 continue
-            ph = sliced_phase(profile, L=L, K=K, M=M, b=per // M, D=D, frozen_blocks=frozen_blocks,
-                              granularity=granularity, slicing=slicing, **kw)
-            if best is None or ph.iteration_s < best.iteration_s:
+            ph = sliced_phase(profile, K=K, M=M, b=per // M, D=D, frozen_blocks=frozen_blocks,
+                              granularity=granularity, slicing=slicing, tp=tp, **kw)
+            if best is None or (ph.fits, -ph.iteration_s) > (best.fits, -best.iteration_s):
                 best = ph
     if best is None:
-        raise PtplanError(f"no pipeline of {gpus} GPUs splits a batch of {batch} evenly over D = GPUs / K replicas")
+        raise PtplanError(f"no pipeline of {gpus} GPUs splits a batch of {batch} evenly over D = GPUs / (K·tp) "
+                          f"replicas")
     return best
 
 
-def slice_plan(plan, profile, *, L: int | None = None, granularity: int = 16, **kw) -> tuple[SlicedPhase, ...]:
+def slice_plan(plan, profile, *, granularity: int = 16, **kw) -> tuple[SlicedPhase, ...]:
     """Token slicing for every phase of a plan (``ptplan plan``'s output for a causal LM): each phase's K, D,
-    M, micro-batch size, partition, frozen count and AutoCache choice, its slices chosen and simulated
-    (``sliced_phase``; never worse than unsliced). L: tokens per sequence (default: the profile's).
-    Phases with V > 1 chunks per position or tensor parallelism are refused (token slices run one
-    stage per position here)."""
+    M, micro-batch size, tp, partition, frozen count and AutoCache choice, its slices chosen and simulated
+    (``sliced_phase``; never worse than unsliced). Phases with V > 1 chunks per position are refused (token
+    slices run one stage per position)."""
     if profile.model.family not in ("gpt2", "llama"):
         raise PtplanError(f"token slicing is for causal LMs (gpt2, llama), not {profile.model.name}")
     out = []
     for ph in plan.phases:
-        if ph.V != 1 or getattr(ph, "tp", 1) != 1:
-            raise PtplanError(f"phase with {ph.frozen_blocks} frozen blocks has V={ph.V}, tp={getattr(ph, 'tp', 1)}; "
-                              f"token slices run one stage per position without tensor parallelism")
-        out.append(sliced_phase(profile, L=L or profile.model.seq_len, K=ph.K, M=ph.M, b=ph.micro_batch_size,
-                                D=ph.D, frozen_blocks=ph.frozen_blocks, granularity=granularity, cache=ph.cache,
+        if ph.V != 1:
+            raise PtplanError(f"phase with {ph.frozen_blocks} frozen blocks has V={ph.V}; token slices run one stage "
+                              f"per position")
+        out.append(sliced_phase(profile, K=ph.K, M=ph.M, b=ph.micro_batch_size, D=ph.D, tp=ph.tp,
+                                frozen_blocks=ph.frozen_blocks, granularity=granularity, cache=ph.cache,
                                 ranges=ph.partition, **kw))
     return tuple(out)
 
@@ -455,80 +532,74 @@ def require_slice_costs(profile) -> None:
                           f"plan with --token-slices off")
 
 
+def slice_refusal(phase) -> str | None:
+    """Why the executor cannot run ``phase`` token-sliced (None when it can): executor/runtime/sliced.py's loop runs
+    the canonical (unsplit, unsharded) layers of one stage per position, GPipe-ordered, with its own point-to-point
+    messages. The planner can price slices with tensor parallelism (``sliced_phase(tp=...)``, TeraPipe's own
+    setting), but ``ptplan plan`` adds slices only where the runtime can run them."""
+    why = []
+    if phase.V != 1:
+        why.append(f"V={phase.V} chunks per position (the loop runs one stage per position)")
+    if phase.tp > 1:
+        why.append(f"tp={phase.tp} (the loop runs the canonical layers, not their tensor-parallel twins)")
+    if phase.any_fsdp:
+        why.append("FSDP (its hooks are not wired into the loop)")
+    if phase.any_recompute:
+        why.append("recomputation (the loop keeps every slice's activations)")
+    if phase.schedule == "2bw":
+        why.append("2bw (flush-free weight versions; the simulator does not model slices across mini-batches)")
+    return "; ".join(why) or None
+
+
 def sliceable(phase) -> bool:
-    """Whether the executor can run the phase token-sliced: one stage per position, no tensor parallelism,
-    FSDP, recomputation or 2BW (executor/runtime/sliced.py's loop runs plain layers, GPipe-ordered)."""
-    return phase.V == 1 and phase.tp == 1 and not phase.any_fsdp and not phase.any_recompute and phase.schedule != "2bw"
+    """Whether the executor can run the phase token-sliced (``slice_refusal`` says why not)."""
+    return slice_refusal(phase) is None
 
 
 def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max_events: int = 20_000):
     """``phase`` (the planner's, from ``choice``) with token slices where they pay, else unchanged.
 
-    Slice costs per stage: the profile's fitted block slice cost (``stage_slice_model``) scaled so that one
-    slice of the whole sequence costs what the planner charges the stage (``choice.costs``: the measured
-    per-layer times at the profile's sequence length), i.e. the fit gives the shape of t(s, c), the
-    measured layers its scale; a stage's slices are priced at least at its whole sequence (``priced``).
-    Candidates: TeraPipe's optimum for the slowest stage (``optimal_slices``, repeat = M) and 2-8 even slices,
-    the fastest in simulation kept. K = 1 phases stay unsliced (no bubble to fill). Each candidate is simulated with the ``terapipe`` schedule (GPipe order over slices) on the
-    planner's own stage costs (messages, prefix, cache, all-reduce, optimizer, memory). It is taken only when
-    its iteration is strictly faster than the phase's predicted one and its peak memory fits the device
-    (every micro-batch in flight, as GPipe)."""
+    Slice costs per stage: ``slice_costs`` -- the one stage model's costs of the phase (``choice.costs``) cut into
+    slices along the profile's fitted block slice cost (``stage_slice_model``: its shape; the measured layers
+    its scale), every slice paying the per-action overhead, its own tensor-parallel all-reduces and its messages'
+    latency again. Candidates: TeraPipe's optimum for the slowest stage (``optimal_slices``, repeat = M) and 2-8
+    even slices, the fastest in simulation kept. K = 1 phases stay unsliced (no bubble to fill). Each candidate
+    is simulated with the ``terapipe`` schedule (GPipe order over slices) on the planner's own stage costs
+    (messages, prefix, cache, all-reduce, optimizer, memory). It is taken only when its iteration is strictly
+    faster than the phase's predicted one and its peak memory fits the device (every micro-batch in flight, as
+    GPipe)."""
     from dataclasses import replace
 
     from .plan import Prediction
     from .schedule import terapipe
-    from .simulate import SliceCosts, simulate
+    from .simulate import simulate
 
     profile = search.p
-    if not sliceable(phase) or profile.token_slices is None:
+    if profile.token_slices is None or phase.K < 2:
         return phase
+    if (why := slice_refusal(phase)) is not None:
+        return replace(phase, notes=(*phase.notes, f"token slices not planned: the executor cannot run them with {why}"))
     L, K, M, b = profile.model.seq_len, phase.K, phase.M, phase.micro_batch_size
     model = stage_slice_model(profile, phase.partition, b)
-    f_full, b_full = model.times(float(L), 0.0)
     costs = choice.costs
-    scale_f = np.array([c.forward_s / f if f > 0 else 0.0 for c, f in zip(costs, f_full.tolist())])
-    scale_b = np.array([c.backward_s / w if w > 0 else 0.0 for c, w in zip(costs, b_full.tolist())])
-
-    def times(s, c):
-        f, bw = model.times(s, c)
-        shape = (-1,) + (1,) * (f.ndim - 1)
-        return f * scale_f.reshape(shape), bw * scale_b.reshape(shape)
-
-    def slowest(s, c):
-        f, bw = times(s, c)
-        return np.max(f + bw, axis=0)
-
-    def priced(slices: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Per stage and slice (forward, backward) seconds, each stage's row raised where needed so that the
-        slices together cost at least the whole sequence: slicing never removes work (a fit whose b·s·c and
-        b·s² terms disagree would otherwise make many short slices look cheaper than the sequence)."""
-        offs = np.cumsum([0, *slices[:-1]]).astype(float)
-        f, bw = times(np.asarray(slices, dtype=float), offs)
-        for row, full in ((f, f_full * scale_f), (bw, b_full * scale_b)):
-            tot = row.sum(axis=1)
-            row *= np.where((tot > 0) & (tot < full), full / np.where(tot > 0, tot, 1.0), 1.0)[:, None]
-        return f, bw
-
     if K < 2:
         return phase  # one stage: no pipeline bubble for slices to fill
     overhead = search.c.step_overhead_s
-    opt = optimal_slices(slowest, L, K, granularity=slice_granularity(L), repeat=M)
-    tries = {opt.slices} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n)) for n in (2, 3, 4, 6, 8)
-                            if n <= L}
+    opt = _slice_candidates(model, costs, L, K, M, slice_granularity(L))
+    tries = {opt} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n)) for n in (2, 3, 4, 6, 8) if n <= L}
     best: tuple[float, tuple[int, ...]] | None = None
     for cand in sorted(tries, key=len):
         if len(cand) < 2:
             continue
-        f, bw = priced(cand)
-        sc = SliceCosts(tokens=cand, forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
+        sc = slice_costs(model, costs, L, cand)
         t = simulate(terapipe(K, M, len(cand)), costs, step_overhead_s=overhead, slice_costs=sc).iteration_s
         if best is None or t < best[0]:
             best = (t, cand)
     if best is None:
         return phase
     slices = best[1]
-    f, bw = priced(slices)
-    sc = SliceCosts(tokens=slices, forward_s=tuple(map(tuple, f)), backward_s=tuple(map(tuple, bw)))
+    sc = slice_costs(model, costs, L, slices)
+    f, bw = np.asarray(sc.forward_s), np.asarray(sc.backward_s)
     sched = terapipe(K, M, len(slices))
     events = keep_timeline and K * M * len(slices) * 6 <= max_events
     sim = simulate(sched, costs, step_overhead_s=overhead, slice_costs=sc, events=events)

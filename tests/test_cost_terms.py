@@ -59,3 +59,96 @@ def test_sequence_parallel_needs_tp():
         Strategy(sp=True)
     assert Strategy.parse("tp2·sp·fsdp") == Strategy(tp=2, sp=True, fsdp=True)
     assert Strategy(tp=4, sp=True).label == "tp4·sp"
+
+
+# ---- token slices: α–β per message, tp all-reduces and the overhead per slice --------------------------------
+
+def test_each_slice_message_pays_the_latency():
+    from ptplan.planner.schedule import terapipe
+    from ptplan.planner.simulate import SliceCosts, StageCost, simulate
+
+    sc = SliceCosts(tokens=(3, 1), forward_s=((1.0, 1.0),) * 2, backward_s=((1.0, 1.0),) * 2)
+    base = [StageCost(forward_s=1.0, backward_s=1.0), StageCost(forward_s=1.0, backward_s=1.0)]
+    t0 = simulate(terapipe(2, 1, 2), base, slice_costs=sc).iteration_s
+    # α = 0.1 s, β·bytes = 0.4 s for the whole micro-batch: the first slice (3 of 4 tokens) reaches stage 1 after
+    # 0.1 + 0.4·3/4 = 0.4 s (was 0.5·3/4 = 0.375 s with the latency scaled with the slice)
+    sent = [dataclasses.replace(base[0], send_forward_s=0.5, send_forward_latency_s=0.1), base[1]]
+    assert simulate(terapipe(2, 1, 2), sent, slice_costs=sc).iteration_s - t0 == pytest.approx(0.1 + 0.4 * 3 / 4)
+    with pytest.raises(PtplanError, match="part of it"):
+        StageCost(forward_s=1.0, backward_s=1.0, send_forward_s=0.1, send_forward_latency_s=0.2)
+
+
+def _tp_model(tp: int):
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.stage import PhaseShape, StageModel, links_for
+    from ptplan.planner.strategy import tp_allreduce_coeffs
+
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
+    cl = get_preset("dgx-h100")
+    cl = dataclasses.replace(cl, action_overhead_s=1e-4)
+    shape = PhaseShape(K=2, M=2, b=2, D=1, frozen=0, cache=False, inflight=(2, 1), tp=tp,
+                       tp_ar=tp_allreduce_coeffs(cl, tp), action_overhead_s=cl.action_overhead_s)
+    return prof, StageModel(CostTable(prof), shape, links_for(dataclasses.replace(cl, gpus_per_node=8 // tp), 2)), cl
+
+
+def test_stage_costs_say_what_their_totals_hold():
+    from ptplan.planner.strategy import splittable, tp_allreduce_coeffs
+
+    prof, m, cl = _tp_model(4)
+    t = CostTable(prof)
+    lat, per = tp_allreduce_coeffs(cl, 4)
+    a = splittable(t)
+    ranges = [(0, 5), (5, prof.num_layers)]
+    for (lo, hi), c in zip(ranges, m.stage_costs(ranges)):
+        # Megatron: one all-reduce of the half's b·out bytes per attention / MLP half, forward and backward
+        assert c.tp_comm_latency_s == pytest.approx(float(a[lo:hi].sum()) * lat)
+        assert c.tp_comm_s == pytest.approx(float((a[lo:hi] * (lat + 2 * t.out_per_sample[lo:hi] * per)).sum()))
+        div = np.where(a[lo:hi] > 0, 4.0, 1.0)
+        assert c.forward_s - c.tp_comm_s - c.overhead_s == pytest.approx(float((t.at(2).fwd[lo:hi] / div).sum()))
+        assert c.overhead_s == 1e-4
+    c0, c1 = m.stage_costs(ranges)
+    assert c0.send_forward_latency_s == pytest.approx(cl.intra_latency_s) and c0.send_backward_latency_s == 0.0
+    assert c1.send_backward_latency_s == pytest.approx(cl.intra_latency_s) and c1.send_forward_latency_s == 0.0
+
+
+def test_slice_costs_by_hand():
+    from ptplan.planner.simulate import StageCost
+    from ptplan.planner.terapipe import SliceCost, StageSliceModel, slice_costs
+
+    flat = SliceCost(const=0.0, per_token=1.0, per_context=0.0, per_pair=0.0)  # t ∝ s: slices share the work
+    model = StageSliceModel(blocks=(1.0,), token_forward_s=(0.0,), token_backward_s=(0.0,), forward=flat,
+                            backward=flat)
+    c = StageCost(forward_s=1.0 + 0.2 + 0.05, backward_s=2.0 + 0.2 + 0.05, tp_comm_s=0.2, tp_comm_latency_s=0.08,
+                  overhead_s=0.05)
+    sc = slice_costs(model, [c], 100, (75, 25))
+    # forward of slice j = 1.0·s_j/L + 0.05 (its action) + 0.08 (its all-reduces' α) + 0.12·s_j/L (their bytes)
+    assert sc.forward_s[0] == pytest.approx((0.75 + 0.05 + 0.08 + 0.09, 0.25 + 0.05 + 0.08 + 0.03))
+    assert sc.backward_s[0] == pytest.approx((1.5 + 0.05 + 0.08 + 0.09, 0.5 + 0.05 + 0.08 + 0.03))
+    # two slices cost the stage 2·(0.05 + 0.08) more than one: slicing's extra actions and all-reduces are priced
+    assert sum(sc.forward_s[0]) - c.forward_s == pytest.approx(0.05 + 0.08)
+
+
+def test_token_slices_with_tensor_parallelism_are_planned():
+    """TeraPipe's own configuration (slices with tp inside each stage) is planned by ``sliced_phase`` (each slice
+    paying its own all-reduces: ``test_slice_costs_by_hand``); a tp the model's heads do not divide is refused."""
+    import random
+
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.profile import SliceFit, SlicePoint, SliceProfile, load_profile
+    from ptplan.planner.terapipe import sliced_phase
+    from pathlib import Path
+
+    prof = load_profile(Path(__file__).resolve().parents[1] / "profiles" / "gpt2_cpu_fp32.json")
+    rng = random.Random(0)
+
+    def fit():
+        return SliceFit(const=rng.uniform(1e-4, 5e-4), per_token=rng.uniform(1e-4, 1e-3), per_context=1e-7,
+                        per_pair=1e-8, fit_error=0.0, max_error=0.0)
+    pts = tuple(SlicePoint(b=1, s=s, c=c, forward_s=1.0, backward_s=1.0) for s in (1, 2) for c in (0, 1))
+    prof = dataclasses.replace(prof, token_slices=SliceProfile(unit="block", points=pts, forward=fit(),
+                                                               backward=fit(), device="synthetic", date="-"))
+    cl = get_preset("h100-4node")
+    ph = sliced_phase(prof, K=4, M=1, b=1, tp=4, cluster=cl, granularity=16)
+    assert len(ph.slices) > 1 and ph.iteration_s < ph.unsliced_s and ph.fits
+    with pytest.raises(PtplanError, match="cannot split"):
+        sliced_phase(prof, K=4, M=1, b=1, tp=8, cluster=cl)  # 12 heads do not split over 8 ranks

@@ -67,10 +67,12 @@ def test_messages_scale_with_the_slice_and_the_prefix_runs_once_per_micro_batch(
     assert simulate(terapipe(2, 1, 2), pre, slice_costs=sc).iteration_s == pytest.approx(t0 + 0.7)
 
 
-def _profile(seed: int):
-    """The shipped gpt2 profile with a synthetic block slice fit (tests of the planner, not of the numbers)."""
+def _profile(seed: int, L: int = 512):
+    """The shipped gpt2 profile with a synthetic block slice fit, its measured layers read as a sequence of L tokens
+    (tests of the planner, not of the numbers: ``sliced_phase`` prices a profile's layers at its sequence length)."""
     rng = random.Random(seed)
     prof = load_profile(ROOT / "profiles" / "gpt2_cpu_fp32.json")
+    prof = dataclasses.replace(prof, model=dataclasses.replace(prof.model, seq_len=L))
 
     def fit():
         return SliceFit(const=rng.uniform(1e-4, 5e-3), per_token=rng.uniform(1e-5, 1e-3),
@@ -87,8 +89,8 @@ def test_planner_choice_is_never_worse_than_unsliced():
     for seed in range(12):
         prof = _profile(seed)
         K, M, f = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4]), rng.choice([0, 0, 3, 6])
-        ph = sliced_phase(prof, L=512, K=K, M=M, b=rng.choice([1, 4]), frozen_blocks=f, granularity=32)
-        off = sliced_phase(prof, L=512, K=K, M=M, b=ph.b, frozen_blocks=f, granularity=32, slicing="off")
+        ph = sliced_phase(prof, K=K, M=M, b=rng.choice([1, 4]), frozen_blocks=f, granularity=32)
+        off = sliced_phase(prof, K=K, M=M, b=ph.b, frozen_blocks=f, granularity=32, slicing="off")
         assert sum(ph.slices) == 512 and off.slices == (512,)
         assert ph.iteration_s <= ph.unsliced_s + 1e-12 and ph.unsliced_s == pytest.approx(off.iteration_s)
         assert ph.ranges[0][0] == prof.frozen_boundary(f) and ph.ranges[-1][1] == prof.num_layers
@@ -97,31 +99,62 @@ def test_planner_choice_is_never_worse_than_unsliced():
 
 
 def test_slicing_shrinks_the_bubble_and_later_slices_are_shorter():
-    prof = _profile(0)
-    ph = sliced_phase(prof, L=1024, K=8, M=1, b=1, granularity=16)
+    from ptplan.planner.cluster import cpu_cluster
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.costs import CostTable
+    from ptplan.planner.stage import cache_setup_s
+
+    prof = _profile(0, L=1024)
+    ph = sliced_phase(prof, K=8, M=1, b=1, granularity=16)
     assert len(ph.slices) > 1 and ph.iteration_s < 0.7 * ph.unsliced_s
     assert ph.slices[0] >= ph.slices[-1]
-    # six frozen blocks: unsliced before the pipeline on stage 0, or read from the AutoCache
-    active = sliced_phase(prof, L=1024, K=4, M=1, b=1, granularity=16)
-    frozen = sliced_phase(prof, L=1024, K=4, M=1, b=1, frozen_blocks=6, granularity=16)
-    cached = sliced_phase(prof, L=1024, K=4, M=1, b=1, frozen_blocks=6, granularity=16, cache=True)
-    assert cached.iteration_s < active.iteration_s and cached.iteration_s < frozen.iteration_s
-    assert frozen.iteration_s - cached.iteration_s == pytest.approx(6 * float(
-        profile_slice_cost(prof, 1, "forward")(1024, 0)) + sum(prof.nograd_forward_s(i, 1) * 1024 / 128
-                                                              for i in range(prof.frozen_boundary(6))
-                                                              if prof.layers[i].kind == "embedding"), rel=1e-9)
+    assert ph.fits and ph.peak_memory_bytes > 0
+    # six frozen blocks: unsliced before the pipeline on stage 0 (the stage model's no-grad forward of the
+    # prefix, once per micro-batch), or read from the AutoCache (its set-up: the shard's rows from host memory)
+    active = sliced_phase(prof, K=4, M=1, b=1, granularity=16)
+    frozen = sliced_phase(prof, K=4, M=1, b=1, frozen_blocks=6, granularity=16, slicing="off")
+    cached = sliced_phase(prof, K=4, M=1, b=1, frozen_blocks=6, granularity=16, cache=True, slicing="off")
+    assert cached.iteration_s < active.unsliced_s and cached.iteration_s < frozen.iteration_s
+    n0 = prof.frozen_boundary(6)
+    t = CostTable(prof, time_scale=cpu_cluster(4).concurrency_slowdown)
+    prefix = float(t.at(1).cum_nograd[n0])
+    read = cache_setup_s(t, n0, 1, 1, TrainingConfig(epochs=1, samples_per_epoch=8, batch=8).host_read_bandwidth, device_is_host=True)
+    assert frozen.iteration_s - cached.iteration_s == pytest.approx(prefix - read, rel=1e-9)
+
+
+def test_sliced_phase_is_the_stage_models():
+    """``sliced_phase`` unsliced is exactly the planner's GPipe simulation of the stage model's costs, and refuses a
+    sequence length other than the profile's."""
+    from ptplan.planner.cluster import cpu_cluster
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.costs import CostTable
+    from ptplan.planner.schedule import peak_inflight
+    from ptplan.planner.stage import PhaseShape, StageModel, links_for
+
+    prof = _profile(1)
+    off = sliced_phase(prof, K=2, M=2, b=2, D=2, slicing="off", granularity=32)
+    cl = cpu_cluster(4)
+    shape = PhaseShape(K=2, M=2, b=2, D=2, frozen=0, cache=False, inflight=peak_inflight("gpipe", 2, 2, 1),
+                       device_is_host=True, action_overhead_s=cl.action_overhead_s,
+                       host_read_bandwidth=TrainingConfig(epochs=1, samples_per_epoch=8, batch=8).host_read_bandwidth)
+    costs = StageModel(CostTable(prof, time_scale=cl.concurrency_slowdown), shape, links_for(cl, 2)).stage_costs(off.ranges)
+    want = simulate(gpipe(2, 2), costs, step_overhead_s=cl.step_overhead_s)
+    assert off.unsliced_s == off.iteration_s == pytest.approx(want.iteration_s, rel=1e-12)
+    assert off.peak_memory_bytes == max(want.rank_peak_memory_bytes)
+    with pytest.raises(PtplanError, match="at their sequence length 512"):
+        sliced_phase(prof, L=1024, K=2, M=1, b=1)
 
 
 def test_search_combines_k_d_and_m():
     prof = _profile(2)
-    best = search_sliced(prof, gpus=4, batch=4, L=256, granularity=32, allreduce_bandwidth=1e9)
+    best = search_sliced(prof, gpus=4, batch=4, granularity=32)
     for K in (1, 2, 4):
         D = 4 // K
         for M in [m for m in (1, 2, 4) if (4 // D) % m == 0]:
-            assert best.iteration_s <= sliced_phase(prof, L=256, K=K, M=M, b=4 // D // M, D=D, granularity=32,
-                                                    allreduce_bandwidth=1e9).iteration_s + 1e-12
+            assert best.iteration_s <= sliced_phase(prof, K=K, M=M, b=4 // D // M, D=D,
+                                                    granularity=32).iteration_s + 1e-12
     with pytest.raises(PtplanError, match="splits a batch of 3"):
-        search_sliced(prof, gpus=4, batch=3, L=256, granularity=32, frozen_blocks=12)
+        search_sliced(prof, gpus=4, batch=3, granularity=32, frozen_blocks=12)
 
 
 def test_balanced_ranges_minimise_the_slowest_stage():
@@ -146,14 +179,14 @@ def test_slice_plan_follows_a_real_plans_phases():
     plan = make_plan(prof, get_preset("cpu:4"), TrainingConfig(epochs=3, samples_per_epoch=256, batch=8,
                                                                schedule="gpipe"),
                      FreezePolicy(policy="manual", manual=(0, 4, 8)))
-    got = slice_plan(plan, prof, L=512, granularity=32)
+    got = slice_plan(plan, prof, granularity=32)
     assert len(got) == len(plan.phases)
     for ph, sp in zip(plan.phases, got):
         assert (sp.K, sp.D, sp.M, sp.b) == (ph.K, ph.D, ph.M, ph.micro_batch_size)
         assert sp.ranges == tuple(tuple(r) for r in ph.partition)
         assert sp.iteration_s <= sp.unsliced_s + 1e-12 and sum(sp.slices) == 512
     with pytest.raises(PtplanError, match="contiguous"):
-        sliced_phase(prof, L=512, K=2, M=1, b=1, ranges=((0, 5), (6, prof.num_layers)))
+        sliced_phase(prof, K=2, M=1, b=1, ranges=((0, 5), (6, prof.num_layers)))
 
 
 # ---- ptplan plan --token-slices (Phase.slices) ------------------------------------------------------
