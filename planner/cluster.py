@@ -339,6 +339,22 @@ PRESETS["h100-4node"] = replace(
 PRESETS["cpu"] = cpu_cluster(2)
 
 
+def charged_overheads(cluster: Cluster, profile: Any) -> Cluster:
+    """The cluster whose per-action overhead the planner charges with this profile: the larger of the cluster's
+    ``action_overhead_s`` (two processes, point-to-point posting included, where ``bench/overhead_bench.py``
+    measured it) and the profile's ``measurement["action_overhead_s"]`` (the profiler's one-process measurement on
+    its device: ``executor/profiling/overhead.py``), the latter only when the profile was measured on this kind of
+    device (a CPU profile's Python overhead says nothing of a GPU cluster's). So every extra action -- 2BW's,
+    token slices', more micro-batches -- is priced where the profiler measured it. Unchanged when the profile did
+    not measure it."""
+    meas = getattr(profile, "measurement", None) or {}
+    o = meas.get("action_overhead_s")
+    kind = {"cuda": "gpu", "cpu": "cpu"}.get(getattr(getattr(profile, "device", None), "kind", None) or "")
+    if not isinstance(o, (int, float)) or isinstance(o, bool) or not 0 <= o < MAX_LATENCY_S or kind != cluster.device_kind:
+        return cluster
+    return cluster if o <= cluster.action_overhead_s else replace(cluster, action_overhead_s=float(o))
+
+
 def get_preset(name: str) -> Cluster:
     """A named preset; ``cpu:N`` is this machine with N processes. Unknown -> PtplanError listing them."""
     if name in PRESETS:

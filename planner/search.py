@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .cluster import Cluster
+from .cluster import Cluster, charged_overheads
 from .config import TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
@@ -162,6 +162,7 @@ class PhaseSearch:
         tp inside a node that divides the GPUs and the model's heads, key/value heads and MLP width
         (``tp_split``); FSDP off, on every stage, or chosen per stage; recomputation
         likewise: ``modes``)."""
+        cluster = charged_overheads(cluster, profile)  # the profiler's measured per-action overhead (cluster.py)
         self.p, self.c, self.cfg = profile, cluster, cfg
         if strategies not in ("off", "auto"):
             raise PtplanError(f"strategies={strategies!r}; use off or auto")

@@ -395,7 +395,7 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     (``slice_refusal``)."""
     from dataclasses import replace
 
-    from .cluster import cpu_cluster
+    from .cluster import charged_overheads, cpu_cluster
     from .config import TrainingConfig
     from .costs import CostTable
     from .schedule import gpipe, peak_inflight, terapipe
@@ -413,7 +413,7 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     L = L0
     if L % granularity:
         raise PtplanError(f"sequence length {L} is not a multiple of the slice granularity {granularity}")
-    cl = cluster if cluster is not None else cpu_cluster(K * D * tp)
+    cl = charged_overheads(cluster if cluster is not None else cpu_cluster(K * D * tp), profile)
     if cl.world_size < K * D * tp:
         raise PtplanError(f"K·D·tp = {K}·{D}·{tp} = {K * D * tp} GPUs do not fit cluster {cl.name} "
                           f"({cl.world_size}); use a larger cluster or smaller K, D or tp")

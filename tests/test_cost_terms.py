@@ -152,3 +152,49 @@ def test_token_slices_with_tensor_parallelism_are_planned():
     assert len(ph.slices) > 1 and ph.iteration_s < ph.unsliced_s and ph.fits
     with pytest.raises(PtplanError, match="cannot split"):
         sliced_phase(prof, K=4, M=1, b=1, tp=8, cluster=cl)  # 12 heads do not split over 8 ranks
+
+
+# ---- the per-action overhead: measured by the profiler, charged by the planner -------------------------------
+
+def test_the_profiler_measures_the_action_overhead_and_the_planner_charges_it():
+    import torch
+
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.profiling.profiler import profile_model
+    from ptplan.planner.cluster import charged_overheads, get_preset
+
+    torch.set_num_threads(1)
+    prof = profile_model(build_model("bert-tiny", seq_len=8), device="cpu", batch_sizes=[1], warmup=0, repeats=1,
+                         progress=False)
+    o = prof.measurement["action_overhead_s"]
+    assert 1e-6 < o < 0.05  # host seconds per forward or backward action of torch's schedule runtime
+    # a CPU profile's overhead is charged on a CPU cluster where it is larger than the cluster's own figure ...
+    cpu = dataclasses.replace(get_preset("cpu:2"), action_overhead_s=0.0)
+    assert charged_overheads(cpu, prof).action_overhead_s == o
+    assert charged_overheads(get_preset("cpu:2"), prof).action_overhead_s == max(o, 330e-6)
+    # ... and never on a GPU cluster (a Python overhead on this CPU says nothing of a GPU host)
+    assert charged_overheads(get_preset("dgx-h100"), prof) is get_preset("dgx-h100")
+    gpu_prof = dataclasses.replace(prof, device=dataclasses.replace(prof.device, kind="cuda"))
+    assert charged_overheads(get_preset("dgx-h100"), gpu_prof).action_overhead_s == o
+
+
+def test_charged_overhead_prices_each_extra_action():
+    """The stage model puts the per-action overhead o into every forward and backward, so the simulated iteration
+    grows by o per action on its critical path."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.schedule import gpipe
+    from ptplan.planner.simulate import simulate
+    from ptplan.planner.stage import PhaseShape, StageModel, links_for
+
+    prof = synthetic_profile(num_blocks=2, hidden=64, seq_len=16, vocab=100)
+    cl = get_preset("dgx-h100")
+    t = CostTable(prof)
+    ranges = [(0, 3), (3, prof.num_layers)]
+
+    def it(o: float) -> float:
+        sh = PhaseShape(K=2, M=4, b=1, D=1, frozen=0, cache=False, inflight=(4, 4), action_overhead_s=o)
+        return simulate(gpipe(2, 4), StageModel(t, sh, links_for(cl, 2)).stage_costs(ranges)).iteration_s
+
+    # GPipe on 2 stages, M = 4: the critical path holds M + 1 forwards and M + 1 backwards (M on the slower stage,
+    # one on the other) whatever the stage times, so o adds 2·(M + 1)·o
+    assert it(1e-3) - it(0.0) == pytest.approx(2 * 5 * 1e-3, rel=1e-6)

@@ -65,6 +65,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ptplan.executor.profiling.overhead import measure_action_overhead
 from ptplan.planner.costs import optimizer_state_bytes
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
@@ -628,7 +629,7 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     ``command``: the command line that asked for this profile, recorded in its provenance.
     ``budget_s``: a target for the whole profile in seconds (None: exactly ``warmup`` and ``repeats`` per
     size): every size is still measured, with fewer rounds where the time would not fit (``budget_rounds``;
-    each size gets a share of what is left in proportion to its micro-batch size). The rounds run per size
+    each size gets a share of what is left in proportion to its micro-batch size plus 4). The rounds run per size
     and the machine's load average are recorded in the profile's ``measurement``.
     """
     from tqdm import tqdm
@@ -665,9 +666,9 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
             while todo:
                 b = todo.pop(0)
                 share = None
-                if budget_s is not None:  # cost grows about linearly with b: a share of what is left
+                if budget_s is not None:  # cost ~ b plus a fixed part (~4 samples' worth): a share of what is left
                     pending = [b] + ([c for c in powers_of_two(max_batch) if c > b] if auto else todo)
-                    share = max(0.0, budget_s - (time.perf_counter() - began)) * b / sum(pending)
+                    share = max(0.0, budget_s - (time.perf_counter() - began)) * (b + 4) / sum(c + 4 for c in pending)
                 res, run = _measure_size(model, clock, dev, b, gen, warmup, repeats, bar, share, not measured)
                 results.append(res)
                 rounds.append(run)
@@ -693,6 +694,8 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
                      dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config)
     measurement = _measurement(dev, timer, warmup, repeats, measured, results, rounds, budget_s, load)
+    if (ovh := measure_action_overhead(dev)) is not None:  # planner.cluster.charged_overheads charges it
+        measurement["action_overhead_s"] = ovh
     if auto:
         measurement.update(_default_sizes_record(max_batch, limit, skipped))
     peaks = tuple(r.peak for r in results if r.peak is not None)
