@@ -58,6 +58,25 @@ class DeviceModel:
     """Where the numbers come from."""
     efficiency: Efficiency = field(default_factory=Efficiency)
 
+    def efficiency_at(self, flops: float, dtype: str, *, matmul: bool = True) -> float:
+        """Share of the peak an operation of ``flops`` FLOPs reaches: the falling-for-small-matrices curve
+        ``matmul_max · F / (F + F_half)``, F_half = peak · ``matmul_half_s`` (``Efficiency``). A GEMM that would take
+        ``matmul_half_s`` at peak reaches half of ``matmul_max``; one 100 times larger 99 % of it."""
+        e = self.efficiency
+        peak = self.matmul_peak(dtype) if matmul else self.vector_flops
+        return e.matmul_max * flops / (flops + peak * e.matmul_half_s) if flops > 0 else 0.0
+
+    def op_seconds(self, flops: float, nbytes: float, dtype: str, *, matmul: bool = True) -> float:
+        """The roofline with that curve: launch + max(bytes / (``memory`` · bandwidth), FLOPs / (efficiency · peak))
+        seconds (the projection's per-operation time, ``executor/profiling/project.op_seconds``)."""
+        e = self.efficiency
+        t_mem = nbytes / (self.memory_bandwidth * e.memory)
+        t_math = 0.0
+        if flops > 0:
+            peak = self.matmul_peak(dtype) if matmul else self.vector_flops
+            t_math = flops / (peak * self.efficiency_at(flops, dtype, matmul=matmul))
+        return e.launch_s + max(t_mem, t_math)
+
     def matmul_peak(self, dtype: str) -> float:
         if dtype not in self.matmul_flops:
             raise PtplanError(f"{self.name} has no {dtype} matrix-multiply rate in its datasheet "

@@ -198,3 +198,21 @@ def test_charged_overhead_prices_each_extra_action():
     # GPipe on 2 stages, M = 4: the critical path holds M + 1 forwards and M + 1 backwards (M on the slower stage,
     # one on the other) whatever the stage times, so o adds 2·(M + 1)·o
     assert it(1e-3) - it(0.0) == pytest.approx(2 * 5 * 1e-3, rel=1e-6)
+
+
+# ---- kernel efficiency by GEMM size (planner/devices.py) -----------------------------------------------------
+
+def test_efficiency_falls_for_small_matrices():
+    from ptplan.planner.devices import get_device
+
+    h100 = get_device("h100")
+    e, peak = h100.efficiency, h100.matmul_peak("bfloat16")
+    half = peak * e.matmul_half_s  # 989.4e12 · 5e-6 = 4.947e9 FLOPs: a GEMM this big reaches half of matmul_max
+    assert h100.efficiency_at(half, "bfloat16") == pytest.approx(e.matmul_max / 2)
+    assert h100.efficiency_at(99 * half, "bfloat16") == pytest.approx(0.99 * e.matmul_max)
+    # a 4096³ GEMM: 2·4096³ = 1.374e11 FLOPs -> 0.75 · 1.374e11 / (1.374e11 + 4.947e9) = 0.724 of the peak
+    f = 2 * 4096**3
+    assert h100.efficiency_at(f, "bfloat16") == pytest.approx(0.75 * f / (f + 4.947e9), rel=1e-3)
+    # roofline: a bandwidth-bound op takes bytes / (0.8 · 3.35 TB/s) + launch
+    assert h100.op_seconds(0.0, 1e9, "bfloat16") == pytest.approx(4e-6 + 1e9 / (0.8 * 3350e9))
+    assert h100.op_seconds(f, 0.0, "bfloat16") == pytest.approx(4e-6 + f / (peak * h100.efficiency_at(f, "bfloat16")))

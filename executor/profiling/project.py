@@ -98,15 +98,9 @@ class _Recorder(TorchDispatchMode):
 
 
 def op_seconds(op: Op, device: DeviceModel, dtype: str) -> float:
-    """One operation's projected seconds (see the module docstring)."""
-    e = device.efficiency
-    t_mem = op.bytes / (device.memory_bandwidth * e.memory)
-    t_math = 0.0
-    if op.flops > 0:
-        peak = device.matmul_peak(dtype) if op.name in _MATMUL else device.vector_flops
-        half = peak * e.matmul_half_s
-        t_math = op.flops / (peak * e.matmul_max * op.flops / (op.flops + half))
-    return e.launch_s + max(t_mem, t_math)
+    """One operation's projected seconds (see the module docstring): the device's roofline with its efficiency
+    curve (``planner.devices.DeviceModel.op_seconds``)."""
+    return device.op_seconds(op.flops, op.bytes, dtype, matmul=op.name in _MATMUL)
 
 
 def _storage(t: Tensor) -> tuple[int, int]:
