@@ -216,3 +216,40 @@ def test_efficiency_falls_for_small_matrices():
     # roofline: a bandwidth-bound op takes bytes / (0.8 · 3.35 TB/s) + launch
     assert h100.op_seconds(0.0, 1e9, "bfloat16") == pytest.approx(4e-6 + 1e9 / (0.8 * 3350e9))
     assert h100.op_seconds(f, 0.0, "bfloat16") == pytest.approx(4e-6 + f / (peak * h100.efficiency_at(f, "bfloat16")))
+
+
+# ---- α–β messages and collectives, bytes from the profile's dtype, the data-parallel all-reduce ---------------
+
+def test_messages_and_collectives_are_alpha_beta():
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.stage import PhaseShape, StageModel, links_for
+
+    cl = get_preset("dgx-h100")  # NVLink: α = 5 us, 450 GB/s
+    assert cl.p2p_seconds(0, 1, 1e9) == pytest.approx(5e-6 + 1e9 / 450e9)
+    # ring all-reduce of n = 4 ranks: 2(n-1) steps of α, 2(n-1)/n of the bytes over the link
+    assert cl.allreduce_seconds([0, 1, 2, 3], 1e9) == pytest.approx(6 * 5e-6 + 1.5 * 1e9 / 450e9)
+    # the stage model's boundary bytes are the profile's (its dtype): bf16 GPT, b = 3 -> 3 · s · h · 2 bytes
+    prof = synthetic_profile(num_blocks=2, hidden=64, seq_len=16, vocab=100, dtype_bytes=2)
+    sh = PhaseShape(K=2, M=1, b=3, D=2, frozen=0, cache=False, inflight=(1, 1))
+    m = StageModel(CostTable(prof), sh, links_for(get_preset("h100-4node"), 2))
+    c0, c1 = m.stage_costs([(0, 3), (3, prof.num_layers)])
+    assert c0.send_forward_s == pytest.approx(5e-6 + 3 * 16 * 64 * 2 / 450e9)
+    assert c1.send_backward_s == pytest.approx(c0.send_forward_s)
+    # gradient bytes in the profile's dtype (2 B per parameter) in the data-parallel all-reduce
+    grads = sum(r.params for r in prof.layers[:3]) * 2
+    assert grads == sum(r.grad_bytes for r in prof.layers[:3])
+    assert c0.allreduce_s == pytest.approx(m.links.ar_lat[0] + grads * m.links.ar_per_byte[0])
+
+
+def test_the_data_parallel_all_reduce_follows_the_last_backward():
+    """The runtime all-reduces a stage's gradients in one flat buffer after the schedule's step
+    (executor/runtime/elastic.py ``_allreduce_grads``), not bucket by bucket during the backward; the simulator
+    does exactly that: each stage's all-reduce starts after its own last backward (overlapping only the other
+    stages' remaining work). GPipe, K = 2, M = 2, f = b = 1 s, all-reduce 0.5 s: stage 1 ends its backwards at 5 s
+    and all-reduces until 5.5 s, stage 0 ends at 6 s and all-reduces until 6.5 s."""
+    from ptplan.planner.schedule import gpipe
+    from ptplan.planner.simulate import StageCost, simulate
+
+    c = StageCost(forward_s=1.0, backward_s=1.0, allreduce_s=0.5)
+    r = simulate(gpipe(2, 2), [c, c])
+    assert r.iteration_s == pytest.approx(6.5)
