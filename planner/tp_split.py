@@ -2,7 +2,8 @@
 heads (grouped-query attention) and the MLP's intermediate width, read from a profile's config (pure).
 
 Megatron's split gives each of tp ranks whole heads (query, key and value column-wise, the attention output
-row-wise) and 1/tp of the MLP's intermediate width (``executor/runtime/hybrid.py``). With grouped-query attention
+row-wise) and 1/tp of the MLP's intermediate width (``executor/runtime/hybrid.py``); which config keys hold
+them is the family's row in ``families.FAMILY_FACTS``. With grouped-query attention
 (the Llama family: H query heads share G key/value heads, H/G each) a rank holds G/tp key/value heads and
 the H/tp query heads that read them, so tp must divide G too.
 """
@@ -10,36 +11,28 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-_KEYS: dict[str, tuple[str, str | None, str]] = {
-    "bert": ("num_attention_heads", None, "intermediate_size"),
-    "roberta": ("num_attention_heads", None, "intermediate_size"),
-    "vit": ("num_attention_heads", None, "intermediate_size"),
-    "distilbert": ("n_heads", None, "hidden_dim"),
-    "gpt2": ("n_head", None, "n_inner"),
-    "llama": ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
-    "mistral": ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
-    "qwen2": ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
-}
-"""Per family: the Hugging Face config keys of (attention heads, key/value heads or None, MLP width)."""
+from .families import family_facts
 
 
 def split_widths(family: str, config: Mapping[str, Any]) -> dict[str, int]:
     """The widths tp must divide, by name ("attention heads", "key/value heads", "intermediate size"), from
-    a Hugging Face config dict (a profile's ``model.config``); {} for a family without a split or a config
-    that lacks them (a profile written without its config)."""
-    if family not in _KEYS:
+    a Hugging Face config dict (a profile's ``model.config``) and the family's config keys
+    (``families.FAMILY_FACTS``); {} for a family without a split or a config that lacks them (a profile
+    written without its config)."""
+    facts = family_facts(family)
+    if facts is None or not facts.tensor_parallel:
         return {}
-    heads_key, kv_key, mlp_key = _KEYS[family]
-    heads = config.get(heads_key)
+    heads = config.get(facts.heads_key)
     if not isinstance(heads, int):
         return {}
     out = {"attention heads": heads}
-    if kv_key is not None:
-        kv = config.get(kv_key)
+    if facts.kv_heads_key is not None:
+        kv = config.get(facts.kv_heads_key)
         out["key/value heads"] = kv if isinstance(kv, int) else heads  # absent: multi-head attention
-    mlp = config.get(mlp_key)
-    if mlp is None and family == "gpt2" and isinstance(config.get("n_embd"), int):
-        mlp = 4 * config["n_embd"]  # GPT-2's n_inner=None: 4 x the width
+    mlp = config.get(facts.mlp_key)
+    hidden = config.get(facts.hidden_key)
+    if mlp is None and facts.mlp_default_factor is not None and isinstance(hidden, int):
+        mlp = facts.mlp_default_factor * hidden  # GPT-2's n_inner=None: 4 x the width
     if isinstance(mlp, int):
         out["intermediate size"] = mlp
     return out
