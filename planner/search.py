@@ -356,6 +356,12 @@ class PhaseSearch:
                 continue
             for M in ms:
                 for name, V in self.shapes(K, M, n_active):
+                    if name == "2bw" and (tp > 1 or fm or rm == 2):  # what executor/runtime/twobw.py cannot run
+                        why = (f"K={K}: 2bw with tp={tp}, FSDP or layer-wise recomputation left out (the executor's "
+                               f"2BW loop runs plain stages, whole-stage recomputation at most)")
+                        if why not in reasons:
+                            reasons.append(why)
+                        continue
                     for cache in caches:
                         out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
                                              tp=tp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,

@@ -253,3 +253,36 @@ def test_the_data_parallel_all_reduce_follows_the_last_backward():
     c = StageCost(forward_s=1.0, backward_s=1.0, allreduce_s=0.5)
     r = simulate(gpipe(2, 2), [c, c])
     assert r.iteration_s == pytest.approx(6.5)
+
+
+# ---- refusals revisited: plan what the runtime can run ------------------------------------------------------
+
+def test_2bw_with_strategies_plans_only_what_the_runtime_runs():
+    from pathlib import Path
+
+    from ptplan.executor.training.validate import check_strategies
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.profile import load_profile
+
+    prof = load_profile(Path(__file__).resolve().parents[1] / "profiles" / "bert-large_a100_bf16.json")
+    cfg = TrainingConfig(epochs=2, samples_per_epoch=4096, batch=256, schedule="2bw", allow_extrapolation=True)
+    plan = make_plan(prof, get_preset("dgx-h100"), cfg, FreezePolicy(policy="manual", manual=(0, 12)),
+                     strategies="auto")
+    assert any(ph.schedule == "2bw" for ph in plan.phases)
+    for ph in plan.phases:
+        if ph.schedule == "2bw":
+            assert ph.tp == 1 and not ph.any_fsdp and not ph.recompute_layers
+    check_strategies(plan)  # the executor's own check accepts every phase
+
+
+def test_ptplan_plan_says_why_it_does_not_slice_a_phase():
+    from types import SimpleNamespace
+
+    from ptplan.planner.terapipe import slice_refusal
+
+    ph = SimpleNamespace(V=1, tp=4, any_fsdp=False, any_recompute=False, schedule="gpipe")
+    assert "tp=4" in slice_refusal(ph) and "tensor-parallel twins" in slice_refusal(ph)
+    assert slice_refusal(SimpleNamespace(V=1, tp=1, any_fsdp=False, any_recompute=False, schedule="1f1b")) is None
