@@ -7,13 +7,16 @@ twice the forward. These profiles are labelled ``device.kind = "cpu"``, ``device
 from __future__ import annotations
 
 from .costs import optimizer_state_bytes
-from .profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
+from .profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, SliceFit, SlicePoint, SliceProfile, \
+    WholeModel
 
 
 def synthetic_profile(*, num_blocks: int = 12, hidden: int = 768, seq_len: int = 128, vocab: int = 50257,
                       batch_sizes: tuple[int, ...] = (1, 2, 4, 8), flops_per_s: float = 50e12,
-                      overhead_s: float = 20e-6, dtype_bytes: int = 4, name: str | None = None) -> Profile:
-    """An attention/MLP-half profile of a GPT-style decoder with ``num_blocks`` blocks."""
+                      overhead_s: float = 20e-6, dtype_bytes: int = 4, name: str | None = None,
+                      heads: int | None = None, slices: bool = False) -> Profile:
+    """An attention/MLP-half profile of a GPT-style decoder with ``num_blocks`` blocks (``heads``: recorded in the
+    config as ``n_head``; ``slices``: with analytic token-slice costs, ``synthetic_slices``)."""
     h, s = hidden, seq_len
     dtype = "float32" if dtype_bytes == 4 else "bfloat16"
     act = s * h * dtype_bytes
@@ -37,12 +40,33 @@ def synthetic_profile(*, num_blocks: int = 12, hidden: int = 768, seq_len: int =
     layers.append(rec(len(layers), "head", "head", None, vocab * h, 2.0 * vocab * h * s, s * vocab * dtype_bytes))
     fwd = tuple(sum(r.forward_s[i] for r in layers) for i in range(len(batch_sizes)))
     fb = tuple(3 * x for x in fwd)
+    config = {"n_layer": num_blocks, "n_embd": hidden, "n_positions": seq_len, "vocab_size": vocab}
+    if heads is not None:
+        config["n_head"] = heads
     return Profile(
         model=ModelInfo(name=name or f"synthetic-gpt-{num_blocks}x{hidden}", family="gpt2", num_blocks=num_blocks,
-                        seq_len=seq_len, dtype=dtype, granularity="half",
-                        config={"n_layer": num_blocks, "n_embd": hidden, "n_positions": seq_len, "vocab_size": vocab}),
+                        seq_len=seq_len, dtype=dtype, granularity="half", config=config),
         device=DeviceInfo(kind="cpu", name="synthetic", memory_bytes=0, torch_version="none", date="1970-01-01"),
         batch_sizes=tuple(batch_sizes), layers=tuple(layers),
         whole_model=WholeModel(forward_s=fwd, forward_backward_s=fb),
         measurement={"synthetic": True, "flops_per_s": flops_per_s, "overhead_s": overhead_s},
-        provenance=Provenance(source="synthetic", command="ptplan.planner.synthetic.synthetic_profile"))
+        provenance=Provenance(source="synthetic", command="ptplan.planner.synthetic.synthetic_profile"),
+        token_slices=synthetic_slices(hidden, flops_per_s, overhead_s) if slices else None)
+
+
+def synthetic_slices(hidden: int, flops_per_s: float, overhead_s: float) -> SliceProfile:
+    """Analytic token-slice costs of one block of ``synthetic_profile`` (both halves), FLOPs / ``flops_per_s``: a
+    slice of s tokens after c costs 2·12·h²·s (the dense layers) + 2·2·s·(c + s)·h (its scores and weighted values
+    over its c + s keys) FLOPs forward, plus ``overhead_s`` per half; the backward twice that."""
+    h, F = hidden, flops_per_s
+    fwd = SliceFit(const=2 * overhead_s, per_token=24.0 * h * h / F, per_context=0.0, per_pair=4.0 * h / F,
+                   fit_error=0.0, max_error=0.0, per_square=4.0 * h / F)
+    bwd = SliceFit(const=2 * fwd.const, per_token=2 * fwd.per_token, per_context=0.0, per_pair=2 * fwd.per_pair,
+                   fit_error=0.0, max_error=0.0, per_square=2 * fwd.per_square)
+
+    def t(f: SliceFit, s: int, c: int) -> float:
+        return f.const + f.per_token * s + f.per_pair * s * c + f.per_square * s * s
+
+    pts = tuple(SlicePoint(b=1, s=s, c=c, forward_s=t(fwd, s, c), backward_s=t(bwd, s, c))
+                for s in (16, 64) for c in (0, 64))
+    return SliceProfile(unit="block", points=pts, forward=fwd, backward=bwd, device="synthetic", date="1970-01-01")

@@ -286,3 +286,18 @@ def test_ptplan_plan_says_why_it_does_not_slice_a_phase():
     ph = SimpleNamespace(V=1, tp=4, any_fsdp=False, any_recompute=False, schedule="gpipe")
     assert "tp=4" in slice_refusal(ph) and "tensor-parallel twins" in slice_refusal(ph)
     assert slice_refusal(SimpleNamespace(V=1, tp=1, any_fsdp=False, any_recompute=False, schedule="1f1b")) is None
+
+
+def test_terapipes_own_setting_tp8_by_48_stages_is_planned():
+    """GPT-3 175B's shape (96 blocks, width 12,288, 96 heads, 2,048 tokens) as a synthetic profile with analytic
+    slice costs, on 48 nodes of 8 GPUs: K = 48 stages, each tp 8 inside its node. Planned in well under a second,
+    sliced, and fitting the memory."""
+    from ptplan.planner.cluster import Cluster
+    from ptplan.planner.terapipe import sliced_phase
+
+    p = synthetic_profile(num_blocks=96, hidden=12288, seq_len=2048, vocab=50257, dtype_bytes=2, heads=96,
+                          slices=True, flops_per_s=100e12, batch_sizes=(1, 2, 4))
+    cl = Cluster.uniform(nodes=48, gpus_per_node=8, like="dgx-h100")
+    ph = sliced_phase(p, K=48, M=2, b=1, tp=8, cluster=cl, granularity=16)
+    assert len(ph.slices) > 1 and sum(ph.slices) == 2048 and ph.fits
+    assert ph.iteration_s < ph.unsliced_s
