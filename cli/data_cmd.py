@@ -1,7 +1,9 @@
 """``ptplan data``: tokenize a CSV/JSONL file of texts (and labels) into the .pt file ``ptplan run --data`` reads."""
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import click
 
@@ -55,9 +57,11 @@ def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, o
                           f"(what ptplan run --data reads)")
     from ptplan.executor.data.prep import prepare_data
 
-    got = prepare_data(src, tokenizer=tokenizer, seq_len=seq_len, out=out, text_column=text_column,
-                       label_column=label_column, label_map=label_map, task=task, split=split, eval_out=eval_out,
-                       seed=seed)
+    with _no_length_warning():  # texts are cut to --seq-len: transformers' "(706 > 512) ... errors" is noise
+        got = prepare_data(src, tokenizer=tokenizer, seq_len=seq_len, out=out, text_column=text_column,
+                           label_column=label_column, label_map=label_map, task=task, split=split,
+                           eval_out=eval_out, seed=seed)
+    _umask_permissions(out, eval_out)
     for note in got.warnings:
         click.echo(f"warning: {note}", err=True)
     where = out if eval_out is None else f"{out} and {got.eval_samples} held out to {eval_out}"
@@ -69,3 +73,30 @@ def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, o
         more = f", ... ({len(got.label_names)} in all)" if len(got.label_names) > 20 else ""
         click.echo(f"  labels: {shown}{more}; train with --num-labels {len(got.label_names)} "
                    f"(the map is recorded in {out}: --label-map {out} reuses it)")
+    click.echo(f"  plan with `ptplan plan PROFILE --data {out}`: {got.samples} samples per epoch, "
+               f"{got.seq_len} tokens per sample")
+
+
+@contextlib.contextmanager
+def _no_length_warning() -> Iterator[None]:
+    """Silence transformers' "Token indices sequence length is longer than the specified maximum" while
+    tokenizing: ptplan data truncates every text to --seq-len itself (and prints how many it cut)."""
+    import logging
+
+    log = logging.getLogger("transformers.tokenization_utils_base")
+    before = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
+def _umask_permissions(*paths: str | None) -> None:
+    """Give the written files the permissions of any new file (0666 less the umask), not the 0600 of the
+    temporary files they were renamed from."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in paths:
+        if p is not None and os.path.isfile(p):
+            os.chmod(p, 0o666 & ~mask)

@@ -251,12 +251,15 @@ def freeze_from_options(freeze_policy: str, alpha: float, manual: str | None, fr
               help="Causal LMs (gpt2, llama): auto cuts each phase's sequences into TeraPipe token slices where the "
                    "slice-aware simulation says they pay (needs a profile made with `ptplan profile MODEL --slices`); "
                    "`ptplan run` runs them token-sliced.")
+@click.option("--data", "data", default=None, metavar="FILE",
+              help="The training file `ptplan data` wrote: --samples-per-epoch defaults to its sample count, "
+                   "--batch to 32 (at most the samples), and its sequence length must be the profile's.")
 @click.option("--out", "out", default="plan.json", show_default=True, help="Where to write the plan.")
 @click.option("--report", default=None, help="Also write the interactive HTML report here.")
 @click.option("--quiet", is_flag=True, help="Do not print the table (warnings are still printed).")
 def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, freeze_policy, alpha, manual,
          freeze_every, adaptive, schedule, optimizer, pin_k, start_k, pin_m, cache, memory_fraction,
-         allow_extrapolation, strategies, token_slices, out, report, quiet) -> None:
+         allow_extrapolation, strategies, token_slices, out, report, quiet, data=None) -> None:
     """Plan elastic pipelined training for PROFILE (a profile file, a shipped profile name, or a model
     name with one shipped profile, e.g. bert-tiny).
 
@@ -271,9 +274,11 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
 
     refuse_inapplicable(click.get_current_context(), PLAN_RULES)
     ppath = resolve_profile_path(profile)
-    inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else [])
+    inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []) + ([Path(data)] if data else [])
     _check_outputs(inputs, [out] + ([report] if report is not None else []))
     prof = load_profile(ppath)
+    if data is not None:
+        samples_per_epoch, batch = _from_data(data, prof, samples_per_epoch, batch)
     cluster = resolve_cluster(cluster_name)
     freeze = freeze_from_options(freeze_policy, alpha, manual, freeze_every, adaptive)
     training = TrainingConfig(epochs=epochs, samples_per_epoch=samples_per_epoch, batch=batch,
@@ -319,6 +324,34 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
         click.echo(w, err=True)
     click.echo(f"planned {len(result.phases)} phases in {dt:.2f} s; wrote {out}"
                + (f" and {report}" if report else ""))
+
+
+DATA_BATCH = 32
+"""``ptplan plan --data``'s global batch when --batch is not given: a common fine-tuning batch."""
+
+
+def _from_data(data: str, prof: Any, samples_per_epoch: int, batch: int) -> tuple[int, int]:
+    """--samples-per-epoch and --batch from the data file where not given on the command line; its sequence
+    length checked against the profile's."""
+    from click.core import ParameterSource
+
+    from ptplan.cli.data_info import data_shape
+
+    n, seq_len = data_shape(data)
+    if seq_len is not None and prof.model.seq_len and seq_len != prof.model.seq_len:
+        raise PtplanError(f"--data {data} has {seq_len} tokens per sample but the profile was measured at "
+                          f"{prof.model.seq_len}; profile again with --seq-len {seq_len}, or write the data with "
+                          f"`ptplan data ... --seq-len {prof.model.seq_len}`")
+    ctx = click.get_current_context()
+    given = {k for k in ("samples_per_epoch", "batch") if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if "samples_per_epoch" not in given:
+        samples_per_epoch = n
+    elif samples_per_epoch > n:
+        raise PtplanError(f"--samples-per-epoch {samples_per_epoch:,} is more than the {n:,} samples in --data "
+                          f"{data}; leave it out to use them all")
+    if "batch" not in given:
+        batch = min(DATA_BATCH, samples_per_epoch)
+    return samples_per_epoch, batch
 
 
 class _Progress:

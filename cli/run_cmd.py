@@ -13,10 +13,14 @@ from ptplan.planner.errors import PtplanError
 
 @click.command("run")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
-@click.option("--model", required=True, help="Model adapter name, e.g. bert-base (must match the plan's profile).")
+@click.option("--model", default=None,
+              help="Model adapter name (e.g. bert-base) or a local Hugging Face folder; must match the plan's "
+                   "profile [default: the MODEL (and --weights) the plan's profile was made with].")
 @click.option("--weights", type=click.Path(file_okay=False), default=None,
-              help="Local Hugging Face model folder to start from (default: random init from --seed).")
-@click.option("--nproc-per-node", type=int, required=True, help="Processes (GPUs) on this node.")
+              help="Local Hugging Face model folder whose weights to start from [default: a --model folder's own "
+                   "weights when it has weight files, else random init from --seed].")
+@click.option("--nproc-per-node", type=int, default=None,
+              help="Processes (GPUs) on this node [default on one node: the plan's K*D].")
 @click.option("--nnodes", default="1", show_default=True, help="Nodes (torchrun), or MIN:MAX.")
 @click.option("--node-rank", type=int, default=None, help="This node's rank (torchrun static rendezvous).")
 @click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (torchrun).")
@@ -65,8 +69,9 @@ from ptplan.planner.errors import PtplanError
 @click.option("--eval-batch-size", type=int, default=32, show_default=True,
               help="Samples per evaluation micro-batch on each pipeline.")
 @click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
-              help="Write the final model here as a Hugging Face folder (from_pretrained loads it; with "
-                   "--weights, that folder's tokenizer files too). Must not exist or be empty.")
+              help="Write the final model here as a complete Hugging Face folder: weights, config.json with the "
+                   "--data file's label names, the tokenizer (or image processor) of --weights or the --model "
+                   "folder, and a model card (README.md). Must not exist or be empty.")
 @click.option("--export-best", is_flag=True,
               help="Write --export at the best held-out evaluation (accuracy; loss for causal LMs) instead of "
                    "the end; needs --eval-data.")
@@ -102,7 +107,7 @@ from ptplan.planner.errors import PtplanError
                    "augmentation, a layer random in eval mode); later epochs then replay the first output. "
                    "Without it such a run stops before training.")
 @click.option("--dry-run", is_flag=True, help="Check everything and print the torchrun command; do not run.")
-def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nnodes: str, node_rank: int | None,
+def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: int | None, nnodes: str, node_rank: int | None,
         rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, master_addr: str | None,
         master_port: int | None, max_restarts: int, epochs: int | None, steps_per_epoch: int | None,
         optimizer: str, lr: float | None, lr_schedule: str, warmup_steps: int, clip_grad_norm: float | None,
@@ -118,6 +123,7 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
 
     \b
     one node:   ptplan run plan.json --model bert-base --nproc-per-node 4
+                ptplan run plan.json --data train.pt   (the plan's model and world size)
     two nodes:  ptplan run plan.json --model bert-base --nproc-per-node 8 --nnodes 2 \\
                   --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1   (on each node)
     """
@@ -128,6 +134,7 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
 
     refuse_inapplicable(click.get_current_context(), RUN_RULES)
+    model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)
@@ -168,6 +175,34 @@ def run(plan_path: str, model: str, weights: str | None, nproc_per_node: int, nn
     if outcome.code:
         click.echo(f"error: {outcome.message}", err=True)
         sys.exit(outcome.code)
+    _finish_export(cfg)
+
+
+def _from_plan(plan_path: str, model: str | None, weights: str | None, nproc_per_node: int | None,
+               nnodes: str) -> tuple[str, str | None, int]:
+    """--model/--weights and --nproc-per-node from the plan where not given (cli/run_defaults.py)."""
+    if model is not None and nproc_per_node is not None:
+        return model, weights, nproc_per_node
+    from ptplan.cli.run_defaults import model_from_plan, nproc_from_plan
+    from ptplan.planner.plan import load_plan
+
+    plan = load_plan(plan_path)
+    if model is None:
+        model, recorded = model_from_plan(plan, plan_path)
+        weights = weights if weights is not None else recorded
+    return model, weights, nproc_per_node if nproc_per_node is not None else nproc_from_plan(plan, nnodes)
+
+
+def _finish_export(cfg) -> None:
+    """After a run with --export: tokenizer, label names and a model card in the folder (where rank 0 wrote it)."""
+    if not cfg.export or not os.path.isfile(os.path.join(cfg.export, "config.json")):
+        return
+    from ptplan.executor.training.export import finish_export
+
+    folder = cfg.model if os.path.isdir(cfg.model) else None
+    for note in finish_export(cfg.export, sources=[cfg.weights, folder], data=cfg.data, plan_path=cfg.plan,
+                              log_path=cfg.log):
+        click.echo(f"note: {note}", err=True)
 
 
 def _absolute(path: str | None) -> str | None:

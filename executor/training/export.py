@@ -17,10 +17,12 @@ half-written folder. ``AutoModelForSequenceClassification`` / ``AutoModelForImag
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -112,3 +114,119 @@ def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLi
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dest
+
+
+# ---- a folder a user can ship: tokenizer, label names, model card (issue 25) ----------------------------------
+
+def finish_export(dest: str | os.PathLike, *, sources: list[str | None], data: str | None, plan_path: str,
+                  log_path: str | None) -> list[str]:
+    """Complete the export at ``dest`` after the run: the tokenizer or image-processor files from the first of
+    ``sources`` (``--weights``, the ``--model`` folder) that has them, ``id2label``/``label2id`` in config.json from
+    the data file's label names (``ptplan data`` records them), and a model card (README.md) saying how it was
+    trained. Every file is written beside its destination and renamed into place. Returns notes for the user
+    (what could not be added and why)."""
+    out = Path(dest)
+    notes: list[str] = []
+    have = {f for f in _SIDE_FILES if (out / f).is_file()}
+    source = next((s for s in sources if s and any((Path(s) / f).is_file() for f in _SIDE_FILES)), None)
+    if not have and source is not None:
+        for name in _SIDE_FILES:
+            if (Path(source) / name).is_file():
+                _copy_atomic(Path(source) / name, out / name)
+    elif not have:
+        notes.append(f"no tokenizer or image-processor files in {', '.join(s for s in sources if s) or 'any folder'}: "
+                     f"{out} holds the model only; copy your tokenizer files into it before AutoTokenizer.from_pretrained")
+    labels = data_label_names(data)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if labels and len(labels) == len(config.get("id2label") or {}):
+        config["id2label"] = {str(i): name for i, name in enumerate(labels)}
+        config["label2id"] = {name: i for i, name in enumerate(labels)}
+        _write_atomic(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    elif labels:
+        notes.append(f"the data's {len(labels)} label names do not match the head's {len(config.get('id2label') or {})} "
+                     f"classes; config.json keeps LABEL_i names")
+    _write_atomic(out / "README.md", model_card(out, config=config, plan_path=plan_path, log_path=log_path,
+                                                data=data, base=source or next((s for s in sources if s), None)))
+    return notes
+
+
+def data_label_names(data: str | None) -> list[str]:
+    """The class names a ``ptplan data`` file records (``meta.label_names``, class order); [] when none."""
+    if not data or data == "synthetic" or not data.endswith(".pt") or not os.path.isfile(data):
+        return []
+    try:
+        d = torch.load(data, weights_only=True, map_location="cpu")
+    except Exception:  # noqa: BLE001 -- an unreadable file was refused before the run; no names then
+        return []
+    names = (d.get("meta") or {}).get("label_names") if isinstance(d, dict) else None
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def model_card(out: Path, *, config: dict[str, Any], plan_path: str, log_path: str | None, data: str | None,
+               base: str | None) -> str:
+    """A short README.md for the export: the base model, the data, the plan's phases run, epochs, held-out metric,
+    and how to load it."""
+    from ptplan.planner.plan import load_plan
+    from ptplan.planner.runlog import read_run_log
+
+    plan = load_plan(plan_path)
+    log = read_run_log(log_path) if log_path and os.path.isfile(log_path) else None
+    steps = log.steps if log else ()
+    ran = sorted({(s.phase, s.frozen_blocks, s.K, s.D) for s in steps})
+    evals = [r for r in (log.records if log else ()) if r.type == "eval"]
+    best = [r for r in (log.records if log else ()) if r.type == "export" and r.get("kind") == "best"]
+    metric = best[-1] if best else (evals[-1] if evals else None)
+    arch = (config.get("architectures") or ["?"])[0]
+    lines = [f"# {out.name}", "", f"A `{arch}` fine-tuned with ptplan's elastic "
+             f"pipelined training (PipeTransformer's freezing, planned ahead of time).", "",
+             "| | |", "|---|---|",
+             f"| base model | `{plan.inputs.profile.model}`{f' (from `{base}`)' if base else ''} |",
+             f"| training data | `{data or 'synthetic'}` |",
+             f"| plan | `{plan_path}`: {len(plan.phases)} planned phases, freeze `{_freeze_words(plan.inputs.freeze)}` |",
+             f"| epochs | {max((s.epoch for s in steps), default=-1) + 1} ({len(steps)} optimizer steps) |",
+             f"| phases run (frozen blocks, K x D) | "
+             f"{'; '.join(f'{f} frozen, {k} x {d}' for _, f, k, d in ran) or 'not logged'} |"]
+    if metric is not None:
+        what = "best held-out evaluation (--export-best)" if best else "held-out evaluation after the last epoch"
+        acc = metric.get("accuracy")
+        lines.append(f"| {what} | " + (f"accuracy {acc:.4f}, " if acc is not None else "")
+                     + f"loss {metric.get('loss'):.4f} at step {metric.get('step')} |")
+    labels = config.get("id2label") or {}
+    if labels:
+        lines.append(f"| labels | {', '.join(f'{i}: {n}' for i, n in sorted(labels.items(), key=lambda x: int(x[0])))} |")
+    task = "AutoModelForCausalLM" if arch.endswith("LMHeadModel") or arch.endswith("CausalLM") else \
+        ("AutoModelForImageClassification" if "Image" in arch else "AutoModelForSequenceClassification")
+    lines += ["", "```python", f"from transformers import AutoTokenizer, {task}", "",
+              f'tokenizer = AutoTokenizer.from_pretrained("{out.name}")',
+              f'model = {task}.from_pretrained("{out.name}")', "```", ""]
+    return "\n".join(lines)
+
+
+def _freeze_words(freeze: Any) -> str:
+    """``geometric, alpha 0.333`` / ``none`` / ``manual 0,2,4``."""
+    if freeze.policy == "geometric":
+        return f"geometric, alpha {freeze.alpha:.3g}"
+    if freeze.policy == "manual":
+        return "manual " + ",".join(map(str, freeze.manual))
+    return str(freeze.policy)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PtplanError(f"cannot write {path}: {e.strerror or e}; free space or export elsewhere") from None
+
+
+def _copy_atomic(src: Path, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        shutil.copy2(src, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise PtplanError(f"cannot copy {src} into the export: {e.strerror or e}") from None
