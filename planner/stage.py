@@ -10,15 +10,25 @@ Time, per micro-batch on stage s (seconds; ``StageModel.stage_costs`` hands them
     backward  = Σ backward[lo:hi] + o          (+ Σ forward[lo:hi] with recomputation: the stage
                                                 reruns its forward from the stashed input first)
     send      = latency + bytes / bandwidth of the link s -> s+1 (activation out) and s -> s-1
-                (its gradient back), bytes = b · output bytes per sample of the boundary layer
+                (its gradient back), bytes = b · output bytes per sample of the boundary layer (measured in
+                the profile's dtype); the latency is also given apart (``StageCost.send_*_latency_s``): a
+                token-sliced schedule pays it once per slice (``terapipe.slice_costs``)
     prefix    = stage 0 recomputing the frozen prefix: Σ no-grad forward[0:n0], inside every forward
     setup     = stage 0 with the AutoCache, once per iteration before its first forward: the shard's
                 M·b cached rows read from host memory (steady epochs), or, in a fill epoch, the
                 prefix layers [c, n0) run on rows cached at c (0 = from the inputs) and written back,
                 streaming their weights from host memory when the device is not the host
     allreduce = D > 1 without FSDP: ring all-reduce of Σ grad bytes[lo:hi] over the stage's data-parallel
-                group (FSDP reduce-scatters inside every backward instead: ``strategy.py``)
+                group (FSDP reduce-scatters inside every backward instead: ``strategy.py``), one flat buffer
+                after the stage's last backward, exactly as the runtime does it (``executor/runtime/elastic.py``
+                ``_allreduce_grads`` after the schedule's step: no bucketed overlap with the stage's own backward;
+                the simulator overlaps it only with the other stages' remaining work)
     optimizer = Σ optimizer step seconds[lo:hi] (measured per layer for AdamW)
+
+o is the cluster's ``action_overhead_s``, or the profiler's measured one where larger
+(``cluster.charged_overheads``); ``StageCost.overhead_s`` and ``tp_comm_s`` / ``tp_comm_latency_s`` (the
+tensor-parallel all-reduces inside forward and backward) say what the totals hold, so that token slices pay
+them per slice.
 
 The partitioner minimises the slowest stage's ``busy`` = forward + backward + both sends + prefix
 (+ setup / M on stage 0), the work a micro-batch costs the stage.
@@ -26,7 +36,8 @@ The partitioner minimises the slowest stage's ``busy`` = forward + backward + bo
 Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_mb, after)``
 
     static  = v · weights Σ param[lo:hi] + gradients Σ grad[lo:hi] + optimizer state
-              (adamw 2x, sgd 1x the weights: torch keeps the state in the parameters' dtype);
+              (``costs.optimizer_state_bytes``, the one function the profiler, the projection and the
+              synthetic profiles also call: adamw 2, sgd 1 parameter-sized tensors in the parameters' dtype);
               v = the schedule's weight versions of the active layers: 1, or 2 for PipeDream-2BW
               (the version in use and the next one; one gradient buffer, one optimizer state)
     (with recomputation, the backward in progress also holds one micro-batch's working set,
@@ -57,7 +68,8 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
 
 Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSDP, every per-layer
 cost above is first replaced by one shard's (``strategy_table``: times / tp plus the Megatron
-all-reduces and FSDP's all-gathers, weights and gradients / tp and / D), FSDP's per-micro-batch
+all-reduces and FSDP's all-gathers, weights and gradients / tp and / D, saved activations divided where
+Megatron's split divides them, all of them / tp with sequence parallelism ``PhaseShape.sp``), FSDP's per-micro-batch
 reduce-scatter joins the backward and replaces the all-reduce and its flat buffer, and ``static`` gains
 FSDP's gathered-layer transient (``gather_bytes``). An uncached frozen prefix is priced from the same
 per-shard table -- stage 0 runs it split over tp and, when stage 0 has FSDP, sharded over D: its weights and

@@ -23,6 +23,11 @@ composition of L (tests, L ≤ 16).
 
 The cost model (``SliceCost``) is TeraPipe's: linear in b·s, b·c and b·s·c plus a constant, fitted by
 least squares to measured (b, s, c, seconds) points (``fit_slice_cost``, with its relative error).
+In a plan (``token_slice_phase``) and in ``sliced_phase`` the fit gives only the *shape* of t(s, c): the stage's
+compute is the one stage model's (``stage.StageModel.stage_costs``, the profile's measured layers), cut into
+slices by ``slice_costs``, where every slice also pays the per-action overhead, the latency of its own
+tensor-parallel all-reduces and of its messages again (α + β·bytes·s/L).
+
 ``square=True`` adds a b·s² term: the slice's attention over its own tokens (s·s/2 pairs), which
 TeraPipe's form misses and which dominates long slices on a CPU (on the shipped gpt2 block: median
 error 3-4 % with it, 17-25 % without; ``relative=True`` fits relative rather than absolute errors,
