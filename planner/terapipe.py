@@ -383,6 +383,28 @@ def _slice_candidates(model: StageSliceModel, costs: Sequence[StageCost], L: int
     return opt.slices
 
 
+def _sliced_length(profile, L: int | None, granularity: int, slicing: str) -> int:
+    """The sequence length ``sliced_phase`` slices (the profile's); PtplanError for any other or a bad setting."""
+    if slicing not in ("auto", "off"):
+        raise PtplanError(f"token slicing must be auto or off, got {slicing!r}")
+    L0 = profile.model.seq_len
+    if L is not None and L != L0:
+        raise PtplanError(f"sliced_phase prices the profile's measured layers at their sequence length {L0}, not "
+                          f"L={L}; profile the model at seq_len {L} (ptplan profile ... --seq-len {L} --slices)")
+    if L0 % granularity:
+        raise PtplanError(f"sequence length {L0} is not a multiple of the slice granularity {granularity}")
+    return L0
+
+
+def _checked_ranges(ranges: Sequence[tuple[int, int]], K: int, n0: int, n: int) -> tuple[tuple[int, int], ...]:
+    out = tuple((int(x), int(z)) for x, z in ranges)
+    if len(out) != K or out[0][0] != n0 or out[-1][1] != n or any(
+            x >= z or z != nxt for (x, z), (nxt, _) in zip(out, out[1:] + ((n, 0),))):
+        raise PtplanError(f"stage ranges {list(out)} must be K={K} contiguous non-empty ranges covering the "
+                          f"active layers [{n0}, {n})")
+    return out
+
+
 def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: int = 0, granularity: int = 16,
                  slicing: str = "auto", cluster=None, cache: bool = False,
                  ranges: Sequence[tuple[int, int]] | None = None, L: int | None = None,
@@ -409,15 +431,7 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     from .strategy import tp_allreduce_coeffs
     from .tp_split import tp_refusal
 
-    if slicing not in ("auto", "off"):
-        raise PtplanError(f"token slicing must be auto or off, got {slicing!r}")
-    L0 = profile.model.seq_len
-    if L is not None and L != L0:
-        raise PtplanError(f"sliced_phase prices the profile's measured layers at their sequence length {L0}, not "
-                          f"L={L}; profile the model at seq_len {L} (ptplan profile ... --seq-len {L} --slices)")
-    L = L0
-    if L % granularity:
-        raise PtplanError(f"sequence length {L} is not a multiple of the slice granularity {granularity}")
+    L = _sliced_length(profile, L, granularity, slicing)
     cl = charged_overheads(cluster if cluster is not None else cpu_cluster(K * D * tp), profile)
     if cl.world_size < K * D * tp:
         raise PtplanError(f"K·D·tp = {K}·{D}·{tp} = {K * D * tp} GPUs do not fit cluster {cl.name} "
@@ -434,11 +448,7 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     if ranges is None:
         tm = table.at(b)
         ranges = balanced_ranges((tm.fwd + tm.bwd)[n0:].tolist(), n0, K)
-    ranges = tuple((int(x), int(z)) for x, z in ranges)
-    if len(ranges) != K or ranges[0][0] != n0 or ranges[-1][1] != profile.num_layers or any(
-            x >= z or z != nxt for (x, z), (nxt, _) in zip(ranges, ranges[1:] + ((profile.num_layers, 0),))):
-        raise PtplanError(f"stage ranges {list(ranges)} must be K={K} contiguous non-empty ranges covering the "
-                          f"active layers [{n0}, {profile.num_layers})")
+    ranges = _checked_ranges(ranges, K, n0, profile.num_layers)
     costs = sm.stage_costs(ranges)
     model = stage_slice_model(profile, ranges, b)
     limit = cl.gpu_memory_bytes * cfg.memory_fraction
