@@ -131,9 +131,6 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     from ptplan.executor.training.job import with_plan_num_labels
     from ptplan.executor.launch.launcher import Rendezvous, command, launch, worker_log_path
 
-    from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
-
-    refuse_inapplicable(click.get_current_context(), RUN_RULES)
     model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
@@ -159,6 +156,9 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
                     cache_budget=None if cache_budget is None else parse_size(cache_budget, "--cache-budget"),
                     cache_spill_dir=os.path.abspath(cache_spill_dir) if cache_spill_dir else None,
                     cache_allow_nondeterministic=cache_allow_nondeterministic)
+    from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
+
+    refuse_inapplicable(click.get_current_context(), RUN_RULES)  # after each value's own check (RunConfig)
     cfg = with_plan_num_labels(cfg)
     wlog = worker_log_path(cfg.log, rdzv)
     check_before_launch(cfg, rdzv, worker_log=wlog)

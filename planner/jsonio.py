@@ -41,6 +41,7 @@ class Fields:
                                   f"allowed keys: {', '.join(sorted(allowed))}")
 
     def _p(self, key: _Str) -> _Str:
+        key = key if key.strip() else repr(key)  # an empty key is named as such
         return f"{self.path}.{key}" if self.path else key
 
     def _get(self, key: _Str, default: Any = ...) -> Any:

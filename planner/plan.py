@@ -639,6 +639,9 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
     for w in top.objs("warnings") if "warnings" in top.obj else []:
         Fields(w.obj, w.what, w.path, allowed=_names(PlanWarning))
         warnings.append(PlanWarning(code=w.str("code", choices=WARNING_CODES), message=w.str("message")))
+    from .plan_checks import check_phases
+
+    check_phases(source, phases, inputs.training, inputs.cluster)
     return Plan(inputs=inputs, phases=tuple(phases), freeze_steps=tuple(steps), trajectory=tuple(traj),
                 totals=_totals(top.obj_("totals")), baseline=baseline, warnings=tuple(warnings))
 

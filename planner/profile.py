@@ -301,7 +301,7 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     model = ModelInfo(name=m.str("name"), family=m.str("family"), num_blocks=m.int("num_blocks", min=1),
                       seq_len=m.int("seq_len", min=1), dtype=m.str("dtype"),
                       granularity=m.str("granularity", choices=GRANULARITIES),
-                      config=dict(m.raw("config", {})))
+                      config=dict(m.obj_("config", default={}).obj))
     dv = top.obj_("device", allowed=("kind", "name", "memory_bytes", "torch_version", "date", "threads"))
     device = DeviceInfo(kind=dv.str("kind", choices=("cpu", "cuda")), name=dv.str("name"),
                         memory_bytes=dv.int("memory_bytes", min=0), torch_version=dv.str("torch_version"),

@@ -58,6 +58,15 @@ FIELDS: dict[str, dict[str, str]] = {
 }
 
 
+POSITIVE = frozenset({("step", "seconds"), ("step", "K"), ("step", "D"), ("step", "samples"),
+                      ("header", "world_size"), ("eval", "samples")})
+"""Fields that must be > 0: a step takes time and trains samples; a world has a process."""
+NON_NEGATIVE_SUFFIXES = ("seconds", "bytes", "step", "epoch", "phase", "frozen_blocks", "samples", "steps", "hits",
+                         "misses", "refreshes", "rows_written", "rows_not_cached", "slabs_evicted", "slabs_promoted",
+                         "ram_slabs", "disk_slabs", "disk_full", "nodes", "shard_rows", "T", "from_frozen", "to_frozen",
+                         "steps_measured", "frozen_layers", "to_phase", "from_phase", "attempt", "source_rank")
+"""Numeric fields (by name or name ending) that are never negative: times, sizes, counts and indices."""
+
 NONFINITE_OK = frozenset({"loss", "grad_norm", "perplexity"})
 """Fields that may hold NaN or inf (what a diverging run measured); every other number must be finite."""
 
@@ -92,6 +101,32 @@ def _check(f: Fields, key: str, kind: str) -> Any:
     return f.raw(key)  # pragma: no cover - every kind is listed above
 
 
+def _check_sign(what: str, path: str, kind: str, key: str, v: Any) -> None:
+    """``POSITIVE`` fields > 0, ``NON_NEGATIVE_SUFFIXES`` fields >= 0 (NaN passes here where it is allowed)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return
+    where = f"{path}.{key}" if path else key
+    if (kind, key) in POSITIVE and v <= 0:
+        raise SchemaError(what, where, f"is {v!r}; a {kind} record's {key} is greater than 0")
+    if key.endswith(NON_NEGATIVE_SUFFIXES) and v < 0:
+        raise SchemaError(what, where, f"is {v!r}; it is never negative")
+
+
+def _check_memory(what: str, path: str, memory: dict[str, Any]) -> None:
+    """A step's sampled memory: ``per_rank`` a list of objects with a ``total`` of bytes >= 0 (the length is
+    checked against the header's world size by ``read_run_log``)."""
+    rows = memory.get("per_rank")
+    where = f"{path}.memory.per_rank" if path else "memory.per_rank"
+    if rows is None:
+        return
+    if not isinstance(rows, list) or not rows:
+        raise SchemaError(what, where, f"expected a non-empty list of per-rank objects, got {rows!r}")
+    for r, row in enumerate(rows):
+        total = row.get("total") if isinstance(row, dict) else None
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise SchemaError(what, f"{where}[{r}].total", f"expected bytes >= 0, got {total!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Record:
     """One line of a run log: its type and its checked fields."""
@@ -119,6 +154,16 @@ def parse_record(obj: Any, what: str = "run log record", line: int = 0) -> Recor
             v = _check(top, key, k)
             if key in obj:
                 out[key] = v
+                _check_sign(what, top.path, kind, key, v)
+    if isinstance(out.get("memory"), dict):
+        _check_memory(what, top.path, out["memory"])
+    for key in ("parts", "bytes"):  # transition and resume: seconds and bytes per part
+        if kind in ("transition", "resume") and isinstance(out.get(key), dict):
+            for part, v in out[key].items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                    raise SchemaError(what, f"{top.path}.{key}.{part}" if top.path else f"{key}.{part}",
+                                      f"expected a finite number >= 0 ({'seconds' if key == 'parts' else 'bytes'}), "
+                                      f"got {v!r}")
     if kind == "header" and out["schema"] != SCHEMA:
         raise SchemaError(what, f"{top.path}.schema", f"is {out['schema']!r}, expected {SCHEMA!r}",
                           "The log was written by another version of ptplan run")
@@ -201,10 +246,15 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
             records = [r for r in records if r.type not in _REPLAYED or r.fields["step"] < at
                        or (r.type in ("cache", "eval") and r.fields["step"] == at)]  # written before the checkpoint
         records.append(rec)
+    h0 = next((r for r in records if r.type == "header"), None)
     steps: dict[int, Step] = {}
     for r in records:
         if r.type == "step":
             f = r.fields
+            rows = (f.get("memory") or {}).get("per_rank")
+            if h0 is not None and isinstance(rows, list) and len(rows) != h0.fields["world_size"]:
+                raise SchemaError(f"run log {p}", f"line {r.line}.memory.per_rank", f"has {len(rows)} entries but the "
+                                  f"run's world has {h0.fields['world_size']} ranks (header.world_size)")
             steps[f["step"]] = Step(**f)
     if not steps:
         raise PtplanError(f"run log {p} has no step records; was it written by `ptplan run --log`?")

@@ -1,9 +1,12 @@
 """Token-sliced pipelined training (executor/runtime/sliced.py): slices equal the unsliced model in one process, and a
 2-process K=2 run of TeraPipe's schedule (non-uniform slices, M=2) equals a single-process unsliced
-reference in gradients and weights (SGD 1e-5, AdamW 1e-4) for GPT-2-tiny and llama-tiny, through a freeze
+reference in gradients (1e-5) and weights (SGD 1e-5, AdamW 1e-4) for GPT-2-tiny and llama-tiny, through a freeze
 change (the frozen prefix runs unsliced under no_grad).
 
 Difference measure as elsewhere (tests/parity.max_rel_diff): per tensor max|run - ref| / max(max|ref|, 0.02).
+AdamW's weights are held to 1e-4 where its update is well-conditioned against rounding and to AdamW's largest
+possible step elsewhere (tests/parity.adamw_well_conditioned: an element whose gradient is near eps amplifies a
+rounding difference of the gradient by lr/eps, so a fixed tolerance there holds on one CPU and not another).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 from ptplan.executor.families.models import build_model
 from ptplan.executor.runtime.sliced import SlicedStage, check_slice_order, offsets, run_sliced_step
 from ptplan.executor.launch.local import run_world
-from parity import max_rel_diff
+from parity import adamw_loose_bound, adamw_well_conditioned, masked_max_rel_diff, max_rel_diff
 from ptplan.planner.schedule import Action, ActionKind, Schedule, ScheduleError, terapipe
 
 
@@ -29,6 +32,8 @@ SLICES = (10, 7, 5, 2)
 SPLIT = 5  # stage 0 holds layers [0, SPLIT) (embedding, blocks 0-1 halves), stage 1 the rest
 FREEZE = {2: 1}  # from step 2 on, block 0 (and the embedding) is frozen
 TOL = {"sgd": 1e-5, "adamw": 1e-4}
+GRAD_TOL = 1e-5
+"""Gradients at step 0 (the same weights in both runs): float32 rounding of another summation order."""
 OPT = {"sgd": dict(lr=0.05, momentum=0.9), "adamw": dict(lr=1e-3, eps=1e-6)}
 
 
@@ -52,13 +57,13 @@ def _data(name: str):
 
 def reference(name: str, optimizer: str):
     """Unsliced, one process: per step, mean over M micro-batches of the model's loss; weights after each step
-    and the first step's gradients."""
+    and each step's gradients (of the parameters that train at that step)."""
     model = _build(name)
     model.train()
     x, y, m = _data(name)
     params = list(model.parameters())
     opt = _opt(params, optimizer)
-    grads, snaps = None, []
+    grads, snaps = [], []
     for t in range(STEPS):
         n0 = _frozen_layers(model, t)
         for i, layer in enumerate(model.layers):
@@ -68,8 +73,7 @@ def reference(name: str, optimizer: str):
         loss = sum(model.loss(model(a, attention_mask=c), b) for a, b, c in
                    zip(x[sl].chunk(M), y[sl].chunk(M), m[sl].chunk(M))) / M
         loss.backward()
-        if t == 0:
-            grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)
         snaps.append({k: p.detach().clone() for k, p in model.named_parameters()})
@@ -159,11 +163,24 @@ def test_sliced_two_process_run_equals_unsliced_reference(name, optimizer, world
                     deadline_s=90)
     assert res.ok, res.explain()
     got = {**torch.load(tmp_path / "grad-0.pt"), **torch.load(tmp_path / "grad-1.pt")}
-    worst, where = max_rel_diff(got, grads)
+    worst, where = max_rel_diff(got, grads[0])
     print(f"\n{name} {optimizer} D={world // 2}: step-0 gradients max rel diff {worst:.2e} ({where})")
-    assert worst < TOL[optimizer], (worst, where)
+    assert worst < GRAD_TOL, (worst, where)
+    masks = None
+    if optimizer == "adamw":
+        o = OPT["adamw"]
+        # the rounding this machine makes (4x the step-0 gradients' measured difference, which GRAD_TOL bounds)
+        masks = adamw_well_conditioned(grads, snaps, lr=o["lr"], eps=o["eps"], grad_tol=4 * worst, tol=TOL["adamw"])
     for t in range(STEPS):
         w = {**torch.load(tmp_path / f"w-{t}-0.pt"), **torch.load(tmp_path / f"w-{t}-1.pt")}
-        worst, where = max_rel_diff(w, snaps[t])
-        print(f"{name} {optimizer}: weights after step {t} max rel diff {worst:.2e} ({where})")
+        if masks is None:
+            worst, where = max_rel_diff(w, snaps[t])
+            print(f"{name} {optimizer}: weights after step {t} max rel diff {worst:.2e} ({where})")
+        else:
+            worst, where, outside, share = masked_max_rel_diff(w, snaps[t], masks[t])
+            bound = adamw_loose_bound(OPT["adamw"]["lr"], t + 1)
+            print(f"{name} {optimizer}: weights after step {t} max rel diff {worst:.2e} ({where}) on {share:.1%} of "
+                  f"the elements; elsewhere {outside:.1e} (bound {bound:.1e})")
+            assert share > 0.5, share  # the strict comparison still covers most of the elements
+            assert outside <= bound, (t, outside)
         assert worst < TOL[optimizer], (t, worst, where)
