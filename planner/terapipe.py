@@ -463,7 +463,8 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
         return sim.iteration_s, int(max(sim.rank_peak_memory_bytes))
 
     unsliced, peak0 = run((L,))
-    best, best_t, best_peak = (L,), unsliced, peak0
+    best: tuple[int, ...] = (L,)
+    best_t, best_peak = unsliced, peak0
     if slicing == "auto" and K > 1:
         opt = _slice_candidates(model, costs, L, K, M, granularity)
         for cand in sorted({opt} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n))
