@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
+
+set_hypothesis_home_dir(tempfile.mkdtemp(prefix="ptplan-hypothesis-"))  # no .hypothesis folder in the checkout
 
 from ptplan.cli.plan_cmd import format_plan_table
 from ptplan.planner.cluster import get_preset

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 
 import pytest
 
@@ -294,20 +293,18 @@ def test_banded_split_equals_a_plain_dp(seed):
         assert optimal_partition(costs, K, **kwargs).ranges == want, (costs, K, kwargs)
 
 
-def test_large_call_is_fast_and_valid():
+def test_large_call_is_valid():
+    """200 layers into 8, 32, 64 stages (its time: bench/unit_timings.py)."""
     rng = random.Random(3)
     n = 200
     costs = [rng.uniform(0.5, 1.5) for _ in range(n)]
     boundary = [rng.uniform(0.0, 0.2) for _ in range(n)]
     memory = [rng.uniform(1.0, 2.0) * GiB for _ in range(n)]
-    t0 = time.perf_counter()
     for K in (8, 32, 64):
         p = optimal_partition(costs, K, boundary_s=boundary, stage0_extra_s=3.0, memory=memory,
                               stage0_extra_memory=2 * GiB, memory_limit=80 * GiB)
         assert isinstance(p, Partition) and p.K == K and p.ranges[-1][1] == n
         assert p.bottleneck >= (sum(costs) + 3.0) / K
-    # not a benchmark: a generous bound that only catches an accidental O(n^2 K) blow-up
-    assert time.perf_counter() - t0 < 2.0
 
 
 # ---- the paper's greedy balancer ---------------------------------------------------------------

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -280,10 +279,8 @@ def test_cli_cache_beyond_host_memory_exits_2_and_writes_nothing(tmp_path):
 def test_training_config_checks(bad):
     args = dict(epochs=2, samples_per_epoch=100, batch=8)
     args.update(bad)
-    t0 = time.perf_counter()
     with pytest.raises(PtplanError):
-        TrainingConfig(**args)
-    assert time.perf_counter() - t0 < 1  # refused up front, not after planning
+        TrainingConfig(**args)  # refused by the record itself, before any planning
 
 
 def test_extreme_but_finite_numbers_are_refused_with_the_field():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import time
 
 import pytest
 
@@ -483,23 +482,6 @@ def test_events_are_consistent(name, K, M, V):
 
 
 # ---- speed -------------------------------------------------------------------------------
-def test_simulate_is_fast():
-    """Loose bounds (the CPU is shared); typical: K=8 M=32 about 0.2 ms per call once compiled."""
-    s = build_schedule("1f1b", 8, 32)
-    costs = uniform(8, 1e-3, 2e-3, send_forward_s=1e-4, send_backward_s=1e-4, allreduce_s=1e-3)
-    simulate(s, costs)
-    t = time.perf_counter()
-    for _ in range(50):
-        simulate(s, costs)
-    assert (time.perf_counter() - t) / 50 < 0.01
-    big = build_schedule("1f1b", 64, 256)
-    costs = uniform(64, 1e-3, 2e-3)
-    simulate(big, costs)
-    t = time.perf_counter()
-    simulate(big, costs)
-    assert time.perf_counter() - t < 0.5
-
-
 # ---- the update after the pipeline: optimizer step and per-step overhead ------------------------
 @pytest.mark.parametrize("K, M", [(1, 3), (2, 4), (4, 8)])
 def test_optimizer_step_and_step_overhead_end_the_iteration(K, M):
