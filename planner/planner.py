@@ -236,7 +236,9 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
 
 
 def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, search: PhaseSearch,
-              phases: list[Phase]) -> list[PlanWarning]:
+              phases: list[Phase], reached: set[int] | None = None) -> list[PlanWarning]:
+    """The plan's warnings. ``reached``: the frozen counts a run visits (None: any, an adaptive freeze); a pinned
+    K/M that did not fit is only worth a warning there."""
     out = []
     src = profile.provenance.source
     if src == "synthetic":
@@ -271,7 +273,8 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
             f"schedule {', '.join(split)} splits the backward into B (input gradient) and W (weight gradient), but "
             f"the profile has no backward_weight_s (written before ptplan measured it): B is charged the whole "
             f"backward and W 0 s, so the predicted bubble is not the schedule's; profile again")))
-    pinned = [p for p in phases if p.notes and any("pinned" in n for n in p.notes)]
+    pinned = [p for p in phases if p.notes and any("pinned" in n for n in p.notes)
+              and (reached is None or p.frozen_blocks in reached)]
     if pinned:
         out.append(PlanWarning(code="pinned-not-possible", message=(
             f"the pinned K/M did not fit in {len(pinned)} phase(s) (frozen blocks "
@@ -367,4 +370,5 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
                         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     return Plan(inputs=inputs, phases=tuple(phases), freeze_steps=tuple(table), trajectory=tuple(points),
                 totals=totals, baseline=Baseline(phase=replace(base_phase, timeline=()), seconds=base_s),
-                warnings=tuple(_warnings(profile, cluster, training, search, phases)))
+                warnings=tuple(_warnings(profile, cluster, training, search, phases,
+                                         None if freeze.adaptive else set(table))))

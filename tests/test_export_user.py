@@ -57,6 +57,10 @@ def test_export_predicts_the_runs_held_out_accuracy_from_raw_text(minilm_dir, tm
            "--out", "plan.json", "--quiet", cwd=tmp_path)
     ptplan("run", "plan.json", "--data", "train.pt", "--eval-data", "held.pt", "--lr", "1e-4", "--export", "out",
            "--no-progress", "--timeout", 120, cwd=tmp_path)
+    out = ptplan("compare", "plan.json", "run.jsonl", cwd=tmp_path)
+    assert "median |error|" in out
+    if "phases off by more than 15%" in out:  # depends on the machine's load: explained, with the profile's making
+        assert "differs most" in out and "what in the profile may explain it" in out
     evals = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines() if '"type": "eval"' in line]
     logged = evals[-1]["accuracy"]
 
