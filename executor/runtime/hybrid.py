@@ -22,15 +22,15 @@ optimizer gets its canonical parameters back, and the copies are dropped -- so t
 
 Tensor parallelism (``tp_plan``) works the same way over the stage's tensor-parallel group: each active
 layer with a plan (the attention and MLP halves, or whole blocks, of every family: BERT and RoBERTa,
-DistilBERT, ViT, GPT-2, Llama, Mistral, Qwen2; ``_SPLITS`` names each adapter class's modules; GPT-2's
-``Conv1D``s first become ``nn.Linear``s holding the transposed weights, the fused q|k|v rows reordered per
-rank, ``_gpt2_twin``) is copied and split Megatron-style -- query, key and value column-wise (each rank its
+DistilBERT, ViT, GPT-2, Llama, Mistral, Qwen2; each family file's ``tp_splits`` names its layer classes'
+modules, found through ``families.registry``; GPT-2's ``Conv1D``s first become ``nn.Linear``s holding the
+transposed weights, the fused q|k|v rows reordered per rank, ``families.gpt2.conv1d_twin``) is copied and split Megatron-style -- query, key and value column-wise (each rank its
 heads; with grouped-query attention its G/tp key/value heads and the H/tp query heads that read them, so tp
 must divide G), the attention output row-wise; the MLP's first linear column-wise (Llama's gate and up
 projections both), its second row-wise --, DTensor all-reducing the row-parallel outputs in the forward and
 the input gradients in the backward. Every Hugging Face attention here views its projections with -1 heads,
 so the copy runs its local heads; its stored head counts are divided by tp as well (``_LOCAL_COUNTS``).
-Rotary embeddings act per head and Mistral's sliding window is in the mask (``models.py``): both unchanged by
+Rotary embeddings act per head and Mistral's sliding window is in the mask (``families/llama.py``): both unchanged by
 the split. Norms stay plain tensors and the row-parallel biases replicated DTensors, equal on every tp rank.
 Layers without a plan (embeddings, the head) are not copied: every tp rank runs them whole, on the same
 input, with the same gradients. The data-parallel all-reduce then runs on each rank's local shards, over the
@@ -61,12 +61,14 @@ The price: entering holds a full second copy of one layer at a time, until ``ful
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from ptplan.executor.families.gpt2 import conv1d_twin as _gpt2_twin  # noqa: F401 -- tests/test_hybrid_runtime.py
+from ptplan.executor.families.registry import tp_families, tp_twin
+from ptplan.executor.families.registry import tp_split as split_of
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 
 
@@ -100,7 +102,7 @@ class ShardedStage:
         """id(canonical parameter) -> the sharded parameter training in its place."""
         self.back: dict[int, Callable[[Tensor], Tensor]] = {}
         """id(canonical parameter) -> how a full tensor of its twin maps back to its layout (GPT-2's Conv1D
-        weights train transposed in ``nn.Linear``s, ``_gpt2_twin``); identity when absent."""
+        weights train transposed in ``nn.Linear``s, ``families.registry.tp_twin``); identity when absent."""
         self._frozen_back: dict[int, dict[str, Callable[[Tensor], Tensor]]] = {}
         """A split frozen prefix layer -> its parameters' maps back to the canonical layout (GPT-2)."""
 
@@ -141,7 +143,7 @@ class ShardedStage:
             twin = copy.deepcopy(self.layers[i])
             maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
             if split:
-                maps = _gpt2_twin(twin, tp_mesh.size())
+                maps = tp_twin(twin, tp_mesh.size())
                 _parallelize(twin, tp_mesh)
             if shard:
                 shard_layer(twin, dp_mesh)
@@ -168,7 +170,7 @@ class ShardedStage:
         parameters stay frozen (``requires_grad`` off), so FSDP only all-gathers them in the forward."""
         twin = copy.deepcopy(self.layers[i])
         if tp_mesh is not None:
-            maps = _gpt2_twin(twin, tp_mesh.size())
+            maps = tp_twin(twin, tp_mesh.size())
             _parallelize(twin, tp_mesh)
             self._frozen_back[i] = {n: back for n, (_, back) in maps.items()}
         twin.requires_grad_(False)
@@ -211,66 +213,6 @@ class ShardedStage:
         return [self.live.get(id(p), p) for p in self.layer_params[i]]
 
 
-@dataclass(frozen=True)
-class _Split:
-    """Where the Megatron split of one adapter layer applies (module paths inside the layer)."""
-
-    attention: str | None
-    """The Hugging Face attention module (it holds the head size; its head counts become the rank's own);
-    None: the layer has no attention."""
-    qkv: tuple[str, ...] = ()
-    """Query, key, value projections (GPT-2: the fused q|k|v one), split column-wise: each rank its heads."""
-    out: str | None = None
-    """The attention's output projection, split row-wise."""
-    up: tuple[str, ...] = ()
-    """The MLP's first linear(s) (Llama's gate and up projections), split column-wise."""
-    down: str | None = None
-    """The MLP's second linear, split row-wise."""
-
-
-def _att(path: str, qkv: tuple[str, ...], out: str, at: str | None = None) -> dict[str, object]:
-    return dict(attention=(at or path).rstrip("."), qkv=tuple(path + n for n in qkv), out=out)
-
-
-def _mlp(up: tuple[str, ...], down: str) -> dict[str, object]:
-    return dict(up=up, down=down)
-
-
-_BERT_QKV, _VIT_QKV = ("query", "key", "value"), ("q_proj", "k_proj", "v_proj")
-_DISTIL_QKV = ("q_lin", "k_lin", "v_lin")
-_SPLITS: dict[str, _Split] = {
-    # BERT and RoBERTa (BertAttention: self.query/key/value, output.dense; BertIntermediate/BertOutput .dense)
-    "BertAttentionHalf": _Split(**_att("attention.self.", _BERT_QKV, "attention.output.dense")),
-    "BertMLPHalf": _Split(None, **_mlp(("intermediate.dense",), "output.dense")),
-    "BertBlock": _Split(**_att("layer.attention.self.", _BERT_QKV, "layer.attention.output.dense"),
-                        **_mlp(("layer.intermediate.dense",), "layer.output.dense")),
-    # DistilBERT (DistilBertSelfAttention: q_lin, k_lin, v_lin, out_lin; FFN: lin1, lin2)
-    "DistilBertAttentionHalf": _Split(**_att("attention.", _DISTIL_QKV, "attention.out_lin")),
-    "DistilBertMLPHalf": _Split(None, **_mlp(("ffn.lin1",), "ffn.lin2")),
-    "DistilBertBlock": _Split(**_att("block.attention.", _DISTIL_QKV, "block.attention.out_lin"),
-                              **_mlp(("block.ffn.lin1",), "block.ffn.lin2")),
-    # ViT (ViTAttention: q_proj, k_proj, v_proj, o_proj; ViTMLP: fc1, fc2)
-    "ViTAttentionHalf": _Split(**_att("attention.", _VIT_QKV, "attention.o_proj")),
-    "ViTMLPHalf": _Split(None, **_mlp(("mlp.fc1",), "mlp.fc2")),
-    "ViTBlock": _Split(**_att("layer.attention.", _VIT_QKV, "layer.attention.o_proj"),
-                       **_mlp(("layer.mlp.fc1",), "layer.mlp.fc2")),
-    # Llama, Mistral, Qwen2 (q_proj, k_proj, v_proj, o_proj; gate_proj, up_proj, down_proj)
-    "LlamaAttentionHalf": _Split(**_att("self_attn.", _VIT_QKV, "self_attn.o_proj")),
-    "LlamaMLPHalf": _Split(None, **_mlp(("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj")),
-    "LlamaBlockLayer": _Split(**_att("attn.self_attn.", _VIT_QKV, "attn.self_attn.o_proj"),
-                              **_mlp(("mlp.mlp.gate_proj", "mlp.mlp.up_proj"), "mlp.mlp.down_proj")),
-    # GPT-2 (GPT2Attention: fused c_attn, c_proj; GPT2MLP: c_fc, c_proj; Conv1Ds until ``_gpt2_twin``)
-    "GPT2AttentionHalf": _Split(**_att("attn.", ("c_attn",), "attn.c_proj")),
-    "GPT2MLPHalf": _Split(None, **_mlp(("mlp.c_fc",), "mlp.c_proj")),
-    "GPT2BlockLayer": _Split(**_att("block.attn.", ("c_attn",), "block.attn.c_proj"),
-                             **_mlp(("block.mlp.c_fc",), "block.mlp.c_proj")),
-}
-"""Per adapter layer class (``executor/families/models.py``): its Megatron split. Every Hugging Face attention here
-views its projections with -1 heads (``view(*shape, -1, head_dim)``), so the rank's local width sets its
-head count; Llama's ``num_key_value_groups`` (query heads per key/value head) is a ratio the split keeps."""
-
-_GPT2_HALF = ("GPT2AttentionHalf", "GPT2MLPHalf", "GPT2BlockLayer")
-
 _LOCAL_COUNTS = ("num_attention_heads", "num_heads", "n_heads", "num_key_value_heads", "all_head_size",
                  "embed_dim", "split_size")
 """Attention attributes that count heads or their width, divided by tp in a rank's copy (BERT's
@@ -287,7 +229,7 @@ def split_widths(layer: nn.Module) -> dict[str, int]:
     """The widths tensor parallelism must divide in one layer (as ``planner.tp_split.split_widths`` reads
     them from a config): its attention heads, key/value heads (grouped-query attention), MLP width; {} for
     a layer without a split."""
-    sp = _SPLITS.get(type(layer).__name__)
+    sp = split_of(layer)
     if sp is None:
         return {}
     out: dict[str, int] = {}
@@ -322,13 +264,13 @@ def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
     """The Megatron split of one layer for ``parallelize_module`` (module path -> ColwiseParallel or
     RowwiseParallel), or None when the layer has none (embeddings, norms, heads: it runs replicated). Every
     attention and MLP half or block of every family in ``tp_families`` has one (GPT-2's Conv1D paths are
-    split once ``_gpt2_twin`` made them ``nn.Linear``s). PtplanError when ``tp`` does not divide its heads,
+    split once ``families.registry.tp_twin`` made them ``nn.Linear``s). PtplanError when ``tp`` does not divide its heads,
     key/value heads or intermediate width (``ptplan run`` checks the plan before: ``validate.check_strategies``)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from ptplan.planner.errors import PtplanError
 
-    sp = _SPLITS.get(type(layer).__name__)
+    sp = split_of(layer)
     if sp is None:
         return None
     widths = split_widths(layer)
@@ -342,11 +284,6 @@ def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
     return plan
 
 
-def tp_families() -> tuple[str, ...]:
-    """Model families whose Transformer layers ``tp_plan`` splits (every adapter's; ``executor/families/models.py``)."""
-    return ("bert", "roberta", "distilbert", "vit", "gpt2", "llama", "mistral", "qwen2")
-
-
 def _parallelize(layer: nn.Module, mesh) -> None:
     """Split ``layer`` (a copy) over the tp mesh and give its attention the rank's own head counts."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -355,7 +292,8 @@ def _parallelize(layer: nn.Module, mesh) -> None:
     plan = tp_plan(layer, tp)
     assert plan is not None
     parallelize_module(layer, mesh, plan)
-    sp = _SPLITS[type(layer).__name__]
+    sp = split_of(layer)
+    assert sp is not None
     if sp.attention is not None:  # each rank holds heads/tp heads (and key/value heads/tp)
         att = layer.get_submodule(sp.attention)
         for name in _LOCAL_COUNTS:
@@ -367,56 +305,6 @@ def _parallelize(layer: nn.Module, mesh) -> None:
 
 def _same(t: Tensor) -> Tensor:
     return t
-
-
-def _gpt2_twin(layer: nn.Module, tp: int) -> dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]]:
-    """Make a GPT-2 layer's copy splittable by ``parallelize_module``: each ``Conv1D`` (y = x W + b, W of
-    shape (in, out)) becomes an ``nn.Linear`` holding W transposed; the fused q|k|v projection's output
-    rows are reordered so that a column split gives rank j the rows [q_j | k_j | v_j] of its heads.
-    Returns, per parameter name, (canonical -> twin, twin -> canonical) for full tensors (weights and the
-    optimizer's elementwise state alike). Other layers: unchanged, {}."""
-    from transformers.pytorch_utils import Conv1D
-
-    kind = type(layer).__name__
-    if kind not in _GPT2_HALF:
-        return {}
-    maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
-    for path, conv in list(layer.named_modules()):
-        if not isinstance(conv, Conv1D):
-            continue
-        n_in, n_out = conv.weight.shape
-        idx = torch.arange(n_out)
-        if path.endswith("c_attn"):  # [q | k | v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
-            H = n_out // 3
-            c = H // tp
-            idx = torch.cat([torch.arange(3)[:, None] * H + j * c + torch.arange(c)[None, :] for j in range(tp)]
-                            ).reshape(-1)
-        inv = torch.empty_like(idx)
-        inv[idx] = torch.arange(n_out)
-
-        def w_to(w: Tensor, idx: Tensor = idx) -> Tensor:
-            return w.t()[idx.to(w.device)].contiguous()
-
-        def w_back(w: Tensor, inv: Tensor = inv) -> Tensor:
-            return w[inv.to(w.device)].t().contiguous()
-
-        def b_to(b: Tensor, idx: Tensor = idx) -> Tensor:
-            return b[idx.to(b.device)].contiguous()
-
-        def b_back(b: Tensor, inv: Tensor = inv) -> Tensor:
-            return b[inv.to(b.device)].contiguous()
-
-        lin = nn.Linear(n_in, n_out, device=conv.weight.device, dtype=conv.weight.dtype)
-        with torch.no_grad():
-            lin.weight.copy_(w_to(conv.weight))
-            lin.bias.copy_(b_to(conv.bias))
-        lin.weight.requires_grad_(conv.weight.requires_grad)
-        lin.bias.requires_grad_(conv.bias.requires_grad)
-        parent, _, leaf = path.rpartition(".")
-        setattr(layer.get_submodule(parent) if parent else layer, leaf, lin)
-        maps[f"{path}.weight"] = (w_to, w_back)
-        maps[f"{path}.bias"] = (b_to, b_back)
-    return maps
 
 
 def tp_split(g: Tensor) -> bool:

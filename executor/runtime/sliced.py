@@ -14,8 +14,9 @@ context leaves' gradients and adds them to the earlier slices' k/v gradients. Ea
 therefore used once and the whole sequence's gradient is exact; the loss is the whole sequence's
 next-token cross-entropy (each slice adds its tokens' sum divided by the micro-batch's token count).
 
-Supported layers: the GPT-2 and Llama-family adapters of ``executor/families/models.py`` at either granularity
-(embedding, attention and MLP halves or whole blocks, final norm, head). Dropout must be off (a
+Supported layers: those of the families with token slices (GPT-2, Llama, Mistral, Qwen2: each family file's
+``slice_forward``, through ``families.registry``) at either granularity (embedding, attention and MLP halves
+or whole blocks, final norm, head). Dropout must be off (a
 slice cannot replay the unsliced run's random masks; the parity tests build models with dropout 0).
 """
 from __future__ import annotations
@@ -31,8 +32,7 @@ from torch import Tensor, nn
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.schedule import ActionKind, Schedule, ScheduleError
 
-from ptplan.executor.families.models import (GPT2AttentionHalf, GPT2BlockLayer, GPT2EmbeddingLayer, GPT2MLPHalf, LlamaAttentionHalf,
-                     LlamaBlockLayer, LlamaEmbeddingLayer, LlamaMLPHalf)
+from ptplan.executor.families.registry import is_attention, slice_forward
 
 KV = tuple[Tensor, Tensor]
 
@@ -41,97 +41,6 @@ RECORD: list[tuple[int, int, tuple[int, ...]]] | None = None
 
 
 # ---- slice-aware layers --------------------------------------------------------------------------
-
-def _mask(q_len: int, offset: int, x: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """Additive mask [B|1, 1, s, c+s]: query offset+i sees keys 0..offset+i (and no padded key)."""
-    k_len = offset + q_len
-    q = torch.arange(offset, k_len, device=x.device)[:, None]
-    k = torch.arange(k_len, device=x.device)[None, :]
-    keep = (k <= q)[None, None]
-    if attention_mask is not None:
-        keep = keep & attention_mask[:, None, None, :k_len].to(torch.bool)
-    return torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, torch.finfo(x.dtype).min)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, past: KV | None, scaling: float, mask: Tensor,
-            dropout: nn.Module | None = None) -> Tensor:
-    """Eager attention of q over [past; this slice] keys/values (GQA: key heads repeated)."""
-    if past is not None:
-        k = torch.cat([past[0], k], dim=2)
-        v = torch.cat([past[1], v], dim=2)
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    w = torch.matmul(q, k.transpose(-1, -2)) * scaling + mask
-    w = F.softmax(w, dim=-1).type(v.dtype)
-    if dropout is not None:
-        w = dropout(w)
-    return torch.matmul(w, v).transpose(1, 2)
-
-
-def _gpt2_attention(ln: nn.Module, attn: nn.Module, x: Tensor, offset: int, past: KV | None,
-                    attention_mask: Tensor | None) -> tuple[Tensor, KV]:
-    if getattr(attn, "scale_attn_by_inverse_layer_idx", False) or getattr(attn, "reorder_and_upcast_attn", False):
-        raise PtplanError("token slicing supports GPT-2 attention without scale_attn_by_inverse_layer_idx and "
-                          "reorder_and_upcast_attn (the presets' settings)")
-    B, s, _ = x.shape
-    q, k, v = attn.c_attn(ln(x)).split(attn.split_size, dim=2)
-    shape = (B, s, -1, attn.head_dim)
-    q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-    scaling = attn.head_dim ** -0.5 if attn.scale_attn_weights else 1.0
-    o = _attend(q, k, v, past, scaling, _mask(s, offset, x, attention_mask), attn.attn_dropout)
-    h = attn.resid_dropout(attn.c_proj(o.reshape(B, s, -1)))
-    return x + h, (k, v)
-
-
-def _llama_attention(layer: LlamaAttentionHalf, x: Tensor, offset: int, past: KV | None,
-                     attention_mask: Tensor | None) -> tuple[Tensor, KV]:
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    att = layer.self_attn
-    B, s, _ = x.shape
-    h = layer.input_layernorm(x)
-    shape = (B, s, -1, att.head_dim)
-    q = att.q_proj(h).view(shape).transpose(1, 2)
-    k = att.k_proj(h).view(shape).transpose(1, 2)
-    v = att.v_proj(h).view(shape).transpose(1, 2)
-    pos = torch.arange(offset, offset + s, device=x.device)[None]
-    cos, sin = layer._rotary.to(x.device)(x, position_ids=pos)
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    o = _attend(q, k, v, past, att.scaling, _mask(s, offset, x, attention_mask))
-    return x + att.o_proj(o.reshape(B, s, -1)), (k, v)
-
-
-def is_attention(layer: nn.Module) -> bool:
-    """Whether the layer attends over earlier tokens (so a slice needs their keys and values)."""
-    return isinstance(layer, (GPT2AttentionHalf, GPT2BlockLayer, LlamaAttentionHalf, LlamaBlockLayer))
-
-
-def slice_forward(layer: nn.Module, x: Tensor, offset: int, past: KV | None,
-                  attention_mask: Tensor | None = None) -> tuple[Tensor, KV | None]:
-    """One layer on one token slice (tokens offset .. offset+s-1 of each sequence): its output and, for an
-    attention layer, this slice's keys and values (``past``: the earlier slices' keys and values)."""
-    if isinstance(layer, GPT2EmbeddingLayer):
-        pos = torch.arange(offset, offset + x.shape[1], device=x.device)[None]
-        return layer.drop(layer.wte(x) + layer.wpe(pos)), None
-    if isinstance(layer, GPT2AttentionHalf):
-        return _gpt2_attention(layer.ln_1, layer.attn, x, offset, past, attention_mask)
-    if isinstance(layer, GPT2BlockLayer):
-        blk = layer.block
-        y, kv = _gpt2_attention(blk.ln_1, blk.attn, x, offset, past, attention_mask)
-        return y + blk.mlp(blk.ln_2(y)), kv
-    if isinstance(layer, LlamaAttentionHalf):
-        return _llama_attention(layer, x, offset, past, attention_mask)
-    if isinstance(layer, LlamaBlockLayer):
-        y, kv = _llama_attention(layer.attn, x, offset, past, attention_mask)
-        return layer.mlp(y), kv
-    if isinstance(layer, (LlamaEmbeddingLayer, GPT2MLPHalf, LlamaMLPHalf)) or type(layer).__name__ in (
-            "NormLayer", "LMHead", "LinearHead"):
-        return layer(x), None  # token-wise: a slice is the same as the whole sequence's rows
-    raise PtplanError(f"token slicing cannot run a {type(layer).__name__} layer; it supports the GPT-2 and Llama "
-                      f"adapters' layers (causal LMs)")
-
 
 def slice_loss(logits: Tensor, labels: Tensor, offset: int, count: int) -> Tensor:
     """The slice's share of the micro-batch's next-token loss: Σ cross-entropy over its positions p < L-1
