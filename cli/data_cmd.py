@@ -18,7 +18,7 @@ from ptplan.planner.errors import PtplanError
               help="Tokens per sample: pad or cut every text to it (the plan's sequence length).")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
               help="Take --seq-len from this plan's profile instead.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Training file to write (.pt).")
+@click.option("--out", required=True, help="Training file to write (.pt).")
 @click.option("--text-column", default="text", show_default=True)
 @click.option("--label-column", default="label", show_default=True, help="Classification only.")
 @click.option("--label-map", default="auto", show_default=True,
@@ -28,7 +28,7 @@ from ptplan.planner.errors import PtplanError
               help="[default: causal-lm when the folder's config.json is a decoder-only model (gpt2, llama, "
                    "mistral, qwen2), else classification]. causal-lm: no labels, next-token loss on the ids.")
 @click.option("--split", type=float, default=0.0, help="Hold out this share of the rows (stratified by class).")
-@click.option("--eval-out", type=click.Path(dir_okay=False), default=None,
+@click.option("--eval-out", default=None,
               help="Held-out file to write with --split (ptplan run --eval-data).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the split.")
 def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, out: str, text_column: str,

@@ -76,7 +76,7 @@ def parse_batch_sizes(text: str) -> list[int]:
 @click.option("--dropout", type=float, default=None, help="Set every dropout probability (default: the config's).")
 @click.option("--weights", type=click.Path(), default=None,
               help="Local Hugging Face model folder whose weights to load (its config.json sets the sizes).")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", default=None,
               help="Output file [default: NAME_DEVICE_DTYPE.json, e.g. bert-base_cpu_fp32.json; NAME is the "
                    "model's name, a folder's Hugging Face name with / as --].")
 @click.option("--project", "project", default=None, metavar="DEVICE",
@@ -144,7 +144,6 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         threads = 1
     if threads is not None:
         torch.set_num_threads(threads)
-    _warn_if_busy(dev_kind, timer)
     head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
@@ -169,6 +168,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
                    f"planner/devices.py)")
         click.echo(f"wrote {path}")
         return
+    _warn_if_busy(dev_kind, timer)  # after every refusal: a refused call prints its one error line only
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()),
                          budget_s=_budget_seconds(click.get_current_context(), budget))

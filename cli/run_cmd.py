@@ -56,7 +56,7 @@ from ptplan.planner.errors import PtplanError
 @click.option("--checkpoint-every", type=int, default=0, show_default=True,
               help="Also checkpoint every N steps (always at each epoch end when --checkpoint-dir is set).")
 @click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir/checkpoint.pt.")
-@click.option("--log", "log_path", type=click.Path(dir_okay=False), default="run.jsonl", show_default=True,
+@click.option("--log", "log_path", default="run.jsonl", show_default=True,
               help="Run log (JSON lines) for `ptplan compare`.")
 @click.option("--data", default="synthetic", show_default=True,
               help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask.")
@@ -135,6 +135,8 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts)
+    if not log_path.strip():
+        raise PtplanError("--log is empty; give a file name (the run log `ptplan compare` reads)")
     # Every path the workers read or write is made absolute here: they may start in another directory.
     save_model_dir = save_model_dir or (checkpoint_dir if save_model_every else None)
     cfg = RunConfig(plan=os.path.abspath(plan_path), model=os.path.abspath(model) if os.path.isdir(model) else model,

@@ -11,7 +11,7 @@ from ptplan.planner.report.viz import write_report
 
 @click.command("show")
 @click.argument("plan", type=click.Path(dir_okay=False, path_type=str))
-@click.option("--out", "out", default="report.html", show_default=True, type=click.Path(dir_okay=False, path_type=str),
+@click.option("--out", "out", default="report.html", show_default=True,
               help="HTML file to write (self-contained; opens without network).")
 @click.option("--run", "runlog", default=None, type=click.Path(dir_okay=False, path_type=str),
               help="A run log of this plan (ptplan run --log): adds the predicted-against-measured figure.")
