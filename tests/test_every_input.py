@@ -262,3 +262,28 @@ def test_2bw_with_a_freeze_step_every_step_is_warned(tmp_path):
 
 def test_shipped_profile_untouched():
     json.loads(shipped("bert-tiny_cpu_fp32").read_text())
+
+
+def test_a_full_disk_under_an_export_is_one_message(tmp_path):
+    """--export and --save-model-every write through export_hf: safetensors' failed write (not an OSError) is a
+    PtplanError naming the folder, like a checkpoint's and the log's, and no partial folder is left."""
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.training.export import export_hf
+    from ptplan.planner.errors import PtplanError
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(full)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        m = build_model("bert-tiny", seq_len=8)
+        w = {k: v.detach() for k, v in m.named_parameters()}
+        for replace in (False, True):  # --export, and --save-model-every's folders
+            with pytest.raises(PtplanError, match="cannot write the export .*free space"):
+                export_hf(m, w, full / "exp", replace=replace)
+            assert os.listdir(full) == []
+    finally:
+        subprocess.run(["umount", "-l", str(full)], capture_output=True)

@@ -110,8 +110,11 @@ def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLi
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PtplanError(f"cannot write the export {dest}: {e.strerror or e}; free space or export elsewhere") from None
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if type(e).__name__ == "SafetensorError":  # safetensors' failed write (a full disk) is not an OSError
+            raise PtplanError(f"cannot write the export {dest}: {str(e).splitlines()[0][:200]}; free space or "
+                              f"export elsewhere") from None
         raise
     return dest
 
