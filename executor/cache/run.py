@@ -177,7 +177,7 @@ def _check_deterministic(cache: ActivationCache, model: nn.Module, dataset: Data
 def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, device: torch.device,
                 copies: Sequence[frozenset[int]] | None = None) -> RunCache | None:
     """Create or attach this node's cache and check determinism (collective; see the module docstring).
-    ``copies``: per layer, the ranks holding it as built (``training._built_copies``); None: every rank
+    ``copies``: per layer, the ranks holding it as built (``resume.built_copies``); None: every rank
     holds every layer."""
     phases = caching_phases(plan, cfg)
     if not phases:
