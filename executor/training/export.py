@@ -3,7 +3,7 @@
 Rank 0 gathers every layer (``runtime.ElasticRuntime.gather``) after the last step; ``export_hf``
 builds a fresh Hugging Face model of the adapter's class from the run's config
 (``BertForSequenceClassification``, ``ViTForImageClassification``, ``GPT2LMHeadModel``), lays the
-same layer adapters over it (``models._flatten``: the adapters hold the Hugging Face submodules
+same layer adapters over it (``families.hf_model``: the adapters hold the Hugging Face submodules
 themselves), loads the gathered weights into them -- so every weight lands in its Hugging Face
 parameter -- and writes ``save_pretrained`` output (config.json, model.safetensors) plus, when the run
 started from ``--weights DIR``, that folder's tokenizer or image-processor files. GPT-2: the
@@ -29,6 +29,8 @@ from torch import Tensor, nn
 
 from ptplan.planner.errors import PtplanError
 
+from ptplan.executor.families import hf_model
+
 _SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "merges.txt",
                "vocab.json", "added_tokens.json", "preprocessor_config.json")
 """Files copied from the --weights folder, when there: what a user needs to feed the exported model."""
@@ -42,37 +44,6 @@ def check_export_dir(path: str | os.PathLike) -> None:
     parent = p.absolute().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise PtplanError(f"--export {p}: cannot create it in {parent}; create that folder or export elsewhere")
-
-
-def hf_model(model: nn.Module, weights: dict[str, Tensor]) -> nn.Module:
-    """A Hugging Face model of ``model``'s family and config holding ``weights`` (the LayeredModel's
-    parameter names, e.g. from ``gather``)."""
-    from ptplan.executor.families.models import LayeredModel, _classes, _flatten, _quiet_transformers
-
-    family = model.family
-    config = model.config.__class__.from_dict(model.config.to_dict())
-    _, cls = _classes(family)
-    with torch.random.fork_rng(devices=[]), _quiet_transformers():
-        hf = cls(config)
-    hf.to(dtype=next(iter(weights.values())).dtype)
-    layers, specs = _flatten(family, hf, model.granularity)
-    shell = LayeredModel(name=model.name, family=family, granularity=model.granularity, config=config,
-                         seq_len=model.seq_len, num_blocks=model.num_blocks, layers=layers, specs=specs,
-                         num_labels=model.num_labels, image_size=model.image_size)
-    names = {n for n, _ in shell.named_parameters()}
-    if names != set(weights):
-        missing, extra = sorted(names - set(weights)), sorted(set(weights) - names)
-        raise PtplanError(f"cannot export: the gathered weights do not match the {family} model "
-                          f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    with torch.no_grad():
-        for n, p in shell.named_parameters():
-            p.copy_(weights[n])
-    if family == "gpt2":
-        head = dict(shell.named_parameters())[f"layers.{len(layers) - 1}.weight"]
-        hf.config.tie_word_embeddings = False
-        hf.lm_head.weight = nn.Parameter(head.detach().clone())
-    hf.eval()
-    return hf
 
 
 def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLike,
@@ -200,8 +171,9 @@ def model_card(out: Path, *, config: dict[str, Any], plan_path: str, log_path: s
         lines.append(f"| labels | {', '.join(f'{i}: {n}' for i, n in sorted(labels.items(), key=lambda x: int(x[0])))} |")
     task = "AutoModelForCausalLM" if arch.endswith("LMHeadModel") or arch.endswith("CausalLM") else \
         ("AutoModelForImageClassification" if "Image" in arch else "AutoModelForSequenceClassification")
-    lines += ["", "```python", f"from transformers import AutoTokenizer, {task}", "",
-              f'tokenizer = AutoTokenizer.from_pretrained("{out.name}")',
+    pre = "AutoImageProcessor" if "Image" in task else "AutoTokenizer"
+    lines += ["", "```python", f"from transformers import {pre}, {task}", "",
+              f'{"processor" if "Image" in task else "tokenizer"} = {pre}.from_pretrained("{out.name}")',
               f'model = {task}.from_pretrained("{out.name}")', "```", ""]
     return "\n".join(lines)
 
