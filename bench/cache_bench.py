@@ -36,7 +36,7 @@ import torch
 from ptplan.executor.cache.autocache import ActivationCache, prefix_forward, prefix_sample_shape
 from ptplan.executor.cache.guard import eval_mode
 from ptplan.executor.data.dataset import SyntheticDataset, epoch_order
-from ptplan.executor.families.models import build_model
+from ptplan.executor.families import build_model
 
 PLANNER_DEFAULT_BW = 10e9
 

@@ -81,7 +81,7 @@ def _fit_action(per_rank: list[dict[int, dict[str, float]]]) -> tuple[float, flo
 def _step_overhead(repeats: int, tmp: str) -> dict[str, float]:
     from ptplan.executor.training.config import RunConfig
     from ptplan.executor.data.dataset import SyntheticDataset
-    from ptplan.executor.families.models import build_model
+    from ptplan.executor.families import build_model
     from ptplan.executor.training.runlog import read_records
     from ptplan.executor.handplan import make_plan, spec
     from ptplan.executor.launch.local import run_world

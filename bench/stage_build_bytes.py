@@ -24,7 +24,7 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
-from ptplan.executor.families.models import build_model
+from ptplan.executor.families import build_model
 name, seq, layers = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 t0 = time.perf_counter()
 m = build_model(name, seq_len=seq, layers=layers)
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "stage_build_bytes.json"))
     args = ap.parse_args()
 
-    from ptplan.executor.families.models import build_model
+    from ptplan.executor.families import build_model
     from ptplan.executor.handplan import make_plan, spec
     from ptplan.executor.training.loop import stage_layers
 

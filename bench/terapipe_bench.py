@@ -57,7 +57,7 @@ def _measure_worker(rank: int, world: int, L: int, b: int, slices: list[int], ra
     import torch
     import torch.distributed as dist
 
-    from ptplan.executor.families.models import build_model
+    from ptplan.executor.families import build_model
     from ptplan.executor.runtime.sliced import SlicedStage, run_sliced_step
     from ptplan.planner.schedule import terapipe
 

@@ -36,7 +36,7 @@ import torch
 
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.data.dataset import SyntheticDataset
-from ptplan.executor.families.models import build_model
+from ptplan.executor.families import build_model
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.training.loop import run_training
 from ptplan.executor.handplan import make_plan, spec

@@ -132,7 +132,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
 
     import torch  # torch only when profiling: the other commands stay fast
 
-    from ptplan.executor.families.models import build_model
+    from ptplan.executor.families import build_model
     from ptplan.executor.profiling.profiler import agreement, check_batch_sizes, head_num_labels, profile_model, resolve_device
     from ptplan.planner.profile import save_profile
 

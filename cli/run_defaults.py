@@ -28,7 +28,7 @@ def plan_profile_measurement(plan: Any, plan_path: str) -> dict[str, Any]:
 def model_from_plan(plan: Any, plan_path: str) -> tuple[str, str | None]:
     """(--model, --weights) the plan's profile was made with: the MODEL and --weights its ``ptplan profile``
     recorded (a folder must still exist), else the profile's model name when that is a name ptplan knows."""
-    from ptplan.executor.families.models import model_source
+    from ptplan.executor.families import model_source
 
     meas = plan_profile_measurement(plan, plan_path)
     model, weights = meas.get("model_arg"), meas.get("weights_arg")

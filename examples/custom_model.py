@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.data.dataset import TensorDataset
-from ptplan.executor.families.models import LayeredModel, LayerSpec, backbone_layers, custom_model
+from ptplan.executor.families import LayeredModel, LayerSpec, backbone_layers, custom_model
 from ptplan.executor.handplan import make_plan, spec
 from ptplan.executor.launch.local import run_world
 from ptplan.executor.training.loop import Hooks, run_training

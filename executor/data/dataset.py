@@ -15,7 +15,7 @@ import torch
 
 from ptplan.planner.errors import PtplanError
 
-from ptplan.executor.families.models import CAUSAL_FAMILIES
+from ptplan.executor.families import CAUSAL_FAMILIES
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """(inputs, labels, attention_mask or None), first dim = samples."""

@@ -227,7 +227,7 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike):
                           f"(with tokenizer.json or vocab files)")
     from transformers import AutoTokenizer
 
-    from ptplan.executor.families.models import _quiet_transformers
+    from ptplan.executor.families.build import _quiet_transformers
 
     try:
         with _quiet_transformers():

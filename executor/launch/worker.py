@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         from ptplan.executor.training.config import RunConfig
         from ptplan.executor.data.dataset import load_dataset
         from ptplan.executor.training.job import build_for_plan, make_dataset, pick_device, samples_needed
-        from ptplan.executor.families.models import model_source
+        from ptplan.executor.families import model_source
         from ptplan.executor.training.loop import run_training, stage_layers, start_phase
 
         try:

@@ -70,7 +70,8 @@ from ptplan.planner.costs import optimizer_state_bytes
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
-from ptplan.executor.families.models import CAUSAL_FAMILIES, LayeredModel, config_summary, family_of
+from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel, config_summary, family_of
+from ptplan.planner.families import FAMILY_FACTS
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -376,10 +377,10 @@ def check_batch_sizes(batch_sizes: Sequence[int]) -> tuple[int, ...]:
 
 # ---- classification heads ----------------------------------------------------------------------
 
-DEFAULT_NUM_LABELS = {"bert": 2, "roberta": 2, "distilbert": 2, "vit": 1000}
-"""The usual classification head per family: the text encoders a 2-class sequence classifier (as
-``BertForSequenceClassification``), ViT ImageNet-1k's 1000 classes (as the published ViT
-checkpoints). The causal families (``models.CAUSAL_FAMILIES``) have a language-model head instead
+DEFAULT_NUM_LABELS = {n: f.default_num_labels for n, f in FAMILY_FACTS.items() if f.default_num_labels is not None}
+"""The usual classification head per family (``planner/families.py``): the text encoders a 2-class sequence
+classifier (as ``BertForSequenceClassification``), ViT ImageNet-1k's 1000 classes (as the published ViT
+checkpoints). The causal families (``families.CAUSAL_FAMILIES``) have a language-model head instead
 (one logit per vocabulary token)."""
 
 

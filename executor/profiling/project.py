@@ -42,7 +42,7 @@ from ptplan.planner.devices import DeviceModel
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
-from ptplan.executor.families.models import LayeredModel, config_summary
+from ptplan.executor.families import LayeredModel, config_summary
 from ptplan.executor.profiling.profiler import _memory_pass
 
 # aten operations that only change a tensor's view of its storage: no kernel moves data

@@ -29,7 +29,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import Profile, SliceFit, SlicePoint, SliceProfile, load_profile, save_profile
 from ptplan.planner.terapipe import fit_slice_cost
 
-from ptplan.executor.families.models import CAUSAL_FAMILIES, LayeredModel, build_model
+from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel, build_model
 from ptplan.executor.profiling.profiler import _Clock, _cpu_name, _preserved, resolve_device
 from ptplan.executor.runtime.sliced import is_attention, slice_forward
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from ptplan.planner.errors import PtplanError
 
 from ptplan.executor.data.dataset import Dataset
-from ptplan.executor.families.models import CAUSAL_FAMILIES
+from ptplan.executor.families import CAUSAL_FAMILIES
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8

@@ -67,7 +67,7 @@ def build_for_plan(plan: Plan, cfg: RunConfig, layers: Iterable[int] | None = No
     size ``cfg.num_labels`` (None: the plan's profile's, see ``plan_num_labels``). ``layers``: build only
     these layers' weights (a rank's stage: ``training.stage_layers``; the rest stays on the meta device);
     None: every layer."""
-    from ptplan.executor.families.models import build_model
+    from ptplan.executor.families import build_model
     from ptplan.executor.profiling.profiler import head_num_labels, model_family
 
     prof = plan.inputs.profile
