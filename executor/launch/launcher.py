@@ -15,8 +15,10 @@ The launcher (``ptplan run``, one per node) owns what its workers start and make
   and the launcher's job folder ``<temp dir>/ptplan-job-<tag>-*`` (also torchrun's and the workers' TMPDIR, so
   torchrun's log folders go with it). After torchrun exits (whatever the
   reason), the launcher removes its cache folders, the temp files of dead workers and the job folder.
-  A start first removes those whose owner is gone (``sweep`` without a tag, in ``launch``): what a SIGKILL of the launcher or
-  a power cut left.
+  When the launcher itself dies without doing so (SIGKILL), its janitor (``janitor.py``: a small process
+  in its own session that watches a pipe only the launcher holds) stops torchrun and the workers and
+  removes the same files, seconds later. A start also removes those whose owner is gone (``sweep``
+  without a tag, in ``launch``): what a power cut (or a killed janitor) left.
 - **Messages.** Workers write ``a<attempt>-r<rank>.start`` (their pid) when they start and
   ``a<attempt>-r<rank>.json`` (kind, exception type, message, time) when they fail, into the job folder
   (``PTPLAN_JOB_DIR``); torchrun's output and the workers' stderr (tracebacks) go to the worker log.
@@ -37,11 +39,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ptplan.planner.errors import PtplanError
 
-from ptplan.executor.training.config import RunConfig
+if TYPE_CHECKING:  # the launcher and its janitor import no torch: they start (and clean up) in a blink
+    from ptplan.executor.training.config import RunConfig
 
 ENV_JOB_DIR = "PTPLAN_JOB_DIR"
 """The launcher's job folder (workers write their start markers and failures there)."""
@@ -413,10 +416,14 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
     rc = 1
     me = os.getpid()
     sigs = _Signals()
+    from ptplan.executor.launch.janitor import Janitor
+
+    janitor = Janitor.start(tag, job_dir, folders)  # cleans up if this process dies without the finally below
     try:
         with sigs, open(worker_log, "w") as logf:
             proc = subprocess.Popen(command(cfg, rdzv), env=env, stderr=logf, start_new_session=True,
                                     preexec_fn=lambda: die_with_parent(signal.SIGTERM, me))
+            janitor.agent(proc.pid, _start_ticks(proc.pid))
             rc = _wait(proc, job_dir, sigs)
     finally:
         if proc is not None and proc.poll() is None:
@@ -426,6 +433,7 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
         starts, fails = _read_markers(job_dir)
         removed, _ = sweep(folders, tag=tag)
         shutil.rmtree(job_dir, ignore_errors=True)
+        janitor.done()
     outcome = summarise(rc, starts, fails, worker_log=worker_log, signals=sigs.received, cfg=cfg)
     return Outcome(code=outcome.code, message=outcome.message, worker_log=worker_log,
                    removed=tuple(p for p in removed if not p.startswith(job_dir)), swept=tuple(swept))
