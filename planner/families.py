@@ -47,20 +47,24 @@ class FamilyFacts:
         assert not self.token_slices or self.causal, self.name
 
 
-_BERT_KEYS = dict(heads_key="num_attention_heads", mlp_key="intermediate_size")
-_LLAMA_KEYS = dict(heads_key="num_attention_heads", kv_heads_key="num_key_value_heads", mlp_key="intermediate_size")
 
 FAMILY_FACTS: dict[str, FamilyFacts] = {f.name: f for f in (
-    FamilyFacts(name="bert", module="bert", causal=False, default_num_labels=2, **_BERT_KEYS),
-    FamilyFacts(name="vit", module="vit", causal=False, pixels=True, default_num_labels=1000, **_BERT_KEYS),
+    FamilyFacts(name="bert", module="bert", causal=False, default_num_labels=2, heads_key="num_attention_heads",
+                mlp_key="intermediate_size"),
+    FamilyFacts(name="vit", module="vit", causal=False, pixels=True, default_num_labels=1000,
+                heads_key="num_attention_heads", mlp_key="intermediate_size"),
     FamilyFacts(name="gpt2", module="gpt2", causal=True, heads_key="n_head", mlp_key="n_inner", mlp_default_factor=4,
                 hidden_key="n_embd", token_slices=True),
-    FamilyFacts(name="llama", module="llama", causal=True, token_slices=True, **_LLAMA_KEYS),
-    FamilyFacts(name="roberta", module="bert", causal=False, default_num_labels=2, **_BERT_KEYS),
+    FamilyFacts(name="llama", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
+                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
+    FamilyFacts(name="roberta", module="bert", causal=False, default_num_labels=2, heads_key="num_attention_heads",
+                mlp_key="intermediate_size"),
     FamilyFacts(name="distilbert", module="distilbert", causal=False, default_num_labels=2, heads_key="n_heads",
                 mlp_key="hidden_dim", hidden_key="dim"),
-    FamilyFacts(name="mistral", module="llama", causal=True, token_slices=True, **_LLAMA_KEYS),
-    FamilyFacts(name="qwen2", module="llama", causal=True, token_slices=True, **_LLAMA_KEYS),
+    FamilyFacts(name="mistral", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
+                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
+    FamilyFacts(name="qwen2", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
+                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
 )}
 """Every family ptplan has an adapter for, in listing order (the first four are the published ones)."""
 

@@ -12,7 +12,7 @@ themselves) -> ``pooler`` (the first half of ``RobertaClassificationHead``: toke
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -101,7 +101,7 @@ class Bert(Family):
     }
     dropout_fields = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")
     head_keys = frozenset({"classifier.weight", "classifier.bias"})
-    layer_classes = (BertEmbeddingLayer, BertAttentionHalf, BertMLPHalf, BertBlock, BertPoolerLayer)
+    layer_classes: ClassVar[tuple[type[nn.Module], ...]] = (BertEmbeddingLayer, BertAttentionHalf, BertMLPHalf, BertBlock, BertPoolerLayer)
     tp_splits = _SPLITS
 
     def backbone(self, base: nn.Module, half: bool) -> list[Entry]:

@@ -37,7 +37,7 @@ def _quiet_transformers():
 
 
 
-def _classes(family: str) -> tuple[type, type]:
+def _classes(family: str) -> tuple[Any, Any]:
     """(config class, task model class) of a family (a Hugging Face model_type)."""
     return get(family).classes()
 
@@ -143,7 +143,6 @@ def build_model(name: str | os.PathLike, *, granularity: str = "half", seq_len: 
         raise PtplanError(f"image size must be >= 1, got {image_size}")
     if seq_len is not None and seq_len < 1:
         raise PtplanError(f"sequence length must be >= 1, got {seq_len}")
-    overrides = dict(num_labels=num_labels, dropout=dropout, image_size=image_size)
     fam = get(family)
     config_cls, model_cls = fam.classes()
     with _quiet_transformers():
@@ -154,7 +153,7 @@ def build_model(name: str | os.PathLike, *, granularity: str = "half", seq_len: 
                 raise PtplanError(f"cannot read the {family} config in {src.folder}: {e}") from None
         else:
             config = config_cls(**(src.preset or {}))
-    _apply_overrides(config, family, **overrides)
+    _apply_overrides(config, family, num_labels=num_labels, dropout=dropout, image_size=image_size)
     fam.seq_len(config, seq_len)  # validate before paying for the weights
     with _quiet_transformers(), _params_on_meta():
         hf = model_cls(config)

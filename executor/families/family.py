@@ -106,7 +106,7 @@ class Family:
         assert f is not None, f"{self.name}: no row in planner/families.py FAMILY_FACTS"
         return f
 
-    def classes(self) -> tuple[type, type]:
+    def classes(self) -> tuple[Any, Any]:
         """(config class, task model class) from transformers."""
         import transformers
 

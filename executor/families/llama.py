@@ -12,7 +12,7 @@ in the slice's mask).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -139,7 +139,7 @@ class Llama(Family):
 
     name = "llama"
     config_class, model_class = "LlamaConfig", "LlamaForCausalLM"
-    presets: dict[str, dict[str, Any]] = {
+    presets = {
         "llama-tiny": dict(_TINY),
         "llama-2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                            intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096,
@@ -154,7 +154,7 @@ class Llama(Family):
     }
     dropout_fields = ("attention_dropout",)
     head_keys = frozenset({"lm_head.weight"})
-    layer_classes = (LlamaEmbeddingLayer, LlamaAttentionHalf, LlamaMLPHalf, LlamaBlockLayer, LinearHead)
+    layer_classes: ClassVar[tuple[type[nn.Module], ...]] = (LlamaEmbeddingLayer, LlamaAttentionHalf, LlamaMLPHalf, LlamaBlockLayer, LinearHead)
     tp_splits = _SPLITS
     attention_layers = (LlamaAttentionHalf, LlamaBlockLayer)
 
