@@ -26,7 +26,7 @@ from ptplan.executor.data.dataset import TensorDataset
 from ptplan.executor.families.models import build_model
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import make_plan, spec
-from parity import assert_parity, max_rel_diff, recorded_run
+from parity import Snapshots, assert_parity, max_rel_diff, recorded_run
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -99,7 +99,9 @@ def reference(name: str, optimizer: str, data, counts=COUNTS, chunks=CHUNKS, bat
            if optimizer == "sgd" else torch.optim.AdamW(groups, lr=o["lr"], eps=o["eps"]))
     x, y, m = data
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 7919 + 0))  # epoch 0's order
-    snaps, losses, prev, cursor = {}, [], None, 0
+    snaps, losses, prev, cursor = Snapshots(), [], None, 0
+    if optimizer == "adamw":  # what assert_parity needs to judge AdamW against rounding (tests/parity.py)
+        snaps.adamw, snaps.grads, snaps.after = (o["lr"], o["eps"]), [], []
     for t, f in enumerate(counts):
         if f != prev:
             snaps[t] = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -116,7 +118,11 @@ def reference(name: str, optimizer: str, data, counts=COUNTS, chunks=CHUNKS, bat
         opt.zero_grad(set_to_none=True)
         loss = sum(model.loss(model(a, attention_mask=c), b) for a, b, c in zip(xs, ys, ms)) / n
         loss.backward()
+        if snaps.adamw is not None:
+            snaps.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
         opt.step()
+        if snaps.adamw is not None:
+            snaps.after.append({k: p.detach().clone() for k, p in model.named_parameters()})
         losses.append(loss.item())
     snaps[len(counts)] = {k: v.detach().clone() for k, v in model.named_parameters()}
     return snaps, losses
