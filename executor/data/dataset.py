@@ -144,7 +144,7 @@ def check_data(ds: Dataset, model, what: str = "the data") -> None:
         x, y, m = ds.batch(torch.tensor([0]))
     rx, ry, rm = model.make_batch(1)
     family = model.family
-    if family == "vit":
+    if model.pixels:
         if tuple(x.shape[1:]) != tuple(rx.shape[1:]):
             raise PtplanError(f"{what}: images of shape {list(x.shape[1:])} but the plan's {model.name} takes "
                               f"{list(rx.shape[1:])} (channels, height, width; the plan's sequence length "
