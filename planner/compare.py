@@ -57,6 +57,9 @@ class Comparison:
     evals: tuple[dict[str, Any], ...] = ()
     """The run's held-out evaluations (``eval`` records: epoch, step, phase, loss, accuracy or perplexity,
     samples, seconds), in order; empty when the run had no ``--eval-data``."""
+    resumes: tuple[dict[str, Any], ...] = ()
+    """Where the run resumed from a checkpoint (``RunLog.resumes``: step, line, ``replaced_steps``): each step
+    is counted once, from the resumed run, and its first step after a resume is a warm-up step."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,9 +101,9 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     """Median measured step time and the sampled peak memory per phase, against the plan's prediction.
 
     Timing: the median over the phase's steps, leaving out the first ``warmup`` steps of each visit
-    to the phase (set-up: receive buffers, shape inference) and the steps that measured memory
-    (their hooks slow them down) -- unless a phase has no other step, then its memory-sampled steps
-    are timed and the row says so. Memory: the largest sampled ``peak_memory_bytes`` of the phase.
+    to the phase (set-up: receive buffers, shape inference; a resume from a checkpoint starts a new visit)
+    and the steps that measured memory (their hooks slow them down) -- unless a phase has no other step,
+    then its memory-sampled steps are timed and the row says so. Memory: the largest sampled ``peak_memory_bytes`` of the phase.
     """
     if warmup < 0:
         raise PtplanError(f"warmup must be 0 or more, got {warmup}")
@@ -110,6 +113,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     sampled: dict[int, list[Step]] = {}
     seen_in_visit: dict[int, int] = {}
     last_phase = None
+    resumed_at = {r["step"] for r in log.resumes}  # a resumed run rebuilds its stage: a new visit
     for r in log.steps:
         ph = r.phase
         if not 0 <= ph < len(plan.phases):
@@ -121,7 +125,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
                               f"{ph} has K={p.K}, D={p.D}; compare the run with the plan it ran")
         if r.peak_memory_bytes is not None:
             sampled.setdefault(ph, []).append(r)
-        if ph != last_phase:
+        if ph != last_phase or r.step in resumed_at:
             seen_in_visit[ph] = 0
             last_phase = ph
         seen_in_visit[ph] += 1
@@ -160,7 +164,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     mem_errs = [abs(r.memory_error) for r in rows if r.memory_error is not None]
     return Comparison(
         phases=tuple(rows), transitions=tuple(r.to_json() for r in log.transitions), warnings=log.warnings,
-        evals=tuple(r.fields for r in log.records if r.type == "eval"),
+        evals=tuple(r.fields for r in log.records if r.type == "eval"), resumes=log.resumes,
         median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in rows),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
 
@@ -178,6 +182,9 @@ def format_comparison(c: Comparison) -> str:
                      f"{r.predicted_peak_memory_bytes / 2**20:>9.1f} {mm} {me}"
                      + ("  (timed on the memory-sampled step)" if r.timed_with_memory_hooks else ""))
     lines.extend(f"note: {w}" for w in c.warnings)
+    lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
+                 f"stopped run logged from there were replaced by the resumed run's (each step counted once)"
+                 for r in c.resumes if r["replaced_steps"])
     lines.append(f"median |error|: iteration time {c.median_abs_iteration_error:.1%}"
                  + (f", peak memory {c.median_abs_memory_error:.1%}" if c.median_abs_memory_error is not None else
                     ", peak memory not measured"))

@@ -210,16 +210,56 @@ class RunLog:
     transitions: tuple[Record, ...]
     records: tuple[Record, ...]
     warnings: tuple[str, ...] = ()
+    resumes: tuple[dict[str, Any], ...] = ()
+    """Per ``resume`` record: the step it continues from, its line, and how many step records the failed
+    attempt had logged from that step on (``replaced_steps``: left out, the resumed run's count)."""
 
 
-_REPLAYED = ("step", "transition", "freeze_decision", "cache", "eval")
+_REPLAYED = ("step", "transition", "freeze_decision", "cache", "eval", "export")
 """Record types with a ``step`` that a resume from an earlier step writes again."""
+_AT_CHECKPOINT = ("cache", "eval", "export")
+"""Of those, the types a run may write at the checkpoint's own step before the checkpoint (an epoch's end, an
+evaluation, a model export): kept at a resume, and replaced only if the resumed run writes them again."""
+
+
+def _replay(records: list[Record], resume: Record) -> tuple[list[Record], int]:
+    """What the log keeps at a ``resume`` from step s: everything written before the checkpoint (records
+    before step s, and cache, eval and export records at step s), and how many step records it drops (the
+    failed attempt's steps from s on, which the resumed run runs and logs again)."""
+    at = resume.fields["step"]
+    kept = [r for r in records if r.type not in _REPLAYED or r.fields["step"] < at
+            or (r.type in _AT_CHECKPOINT and r.fields["step"] == at)]
+    return kept, sum(1 for r in records if r.type == "step" and r.fields["step"] >= at)
+
+
+def _once(r: Record) -> tuple[Any, ...] | None:
+    """The key under which a record is written once per run (None: may repeat), so that a record a resumed
+    run writes again replaces the first run's (its epoch's end, its evaluation at the checkpoint's step)."""
+    f = r.fields
+    keys = {"cache": ("step", "epoch"), "eval": ("step",), "export": ("step", "kind", "path"), "epoch_end": ("epoch",)}
+    return (r.type, *(f.get(k) for k in keys[r.type])) if r.type in keys else None
+
+
+def _keep_last(records: list[Record]) -> list[Record]:
+    """Each ``_once`` key's last record, in the order of the records kept."""
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for r in reversed(records):
+        key = _once(r)
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        out.append(r)
+    return out[::-1]
 
 
 def read_run_log(path: str | os.PathLike) -> RunLog:
     """Read and check ``run.jsonl``; errors name the line and the field. A torn last line is left out
     (with a warning in ``RunLog.warnings``). A ``resume`` record at step s replaces what the log holds
-    from step s on (steps, transitions, freeze decisions, cache records): the resumed run writes them again."""
+    from step s on (steps, transitions, freeze decisions, cache, eval and export records; ``_replay``): the
+    resumed run writes them again (``RunLog.resumes`` says where and how many steps it replaced). A record the
+    resumed run writes again at step s (an epoch's end) replaces the first run's (``_keep_last``)."""
     p = os.fspath(path)
     try:
         with open(p, encoding="utf-8", errors="replace") as fh:
@@ -230,6 +270,7 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
         lines.pop()
     records: list[Record] = []
     warnings: list[str] = []
+    resumes: list[dict[str, Any]] = []
     for i, text in enumerate(lines, 1):
         if not text.strip():
             continue
@@ -242,10 +283,10 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
             raise PtplanError(f"run log {p} line {i} is not JSON ({e.msg})") from None
         rec = parse_record(obj, what=f"run log {p}", line=i)
         if rec.type == "resume":  # the run continues from this step: what the first run logged from it on is replayed
-            at = rec.fields["step"]
-            records = [r for r in records if r.type not in _REPLAYED or r.fields["step"] < at
-                       or (r.type in ("cache", "eval") and r.fields["step"] == at)]  # written before the checkpoint
+            records, dropped = _replay(records, rec)
+            resumes.append({"step": rec.fields["step"], "line": i, "replaced_steps": dropped})
         records.append(rec)
+    records = _keep_last(records)
     h0 = next((r for r in records if r.type == "header"), None)
     steps: dict[int, Step] = {}
     for r in records:
@@ -263,4 +304,4 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
                                            world_size=h.get("world_size"), phases=tuple(h.get("phases") or ()))
     return RunLog(path=p, header=header, steps=tuple(steps[k] for k in sorted(steps)),
                   transitions=tuple(r for r in records if r.type == "transition"), records=tuple(records),
-                  warnings=tuple(warnings))
+                  warnings=tuple(warnings), resumes=tuple(resumes))
