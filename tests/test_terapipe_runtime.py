@@ -24,7 +24,7 @@ from ptplan.executor.data.dataset import TensorDataset
 from ptplan.executor.families.models import build_model
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import make_plan, spec
-from parity import assert_parity, recorded_run
+from parity import Snapshots, assert_parity, recorded_run
 from ptplan.executor.training.validate import check_plan
 from ptplan.planner.errors import PtplanError, SchemaError
 from ptplan.planner.plan import plan_from_json
@@ -87,7 +87,9 @@ def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torc
            if optimizer == "sgd" else torch.optim.AdamW(groups, lr=o["lr"], eps=o["eps"]))
     x, y, m = data
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 7919))  # epoch 0's order
-    snaps, losses, prev = {}, [], None
+    snaps, losses, prev = Snapshots(), [], None
+    if optimizer == "adamw":  # what assert_parity needs to judge AdamW against rounding (tests/parity.py)
+        snaps.adamw, snaps.grads, snaps.after = (o["lr"], o["eps"]), [], []
     for t, f in enumerate(COUNTS):
         if f != prev:
             snaps[t] = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -102,7 +104,11 @@ def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torc
         loss = sum(model.loss(model(a, attention_mask=c), b) for a, b, c in
                    zip(x[ids].chunk(n), y[ids].chunk(n), m[ids].chunk(n))) / n
         loss.backward()
+        if snaps.adamw is not None:
+            snaps.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
         opt.step()
+        if snaps.adamw is not None:
+            snaps.after.append({k: p.detach().clone() for k, p in model.named_parameters()})
         losses.append(loss.item())
     snaps[len(COUNTS)] = {k: v.detach().clone() for k, v in model.named_parameters()}
     return snaps, losses

@@ -27,7 +27,7 @@ from ptplan.executor.data.dataset import TensorDataset
 from ptplan.executor.families.models import build_model
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import make_plan, spec
-from parity import assert_parity, max_rel_diff, recorded_run
+from parity import Snapshots, assert_parity, max_rel_diff, recorded_run
 from ptplan.planner.schedule import two_bw
 
 
@@ -78,7 +78,9 @@ def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torc
     opt = _optimizer(list(model.parameters()), optimizer)
     x, y, m = data
     order = torch.randperm(N, generator=torch.Generator().manual_seed(SEED * 7919))  # epoch 0's order
-    snaps, losses, prev = {}, [], None
+    snaps, losses, prev = Snapshots(), [], None
+    if optimizer == "adamw":  # what assert_parity needs to judge AdamW against rounding (tests/parity.py)
+        snaps.adamw, snaps.grads, snaps.after = (OPT["adamw"]["lr"], OPT["adamw"]["eps"]), [], []
 
     def weights() -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -104,7 +106,11 @@ def reference(name: str, optimizer: str, data) -> tuple[dict[int, dict[str, torc
         newest = {k: v.detach().clone() for k, v in model.state_dict().items()}  # W(t+1): what t+1 runs with
         for p, q in zip(model.parameters(), stale.parameters()):
             p.grad = None if q.grad is None else q.grad.clone()
+        if snaps.adamw is not None:
+            snaps.grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
         opt.step()  # W(t+2) = W(t+1) - lr * grad f(W(t))
+        if snaps.adamw is not None:
+            snaps.after.append(weights())
         opt.zero_grad(set_to_none=True)
         stale.load_state_dict(newest)
     snaps[len(COUNTS)] = weights()
