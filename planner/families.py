@@ -65,6 +65,8 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {f.name: f for f in (
                 kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
     FamilyFacts(name="qwen2", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
                 kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
+    FamilyFacts(name="electra", module="electra", causal=False, default_num_labels=2, heads_key="num_attention_heads",
+                mlp_key="intermediate_size"),
 )}
 """Every family ptplan has an adapter for, in listing order (the first four are the published ones)."""
 
