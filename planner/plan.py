@@ -18,6 +18,7 @@ from typing import Any
 from .cluster import Cluster, cluster_from_json
 from .config import SCHEDULES, TrainingConfig, epoch_order_problem, training_from_json
 from .errors import PtplanError, SchemaError
+from .families import TOKEN_SLICE_FAMILIES
 from .freeze import FreezePolicy, freeze_from_json
 from .jsonio import Fields, read_json, write_json
 from .profile import PROVENANCE_SOURCES
@@ -405,8 +406,9 @@ def _prediction(f: Fields) -> Prediction:
         cache_host_bytes_per_node=f.int("cache_host_bytes_per_node", 0, min=0))
 
 
-CAUSAL_SLICE_FAMILIES = ("gpt2", "llama")
-"""Model families whose phases may carry token slices (the executor's slice-aware layers: executor/runtime/sliced.py)."""
+CAUSAL_SLICE_FAMILIES = TOKEN_SLICE_FAMILIES
+"""Model families whose phases may carry token slices (their rows in ``families.py``: each family file's
+``slice_forward`` in executor/families/)."""
 
 
 def _slices(f: Fields, *, V: int, tp: int, seq_len: int | None, family: str | None) -> tuple[int, ...]:

@@ -514,8 +514,11 @@ def slice_plan(plan, profile, *, granularity: int = 16, **kw) -> tuple[SlicedPha
     M, micro-batch size, tp, partition, frozen count and AutoCache choice, its slices chosen and simulated
     (``sliced_phase``; never worse than unsliced). Phases with V > 1 chunks per position are refused (token
     slices run one stage per position)."""
-    if profile.model.family not in ("gpt2", "llama"):
-        raise PtplanError(f"token slicing is for causal LMs (gpt2, llama), not {profile.model.name}")
+    from .families import TOKEN_SLICE_FAMILIES
+
+    if profile.model.family not in TOKEN_SLICE_FAMILIES:
+        raise PtplanError(f"token slicing is for causal LMs ({', '.join(TOKEN_SLICE_FAMILIES)}), not "
+                          f"{profile.model.name}")
     out = []
     for ph in plan.phases:
         if ph.V != 1:

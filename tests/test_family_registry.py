@@ -31,6 +31,10 @@ def test_rows_cover_every_family_in_order():
     """Every family has an executor file, a planner row and a row here, listed in the same order."""
     assert [r[0] for r in ROWS] == list(FAMILY_FACTS) == list(registry.families()) == list(FAMILIES)
     assert tp_families() == TP_FAMILIES
+    from ptplan.planner.plan import CAUSAL_SLICE_FAMILIES
+    from ptplan.planner.families import TOKEN_SLICE_FAMILIES
+
+    assert CAUSAL_SLICE_FAMILIES == TOKEN_SLICE_FAMILIES  # the plan reader accepts slices where the executor runs them
     for name, fam in registry.families().items():
         assert fam.name == name and type(fam).__module__ == f"ptplan.executor.families.{fam.facts.module}"
 
