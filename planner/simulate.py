@@ -248,6 +248,8 @@ _COMPUTE, _SEND, _RECV, _ALLREDUCE, _UPDATE = range(5)
 # duration slots per stage in the per-call table: F (+prefix), B (full), B (input gradient only:
 # backward - weight part), W, SEND_F, SEND_B, ALLREDUCE, UPDATE (optimizer step; flush-free schedules)
 _NSLOT = 8
+_F, _B, _W, _SF, _SB, _AR = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.SEND_F, ActionKind.SEND_B,
+                             ActionKind.ALLREDUCE)
 
 
 @dataclass(frozen=True)
@@ -303,135 +305,163 @@ def _compile(schedule: Schedule) -> _Program:
     return prog
 
 
+class _Flattener:
+    """One greedy pass over a schedule's lists: sweep the ranks (alternating direction), each running its
+    list until it meets a receive whose send has not run yet; record every action in the order it ran
+    (as ``_Program``'s parallel tuples), counting actions and in-flight micro-batches on the way."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        K, R = schedule.K, len(schedule.actions)
+        self.split = {(a.stage, a.mb, a.slice) for acts in schedule.actions for a in acts
+                      if a.kind is ActionKind.W}
+        self.rank_stages = tuple(tuple(s for s in range(K) if schedule.stage_to_rank[s] == r) for r in range(R))
+        self.rank_rows: list[set[tuple[int, ...]]] = [set() for _ in range(R)]
+        self.links: dict[tuple[int, int], int] = {}
+        self.sent: dict[tuple[int, bool, int, int], int] = {}  # (receiving stage, forward?, mb, slice) -> msg id
+        self.op: list[int] = []  # the program's parallel columns (``_Program``)
+        self.rank: list[int] = []
+        self.slot: list[int] = []
+        self.chan: list[int] = []
+        self.msg: list[int] = []
+        self.acts: list[Action] = []
+        self.count_f, self.count_b, self.count_bi, self.count_w = [0] * K, [0] * K, [0] * K, [0] * K
+        self.live, self.peak = [0] * K, [0] * K
+        self.N, self.Mb = schedule.minibatches, schedule.M
+        self.S = schedule.slices  # duration slots per (stage, slice): (stage * S + slice) * _NSLOT + kind slot
+        self.flush_free = self.N >= 3
+        self.grads_done: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> micro-batches done
+        self.ar_id: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> its all-reduce's id
+        self.updated: set[tuple[int, int]] = set()  # (stage, mini-batch t) whose update is placed
+        self.marks = [-1] * self.N if self.flush_free else []
+
+    def run(self) -> _Program:
+        lists = self.schedule.actions
+        R = len(lists)
+        ptr = [0] * R
+        remaining = sum(map(len, lists))
+        sweep = 0
+        RF, RB, F, B, W = ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.F, ActionKind.B, ActionKind.W
+        flush_free, Mb, split, updated = self.flush_free, self.Mb, self.split, self.updated
+        sent, place = self.sent, self._place
+        op, rank, slot, chan, msg, acts = (self.op.append, self.rank.append, self.slot.append, self.chan.append,
+                                           self.msg.append, self.acts.append)
+        while remaining:
+            progressed = False
+            for r in (range(R) if sweep % 2 == 0 else range(R - 1, -1, -1)):
+                lst = lists[r]  # run rank r's list until it blocks or ends
+                i0 = i = ptr[r]
+                n = len(lst)
+                while i < n:
+                    a = lst[i]
+                    k = a.kind
+                    s = a.stage
+                    if flush_free and (k is F or k is RF) and a.mb % Mb == 0 and a.mb // Mb >= 2 \
+                            and (s, a.mb // Mb) not in updated:
+                        # before mini-batch t's first receive or forward: the update that makes version t
+                        t = a.mb // Mb
+                        updated.add((s, t))
+                        self._emit(_UPDATE, s * self.S * _NSLOT + 7, -1, self.ar_id[(s, t - 2)], r, a)
+                    if k is RF or k is RB:
+                        mid = sent.get((s, k is RF, a.mb, a.slice))
+                        if mid is None:
+                            break  # blocked: its send has not run yet
+                        op(_RECV)
+                        slot(-1)
+                        chan(-1)
+                    else:
+                        o, sl, mid, c = place(r, a)
+                        op(o)
+                        slot(sl)
+                        chan(c)
+                    msg(mid)
+                    rank(r)
+                    acts(a)
+                    i += 1
+                    if flush_free and (k is W or (k is B and (s, a.mb, a.slice) not in split)):
+                        self._gradient_done(r, s, a.mb // Mb)
+                if i != i0:
+                    ptr[r] = i
+                    remaining -= i - i0
+                    progressed = True
+            if not progressed:  # pragma: no cover - check_schedule finds deadlocks first
+                raise ScheduleError(f"schedule {self.schedule.name!r} deadlocks; run check_schedule for details")
+            sweep += 1
+        return self._program()
+
+    def _emit(self, o: int, sl: int, c: int, mid: int, r: int, a: Action) -> None:
+        self.op.append(o)
+        self.slot.append(sl)
+        self.chan.append(c)
+        self.msg.append(mid)
+        self.rank.append(r)
+        self.acts.append(a)
+
+    def _place(self, r: int, a: Action) -> tuple[int, int, int, int]:
+        """A compute, send or all-reduce action: its (op, duration slot, message, link); counts it."""
+        k, s = a.kind, a.stage
+        c = mid = -1
+        base = (s * self.S + a.slice) * _NSLOT
+        if k is _F:
+            o, sl = _COMPUTE, base
+            self.count_f[s] += 1
+            live = self.live
+            live[s] += 1
+            if live[s] > self.peak[s]:
+                self.peak[s] = live[s]
+            self.rank_rows[r].add(tuple([live[x] for x in self.rank_stages[r]]))
+        elif k is _B:
+            if (s, a.mb, a.slice) in self.split:  # input gradient only; the W releases the activations
+                o, sl = _COMPUTE, base + 2
+                self.count_bi[s] += 1
+            else:
+                o, sl = _COMPUTE, base + 1
+                self.count_b[s] += 1
+                self.live[s] -= 1
+        elif k is _W:
+            o, sl = _COMPUTE, base + 3
+            self.count_w[s] += 1
+            self.live[s] -= 1
+        elif k is _SF or k is _SB:
+            fwd = k is _SF
+            dst = s + 1 if fwd else s - 1
+            o, sl = _SEND, base + (4 if fwd else 5)
+            links = self.links
+            c = links.setdefault((r, self.schedule.stage_to_rank[dst]), len(links))
+            mid = self.sent[(dst, fwd, a.mb, a.slice)] = len(self.sent)
+        elif k is _AR:
+            o, sl = _ALLREDUCE, s * self.S * _NSLOT + 6
+        else:  # pragma: no cover - every kind is handled above (Action rejects others)
+            raise ScheduleError(f"the simulator cannot run {a}")
+        if self.flush_free and k is _F and s == 0 and a.mb % self.Mb == 0:
+            self.marks[a.mb // self.Mb] = len(self.op)
+        return o, sl, mid, c
+
+    def _gradient_done(self, r: int, s: int, t: int) -> None:
+        """Flush-free: one more micro-batch of mini-batch t has its gradient on stage s; after the last,
+        the mini-batch's all-reduce (none for the last mini-batch: it updates after the lists)."""
+        n_done = self.grads_done[(s, t)] = self.grads_done.get((s, t), 0) + 1
+        if n_done == self.Mb * self.S and t < self.N - 1:
+            self.ar_id[(s, t)] = len(self.ar_id)
+            self._emit(_ALLREDUCE, s * self.S * _NSLOT + 6, -1, self.ar_id[(s, t)], r, _act_allreduce(s))
+
+    def _program(self) -> _Program:
+        S, peak, rank_rows = self.S, self.peak, self.rank_rows
+        if S > 1:  # in flight in whole micro-batches: a micro-batch's slices are held until its last backward
+            peak = [-(-p // S) for p in peak]
+            rank_rows = [{tuple(-(-x // S) for x in row) for row in rows} for rows in rank_rows]
+        return _Program(op=tuple(self.op), rank=tuple(self.rank), slot=tuple(self.slot), chan=tuple(self.chan),
+                        msg=tuple(self.msg), actions=tuple(self.acts), num_msgs=len(self.sent),
+                        num_links=len(self.links), count_f=tuple(self.count_f), count_b=tuple(self.count_b),
+                        count_bi=tuple(self.count_bi), count_w=tuple(self.count_w), peak_inflight=tuple(peak),
+                        rank_stages=self.rank_stages,
+                        rank_live=tuple(_undominated(rows) for rows in rank_rows),
+                        num_updates=len(self.ar_id), marks=tuple(self.marks))
+
+
 def _flatten(schedule: Schedule) -> _Program:
-    """One greedy pass: sweep the ranks (alternating direction), each running its list until it meets
-    a receive whose send has not run yet; record every action in the order it ran."""
-    s2r = schedule.stage_to_rank
-    lists = schedule.actions
-    R, K = len(lists), schedule.K
-    F, B, W, SF, SB, RF, RB, AR = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.SEND_F, ActionKind.SEND_B,
-                                   ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.ALLREDUCE)
-    split = {(a.stage, a.mb, a.slice) for acts in lists for a in acts if a.kind is W}
-    rank_stages = tuple(tuple(s for s in range(K) if s2r[s] == r) for r in range(R))
-    rank_rows: list[set[tuple[int, ...]]] = [set() for _ in range(R)]
-    links: dict[tuple[int, int], int] = {}
-    sent: dict[tuple[int, bool, int, int], int] = {}  # (receiving stage, forward?, mb, slice) -> message id
-    op: list[int] = []
-    rank: list[int] = []
-    slot: list[int] = []
-    chan: list[int] = []
-    msg: list[int] = []
-    acts: list = []
-    count_f, count_b, count_bi, count_w = [0] * K, [0] * K, [0] * K, [0] * K
-    live, peak = [0] * K, [0] * K
-    N, Mb = schedule.minibatches, schedule.M
-    S = schedule.slices  # duration slots per (stage, slice): (stage * S + slice) * _NSLOT + kind slot
-    flush_free = N >= 3
-    grads_done: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> micro-batches whose gradient is done
-    ar_id: dict[tuple[int, int], int] = {}  # (stage, mini-batch) -> its all-reduce's id
-    updated: set[tuple[int, int]] = set()  # (stage, mini-batch t) whose update (making version t) is placed
-    marks = [-1] * N if flush_free else []
-    ptr = [0] * R
-    remaining = sum(map(len, lists))
-    sweep = 0
-    while remaining:
-        progressed = False
-        for r in (range(R) if sweep % 2 == 0 else range(R - 1, -1, -1)):
-            lst = lists[r]
-            i0 = i = ptr[r]
-            n = len(lst)
-            while i < n:
-                a = lst[i]
-                k = a.kind
-                s = a.stage
-                if flush_free and (k is F or k is RF) and a.mb % Mb == 0 and a.mb // Mb >= 2 \
-                        and (s, a.mb // Mb) not in updated:
-                    # before mini-batch t's first receive or forward: the update that makes version t
-                    t = a.mb // Mb
-                    updated.add((s, t))
-                    op.append(_UPDATE)
-                    slot.append(s * S * _NSLOT + 7)
-                    chan.append(-1)
-                    msg.append(ar_id[(s, t - 2)])
-                    rank.append(r)
-                    acts.append(a)
-                if k is RF or k is RB:
-                    mid = sent.get((s, k is RF, a.mb, a.slice))
-                    if mid is None:
-                        break  # blocked: its send has not run yet
-                    op.append(_RECV)
-                    slot.append(-1)
-                    chan.append(-1)
-                    msg.append(mid)
-                else:
-                    c = -1
-                    mid = -1
-                    base = (s * S + a.slice) * _NSLOT
-                    if k is F:
-                        o, sl = _COMPUTE, base
-                        count_f[s] += 1
-                        live[s] += 1
-                        if live[s] > peak[s]:
-                            peak[s] = live[s]
-                        rank_rows[r].add(tuple(live[x] for x in rank_stages[r]))
-                    elif k is B:
-                        if (s, a.mb, a.slice) in split:  # input gradient only; the W releases the activations
-                            o, sl = _COMPUTE, base + 2
-                            count_bi[s] += 1
-                        else:
-                            o, sl = _COMPUTE, base + 1
-                            count_b[s] += 1
-                            live[s] -= 1
-                    elif k is W:
-                        o, sl = _COMPUTE, base + 3
-                        count_w[s] += 1
-                        live[s] -= 1
-                    elif k is SF or k is SB:
-                        fwd = k is SF
-                        dst = s + 1 if fwd else s - 1
-                        o, sl = _SEND, base + (4 if fwd else 5)
-                        c = links.setdefault((r, s2r[dst]), len(links))
-                        mid = sent[(dst, fwd, a.mb, a.slice)] = len(sent)
-                    elif k is AR:
-                        o, sl = _ALLREDUCE, s * S * _NSLOT + 6
-                    else:  # pragma: no cover - every kind is handled above (Action rejects others)
-                        raise ScheduleError(f"the simulator cannot run {a}")
-                    if flush_free and k is F and s == 0 and a.mb % Mb == 0:
-                        marks[a.mb // Mb] = len(op)
-                    op.append(o)
-                    slot.append(sl)
-                    chan.append(c)
-                    msg.append(mid)
-                rank.append(r)
-                acts.append(a)
-                i += 1
-                if flush_free and (k is W or (k is B and (s, a.mb, a.slice) not in split)):
-                    t = a.mb // Mb
-                    n_done = grads_done[(s, t)] = grads_done.get((s, t), 0) + 1
-                    if n_done == Mb * schedule.slices and t < N - 1:  # mini-batch t's gradient: all-reduce it
-                        ar_id[(s, t)] = len(ar_id)
-                        op.append(_ALLREDUCE)
-                        slot.append(s * S * _NSLOT + 6)
-                        chan.append(-1)
-                        msg.append(ar_id[(s, t)])
-                        rank.append(r)
-                        acts.append(_act_allreduce(s))
-            if i != i0:
-                ptr[r] = i
-                remaining -= i - i0
-                progressed = True
-        if not progressed:  # pragma: no cover - check_schedule finds deadlocks first
-            raise ScheduleError(f"schedule {schedule.name!r} deadlocks; run check_schedule for details")
-        sweep += 1
-    if S > 1:  # in flight in whole micro-batches: a micro-batch's slices are held until its last backward
-        peak = [-(-p // S) for p in peak]
-        rank_rows = [{tuple(-(-x // S) for x in row) for row in rows} for rows in rank_rows]
-    return _Program(op=tuple(op), rank=tuple(rank), slot=tuple(slot), chan=tuple(chan), msg=tuple(msg),
-                    actions=tuple(acts), num_msgs=len(sent), num_links=len(links),
-                    count_f=tuple(count_f), count_b=tuple(count_b), count_bi=tuple(count_bi),
-                    count_w=tuple(count_w), peak_inflight=tuple(peak), rank_stages=rank_stages,
-                    rank_live=tuple(_undominated(rows) for rows in rank_rows), num_updates=len(ar_id),
-                    marks=tuple(marks))
+    """Flatten a schedule to a ``_Program`` (``_Flattener``)."""
+    return _Flattener(schedule).run()
 
 
 def _act_allreduce(stage: int) -> Action:
@@ -479,20 +509,7 @@ class SliceCosts:
                                   f"({len(self.tokens)} slices)")
 
 
-def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = False,
-             step_overhead_s: float = 0.0, slice_costs: SliceCosts | None = None) -> SimResult:
-    """Simulate one iteration of ``schedule`` with per-stage ``costs`` (see the module docstring).
-
-    ``step_overhead_s``: fixed seconds per iteration added at the end (see UPDATE above).
-    ``slice_costs``: for a token-sliced schedule (``schedule.slices`` > 1), each slice's compute per
-    stage (``SliceCosts``); ``costs`` then give the rest (messages per micro-batch, prefix, setup,
-    all-reduce, optimizer, memory: in-flight micro-batches count a micro-batch from its first slice's
-    forward to its last slice's backward, rounded up from slices to whole micro-batches).
-
-    The schedule is checked (``check_schedule``; skipped for the generators' own output, which the
-    tests check) and flattened once per schedule object; later calls only run the event loop, and
-    ``build_schedule`` returns the same object for the same (name, K, M).
-    """
+def _check_inputs(schedule: Schedule, costs: Sequence[StageCost], step_overhead_s: float) -> None:
     K = schedule.K
     if len(costs) != K:
         raise PtplanError(f"simulate: {len(costs)} stage costs for a schedule with K={K} stages; give one "
@@ -503,35 +520,47 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
                               f"stage 0 runs or reads the frozen prefix; put its cost on stage 0")
     if not isinstance(step_overhead_s, numbers.Real) or not math.isfinite(step_overhead_s) or step_overhead_s < 0:
         raise PtplanError(f"simulate: step_overhead_s must be a finite number of seconds >= 0, got {step_overhead_s!r}")
-    prog = _compile(schedule)
+
+
+def _durations(schedule: Schedule, costs: Sequence[StageCost], slice_costs: SliceCosts | None) -> list[float]:
+    """The per-call duration table: _NSLOT seconds per (stage, slice), indexed by ``_Program.slot``."""
     dur: list[float] = []
-    S = schedule.slices
+    K, S = schedule.K, schedule.slices
     if S == 1 and slice_costs is None:
         for c in costs:
             w = min(c.backward_weight_s, c.backward_s)
             dur += (c.forward_s + c.prefix_s, c.backward_s, c.backward_s - w, w, c.send_forward_s, c.send_backward_s,
                     c.allreduce_s, c.optimizer_s)
-    else:
-        if slice_costs is None or len(slice_costs.tokens) != S or len(slice_costs.forward_s) != K \
-                or len(slice_costs.backward_s) != K:
-            raise ScheduleError(f"simulate: schedule {schedule.name!r} has {S} token slices on {K} stages; give "
-                              f"slice_costs with {S} slices and one row per stage")
-        total = sum(slice_costs.tokens)
-        for s, c in enumerate(costs):
-            share = c.backward_weight_s / c.backward_s if c.backward_s > 0 else 0.0
-            for j, n in enumerate(slice_costs.tokens):
-                f, b = slice_costs.forward_s[s][j], slice_costs.backward_s[s][j]
-                af, ab = c.send_forward_latency_s, c.send_backward_latency_s  # α per message, β per byte
-                dur += (f + (c.prefix_s if j == 0 else 0.0), b, b * (1 - share), b * share,
-                        af + (c.send_forward_s - af) * n / total, ab + (c.send_backward_s - ab) * n / total,
-                        c.allreduce_s, c.optimizer_s)
-
-    R = schedule.num_ranks
-    s2r = schedule.stage_to_rank
-    T = [0.0] * R                  # each rank's compute clock
+        return dur
+    if slice_costs is None or len(slice_costs.tokens) != S or len(slice_costs.forward_s) != K \
+            or len(slice_costs.backward_s) != K:
+        raise ScheduleError(f"simulate: schedule {schedule.name!r} has {S} token slices on {K} stages; give "
+                            f"slice_costs with {S} slices and one row per stage")
+    total = sum(slice_costs.tokens)
     for s, c in enumerate(costs):
-        T[s2r[s]] += c.setup_s
-    D = [0.0] * R                  # each rank's all-reduce channel: free from
+        share = c.backward_weight_s / c.backward_s if c.backward_s > 0 else 0.0
+        for j, n in enumerate(slice_costs.tokens):
+            f, b = slice_costs.forward_s[s][j], slice_costs.backward_s[s][j]
+            af, ab = c.send_forward_latency_s, c.send_backward_latency_s  # α per message, β per byte
+            dur += (f + (c.prefix_s if j == 0 else 0.0), b, b * (1 - share), b * share,
+                    af + (c.send_forward_s - af) * n / total, ab + (c.send_backward_s - ab) * n / total,
+                    c.allreduce_s, c.optimizer_s)
+    return dur
+
+
+class _Clocks(NamedTuple):
+    compute: list[float]
+    """Per rank: when its compute ends (T)."""
+    channel: list[float]
+    """Per rank: when its all-reduce channel is free (D)."""
+    start: list[float]
+    """Per program position: when the action started."""
+
+
+def _run_program(prog: _Program, dur: list[float], setup: list[float]) -> _Clocks:
+    """The event loop: run the flattened program with the duration table; ``setup`` = each rank's start."""
+    T = list(setup)                # each rank's compute clock
+    D = [0.0] * len(T)             # each rank's all-reduce channel: free from
     L = [0.0] * prog.num_links     # each directed link: free from
     A = [0.0] * prog.num_msgs      # each message: arrival time
     U = [0.0] * prog.num_updates   # flush-free schedules: each per-mini-batch all-reduce's end
@@ -571,51 +600,90 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
             start[i] = t
             T[r] = t + dur[d]
         i += 1
+    return _Clocks(T, D, start)
 
-    makespan = max(T)
-    synced = max(makespan, max(D))
+
+def _busy(prog: _Program, costs: Sequence[StageCost], dur: list[float], S: int) -> tuple[float, ...]:
+    """Per stage: compute seconds (setup, forwards with the prefix, backwards, W)."""
+    if S == 1:
+        return tuple(costs[s].setup_s + prog.count_f[s] * dur[s * _NSLOT] + prog.count_b[s] * dur[s * _NSLOT + 1]
+                     + prog.count_bi[s] * dur[s * _NSLOT + 2] + prog.count_w[s] * dur[s * _NSLOT + 3]
+                     for s in range(len(costs)))
+    acc = [c.setup_s for c in costs]
+    for o, d, a in zip(prog.op, prog.slot, prog.actions):
+        if o == _COMPUTE:
+            acc[a.stage] += dur[d]
+    return tuple(acc)
+
+
+def _stage_memory(prog: _Program, costs: Sequence[StageCost]) -> tuple[int, ...]:
+    return tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
+                 for c, p in zip(costs, prog.peak_inflight))
+
+
+def _flush_free_result(schedule: Schedule, prog: _Program, costs: Sequence[StageCost], dur: list[float],
+                       clocks: _Clocks, busy: tuple[float, ...], opt: list[float], step_overhead_s: float,
+                       events: bool) -> SimResult:
+    """A flush-free schedule's result: the steady state's period (module docstring)."""
+    N, R, s2r = schedule.minibatches, schedule.num_ranks, schedule.stage_to_rank
+    busy = tuple(costs[s].setup_s + (x - costs[s].setup_s) / N for s, x in enumerate(busy))
+    work = [0.0] * R
+    channel = [0.0] * R
+    for s, c in enumerate(costs):
+        work[s2r[s]] += busy[s] + c.optimizer_s
+        channel[s2r[s]] += c.allreduce_s
+    back = min(3, N - 2)  # mini-batches 0 and 1 are the fill; mean over the last three differences
+    start = clocks.start
+    slope = (start[prog.marks[-1]] - start[prog.marks[-1 - back]]) / back
+    period = max(slope, max(work), max(channel))
+    T, D = clocks.compute, clocks.channel
+    return SimResult(iteration_s=period + step_overhead_s,
+                     bubble_fraction=1.0 - sum(work) / (R * period) if period > 0 else 0.0,
+                     allreduce_s=0.0, makespan_s=period, stage_busy_s=busy,
+                     stage_peak_memory_bytes=_stage_memory(prog, costs),
+                     peak_inflight=prog.peak_inflight, update_s=step_overhead_s,
+                     rank_peak_memory_bytes=_rank_memory(prog, costs),
+                     events=_events(schedule, prog, costs, dur, start, T, D, opt,
+                                    max(max(t, d) + o for t, d, o in zip(T, D, opt))) if events else ())
+
+
+def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = False,
+             step_overhead_s: float = 0.0, slice_costs: SliceCosts | None = None) -> SimResult:
+    """Simulate one iteration of ``schedule`` with per-stage ``costs`` (see the module docstring).
+
+    ``step_overhead_s``: fixed seconds per iteration added at the end (see UPDATE above).
+    ``slice_costs``: for a token-sliced schedule (``schedule.slices`` > 1), each slice's compute per
+    stage (``SliceCosts``); ``costs`` then give the rest (messages per micro-batch, prefix, setup,
+    all-reduce, optimizer, memory: in-flight micro-batches count a micro-batch from its first slice's
+    forward to its last slice's backward, rounded up from slices to whole micro-batches).
+
+    The schedule is checked (``check_schedule``; skipped for the generators' own output, which the
+    tests check) and flattened once per schedule object; later calls only run the event loop, and
+    ``build_schedule`` returns the same object for the same (name, K, M).
+    """
+    _check_inputs(schedule, costs, step_overhead_s)
+    prog = _compile(schedule)
+    dur = _durations(schedule, costs, slice_costs)
+    R, s2r = schedule.num_ranks, schedule.stage_to_rank
+    setup = [0.0] * R
     opt = [0.0] * R
     for s, c in enumerate(costs):
+        setup[s2r[s]] += c.setup_s
         opt[s2r[s]] += c.optimizer_s
+    clocks = _run_program(prog, dur, setup)
+    T, D = clocks.compute, clocks.channel
+    makespan = max(T)
+    synced = max(makespan, max(D))
     iteration = max(max(t, d) + o for t, d, o in zip(T, D, opt)) + step_overhead_s
-    if S == 1:
-        busy = tuple(costs[s].setup_s + prog.count_f[s] * dur[s * _NSLOT] + prog.count_b[s] * dur[s * _NSLOT + 1]
-                     + prog.count_bi[s] * dur[s * _NSLOT + 2] + prog.count_w[s] * dur[s * _NSLOT + 3]
-                     for s in range(K))
-    else:
-        acc = [c.setup_s for c in costs]
-        for o, d, a in zip(prog.op, prog.slot, prog.actions):
-            if o == _COMPUTE:
-                acc[a.stage] += dur[d]
-        busy = tuple(acc)
-    if prog.marks:  # flush-free: the steady state's period (module docstring)
-        N = schedule.minibatches
-        busy = tuple(costs[s].setup_s + (x - costs[s].setup_s) / N for s, x in enumerate(busy))
-        work = [0.0] * R
-        channel = [0.0] * R
-        for s, c in enumerate(costs):
-            work[s2r[s]] += busy[s] + c.optimizer_s
-            channel[s2r[s]] += c.allreduce_s
-        back = min(3, N - 2)  # mini-batches 0 and 1 are the fill; mean over the last three differences
-        slope = (start[prog.marks[-1]] - start[prog.marks[-1 - back]]) / back
-        period = max(slope, max(work), max(channel))
-        memory = tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
-                       for c, p in zip(costs, prog.peak_inflight))
-        return SimResult(iteration_s=period + step_overhead_s,
-                         bubble_fraction=1.0 - sum(work) / (R * period) if period > 0 else 0.0,
-                         allreduce_s=0.0, makespan_s=period, stage_busy_s=busy, stage_peak_memory_bytes=memory,
-                         peak_inflight=prog.peak_inflight, update_s=step_overhead_s,
-                         rank_peak_memory_bytes=_rank_memory(prog, costs),
-                         events=_events(schedule, prog, costs, dur, start, T, D, opt,
-                                        max(max(t, d) + o for t, d, o in zip(T, D, opt))) if events else ())
+    busy = _busy(prog, costs, dur, schedule.slices)
+    if prog.marks:
+        return _flush_free_result(schedule, prog, costs, dur, clocks, busy, opt, step_overhead_s, events)
     bubble = 1.0 - sum(busy) / (R * makespan) if makespan > 0 else 0.0
-    memory = tuple(int(peak_bytes(c.fixed_bytes, c.activation_bytes_per_mb, p, c.after_bytes))
-                   for c, p in zip(costs, prog.peak_inflight))
     return SimResult(iteration_s=iteration, bubble_fraction=bubble, allreduce_s=synced - makespan,
-                     makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=memory,
+                     makespan_s=makespan, stage_busy_s=busy, stage_peak_memory_bytes=_stage_memory(prog, costs),
                      peak_inflight=prog.peak_inflight, update_s=iteration - synced,
                      rank_peak_memory_bytes=_rank_memory(prog, costs),
-                     events=_events(schedule, prog, costs, dur, start, T, D, opt, iteration) if events else ())
+                     events=_events(schedule, prog, costs, dur, clocks.start, T, D, opt, iteration) if events else ())
 
 
 def _rank_memory(prog: _Program, costs: Sequence[StageCost]) -> tuple[int, ...]:
