@@ -109,14 +109,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     """
     dtype = dtype_name(dtype)
     sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
-    if warmup < 0:
-        raise PtplanError(f"--warmup must be >= 0, got {warmup}")
-    if repeats < 1:
-        raise PtplanError(f"--repeats must be >= 1, got {repeats}")
-    if budget < 0 or budget != budget:
-        raise PtplanError(f"--budget must be >= 0 minutes (0: no budget), got {budget}")
-    if threads is not None and threads < 1:
-        raise PtplanError(f"--threads must be >= 1, got {threads}")
+    _check_counts(warmup, repeats, budget, threads)
     dev_kind = device.split(":")[0]
     if project is not None:
         from ptplan.planner.devices import get_device
@@ -124,11 +117,7 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         dev_model = get_device(project)
         dev_model.matmul_peak(dtype)  # the dtype exists on that device
         dev_kind = dev_model.key
-    from ptplan.cli.outputs import check_outputs
-
-    weights_in = [("--weights folder", weights)] if weights else []
-    check_outputs(weights_in, [("--out", out)])
-    path = Path(out) if out is not None else None  # default: from the model's name, once built
+    _out_path(out, weights)  # checked before any work; the default name once the model is built
 
     import torch  # torch only when profiling: the other commands stay fast
 
@@ -140,34 +129,17 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     resolve_device(device)  # fail on a missing GPU before building a large model
     if sizes is not None:
         check_batch_sizes(sizes)
-    if threads is None and dev_kind == "cpu":
-        threads = 1
+    threads = 1 if threads is None and dev_kind == "cpu" else threads
     if threads is not None:
         torch.set_num_threads(threads)
-    head = {} if labels is None else {"num_labels": labels}
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
-                        dtype=getattr(torch, dtype), dropout=dropout, weights=weights, **head)
+                        dtype=getattr(torch, dtype), dropout=dropout, weights=weights,
+                        **({} if labels is None else {"num_labels": labels}))
     if sizes is not None and project is None:
         check_sizes_fit(model, resolve_device(device), sizes)
-    if path is None:
-        path = default_out(model.name, dev_kind, dtype)
-        check_outputs(weights_in, [("the default --out", os.fspath(path))])
+    path = _out_path(out, weights, default_out(model.name, dev_kind, dtype))
     if project is not None:
-        import datetime
-
-        from ptplan.executor.profiling.project import project_profile
-        from ptplan.executor.profiling.profiler import powers_of_two
-
-        prof = project_profile(model, dev_model, batch_sizes=sizes or powers_of_two(64),
-                               command=command_line(click.get_current_context()),
-                               date=datetime.date.today().isoformat())
-        save_profile(prof, path)
-        step_ms = prof.whole_model.forward_backward_s[-1] * 1e3
-        click.echo(f"{prof.model.name}: projected for {dev_model.name} ({prof.model.dtype}); whole step at "
-                   f"micro-batch {prof.batch_sizes[-1]}: {step_ms:.2f} ms (datasheet peaks, efficiency ASSUMED: "
-                   f"planner/devices.py)")
-        click.echo(f"wrote {path}")
-        return
+        return _projected(model, dev_model, sizes, path)
     _warn_if_busy(dev_kind, timer)  # after every refusal: a refused call prints its one error line only
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()),
@@ -183,6 +155,46 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     if prof.measurement.get("skipped_reason"):
         click.echo(f"note: {prof.measurement['skipped_reason']}")
     click.echo(f"wrote {path}")
+
+
+def _projected(model, dev_model, sizes: list[int] | None, path: Path) -> None:
+    """``--project``: the profile projected for a datasheet device, written to ``path``."""
+    import datetime
+
+    from ptplan.executor.profiling.profiler import powers_of_two
+    from ptplan.executor.profiling.project import project_profile
+    from ptplan.planner.profile import save_profile
+
+    prof = project_profile(model, dev_model, batch_sizes=sizes or powers_of_two(64),
+                           command=command_line(click.get_current_context()),
+                           date=datetime.date.today().isoformat())
+    save_profile(prof, path)
+    step_ms = prof.whole_model.forward_backward_s[-1] * 1e3
+    click.echo(f"{prof.model.name}: projected for {dev_model.name} ({prof.model.dtype}); whole step at "
+               f"micro-batch {prof.batch_sizes[-1]}: {step_ms:.2f} ms (datasheet peaks, efficiency ASSUMED: "
+               f"planner/devices.py)")
+    click.echo(f"wrote {path}")
+
+
+def _check_counts(warmup: int, repeats: int, budget: float, threads: int | None) -> None:
+    if warmup < 0:
+        raise PtplanError(f"--warmup must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise PtplanError(f"--repeats must be >= 1, got {repeats}")
+    if budget < 0 or budget != budget:
+        raise PtplanError(f"--budget must be >= 0 minutes (0: no budget), got {budget}")
+    if threads is not None and threads < 1:
+        raise PtplanError(f"--threads must be >= 1, got {threads}")
+
+
+def _out_path(out: str | None, weights: str | None, default: Path | None = None) -> Path | None:
+    """--out (or, once the model is built, ``default``) through the one output check (cli/outputs.py)."""
+    from ptplan.cli.outputs import check_outputs
+
+    given = out if out is not None else None if default is None else os.fspath(default)
+    check_outputs([("--weights folder", weights)] if weights else [],
+                  [("--out" if out is not None else "the default --out", given)])
+    return None if given is None else Path(given)
 
 
 def check_sizes_fit(model, dev, sizes: list[int]) -> None:

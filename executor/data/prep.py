@@ -313,6 +313,27 @@ def _save_atomic(items: list[tuple[dict[str, Any], Path]]) -> None:
                 os.unlink(tmp)
 
 
+def _class_labels(rows: list[dict[str, Any]], columns: list[str], name: str, label_column: str, label_map: str
+                  ) -> tuple[list[str], list[int], list[str]]:
+    """(label names in class order, each row's class id, warnings) of a classification file; PtplanError for
+    a label outside a given map or a single class."""
+    raw = [_label_key(v) for v in _column(rows, label_column, "label", columns, name,
+                                          "pass --label-column NAME, or --task causal-lm for language-modelling "
+                                          "text without labels")]
+    names = sorted(set(raw), key=_sort_key) if label_map == "auto" else read_label_map(label_map)
+    ids = {n: c for c, n in enumerate(names)}
+    unknown = sorted({v for v in raw if v not in ids}, key=_sort_key)
+    if unknown:
+        first = raw.index(unknown[0]) + 1
+        raise PtplanError(f"{name} row {first}: label {unknown[0]!r} is not in --label-map {label_map} "
+                          f"({', '.join(names)})" + (f"; {len(unknown)} unknown labels in all" if len(unknown) > 1
+                                                     else "") + "; fix the row or extend the map")
+    labels = [ids[v] for v in raw]
+    if len(names) < 2:
+        raise PtplanError(f"{name}: every row has the label {names[0]!r}; classification needs two classes or more")
+    return names, labels, _tiny_classes(labels, names, name, label_column)
+
+
 def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_len: int, out: str | os.PathLike,
                  text_column: str = "text", label_column: str = "label", label_map: str = "auto",
                  task: str | None = None, split: float = 0.0, eval_out: str | os.PathLike | None = None,
@@ -346,25 +367,7 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
     labels: list[int] | None = None
     notes: list[str] = []
     if task == "classification":
-        raw = [_label_key(v) for v in _column(rows, label_column, "label", columns, name,
-                                              "pass --label-column NAME, or --task causal-lm for language-modelling "
-                                              "text without labels")]
-        if label_map == "auto":
-            names = sorted(set(raw), key=_sort_key)
-        else:
-            names = read_label_map(label_map)
-        ids = {n: c for c, n in enumerate(names)}
-        unknown = sorted({v for v in raw if v not in ids}, key=_sort_key)
-        if unknown:
-            first = raw.index(unknown[0]) + 1
-            raise PtplanError(f"{name} row {first}: label {unknown[0]!r} is not in --label-map {label_map} "
-                              f"({', '.join(names)})" + (f"; {len(unknown)} unknown labels in all" if len(unknown) > 1
-                                                         else "") + "; fix the row or extend the map")
-        labels = [ids[v] for v in raw]
-        if len(names) < 2:
-            raise PtplanError(f"{name}: every row has the label {names[0]!r}; classification needs two classes or "
-                              f"more")
-        notes = _tiny_classes(labels, names, name, label_column)
+        names, labels, notes = _class_labels(rows, columns, name, label_column, label_map)
     tok = _load_tokenizer(tokenizer)
     check_seq_len(seq_len, tok, tokenizer, len(texts))
     if tok.pad_token_id is None:
