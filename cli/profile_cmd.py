@@ -187,14 +187,15 @@ def _check_counts(warmup: int, repeats: int, budget: float, threads: int | None)
         raise PtplanError(f"--threads must be >= 1, got {threads}")
 
 
-def _out_path(out: str | None, weights: str | None, default: Path | None = None) -> Path | None:
-    """--out (or, once the model is built, ``default``) through the one output check (cli/outputs.py)."""
+def _out_path(out: str | None, weights: str | None, default: Path | None = None) -> Path:
+    """--out (or, once the model is built, ``default``) through the one output check (cli/outputs.py); before
+    the model is built (no ``default``) an absent --out is not checked yet."""
     from ptplan.cli.outputs import check_outputs
 
     given = out if out is not None else None if default is None else os.fspath(default)
     check_outputs([("--weights folder", weights)] if weights else [],
                   [("--out" if out is not None else "the default --out", given)])
-    return None if given is None else Path(given)
+    return Path(given if given is not None else ".")
 
 
 def check_sizes_fit(model, dev, sizes: list[int]) -> None:
