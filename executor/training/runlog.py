@@ -15,7 +15,8 @@ On the sampled step of each phase visit (the 2nd) the record also holds ``memory
 ``peak_memory_bytes`` (the largest rank's stage working set) and ``memory`` (the method and every
 rank's break-down); see ``executor/runtime/memory.py``. That step's ``seconds`` include the measuring hooks.
 Also written: ``freeze_decision`` (adaptive freezing: the norms and the count chosen) and ``resume`` (the
-step it continues from: ``planner.runlog`` replaces the records the first run wrote from that step on).
+step it continues from: ``planner.runlog`` replaces the records the first run wrote from that step on, so a
+reader counts each step, evaluation, cache and export record once; the file keeps both, as they happened).
 With the AutoCache (``executor/cache/run.py``): ``cache_setup`` once (directory, budget, the plan's
 predicted bytes, accepted determinism notes) and ``cache`` after every epoch: that epoch's ``hits``,
 ``refreshes``, ``misses``, ``rows_written``, ``rows_not_cached``, ``slabs_evicted``, ``bytes_evicted``,
