@@ -43,12 +43,9 @@ turns the refusals into notes (``stats().notes``).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import tempfile
-import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,12 +56,14 @@ from torch import Tensor, nn
 from ptplan.planner.errors import PtplanError
 
 from ptplan.executor.cache.guard import (check_dataset, check_prefix_modules, check_repeatable, eval_mode,
-                          prefix_fingerprint)
+                                         prefix_fingerprint)
+from ptplan.executor.cache.meta import DEFAULT_SLAB_BYTES, MAX_SHARD_ROWS, SCHEMA, attach_meta, create_meta
+from ptplan.executor.cache.serve import serve_prefix
 from ptplan.executor.cache.store import DTYPES, Slab, SlabInfo, SlabStore, dtype_name
 
-SCHEMA = "ptplan.cache/1"
-DEFAULT_SLAB_BYTES = 64 << 20
-MAX_SHARD_ROWS = 16384
+__all__ = ["SCHEMA", "DEFAULT_SLAB_BYTES", "MAX_SHARD_ROWS", "ActivationCache", "CacheStats", "default_root",
+           "prefix_forward", "prefix_sample_shape"]
+
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
@@ -146,7 +145,7 @@ class ActivationCache:
                      budget_bytes=budget_bytes,
                      spill_dir=None if spill_dir is None else os.path.join(os.fspath(spill_dir), f"ptplan-{job_id}"),
                      shard_rows=shard_rows)
-        meta = self._create(given) if create else self._attach(given)
+        meta = create_meta(self.root, self.dir, job_id, given) if create else attach_meta(self.dir, given)
         self.meta = meta
         self.sample_shape: tuple[int, ...] = tuple(meta["sample_shape"])
         self.dtype: torch.dtype = DTYPES[meta["dtype"]]
@@ -160,59 +159,9 @@ class ActivationCache:
         if random_augmentation:
             self._stats.notes.extend(check_dataset(_Declared(), allow_nondeterministic=allow_nondeterministic))
 
-    # ---- creating and attaching ----------------------------------------------------------------
-    def _create(self, given: dict[str, Any]) -> dict[str, Any]:
-        missing = [k for k in ("sample_shape", "dtype", "num_samples", "budget_bytes") if given[k] is None]
-        if missing:
-            raise PtplanError(f"creating an activation cache needs {', '.join(missing)}")
-        shape, n, budget = given["sample_shape"], given["num_samples"], given["budget_bytes"]
-        if not shape or any(s < 1 for s in shape):
-            raise PtplanError(f"sample_shape must be positive sizes, got {shape}")
-        if n < 1:
-            raise PtplanError(f"num_samples must be >= 1, got {n}")
-        if budget < 0:
-            raise PtplanError(f"budget_bytes must be >= 0, got {budget}")
-        row = DTYPES[given["dtype"]].itemsize
-        for s in shape:
-            row *= s
-        rows = given["shard_rows"]
-        if rows is None:
-            rows = max(1, min(MAX_SHARD_ROWS, DEFAULT_SLAB_BYTES // row))
-        elif not 1 <= rows <= MAX_SHARD_ROWS:
-            raise PtplanError(f"shard_rows must be in 1..{MAX_SHARD_ROWS}, got {rows}")
-        meta = dict(schema=SCHEMA, job_id=self.job_id, sample_shape=shape, dtype=given["dtype"], num_samples=n,
-                    shard_rows=min(rows, n), budget_bytes=int(budget), spill_dir=given["spill_dir"])
-        if not os.path.isdir(self.root):
-            raise PtplanError(f"cache root {self.root} is not a directory; create it or pass another root")
-        for d in (self.dir, meta["spill_dir"]):
-            if d is not None:
-                shutil.rmtree(d, ignore_errors=True)  # a previous run of this job: its rows may be stale
-                os.makedirs(d, mode=0o700)
-        tmp = os.path.join(self.dir, f".meta-{uuid.uuid4().hex}")
-        with open(tmp, "w") as fh:
-            json.dump(meta, fh)
-        os.rename(tmp, os.path.join(self.dir, "meta.json"))
-        return meta
-
-    def _attach(self, given: dict[str, Any]) -> dict[str, Any]:
-        path = os.path.join(self.dir, "meta.json")
-        try:
-            with open(path) as fh:
-                meta = json.load(fh)
-        except FileNotFoundError:
-            raise PtplanError(f"no activation cache at {self.dir}: the node's creating process "
-                              f"(ActivationCache(..., create=True)) must make it before others attach "
-                              f"(add a barrier), with the same root and job id") from None
-        if meta.get("schema") != SCHEMA:
-            raise PtplanError(f"{path}: schema {meta.get('schema')!r}, expected {SCHEMA!r}; remove {self.dir}")
-        for k, v in given.items():
-            if v is not None and meta[k] != v:
-                raise PtplanError(f"activation cache {self.dir} has {k}={meta[k]!r} but this process asked for "
-                                  f"{v!r}; pass the same settings on every process (or none when attaching)")
-        return meta
-
     # ---- keys ----------------------------------------------------------------------------------
-    def _ids(self, sample_ids: Tensor | np.ndarray) -> np.ndarray:
+    def ids(self, sample_ids: Tensor | np.ndarray) -> np.ndarray:
+        """Sample ids as a flat int64 array, checked against the size the cache was made for."""
         ids = (sample_ids.detach().cpu().numpy() if isinstance(sample_ids, Tensor) else np.asarray(sample_ids))
         ids = ids.astype(np.int64, copy=False).reshape(-1)
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):
@@ -252,7 +201,7 @@ class ActivationCache:
     def lookup_rows(self, sample_ids: Tensor, frozen_layers: int) -> Tensor:
         """Per sample, the largest cached count c <= frozen_layers (int64; -1 where none)."""
         self._check_open()
-        ids = self._ids(sample_ids)
+        ids = self.ids(sample_ids)
         best = np.full(ids.size, -1, dtype=np.int64)
         listing = self.store.listing()
         for shard, pos, local in self._split(ids):
@@ -272,7 +221,7 @@ class ActivationCache:
     def lookup_partial(self, sample_ids: Tensor, frozen_layers: int) -> int | None:
         """The largest count c <= frozen_layers at which *every* sample is cached, or None."""
         self._check_open()
-        ids = self._ids(sample_ids)
+        ids = self.ids(sample_ids)
         counts = sorted({f for f, _ in self.store.listing() if f <= frozen_layers}, reverse=True)
         for c in counts:
             if all(self._slab_has(c, shard, local) for shard, _, local in self._split(ids)):
@@ -287,7 +236,7 @@ class ActivationCache:
         """The cached rows ``[B, *sample_shape]`` (CPU) if every sample is cached at exactly
         ``frozen_layers``, else None. ``tag``: expected prefix fingerprint (checked when given)."""
         self._check_open()
-        ids = self._ids(sample_ids)
+        ids = self.ids(sample_ids)
         parts = []
         for shard, pos, local in self._split(ids):
             slab = self.store.get(frozen_layers, shard)
@@ -315,7 +264,7 @@ class ActivationCache:
         self._check_open()
         if frozen_layers < 1:
             raise PtplanError(f"frozen_layers must be >= 1 to cache a prefix output, got {frozen_layers}")
-        ids = self._ids(sample_ids)
+        ids = self.ids(sample_ids)
         if tuple(tensor.shape) != (ids.size, *self.sample_shape) or tensor.dtype != self.dtype:
             raise PtplanError(f"cache rows must be {self.dtype} of shape [{ids.size}, "
                               f"{', '.join(map(str, self.sample_shape))}], got {tensor.dtype} {list(tensor.shape)}")
@@ -394,81 +343,13 @@ class ActivationCache:
                        frozen_layers: int, *, micro_batch_size: int | None = None) -> Tensor:
         """``layers[0:frozen_layers]``'s output for the batch, from the cache where possible (see ``prefix_forward``)."""
         self._check_open()
-        if frozen_layers == 0:
-            return inputs
-        self.ensure_cacheable(model, frozen_layers, inputs, attention_mask)
-        ids = self._ids(sample_ids)
-        if ids.size != inputs.shape[0]:
-            raise PtplanError(f"{ids.size} sample ids for a batch of {inputs.shape[0]} samples")
-        tag = self.tag_for(model, frozen_layers)
-        if micro_batch_size is None:
-            return self._per_sample(model, inputs, attention_mask, ids, frozen_layers, tag)
-        b = micro_batch_size
-        if b < 1 or ids.size % b:
-            raise PtplanError(f"a batch of {ids.size} samples does not split into micro-batches of {b}")
-        if ids.size == b:
-            return self._micro_batch(model, inputs, attention_mask, ids, frozen_layers, tag)
-        out = torch.empty((ids.size, *self.sample_shape), dtype=self.dtype, device=inputs.device)
-        for a in range(0, ids.size, b):
-            m = None if attention_mask is None else attention_mask[a:a + b]
-            out[a:a + b] = self._micro_batch(model, inputs[a:a + b], m, ids[a:a + b], frozen_layers, tag)
-        return out
+        return serve_prefix(self, model, inputs, attention_mask, sample_ids, frozen_layers, micro_batch_size)
 
-    def _run(self, model: nn.Module, x: Tensor, lo: int, hi: int, mask: Tensor | None) -> Tensor:
-        with torch.no_grad(), eval_mode(model.layers[:hi]):
-            return model.run_layers(x, lo, hi, mask)
-
-    def _micro_batch(self, model: nn.Module, x: Tensor, mask: Tensor | None, ids: np.ndarray, f: int,
-                     tag: str) -> Tensor:
-        """One micro-batch, served or computed whole: read at f if every row is there, else run layers
-        [c, f) on the rows cached at the largest c < f that has all of them (or [0, f) on the inputs)."""
-        dev = x.device
-        h = self.get(ids, f, tag=tag)
-        if h is not None:
-            self._stats.hits += ids.size
-            return h.to(dev)
-        c = self.lookup_partial(ids, f - 1)
-        h = self.get(ids, c, tag=self.tag_for(model, c)) if c else None
-        if h is not None:
-            self._stats.refreshes += ids.size
-            h = self._run(model, h.to(dev), c, f, mask)
-        else:  # a miss, or the rows were evicted since the lookup
-            self._stats.misses += ids.size
-            h = self._run(model, x, 0, f, mask)
-        self.put(ids, f, h, tag=tag)
-        return h
-
-    def _per_sample(self, model: nn.Module, inputs: Tensor, attention_mask: Tensor | None, ids: np.ndarray, f: int,
-                    tag: str) -> Tensor:
-        """The batch split by each sample's best cached count: hits read, the rest computed per group."""
-        dev = inputs.device
-        best = self.lookup_rows(ids, f).numpy()
-        groups = sorted(set(best.tolist()), reverse=True)
-        parts: list[tuple[np.ndarray, Tensor]] = []
-        for c in groups:
-            sel = np.nonzero(best == c)[0]
-            whole = len(groups) == 1  # the usual case: the batch needs no splitting
-            x = inputs if whole else inputs[torch.from_numpy(sel).to(dev)]
-            mask = attention_mask if whole or attention_mask is None else attention_mask[torch.from_numpy(sel).to(dev)]
-            h = self.get(ids[sel], c, tag=self.tag_for(model, c)) if c > 0 else None
-            if h is not None and c == f:
-                self._stats.hits += sel.size
-                parts.append((sel, h.to(dev)))
-                continue
-            if h is not None:
-                self._stats.refreshes += sel.size
-                h = self._run(model, h.to(dev), c, f, mask)
-            else:  # a miss, or the rows were evicted since the lookup
-                self._stats.misses += sel.size
-                h = self._run(model, x, 0, f, mask)
-            self.put(ids[sel], f, h, tag=tag)
-            parts.append((sel, h))
-        if len(parts) == 1:
-            return parts[0][1]
-        out = torch.empty((ids.size, *self.sample_shape), dtype=self.dtype, device=dev)
-        for sel, h in parts:
-            out[torch.from_numpy(sel).to(dev)] = h
-        return out
+    def record(self, *, hits: int = 0, refreshes: int = 0, misses: int = 0) -> None:
+        """Count rows served from the cache, refreshed from a smaller count, or computed whole."""
+        self._stats.hits += hits
+        self._stats.refreshes += refreshes
+        self._stats.misses += misses
 
     # ---- reporting and lifetime ----------------------------------------------------------------
     def stats(self) -> CacheStats:
