@@ -67,12 +67,32 @@ class SliceCost:
                                  + self.per_square * s * s)
 
 
+def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares, exactly, for a few columns (here 4 or 5) of full column rank: the optimum
+    is the unconstrained least-squares solution on its own support, so it is the best of the supports whose
+    least-squares solution is >= 0 (2^n of them; the empty support, x = 0, is always feasible)."""
+    n = A.shape[1]
+    best, best_res = np.zeros(n), float(y @ y)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sub, *_ = np.linalg.lstsq(A[:, cols], y, rcond=None)
+        if (sub < 0).any():
+            continue
+        x = np.zeros(n)
+        x[cols] = sub
+        r = y - A @ x
+        res = float(r @ r)
+        if res < best_res:
+            best, best_res = x, res
+    return best
+
+
 def fit_slice_cost(points: Sequence[tuple[int, int, int, float]], *, square: bool = False,
                    relative: bool = False, nonnegative: bool = False) -> SliceCost:
     """Least-squares fit of ``SliceCost`` to (b, s, c, seconds) points; b of the result is 1 (set it with
     ``dataclasses.replace``). Needs at least 4 points (5 with ``square``) that pin the coefficients.
     ``relative``: minimise the relative errors (rows weighted by 1 / seconds) instead of the absolute.
-    ``nonnegative``: every coefficient >= 0 (scipy's NNLS), so no slice gets a negative time when the
+    ``nonnegative``: every coefficient >= 0 (``_nnls``), so no slice gets a negative time when the
     fit is used beyond its points."""
     n = 5 if square else 4
     if len(points) < n:
@@ -85,9 +105,7 @@ def fit_slice_cost(points: Sequence[tuple[int, int, int, float]], *, square: boo
                           "several slice lengths s and contexts c")
     w = 1.0 / np.maximum(np.abs(y), 1e-12) if relative else np.ones_like(y)
     if nonnegative:
-        from scipy.optimize import nnls
-
-        coef, _ = nnls(A * w[:, None], y * w)
+        coef = _nnls(A * w[:, None], y * w)
     else:
         coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
     pred = A @ coef
