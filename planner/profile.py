@@ -344,7 +344,7 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
             raise SchemaError(source, f"layers[{r.index}].backward_weight_s", f"{list(r.backward_weight_s)} exceeds "
                               f"the whole backward {list(r.backward_s)}", "Profile the model again")
     blocks = sorted({r.block for r in layers if r.block is not None})
-    if blocks != list(range(model.num_blocks)):
+    if len(blocks) != model.num_blocks or blocks != list(range(len(blocks))):  # never builds num_blocks items
         raise SchemaError(source, "layers", f"cover blocks {blocks[:3]}..{blocks[-3:] if blocks else []} "
                           f"but model.num_blocks is {model.num_blocks}")
     last = -1
