@@ -312,8 +312,8 @@ def _check_synthetic_epoch(cfg, plan, samples: int, nproc_per_node: int) -> None
     have = plan.inputs.training.samples_per_epoch
     if cfg.steps_per_epoch and samples > have:
         raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs {cfg.steps_per_epoch}*{biggest} = "
-                          f"{samples:,} samples per epoch but the plan's epoch has {have:,} ({have // biggest} steps of "
-                          f"{biggest}); give --steps-per-epoch {max(have // biggest, 1)} or less, or re-plan with "
+                          f"{samples:,} samples per epoch but the plan's epoch has {have:,} ({have // biggest} "
+                          f"steps of {biggest}); give --steps-per-epoch {max(have // biggest, 1)} or less, or re-plan with "
                           f"--samples-per-epoch {samples}")
     why = epoch_order_problem(samples, nproc_per_node, _available_host_bytes())
     if why is not None:

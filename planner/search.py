@@ -538,7 +538,12 @@ class PhaseSearch:
             return True, ""
         return False, (f"the AutoCache needs {need / GiB:,.1f} GiB of host memory per node "
                        f"(prefix outputs of {self.cfg.samples_per_epoch:,} samples and the frozen weights) but a "
-                       f"node has {max(usable, 0) / GiB:,.1f} GiB to spare")
+                       f"node has {max(usable, 0) / GiB:,.1f} GiB to spare"
+                       + (f" ({cap / GiB:,.1f} GiB x {self.cfg.memory_fraction:g}, less its "
+                          f"{self.c.gpus_per_node} processes' {self.limit / GiB:,.1f} GiB each: on a CPU cluster "
+                          f"the processes share that RAM and their limits take all of it; give a cluster file with "
+                          f"smaller gpu_memory_bytes to leave the cache room, or --cache off)"
+                          if self.c.device_is_host else ""))
 
     # ---- 3. evaluation and search --------------------------------------------------------------
     def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf
