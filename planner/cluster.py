@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx  # optional: only Cluster.graph() needs it
 
 from .errors import PtplanError, SchemaError
 from .jsonio import Fields, read_json
@@ -169,6 +170,11 @@ class Cluster:
         node's NICs together); ``"member"`` from each GPU to its node vertex (no cost: membership,
         not a link). A message between GPUs of two nodes crosses the ``inter`` edge of their nodes.
         """
+        try:
+            import networkx as nx
+        except ImportError:
+            raise PtplanError("Cluster.graph() needs networkx, which ptplan does not require for planning; "
+                              "install it: pip install 'networkx>=3.0'") from None
         g = nx.Graph(name=self.name, world_size=self.world_size, nics_per_node=self.nics_per_node,
                      inter_link_bandwidth=self.inter_bandwidth)
         G = self.gpus_per_node
