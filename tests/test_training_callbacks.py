@@ -228,7 +228,24 @@ def test_evaluation_at_the_epoch_end_is_skipped_when_the_step_just_evaluated(tmp
         return ev.at
 
     assert _one_rank(tmp_path, cfg, body) == [2, 3]
-    assert [(r["type"], r["step"]) for r in read_records(cfg.log) if r["type"] != "header"] == [("step", 1), ("eval", 2), ("eval", 3)]
+    assert [(r["type"], r["step"]) for r in read_records(cfg.log) if r["type"] != "header"] \
+        == [("step", 1), ("eval", 2), ("eval", 3)]
+
+
+def test_a_resume_at_an_evaluated_step_does_not_evaluate_it_again_at_the_epoch_end(tmp_path):
+    cfg = _cfg(str(tmp_path), eval_every=2, eval_data="(the training data)")
+
+    def body(ctx: RunContext) -> Any:
+        out = []
+        for resuming, step in ((True, 4), (True, 3), (False, 4)):
+            ev = cb.Evaluation(ctx.dataset)
+            ctx.resuming, ctx.pos.global_step = resuming, step
+            ev.on_start(ctx)
+            ev.on_epoch_end(ctx)
+            out.append(len(ev.evals))
+        return out
+
+    assert _one_rank(tmp_path, cfg, body) == [0, 1, 1]
 
 
 def test_a_run_calls_the_hooks_in_order_and_finishes_after_an_error(tmp_path):

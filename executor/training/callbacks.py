@@ -301,6 +301,13 @@ class Evaluation(Callback):
             ctx.log.write({"type": "export", "step": pos.global_step, "path": cfg.export, "kind": "best",
                            **{k: v for k, v in m.to_record().items() if k in ("loss", "accuracy", "perplexity")}})
 
+    def on_start(self, ctx: RunContext) -> None:
+        """On a resume at a step that ``eval_every`` evaluated (before its checkpoint), that evaluation is in
+        the log already: the epoch's end at the same step does not run it again."""
+        step, every = ctx.pos.global_step, ctx.cfg.eval_every
+        if ctx.resuming and every and step and step % every == 0:
+            self.at.append(step)
+
     def after_step(self, ctx: RunContext) -> None:
         if ctx.cfg.eval_every and ctx.pos.global_step % ctx.cfg.eval_every == 0:
             self.run(ctx)
