@@ -288,6 +288,31 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
     return out
 
 
+def _totals(search: PhaseSearch, phases: list[Phase], base_phase: Phase, points: list[TrajectoryPoint],
+            training: TrainingConfig) -> Totals:
+    """The trajectory's totals against the baseline (phase 0 all the way, static) and the best static plan
+    (searched freely when the user pinned K or M, else the baseline itself)."""
+    total_s = sum(p.seconds for p in points)
+    samples = float(sum(p.iterations * phases[p.phase].global_batch for p in points))
+    fill_s = sum(p.fill_iterations * (phases[p.phase].predicted.fill_iteration_s
+                                      - phases[p.phase].predicted.iteration_s) for p in points)
+
+    def static_seconds(ph: Phase) -> float:
+        return training.epochs * (training.samples_per_epoch // ph.global_batch) * ph.predicted.iteration_s
+
+    base_s = static_seconds(base_phase)
+    asked = training.start_K is not None or training.pin_K is not None or training.pin_M is not None
+    best_static = (phase_from_choice(search, 0, search.search(0, Visit(samples=1.0), free=True), keep_timeline=False)
+                   if asked else base_phase)
+    best_s = min(static_seconds(best_static), base_s)
+    if best_s == base_s:
+        best_static = base_phase
+    return Totals(seconds=total_s, samples=samples, fill_seconds=fill_s, baseline_seconds=base_s,
+                  speedup=base_s / total_s if total_s > 0 else 0.0, best_static_seconds=best_s,
+                  best_static_K=best_static.K, best_static_M=best_static.M,
+                  speedup_vs_best_static=best_s / total_s if total_s > 0 else 0.0)
+
+
 def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, freeze: FreezePolicy, *,
               profile_path: str | None = None, progress: Callable[[int, int], Any] | None = None,
               strategies: str = "off", token_slices: str = "off") -> Plan:
@@ -342,26 +367,9 @@ def make_plan(profile: Profile, cluster: Cluster, training: TrainingConfig, free
             progress(done, L + 1)
     index = {ph.frozen_blocks: i for i, ph in enumerate(phases)}
     points = walk(phases, index, table, training, freeze)
-    total_s = sum(p.seconds for p in points)
-    samples = float(sum(p.iterations * phases[p.phase].global_batch for p in points))
-    fill_s = sum(p.fill_iterations * (phases[p.phase].predicted.fill_iteration_s
-                                      - phases[p.phase].predicted.iteration_s) for p in points)
-
-    def static_seconds(ph: Phase) -> float:
-        return training.epochs * (training.samples_per_epoch // ph.global_batch) * ph.predicted.iteration_s
-
     base_phase = phases[index[0]]
-    base_s = static_seconds(base_phase)
-    asked = training.start_K is not None or training.pin_K is not None or training.pin_M is not None
-    best_static = (phase_from_choice(search, 0, search.search(0, Visit(samples=1.0), free=True), keep_timeline=False)
-                   if asked else base_phase)
-    best_s = min(static_seconds(best_static), base_s)
-    if best_s == base_s:
-        best_static = base_phase
-    totals = Totals(seconds=total_s, samples=samples, fill_seconds=fill_s, baseline_seconds=base_s,
-                    speedup=base_s / total_s if total_s > 0 else 0.0, best_static_seconds=best_s,
-                    best_static_K=best_static.K, best_static_M=best_static.M,
-                    speedup_vs_best_static=best_s / total_s if total_s > 0 else 0.0)
+    totals = _totals(search, phases, base_phase, points, training)
+    base_s = totals.baseline_seconds
     ident = profile.identity()
     ref = ProfileRef(**{k: ident[k] for k in ("model", "family", "num_blocks", "num_layers", "granularity",
                                               "seq_len", "dtype", "device", "device_kind", "fingerprint")},
