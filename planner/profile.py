@@ -289,29 +289,9 @@ class Profile:
         return {"schema": d.pop("schema"), **d}
 
 
-def profile_from_json(obj: Any, source: str = "profile") -> Profile:
-    """Validate a decoded JSON object and build a Profile; errors name the bad field."""
-    top = Fields(obj, source, allowed=("schema", "model", "device", "batch_sizes", "layers",
-                                       "whole_model", "measurement", "provenance", "token_slices"))
-    schema = top.str("schema")
-    if schema != SCHEMA:
-        raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
-                          "Re-create it with `ptplan profile`")
-    m = top.obj_("model", allowed=("name", "family", "num_blocks", "seq_len", "dtype", "granularity", "config"))
-    model = ModelInfo(name=m.str("name"), family=m.str("family"), num_blocks=m.int("num_blocks", min=1),
-                      seq_len=m.int("seq_len", min=1), dtype=m.str("dtype"),
-                      granularity=m.str("granularity", choices=GRANULARITIES),
-                      config=dict(m.obj_("config", default={}).obj))
-    dv = top.obj_("device", allowed=("kind", "name", "memory_bytes", "torch_version", "date", "threads"))
-    device = DeviceInfo(kind=dv.str("kind", choices=("cpu", "cuda")), name=dv.str("name"),
-                        memory_bytes=dv.int("memory_bytes", min=0), torch_version=dv.str("torch_version"),
-                        date=dv.str("date"), threads=dv.int("threads", 0, min=0))
-    bsz = top.ints("batch_sizes", min=1, max=MAX_BATCH)
-    if not bsz:
-        raise SchemaError(source, "batch_sizes", "is empty", "Profile at least one micro-batch size")
-    if sorted(set(bsz)) != bsz:
-        raise SchemaError(source, "batch_sizes", f"{bsz} must be strictly ascending")
-    n = len(bsz)
+def _layer_records(top: Fields, source: str, n: int, num_blocks: int) -> list[LayerRecord]:
+    """The profile's ``layers``, in order, each with ``n`` timings per list, covering blocks 0..num_blocks-1
+    in ascending order; a W part never exceeds its backward."""
     layers = []
     for i, lf in enumerate(top.objs("layers")):
         Fields(lf.obj, source, lf.path, allowed=[f.name for f in LayerRecord.__dataclass_fields__.values()])
@@ -344,15 +324,42 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
             raise SchemaError(source, f"layers[{r.index}].backward_weight_s", f"{list(r.backward_weight_s)} exceeds "
                               f"the whole backward {list(r.backward_s)}", "Profile the model again")
     blocks = sorted({r.block for r in layers if r.block is not None})
-    if len(blocks) != model.num_blocks or blocks != list(range(len(blocks))):  # never builds num_blocks items
+    if len(blocks) != num_blocks or blocks != list(range(len(blocks))):  # never builds num_blocks items
         raise SchemaError(source, "layers", f"cover blocks {blocks[:3]}..{blocks[-3:] if blocks else []} "
-                          f"but model.num_blocks is {model.num_blocks}")
+                          f"but model.num_blocks is {num_blocks}")
     last = -1
     for r in layers:
         if r.block is not None:
             if r.block < last:
                 raise SchemaError(source, f"layers[{r.index}].block", "blocks must appear in ascending order")
             last = r.block
+    return layers
+
+
+def profile_from_json(obj: Any, source: str = "profile") -> Profile:
+    """Validate a decoded JSON object and build a Profile; errors name the bad field."""
+    top = Fields(obj, source, allowed=("schema", "model", "device", "batch_sizes", "layers",
+                                       "whole_model", "measurement", "provenance", "token_slices"))
+    schema = top.str("schema")
+    if schema != SCHEMA:
+        raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
+                          "Re-create it with `ptplan profile`")
+    m = top.obj_("model", allowed=("name", "family", "num_blocks", "seq_len", "dtype", "granularity", "config"))
+    model = ModelInfo(name=m.str("name"), family=m.str("family"), num_blocks=m.int("num_blocks", min=1),
+                      seq_len=m.int("seq_len", min=1), dtype=m.str("dtype"),
+                      granularity=m.str("granularity", choices=GRANULARITIES),
+                      config=dict(m.obj_("config", default={}).obj))
+    dv = top.obj_("device", allowed=("kind", "name", "memory_bytes", "torch_version", "date", "threads"))
+    device = DeviceInfo(kind=dv.str("kind", choices=("cpu", "cuda")), name=dv.str("name"),
+                        memory_bytes=dv.int("memory_bytes", min=0), torch_version=dv.str("torch_version"),
+                        date=dv.str("date"), threads=dv.int("threads", 0, min=0))
+    bsz = top.ints("batch_sizes", min=1, max=MAX_BATCH)
+    if not bsz:
+        raise SchemaError(source, "batch_sizes", "is empty", "Profile at least one micro-batch size")
+    if sorted(set(bsz)) != bsz:
+        raise SchemaError(source, "batch_sizes", f"{bsz} must be strictly ascending")
+    n = len(bsz)
+    layers = _layer_records(top, source, n, model.num_blocks)
     w = top.obj_("whole_model", allowed=("forward_s", "forward_backward_s", "peak_memory_bytes"))
     whole = WholeModel(forward_s=tuple(w.floats("forward_s", length=n, max=MAX_SECONDS * 1e3)),
                        forward_backward_s=tuple(w.floats("forward_backward_s", length=n, max=MAX_SECONDS * 1e3)),
