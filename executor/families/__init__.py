@@ -7,7 +7,8 @@ one lookup the executor uses: by model_type ``get``, by layer ``of_layer``/``tp_
 ``weights.py`` (meta-device builds, per-submodule initialisation, weight-file loading, streaming),
 ``build.py`` (``build_model``, ``backbone_layers``, the export's ``hf_model``), ``custom.py``
 (``custom_model``); the families: ``bert.py`` (BERT, RoBERTa), ``distilbert.py``, ``vit.py``, ``gpt2.py``,
-``llama.py`` (Llama, Mistral, Qwen2).
+``llama.py`` (Llama, Mistral, Qwen2), ``electra.py`` (ELECTRA: the example of a family added in one file, on
+BERT's blocks). ``models.py`` only re-exports the names the single module used to hold.
 
 Adding a family is one file here, its row in ``planner/families.py`` (the torch-free facts the planner
 reads: config keys of heads / key-value heads / MLP width, causal or classifier, token slices) and its row

@@ -67,7 +67,7 @@ import torch
 from torch import Tensor, nn
 
 from ptplan.executor.families.gpt2 import conv1d_twin as _gpt2_twin  # noqa: F401 -- tests/test_hybrid_runtime.py
-from ptplan.executor.families.registry import tp_families, tp_twin
+from ptplan.executor.families.registry import tp_families, tp_twin  # noqa: F401 -- tp_families for validate.py
 from ptplan.executor.families.registry import tp_split as split_of
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 
