@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from ptplan.planner.errors import PtplanError
+from ptplan.planner.families import family_facts
 from ptplan.planner.plan import Plan, load_plan
 
 from ptplan.executor.training.config import RunConfig
@@ -78,7 +79,7 @@ def build_for_plan(plan: Plan, cfg: RunConfig, layers: Iterable[int] | None = No
               else plan_num_labels(plan, cfg.model, cfg.plan))
     common = dict(granularity=gran, dtype=dtype, dropout=cfg.dropout, weights=cfg.weights, seed=cfg.seed, layers=layers,
                   **({} if labels is None else {"num_labels": labels}))
-    if model_family(cfg.model) == "vit":  # a preset name or a local ViT folder
+    if getattr(family_facts(model_family(cfg.model) or ""), "pixels", False):  # an image model (preset or folder)
         model = build_model(cfg.model, image_size=cfg.image_size, **common)
         if cfg.image_size is None and isinstance(seq, int) and seq != model.seq_len and seq > 1:
             side = math.isqrt(seq - 1)
