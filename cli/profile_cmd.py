@@ -85,7 +85,8 @@ def parse_batch_sizes(text: str) -> list[int]:
                    "The profile is marked projected and every plan made from it says so.")
 @click.option("--slices", is_flag=True,
               help="Causal LMs: also time a decoder block on token slices (s tokens after c cached ones, a (b, s, c) "
-                   "grid) and store TeraPipe's fitted slice cost in the profile (executor/profiling/slices.py).")
+                   "grid) and store TeraPipe's fitted slice cost in the profile (executor/profiling/slices.py); "
+                   "with --project the slices' operations are counted and timed on the same roofline.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image_size: int | None,
             batch_sizes: str | None, num_labels: int | None, granularity: str, warmup: int, repeats: int,
@@ -134,12 +135,13 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
         torch.set_num_threads(threads)
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights,
-                        **({} if labels is None else {"num_labels": labels}))
+                        **({} if labels is None else {"num_labels": labels}),
+                        **({} if project is None else {"layers": []}))  # projecting: every weight on meta
     if sizes is not None and project is None:
         check_sizes_fit(model, resolve_device(device), sizes)
     path = _out_path(out, weights, default_out(model.name, dev_kind, dtype))
     if project is not None:
-        return _projected(model, dev_model, sizes, path)
+        return _projected(model, dev_model, sizes, path, slices)
     _warn_if_busy(dev_kind, timer)  # after every refusal: a refused call prints its one error line only
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()),
@@ -157,22 +159,32 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     click.echo(f"wrote {path}")
 
 
-def _projected(model, dev_model, sizes: list[int] | None, path: Path) -> None:
-    """``--project``: the profile projected for a datasheet device, written to ``path``."""
+def _projected(model, dev_model, sizes: list[int] | None, path: Path, slices: bool = False) -> None:
+    """``--project``: the profile projected for a datasheet device (with ``slices``, its token-slice costs counted
+    the same way), written to ``path``. The model's weights are on the meta device: nothing is allocated."""
     import datetime
 
     from ptplan.executor.profiling.profiler import powers_of_two
     from ptplan.executor.profiling.project import project_profile
+    from ptplan.executor.profiling.slices import project_slices, with_slices
     from ptplan.planner.profile import save_profile
 
     prof = project_profile(model, dev_model, batch_sizes=sizes or powers_of_two(64),
                            command=command_line(click.get_current_context()),
                            date=datetime.date.today().isoformat())
+    if slices:
+        prof = with_slices(prof, project_slices(model, dev_model, command=prof.provenance.command,
+                                                date=prof.device.date))
     save_profile(prof, path)
     step_ms = prof.whole_model.forward_backward_s[-1] * 1e3
     click.echo(f"{prof.model.name}: projected for {dev_model.name} ({prof.model.dtype}); whole step at "
                f"micro-batch {prof.batch_sizes[-1]}: {step_ms:.2f} ms (datasheet peaks, efficiency ASSUMED: "
                f"planner/devices.py)")
+    if prof.token_slices is not None:
+        f = prof.token_slices.forward
+        click.echo(f"token slices (one block, projected): forward {f.const:.3e} + {f.per_token:.3e} b·s + "
+                   f"{f.per_context:.3e} b·c + {f.per_pair:.3e} b·s·c + {f.per_square:.3e} b·s² s "
+                   f"(fit error median {100 * f.fit_error:.1f} %)")
     click.echo(f"wrote {path}")
 
 

@@ -167,6 +167,8 @@ class GPT2(Family):
         "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16),
         "gpt2-large": dict(n_embd=1280, n_layer=36, n_head=20),
         "gpt2-xl": dict(n_embd=1600, n_layer=48, n_head=25),
+        # GPT-3 (Brown et al. 2020, Table 2.1) as a dense GPT-2 architecture, 2,048 positions (projection sizes)
+        "gpt3-175b": dict(n_embd=12288, n_layer=96, n_head=96, n_positions=2048),
     }
     dropout_fields = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
     head_keys = frozenset({"lm_head.weight"})

@@ -151,6 +151,14 @@ class Llama(Family):
         "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                              intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072,
                              rms_norm_eps=1e-5, rope_parameters=dict(_LLAMA3_ROPE, rope_theta=500000.0, factor=8.0)),
+        # the Llama 3.1 70B and 405B configs (projection sizes: ``ptplan profile llama-3.1-405b --project h100``)
+        "llama-3.1-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                              intermediate_size=28672, vocab_size=128256, max_position_embeddings=131072,
+                              rms_norm_eps=1e-5, rope_parameters=dict(_LLAMA3_ROPE, rope_theta=500000.0, factor=8.0)),
+        "llama-3.1-405b": dict(hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+                               num_key_value_heads=8, intermediate_size=53248, vocab_size=128256,
+                               max_position_embeddings=131072, rms_norm_eps=1e-5,
+                               rope_parameters=dict(_LLAMA3_ROPE, rope_theta=500000.0, factor=8.0)),
     }
     dropout_fields = ("attention_dropout",)
     head_keys = frozenset({"lm_head.weight"})

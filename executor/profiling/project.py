@@ -15,24 +15,28 @@ Each operation then takes ``launch + max(FLOPs / (peak x eff(FLOPs)), bytes / (b
 time is the sum of its operations'. The optimizer step (AdamW, per layer) reads the weights, the
 gradients and both moments and writes the weights and both moments back: 7 weight-sized streams.
 
-Memory fields are exact, not projected: parameter, gradient and optimizer bytes from the tensors,
-output and saved-for-backward bytes per sample from the measuring profiler's own memory pass
-(``profiler._memory_pass``: one real forward on the CPU of the largest micro-batch up to
-``MEMORY_BATCH`` samples, so that projecting a large model stays quick; saved tensors counted
-through ``saved_tensors_hooks``), so a projected profile's memory equals a measured one's. (The
-meta pass is for operations only: on the meta device torch picks the unfused attention path,
-which saves more than the CPU's or CUDA's fused kernels.) The whole-model step is the sum of
-the layers (a projection has no second measurement to check it against), and the provenance says
-``projected`` with the device model, so every plan made from it warns.
+Memory fields are exact, not projected: parameter, gradient and optimizer bytes from the tensors' shapes,
+output and saved-for-backward bytes per sample from the measuring profiler's own memory pass run on *fake
+CPU tensors* (``torch._subclasses.fake_tensor``: CPU device, shapes, no storage; one forward of the largest
+micro-batch up to ``MEMORY_BATCH`` samples, saved tensors counted through ``saved_tensors_hooks``), so
+torch's dispatcher picks the same kernels as on a real CPU and a projected profile's memory equals a
+measured one's. (The timing pass runs on the meta device, where torch picks the unfused attention path,
+which saves more than the CPU's or CUDA's fused kernels.) No weight is ever allocated: build the model
+with ``build_model(name, layers=[])`` (every parameter on meta) and a 175 B model projects in seconds in a
+few hundred MiB; a model with real weights works too and is left as it was found. The whole-model step is
+the sum of the layers (a projection has no second measurement to check it against), and the provenance
+says ``projected`` with the device model, so every plan made from it warns.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -43,7 +47,6 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
 from ptplan.executor.families import LayeredModel, config_summary
-from ptplan.executor.profiling.profiler import _memory_pass
 
 # aten operations that only change a tensor's view of its storage: no kernel moves data
 _VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
@@ -109,6 +112,77 @@ def _storage(t: Tensor) -> tuple[int, int]:
     return st._cdata, st.nbytes()
 
 
+@contextlib.contextmanager
+def swapped(model: nn.Module, convert: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Every parameter and buffer of ``model`` replaced by ``convert`` of it for the duration (a tensor that several
+    modules share stays shared), the originals put back afterwards: the model is left as it was found."""
+    memo: dict[int, Tensor] = {}
+    undo: list[tuple[dict[str, Any], str, Tensor]] = []
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if t is None:
+                    continue
+                new = memo.get(id(t))
+                if new is None:
+                    new = convert(t.detach())
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=t.requires_grad)
+                    memo[id(t)] = new
+                undo.append((table, key, t))
+                table[key] = new
+    try:
+        yield
+    finally:
+        for table, key, t in reversed(undo):
+            table[key] = t
+
+
+def fake_memory_pass(model: LayeredModel, b: int) -> tuple[list[int], list[int]]:
+    """Per layer (output bytes per sample, saved-for-backward bytes per sample) of one forward of b samples, as the
+    measuring profiler's memory pass (``profiler._memory_pass``) counts them on a real CPU, but on fake CPU tensors:
+    the same kernels are chosen, no storage is allocated (the model may be on meta; it is left as found)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    cpu = torch.device("cpu")
+
+    def fake(t: Tensor) -> Tensor:
+        return FakeTensor(mode, t.to("meta"), cpu)
+
+    x, labels, mask = model.make_batch(b)
+    with swapped(model, fake), torch.random.fork_rng(devices=[]), mode:
+        own = {_storage(p)[0] for p in model.parameters()}
+        h = fake(x)
+        labels_f, mask_f = fake(labels), None if mask is None else fake(mask)
+        out_bytes, saved_bytes = [], []
+        for i, layer in enumerate(model.layers):
+            xin = h if i == 0 else h.detach().requires_grad_(True)
+            saved = _SavedBytes(own)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+                y = layer(xin, attention_mask=mask_f)
+                if i == len(model.layers) - 1:
+                    model.loss(y, labels_f)
+            out_bytes.append(-(-y.numel() * y.element_size() // b))
+            saved_bytes.append(-(-saved.total // b))
+            h = y.detach()
+    return out_bytes, saved_bytes
+
+
+class _SavedBytes:
+    """A ``saved_tensors_hooks`` pack hook that adds up the bytes of each saved storage once, parameters not (as
+    the measuring profiler counts them)."""
+
+    def __init__(self, own: set[int]) -> None:
+        self.own, self.seen, self.total = own, set[int](), 0
+
+    def pack(self, t: Tensor) -> Tensor:
+        if isinstance(t, Tensor):
+            key, nbytes = _storage(t)
+            if key not in self.own and key not in self.seen:
+                self.seen.add(key)
+                self.total += nbytes
+        return t
+
+
 @dataclass(frozen=True)
 class LayerOps:
     """A layer's recorded operations for one micro-batch size, and its exact memory per sample."""
@@ -141,20 +215,9 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
         layer.train()
         xin = h if i == 0 else h.detach().requires_grad_(True)
         params = [p for p in layer.parameters() if p.requires_grad]
-        own = {_storage(p)[0] for p in layer.parameters()}
-        seen: set[int] = set()
-        saved = [0]
-
-        def pack(t: Tensor) -> Tensor:  # each storage once, parameters not (as the measuring profiler counts)
-            if isinstance(t, Tensor):
-                key, nbytes = _storage(t)
-                if key not in own and key not in seen:
-                    seen.add(key)
-                    saved[0] += nbytes
-            return t
-
+        saved = _SavedBytes({_storage(p)[0] for p in layer.parameters()})
         fwd = _Recorder()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), fwd:
             y = layer(xin, attention_mask=mask)
             loss = model.loss(y, labels) if i == n - 1 else None
         # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
@@ -175,7 +238,7 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
                 model.loss(yn, labels)
         out.append(LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops),
                             nograd=tuple(nog.ops),
-                            output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved[0] // b)))
+                            output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved.total // b)))
         h = y.detach()
     model.train()
     return out
@@ -183,7 +246,8 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
 
 def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Sequence[int],
                     command: str = "", date: str = "") -> Profile:
-    """A ``projected`` profile of ``model`` (on any device; moved to meta here) on ``device``."""
+    """A ``projected`` profile of ``model`` on ``device``. The model's parameters may be on the meta device
+    (``build_model(name, layers=[])``: nothing is allocated, any size projects) or real; it is left as found."""
     params = list(model.parameters())
     if not params:
         raise PtplanError(f"model {model.name} has no parameters")
@@ -197,11 +261,12 @@ def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Se
     sizes = [(sum(p.numel() for p in layer.parameters()),
               sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in model.layers]
     mb = max(b for b in bs if b <= MEMORY_BATCH) if bs[0] <= MEMORY_BATCH else bs[0]
-    x, labels, mask = model.make_batch(mb)  # the measuring profiler's memory pass
-    with torch.random.fork_rng():
-        out_bytes, saved_bytes = _memory_pass(model, x, labels, mask, mb)
-    model = model.to("meta")
-    per_b = [record_layers(model, b) for b in bs]
+    out_bytes, saved_bytes = fake_memory_pass(model, mb)  # the measuring profiler's memory pass, on fake tensors
+    modes = [(m, m.training) for m in model.modules()]
+    with swapped(model, lambda t: t.to("meta")):
+        per_b = [record_layers(model, b) for b in bs]
+    for m, training in modes:
+        m.training = training
     e = device.efficiency
 
     def secs(ops: Sequence[Op]) -> float:

@@ -1,5 +1,7 @@
 """Token-slice profiler (TeraPipe): time one decoder block on a slice of s tokens after c cached tokens, on a
-grid of (b, s, c), and fit TeraPipe's linear cost model to the forward and the backward.
+grid of (b, s, c), and fit TeraPipe's linear cost model to the forward and the backward. ``project_slices``
+does the same for a device nobody here has: each point's operations counted on the meta device and timed by
+the device model's roofline, as ``project.py`` times the layers.
 
 Legend: b samples, s tokens in the slice, c earlier tokens of the same sequence whose keys and values
 the slice attends to (its context).
@@ -25,12 +27,14 @@ from typing import Sequence
 
 import torch
 
+from ptplan.planner.devices import DeviceModel
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import Profile, SliceFit, SlicePoint, SliceProfile, load_profile, save_profile
 from ptplan.planner.terapipe import fit_slice_cost
 
 from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel, build_model
 from ptplan.executor.profiling.profiler import _Clock, _cpu_name, _preserved, resolve_device
+from ptplan.executor.profiling.project import Op, _Recorder, op_seconds, swapped
 from ptplan.executor.runtime.sliced import is_attention, slice_forward
 
 
@@ -97,21 +101,84 @@ def fit_points(points: Sequence[SlicePoint], part: str, *, square: bool = True) 
                     fit_error=float(f.fit_error or 0.0), max_error=max(errs), per_square=f.per_square)
 
 
-def profile_slices(model: LayeredModel, *, device: str = "cpu", batch_sizes: Sequence[int] | None = None,
-                   slice_lengths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
-                   warmup: int = 1, repeats: int = 3, timer: str = "wall", command: str = "") -> SliceProfile:
-    """Time block 0 of a causal LM on every (b, s, c) of the grid (default ``default_grid``) and fit
-    TeraPipe's linear model to the forward and the backward; the model is left unchanged."""
+def _grid(model: LayeredModel, batch_sizes: Sequence[int] | None, slice_lengths: Sequence[int] | None,
+          contexts: Sequence[int] | None) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The (b, s, c) grid asked for (``default_grid`` where not given), checked."""
     if model.family not in CAUSAL_FAMILIES:
         raise PtplanError(f"token slices are for causal LMs ({', '.join(CAUSAL_FAMILIES)}), not {model.name}")
-    if warmup < 0 or repeats < 1:
-        raise PtplanError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
     db, ds, dc = default_grid(model.seq_len)
     bs, ss, cs = tuple(batch_sizes or db), tuple(slice_lengths or ds), tuple(contexts or dc)
     if min(bs) < 1 or min(ss) < 1 or min(cs) < 0:
         raise PtplanError(f"slice grid needs b >= 1, s >= 1, c >= 0; got b={bs}, s={ss}, c={cs}")
     if len(set(ss)) < 3 or len(set(cs)) < 2:
         raise PtplanError(f"the slice fit needs at least 3 slice lengths and 2 contexts, got s={ss}, c={cs}")
+    return bs, ss, cs
+
+
+def _counted_point(layers: Sequence[torch.nn.Module], b: int, s: int, c: int, hidden: int, kv_heads: int,
+                   head_dim: int) -> tuple[list[Op], list[Op]]:
+    """The aten operations (forward, backward) of one slice of s tokens after c cached ones through ``layers``,
+    whose parameters are on the meta device; the backward computes the input's, the context's and the weights'
+    gradients (as ``_point`` does), through ``torch.autograd.grad`` so nothing accumulates between points."""
+    p = next(layers[0].parameters())
+    meta = dict(device="meta", dtype=p.dtype, requires_grad=True)
+    x = torch.empty(b, s, hidden, **meta)
+    past = [None if c == 0 else (torch.empty(b, kv_heads, c, head_dim, **meta),
+                                 torch.empty(b, kv_heads, c, head_dim, **meta)) for m in layers if is_attention(m)]
+    fwd, bwd = _Recorder(), _Recorder()
+    with fwd:
+        h, j = x, 0
+        for m in layers:
+            h, kv = slice_forward(m, h, c, past[j] if is_attention(m) else None)
+            if kv is not None:
+                j += 1
+    seed = torch.ones_like(h)
+    leaves = [x] + [t for q in past if q is not None for t in q] + [q for m in layers for q in m.parameters()
+                                                                     if q.requires_grad]
+    with bwd:
+        torch.autograd.grad(h, leaves, grad_outputs=seed, allow_unused=True)
+    return fwd.ops, bwd.ops
+
+
+def project_slices(model: LayeredModel, device: DeviceModel, *, batch_sizes: Sequence[int] | None = None,
+                   slice_lengths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
+                   command: str = "", date: str = "") -> SliceProfile:
+    """``profile_slices`` for a device nobody here has: each grid point's operations are counted on the meta device
+    and timed by ``device``'s roofline (``project.op_seconds``, as the projected layers are), and TeraPipe's model
+    fitted to them. The model's parameters may be on meta (nothing is allocated); it is left as found."""
+    bs, ss, cs = _grid(model, batch_sizes, slice_lengths, contexts)
+    layers = _block_layers(model)
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(
+        next(layers[0].parameters()).dtype)
+    if dtype is None:
+        raise PtplanError(f"cannot project a {next(layers[0].parameters()).dtype} model; use float32, bfloat16 or "
+                          "float16")
+    device.matmul_peak(dtype)
+
+    def secs(ops: Sequence[Op]) -> float:
+        return sum(op_seconds(op, device, dtype) for op in ops)
+
+    points = []
+    with swapped(model, lambda t: t.to("meta")):
+        for b in bs:
+            for s in ss:
+                for c in cs:
+                    f, bw = _counted_point(layers, b, s, c, model.config.hidden_size, *_kv_shape(model))
+                    points.append(SlicePoint(b=b, s=s, c=c, forward_s=secs(f), backward_s=secs(bw)))
+    return SliceProfile(unit="block", points=tuple(points), forward=fit_points(points, "forward_s"),
+                        backward=fit_points(points, "backward_s"), device=device.name, date=date, command=command,
+                        timer=f"projected: aten operations counted on the meta device, timed by the {device.key} "
+                              "roofline (planner/devices.py)")
+
+
+def profile_slices(model: LayeredModel, *, device: str = "cpu", batch_sizes: Sequence[int] | None = None,
+                   slice_lengths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
+                   warmup: int = 1, repeats: int = 3, timer: str = "wall", command: str = "") -> SliceProfile:
+    """Time block 0 of a causal LM on every (b, s, c) of the grid (default ``default_grid``) and fit
+    TeraPipe's linear model to the forward and the backward; the model is left unchanged."""
+    if warmup < 0 or repeats < 1:
+        raise PtplanError(f"warmup must be >= 0 and repeats >= 1, got {warmup}, {repeats}")
+    bs, ss, cs = _grid(model, batch_sizes, slice_lengths, contexts)
     dev = resolve_device(device)
     clock = _Clock(dev, timer)
     layers = _block_layers(model)
