@@ -188,15 +188,20 @@ def test_model_mismatch_is_refused(plan):
 def test_batch_that_does_not_split_is_refused(bert):
     p = make_plan(bert, [spec(0, K=2, D=2, M=2, b=2), spec(1, K=1, D=4, M=1, b=2)])  # 8 vs 8: ok
     check_plan(p, bert, 4)
-    bad = make_plan(bert, [spec(0, K=2, D=2, M=2, b=2), spec(1, K=1, D=4, M=3, b=1)])  # 12 samples
+    bad = [spec(0, K=2, D=2, M=2, b=2), spec(1, K=1, D=4, M=3, b=1)]  # 12 samples
+    with pytest.raises(PtplanError, match=r"phases\[1\]\.M.*D\*M\*b = 4\*3\*1 = 12 samples per step but the plan's "
+                                          r"global batch is 8"):
+        make_plan(bert, bad)  # the plan reader refuses it (every command that reads plans)
     with pytest.raises(PtplanError, match=r"cannot split the global batch of 8 samples into D\*M = 4\*3 = 12"):
-        check_plan(bad, bert, 4)
+        check_plan(make_plan(bert, bad, check=False), bert, 4)  # and so does the executor's own check
 
 
 def test_1f1b_with_fewer_micro_batches_than_stages_is_refused(bert):
-    p = make_plan(bert, [spec(0, K=4, D=1, M=2, b=4)], schedule="1f1b")
+    with pytest.raises(PtplanError, match=r"phases\[0\]\.M.*1F1B needs at least as many micro-batches as stages: M=2 < K=4"):
+        make_plan(bert, [spec(0, K=4, D=1, M=2, b=4)], schedule="1f1b")  # the plan reader
+    p = make_plan(bert, [spec(0, K=4, D=1, M=2, b=4)], schedule="1f1b", check=False)
     with pytest.raises(PtplanError, match=r"plan phase 0 .*1F1B needs at least as many micro-batches as stages: M=2 < K=4"):
-        check_plan(p, bert, 4)
+        check_plan(p, bert, 4)  # the executor's own check
 
 
 def test_run_config_checks():
