@@ -248,8 +248,7 @@ _COMPUTE, _SEND, _RECV, _ALLREDUCE, _UPDATE = range(5)
 # duration slots per stage in the per-call table: F (+prefix), B (full), B (input gradient only:
 # backward - weight part), W, SEND_F, SEND_B, ALLREDUCE, UPDATE (optimizer step; flush-free schedules)
 _NSLOT = 8
-_F, _B, _W, _SF, _SB, _AR = (ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.SEND_F, ActionKind.SEND_B,
-                             ActionKind.ALLREDUCE)
+_F, _B, _W, _AR = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.ALLREDUCE
 
 
 @dataclass(frozen=True)
@@ -343,7 +342,8 @@ class _Flattener:
         sweep = 0
         RF, RB, F, B, W = ActionKind.RECV_F, ActionKind.RECV_B, ActionKind.F, ActionKind.B, ActionKind.W
         flush_free, Mb, split, updated = self.flush_free, self.Mb, self.split, self.updated
-        sent, place = self.sent, self._place
+        sent, place, links, s2r, S = self.sent, self._place, self.links, self.schedule.stage_to_rank, self.S
+        SF, SB = ActionKind.SEND_F, ActionKind.SEND_B
         op, rank, slot, chan, msg, acts = (self.op.append, self.rank.append, self.slot.append, self.chan.append,
                                            self.msg.append, self.acts.append)
         while remaining:
@@ -369,6 +369,13 @@ class _Flattener:
                         op(_RECV)
                         slot(-1)
                         chan(-1)
+                    elif k is SF or k is SB:  # inline (as common as the computes): link and message ids
+                        fwd = k is SF
+                        dst = s + 1 if fwd else s - 1
+                        op(_SEND)
+                        slot((s * S + a.slice) * _NSLOT + (4 if fwd else 5))
+                        chan(links.setdefault((r, s2r[dst]), len(links)))
+                        mid = sent[(dst, fwd, a.mb, a.slice)] = len(sent)
                     else:
                         o, sl, mid, c = place(r, a)
                         op(o)
@@ -398,7 +405,8 @@ class _Flattener:
         self.acts.append(a)
 
     def _place(self, r: int, a: Action) -> tuple[int, int, int, int]:
-        """A compute, send or all-reduce action: its (op, duration slot, message, link); counts it."""
+        """A compute or all-reduce action (``run`` places receives and sends): its (op, duration slot, message,
+        link); counts it and the activations in flight."""
         k, s = a.kind, a.stage
         c = mid = -1
         base = (s * self.S + a.slice) * _NSLOT
@@ -422,13 +430,6 @@ class _Flattener:
             o, sl = _COMPUTE, base + 3
             self.count_w[s] += 1
             self.live[s] -= 1
-        elif k is _SF or k is _SB:
-            fwd = k is _SF
-            dst = s + 1 if fwd else s - 1
-            o, sl = _SEND, base + (4 if fwd else 5)
-            links = self.links
-            c = links.setdefault((r, self.schedule.stage_to_rank[dst]), len(links))
-            mid = self.sent[(dst, fwd, a.mb, a.slice)] = len(self.sent)
         elif k is _AR:
             o, sl = _ALLREDUCE, s * self.S * _NSLOT + 6
         else:  # pragma: no cover - every kind is handled above (Action rejects others)
