@@ -66,7 +66,7 @@ def run_world(world: int, fn, args: tuple = (), *, tmpdir: str, timeout_s: float
         p.start()
     for p in procs:
         p.join(max(0.0, deadline_s - (time.monotonic() - t0)))
-    codes = []
+    codes: list[int | None] = []
     for p in procs:
         if p.is_alive():
             p.kill()

@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.set_device(device)
             _init_process_group(backend, cfg.timeout_s, device)
             plan = load_plan(cfg.plan)
-            data = None if cfg.data == "synthetic" else load_dataset(cfg.data)
+            loaded = None if cfg.data == "synthetic" else load_dataset(cfg.data)
             # this rank builds only its stage of the phase it starts in (phase 0's, or the checkpoint's)
             first = start_phase(cfg, plan, model_name=model_source(cfg.model, cfg.weights).label,
-                                samples=samples_needed(plan, cfg) if data is None else len(data))
+                                samples=samples_needed(plan, cfg) if loaded is None else len(loaded))
             model = build_for_plan(plan, cfg, layers=stage_layers(plan, first, dist.get_rank()))
-            data = data if data is not None else make_dataset(plan, cfg, model)
+            data = loaded if loaded is not None else make_dataset(plan, cfg, model)
             evald = None if cfg.eval_data is None else load_dataset(cfg.eval_data)
             summary = run_training(cfg, plan, model, data, device=device, eval_dataset=evald)
             if report.rank == 0:

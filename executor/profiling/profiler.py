@@ -167,7 +167,7 @@ def _layered_step(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor,
         ins.append(xin)
         outs.append(y)
         h = y
-    bwd_marks = [None] * n
+    bwd_marks: list[tuple[Any, Any]] = [(None, None)] * n
     grad: Tensor | None = None
     for i in range(n - 1, -1, -1):
         a = clock.stamp()

@@ -122,6 +122,7 @@ class ShardedStage:
             return mesh["dp"], mesh["tp"]
         if self.dp is not None:
             return DeviceMesh.from_group(self.dp[0], kind, mesh=sorted(self.dp[1]), mesh_dim_names=("dp",)), None
+        assert self.tp is not None, "a sharded stage has a data-parallel or a tensor-parallel group"
         return None, DeviceMesh.from_group(self.tp[0], kind, mesh=sorted(self.tp[1]), mesh_dim_names=("tp",))
 
     def enter(self) -> None:

@@ -116,7 +116,7 @@ def evaluate_local(model: torch.nn.Module, dataset: Dataset, batch_size: int, de
                     sums[i] += v
     finally:
         model.train(was)
-    return finish(model, *sums, samples=n)
+    return finish(model, sums[0], sums[1], sums[2], samples=n)
 
 
 def _send(t: Tensor, dst: int, device: torch.device) -> None:
