@@ -1,1 +1,1 @@
-"""ptplan.planner: pure planning (numpy, scipy, networkx, plotly) — never imports torch."""
+"""ptplan.planner: pure planning (numpy and plotly; networkx only for Cluster.graph()) — never imports torch."""
