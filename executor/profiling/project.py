@@ -244,58 +244,96 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
     return out
 
 
-def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Sequence[int],
-                    command: str = "", date: str = "") -> Profile:
-    """A ``projected`` profile of ``model`` on ``device``. The model's parameters may be on the meta device
-    (``build_model(name, layers=[])``: nothing is allocated, any size projects) or real; it is left as found."""
+@dataclass(frozen=True)
+class Counted:
+    """Everything a projection needs from the model, counted once (``count_model``): re-timing it on another device
+    model (``time_counted``) costs milliseconds, so efficiency constants can be fitted without counting again."""
+
+    info: ModelInfo
+    specs: tuple[Any, ...]
+    """The layers' ``LayerSpec`` (name, kind, block)."""
+    sizes: tuple[tuple[int, int], ...]
+    """Per layer (parameters, parameter bytes)."""
+    out_bytes: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    ops: tuple[tuple[LayerOps, ...], ...]
+    """Per batch size, per layer, the recorded operations."""
+    memory_batch: int
+
+
+def count_model(model: LayeredModel, batch_sizes: Sequence[int]) -> Counted:
+    """Count ``model``'s operations (meta device) and memory (fake CPU tensors) at each batch size. The model's
+    parameters may be on the meta device (``build_model(name, layers=[])``: nothing is allocated) or real; it is
+    left as found."""
     params = list(model.parameters())
     if not params:
         raise PtplanError(f"model {model.name} has no parameters")
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(params[0].dtype)
     if dtype is None:
         raise PtplanError(f"cannot project a {params[0].dtype} model; use float32, bfloat16 or float16")
-    device.matmul_peak(dtype)  # refuses a dtype the device cannot run, before any work
     bs = sorted(set(int(b) for b in batch_sizes))
     if not bs or bs[0] < 1:
         raise PtplanError(f"batch sizes must be positive integers, got {list(batch_sizes)}")
-    sizes = [(sum(p.numel() for p in layer.parameters()),
-              sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in model.layers]
+    sizes = tuple((sum(p.numel() for p in layer.parameters()),
+                   sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in model.layers)
     mb = max(b for b in bs if b <= MEMORY_BATCH) if bs[0] <= MEMORY_BATCH else bs[0]
     out_bytes, saved_bytes = fake_memory_pass(model, mb)  # the measuring profiler's memory pass, on fake tensors
     modes = [(m, m.training) for m in model.modules()]
     with swapped(model, lambda t: t.to("meta")):
-        per_b = [record_layers(model, b) for b in bs]
+        per_b = tuple(tuple(record_layers(model, b)) for b in bs)
     for m, training in modes:
         m.training = training
+    info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
+                     dtype=dtype, granularity=model.granularity, config=config_summary(model))
+    return Counted(info=info, specs=tuple(model.specs), sizes=sizes, out_bytes=tuple(out_bytes),
+                   saved_bytes=tuple(saved_bytes), batch_sizes=tuple(bs), ops=per_b, memory_batch=mb)
+
+
+def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Sequence[int],
+                    command: str = "", date: str = "") -> Profile:
+    """A ``projected`` profile of ``model`` on ``device`` (``count_model`` then ``time_counted``). The model's
+    parameters may be on the meta device (``build_model(name, layers=[])``: nothing is allocated, any size
+    projects) or real; it is left as found."""
+    params = list(model.parameters())
+    if params:  # refuse a dtype the device cannot run before any work
+        device.matmul_peak({torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(params[0].dtype, "float32"))
+    return time_counted(count_model(model, batch_sizes), device, command=command, date=date)
+
+
+def time_counted(counted: Counted, device: DeviceModel, *, command: str = "", date: str = "") -> Profile:
+    """The ``projected`` profile of counted operations on ``device``: each operation on its roofline
+    (``op_seconds``), the AdamW step as 7 weight-sized streams; memory fields as counted."""
+    c = counted
+    dtype, bs, per_b = c.info.dtype, c.batch_sizes, c.ops
+    device.matmul_peak(dtype)
     e = device.efficiency
 
     def secs(ops: Sequence[Op]) -> float:
         return sum(op_seconds(op, device, dtype) for op in ops)
 
     records = []
-    for i, spec in enumerate(model.specs):
-        count, nbytes = sizes[i]
+    for i, spec in enumerate(c.specs):
+        count, nbytes = c.sizes[i]
         opt = 0.0 if count == 0 else 2 * e.launch_s + 7 * nbytes / (device.memory_bandwidth * e.memory)
         records.append(LayerRecord(
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
             grad_bytes=nbytes, optimizer_bytes=int(optimizer_state_bytes(count, dtype)),
-            output_bytes_per_sample=out_bytes[i],
-            saved_bytes_per_sample=saved_bytes[i],
+            output_bytes_per_sample=c.out_bytes[i],
+            saved_bytes_per_sample=c.saved_bytes[i],
             forward_s=tuple(secs(p[i].forward) for p in per_b), backward_s=tuple(secs(p[i].backward) for p in per_b),
             backward_weight_s=tuple(max(0.0, secs(p[i].backward) - secs(p[i].input_grad)) for p in per_b),
             nograd_forward_s=tuple(secs(p[i].nograd) for p in per_b), optimizer_s=opt))
     fwd = tuple(sum(r.forward_s[j] for r in records) for j in range(len(bs)))
     fb = tuple(sum(r.forward_s[j] + r.backward_s[j] for r in records) for j in range(len(bs)))
-    info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
-                     dtype=dtype, granularity=model.granularity, config=config_summary(model))
     flops = [sum(op.flops for op in p[i].forward + p[i].backward) for p in per_b[-1:] for i in range(len(records))]
     return Profile(
-        model=info,
+        model=c.info,
         device=DeviceInfo(kind="cuda", name=device.name, memory_bytes=device.memory_bytes,
                           torch_version=torch.__version__, date=date),
         batch_sizes=tuple(bs), layers=tuple(records), whole_model=WholeModel(forward_s=fwd, forward_backward_s=fb),
         measurement={"method": "projected: aten operations counted on the meta device, timed by a roofline",
-                     "memory_batch_size": mb,
+                     "memory_batch_size": c.memory_batch,
                      "device_source": device.source, "efficiency": vars(e),
                      "flops_at_largest_batch": math.fsum(flops), "whole_model": "sum of the layers (projected)"},
         provenance=Provenance(source="projected", command=command, device_model=device.key))
