@@ -342,6 +342,28 @@ PRESETS: dict[str, Cluster] = {
 PRESETS["h100-4node"] = replace(
     PRESETS["dgx-h100"], name="h100-4node", nodes=4,
     notes="4 x DGX H100 on InfiniBand. " + PRESETS["dgx-h100"].notes)
+PRESETS["dgx-a100"] = Cluster(
+    name="dgx-a100", nodes=1, gpus_per_node=8, gpu_memory_bytes=80 * GiB, gpu_name="NVIDIA A100-SXM4-80GB",
+    intra_bandwidth=300e9, intra_latency_s=5e-6, inter_bandwidth=25e9, inter_latency_s=10e-6, nics_per_node=8,
+    host_memory_bytes=2 * 1024 * GiB,
+    notes="One NVIDIA DGX A100 640GB, a node of Selene (Megatron-LM's SC'21 cluster): NVLink 3 600 GB/s per GPU "
+          "total = 300 GB/s per direction; 8 x 200 Gb/s (25 GB/s) HDR InfiniBand ports, one per GPU; 2 TB host RAM "
+          "(datasheet). ASSUMED: latencies 5 us (NVLink) and 10 us (IB). Any size: Cluster.uniform(like='dgx-a100').")
+PRESETS["p3.16xlarge"] = Cluster(
+    name="p3.16xlarge", nodes=1, gpus_per_node=8, gpu_memory_bytes=16 * GiB, gpu_name="Tesla V100-SXM2-16GB",
+    intra_bandwidth=150e9, intra_latency_s=10e-6, inter_bandwidth=25e9 / 8, inter_latency_s=30e-6, nics_per_node=1,
+    host_memory_bytes=488 * GiB,
+    notes="AWS p3.16xlarge (TeraPipe's and PipeDream-2BW's testbed): 8 x V100 SXM2 16 GB, NVLink 2 300 GB/s per GPU "
+          "total = 150 GB/s per direction (hybrid cube mesh: a ring uses it), 25 Gb/s Ethernet (3.125 GB/s) between "
+          "instances, 488 GiB host RAM (AWS instance page). ASSUMED: latencies 10 us (NVLink) and 30 us (TCP). Any "
+          "size: Cluster.uniform(like='p3.16xlarge').")
+PRESETS["dgx2-v100"] = Cluster(
+    name="dgx2-v100", nodes=1, gpus_per_node=16, gpu_memory_bytes=32 * GiB, gpu_name="Tesla V100-SXM3-32GB",
+    intra_bandwidth=150e9, intra_latency_s=5e-6, inter_bandwidth=12.5e9, inter_latency_s=10e-6, nics_per_node=8,
+    host_memory_bytes=1536 * GiB,
+    notes="One NVIDIA DGX-2H (Megatron-LM v1's server): 16 x V100 SXM3 32 GB on NVSwitch, 300 GB/s per GPU total = "
+          "150 GB/s per direction; 8 x 100 Gb/s (12.5 GB/s) EDR InfiniBand; 1.5 TB host RAM (datasheet). ASSUMED: "
+          "latencies 5 us (NVSwitch) and 10 us (IB).")
 PRESETS["cpu"] = cpu_cluster(2)
 
 

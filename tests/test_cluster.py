@@ -29,7 +29,7 @@ def test_presets_have_the_documented_shape():
 
 
 def test_unknown_preset_lists_presets():
-    with pytest.raises(PtplanError, match=r"unknown cluster preset 'tpu'; presets: paper, dgx-h100, h100-4node, cpu"):
+    with pytest.raises(PtplanError, match=r"unknown cluster preset 'tpu'; presets: paper, dgx-h100, h100-4node, dgx-a100, p3.16xlarge, dgx2-v100, cpu"):
         get_preset("tpu")
     with pytest.raises(PtplanError, match="process count"):
         get_preset("cpu:zero")
