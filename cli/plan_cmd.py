@@ -266,17 +266,12 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     Default: the shipped ViT-B/16 profile on the paper's cluster, α=1/3, 10 epochs.
     """
     from ptplan.planner.cluster import resolve_cluster
-    from ptplan.planner.plan import save_plan
-    from ptplan.planner.planner import TrainingConfig, make_plan
-    from ptplan.planner.profile import load_profile
+    from ptplan.planner.planner import TrainingConfig
 
-    from ptplan.cli.flags import PLAN_RULES, check_freeze_every, refuse_inapplicable, twobw_warning
+    from ptplan.cli.flags import PLAN_RULES, refuse_inapplicable
 
     refuse_inapplicable(click.get_current_context(), PLAN_RULES)
-    ppath = resolve_profile_path(profile)
-    inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []) + ([Path(data)] if data else [])
-    _check_outputs(inputs, [out] + ([report] if report is not None else []))
-    prof = load_profile(ppath)
+    ppath, prof = _load_inputs(profile, cluster_name, data, out, report)
     if data is not None:
         samples_per_epoch, batch = _from_data(data, prof, samples_per_epoch, batch)
     cluster = resolve_cluster(cluster_name)
@@ -285,39 +280,11 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
                               batch_policy=batch_policy, schedule=schedule, optimizer=optimizer, pin_K=pin_k,
                               start_K=start_k, pin_M=pin_m, cache=cache, memory_fraction=memory_fraction,
                               allow_extrapolation=allow_extrapolation)
-    from ptplan.planner.config import check_batch_reach
-
-    check_batch_reach(training, cluster.world_size, max(prof.batch_sizes))
-    check_freeze_every("--freeze-every", freeze_every, epochs * (samples_per_epoch // batch),
-                       f"{epochs} epochs of at most {samples_per_epoch:,} // {batch:,} steps")
-    if (note := twobw_warning(schedule, freeze_policy, freeze_every)) is not None:
-        click.echo(f"warning: {note}", err=True)
-    from ptplan.planner.config import epoch_order_problem
-
-    if (why := epoch_order_problem(samples_per_epoch, cluster.gpus_per_node, cluster.host_memory_bytes)) is not None:
-        raise PtplanError(why)
+    _check_training(training, cluster, prof, freeze_policy, freeze_every)
     t0 = time.perf_counter()
-    bar = _Progress(enabled=not quiet and sys.stderr.isatty())
-    try:
-        result = make_plan(prof, cluster, training, freeze, profile_path=str(ppath), progress=bar.update,
-                           strategies=strategies, token_slices=token_slices)
-    finally:
-        bar.close()
+    result = _search(prof, cluster, training, freeze, ppath, strategies, token_slices, quiet)
     dt = time.perf_counter() - t0
-    html = None
-    if report:
-        from ptplan.planner.report.viz import report_html
-
-        html = report_html(result)  # built before anything is written: all outputs or none
-    save_plan(result, out)
-    if html is not None:
-        from ptplan.planner.jsonio import write_atomic
-
-        try:
-            write_atomic(report, html)
-        except BaseException:
-            os.unlink(out)
-            raise
+    _write_outputs(result, out, report)
     if not quiet:
         click.echo(format_plan_table(result))
     for w in format_warnings(result):
@@ -325,6 +292,70 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     click.echo(f"planned {len(result.phases)} phases in {dt:.2f} s; wrote {out}"
                + (f" and {report}" if report else ""))
 
+
+def _load_inputs(profile: str, cluster_name: str, data: str | None, out: str,
+                 report: str | None) -> tuple[Path, Any]:
+    """The profile's path and the profile, once every output is checked against every input."""
+    from ptplan.planner.profile import load_profile
+
+    ppath = resolve_profile_path(profile)
+    inputs = [ppath] + ([Path(cluster_name)] if Path(cluster_name).is_file() else []) + ([Path(data)] if data else [])
+    outputs: list[str | Path] = [out]
+    if report is not None:
+        outputs.append(report)
+    _check_outputs(inputs, outputs)
+    return ppath, load_profile(ppath)
+
+
+def _check_training(training: Any, cluster: Any, prof: Any, freeze_policy: str, freeze_every: int | None) -> None:
+    """Refuse a batch the cluster cannot reach, a freeze step past the end and an epoch order the hosts cannot
+    hold; warn where the schedule's split backward cannot pay."""
+    from ptplan.planner.config import check_batch_reach, epoch_order_problem
+
+    from ptplan.cli.flags import check_freeze_every, twobw_warning
+
+    check_batch_reach(training, cluster.world_size, max(prof.batch_sizes))
+    epochs, samples_per_epoch, batch = training.epochs, training.samples_per_epoch, training.batch
+    check_freeze_every("--freeze-every", freeze_every, epochs * (samples_per_epoch // batch),
+                       f"{epochs} epochs of at most {samples_per_epoch:,} // {batch:,} steps")
+    if (note := twobw_warning(training.schedule, freeze_policy, freeze_every)) is not None:
+        click.echo(f"warning: {note}", err=True)
+    if (why := epoch_order_problem(samples_per_epoch, cluster.gpus_per_node, cluster.host_memory_bytes)) is not None:
+        raise PtplanError(why)
+
+
+def _search(prof: Any, cluster: Any, training: Any, freeze: Any, ppath: Path, strategies: str, token_slices: str,
+            quiet: bool) -> Any:
+    """The plan, with a progress bar on a terminal's stderr unless --quiet."""
+    from ptplan.planner.planner import make_plan
+
+    bar = _Progress(enabled=not quiet and sys.stderr.isatty())
+    try:
+        return make_plan(prof, cluster, training, freeze, profile_path=str(ppath), progress=bar.update,
+                         strategies=strategies, token_slices=token_slices)
+    finally:
+        bar.close()
+
+
+def _write_outputs(result: Any, out: str, report: str | None) -> None:
+    """plan.json and, with --report, the HTML report: all of them or none (the report is built first, and
+    plan.json is removed when the report cannot be written)."""
+    from ptplan.planner.plan import save_plan
+
+    html = None
+    if report:
+        from ptplan.planner.report.viz import report_html
+
+        html = report_html(result)  # built before anything is written: all outputs or none
+    save_plan(result, out)
+    if html is not None and report:
+        from ptplan.planner.jsonio import write_atomic
+
+        try:
+            write_atomic(report, html)
+        except BaseException:
+            os.unlink(out)
+            raise
 
 DATA_BATCH = 32
 """``ptplan plan --data``'s global batch when --batch is not given: a common fine-tuning batch."""
