@@ -17,7 +17,6 @@ ALLOWED: dict[str, int] = {
     "cli/run_cmd.py:run": 167,
     "planner/partition.py:split_stages": 120,
     "cli/profile_cmd.py:profile": 111,
-    "executor/profiling/profiler.py:profile_model": 87,
     "executor/runtime/sliced.py:run_sliced_step": 82,
     "planner/search.py:PhaseSearch": 505,
     "executor/runtime/elastic.py:ElasticRuntime": 439,

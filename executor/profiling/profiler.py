@@ -639,16 +639,7 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     _check_timer(timer, dev)
     auto = batch_sizes is None
     todo = list(powers_of_two(max_batch) if batch_sizes is None else check_batch_sizes(batch_sizes))
-    if warmup < 0:
-        raise PtplanError(f"warmup must be >= 0, got {warmup}")
-    if repeats < 1:
-        raise PtplanError(f"repeats must be >= 1, got {repeats}")
-    params = list(model.parameters())
-    if not params:
-        raise PtplanError(f"model {model.name} has no parameters")
-    dtype = params[0].dtype
-    if dtype not in DTYPE_NAMES:
-        raise PtplanError(f"unsupported model dtype {dtype}; use float32, bfloat16 or float16")
+    dtype = _checked_dtype(model, warmup, repeats)
     limit, limit_name = memory_limit_bytes, "the memory limit given"
     if auto and limit is None:
         limit, limit_name = memory_limit(dev, model)
@@ -666,10 +657,8 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
         with _preserved(model, dev):
             while todo:
                 b = todo.pop(0)
-                share = None
-                if budget_s is not None:  # cost ~ b plus a fixed part (~4 samples' worth): a share of what is left
-                    pending = [b] + ([c for c in powers_of_two(max_batch) if c > b] if auto else todo)
-                    share = max(0.0, budget_s - (time.perf_counter() - began)) * (b + 4) / sum(c + 4 for c in pending)
+                pending = [b] + ([c for c in powers_of_two(max_batch) if c > b] if auto else todo)
+                share = _budget_share(budget_s, began, pending)
                 res, run = _measure_size(model, clock, dev, b, gen, warmup, repeats, bar, share, not measured)
                 results.append(res)
                 rounds.append(run)
@@ -689,11 +678,7 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
 
     bs = tuple(measured)
     records = _layer_records(model, results, opt_s)
-    config = config_summary(model)
-    if model.family in DEFAULT_NUM_LABELS:
-        config["num_labels"] = model.num_labels  # the classifier's size, so a run rebuilds the same head
-    info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
-                     dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config)
+    info = _model_info(model, dtype)
     measurement = _measurement(dev, timer, warmup, repeats, measured, results, rounds, budget_s, load)
     if (ovh := measure_action_overhead(dev)) is not None:  # planner.cluster.charged_overheads charges it
         measurement["action_overhead_s"] = ovh
@@ -705,6 +690,39 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
                                           forward_backward_s=tuple(r.whole_forward_backward for r in results),
                                           peak_memory_bytes=peaks),
                    measurement=measurement, provenance=Provenance(source="measured", command=command))
+
+
+def _checked_dtype(model: LayeredModel, warmup: int, repeats: int) -> torch.dtype:
+    """The model's dtype, once warmup, repeats, the parameters and the dtype are checked."""
+    if warmup < 0:
+        raise PtplanError(f"warmup must be >= 0, got {warmup}")
+    if repeats < 1:
+        raise PtplanError(f"repeats must be >= 1, got {repeats}")
+    params = list(model.parameters())
+    if not params:
+        raise PtplanError(f"model {model.name} has no parameters")
+    dtype = params[0].dtype
+    if dtype not in DTYPE_NAMES:
+        raise PtplanError(f"unsupported model dtype {dtype}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def _budget_share(budget_s: float | None, began: float, pending: list[int]) -> float | None:
+    """Seconds for the first of ``pending`` sizes: what is left of ``budget_s`` (None: no budget) in proportion to
+    its cost, ~ b plus a fixed part (~4 samples' worth)."""
+    if budget_s is None:
+        return None
+    b = pending[0]
+    return max(0.0, budget_s - (time.perf_counter() - began)) * (b + 4) / sum(c + 4 for c in pending)
+
+
+def _model_info(model: LayeredModel, dtype: torch.dtype) -> ModelInfo:
+    """The profile's model record: name, family, size, dtype and the config a run rebuilds it from."""
+    config = config_summary(model)
+    if model.family in DEFAULT_NUM_LABELS:
+        config["num_labels"] = model.num_labels  # the classifier's size, so a run rebuilds the same head
+    return ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
+                     dtype=DTYPE_NAMES[dtype], granularity=model.granularity, config=config)
 
 
 def _check_timer(timer: str, dev: torch.device) -> None:
