@@ -108,3 +108,24 @@ def test_cli_project_with_slices_writes_projected_slice_costs(tmp_path):
     assert "projected" in prof.token_slices.timer and "--slices" in prof.provenance.command
     cost = profile_slice_cost(prof, 1)
     assert cost(16, 0) > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
+def test_attention_is_counted_as_the_gpus_fused_kernel(name):
+    """On meta torch falls back to unfused attention (softmax, dropout, masking over b·heads·s² elements); the
+    projection counts the fused kernel a GPU runs: one op forward, one backward, with the attention's
+    4·b·s²·hidden FLOPs forward, and nothing of the unfused path left."""
+    from ptplan.executor.profiling.project import record_layers
+
+    b, s = 2, 16
+    m = build_model(name, seq_len=s, layers=[])
+    h = m.config.hidden_size
+    with swapped(m, lambda t: t.to("meta")):
+        ops = record_layers(m, b)
+    attn = ops[1]  # the first block's attention half
+    names = [o.name for o in attn.forward]
+    assert names.count("_scaled_dot_product_efficient_attention") == 1 and "_safe_softmax" not in names
+    assert "bmm" not in names and "_softmax" not in names
+    fused = next(o for o in attn.forward if o.name == "_scaled_dot_product_efficient_attention")
+    assert fused.flops == 4 * b * s * s * h
+    assert [o.name for o in attn.backward].count("_scaled_dot_product_efficient_attention_backward") == 1

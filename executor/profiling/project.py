@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
@@ -98,6 +99,36 @@ class _Recorder(TorchDispatchMode):
             flops = float(count(*args, **kwargs, out_val=out))
         self.ops.append(Op(name=name, flops=flops, bytes=float(moved)))
         return out
+
+
+class FusedAttention(TorchFunctionMode):
+    """Runs ``F.scaled_dot_product_attention`` as the fused kernel a GPU runs it with (``aten._scaled_dot_product_
+    efficient_attention``: one kernel forward, one backward, nothing of size s² in memory) instead of the unfused
+    math path the meta device falls back to (softmax, dropout and masking over b·heads·s² elements, each a memory-
+    bound kernel of its own). CUDA's dispatcher picks flash or memory-efficient attention for fp16/bf16 and an
+    additive mask; both count the same FLOPs. Grouped key/value heads are repeated first (a copy a GPU's GQA kernel
+    would not make; small)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]
+        extra = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]))
+        extra.update(kwargs)
+        mask, causal = extra.get("attn_mask"), bool(extra.get("is_causal", False))
+        if k.shape[-3] != q.shape[-3]:
+            rep = q.shape[-3] // k.shape[-3]
+            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+        bias = None
+        if mask is not None:
+            bias = (torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+                    if mask.dtype == torch.bool else mask.to(q.dtype))
+            bias = bias.expand(*q.shape[:-1], k.shape[-2])
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, q.requires_grad or k.requires_grad or v.requires_grad,
+            float(extra.get("dropout_p", 0.0) or 0.0), causal, scale=extra.get("scale"))
+        return out[0]
 
 
 def op_seconds(op: Op, device: DeviceModel, dtype: str) -> float:
@@ -217,7 +248,7 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
         params = [p for p in layer.parameters() if p.requires_grad]
         saved = _SavedBytes({_storage(p)[0] for p in layer.parameters()})
         fwd = _Recorder()
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), fwd:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), FusedAttention(), fwd:
             y = layer(xin, attention_mask=mask)
             loss = model.loss(y, labels) if i == n - 1 else None
         # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
@@ -232,7 +263,7 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
             torch.autograd.grad(root, ([xin] if i > 0 else []) + params, grad_outputs=seed, allow_unused=True)
         layer.eval()
         nog = _Recorder()
-        with torch.no_grad(), nog:
+        with torch.no_grad(), FusedAttention(), nog:
             yn = layer(h.detach(), attention_mask=mask)
             if i == n - 1:
                 model.loss(yn, labels)

@@ -34,7 +34,7 @@ from ptplan.planner.terapipe import fit_slice_cost
 
 from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel, build_model
 from ptplan.executor.profiling.profiler import _Clock, _cpu_name, _preserved, resolve_device
-from ptplan.executor.profiling.project import Op, _Recorder, op_seconds, swapped
+from ptplan.executor.profiling.project import FusedAttention, Op, _Recorder, op_seconds, swapped
 from ptplan.executor.runtime.sliced import is_attention, slice_forward
 
 
@@ -126,7 +126,7 @@ def _counted_point(layers: Sequence[torch.nn.Module], b: int, s: int, c: int, hi
     past = [None if c == 0 else (torch.empty(b, kv_heads, c, head_dim, **meta),
                                  torch.empty(b, kv_heads, c, head_dim, **meta)) for m in layers if is_attention(m)]
     fwd, bwd = _Recorder(), _Recorder()
-    with fwd:
+    with FusedAttention(), fwd:  # attention as the GPU's fused kernel, as the projected layers count it
         h, j = x, 0
         for m in layers:
             h, kv = slice_forward(m, h, c, past[j] if is_attention(m) else None)
