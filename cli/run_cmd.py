@@ -5,107 +5,144 @@ import os
 import re
 import shlex
 import sys
+from typing import Any, Callable
 
 import click
 
 from ptplan.planner.errors import PtplanError
 
 
+RUN_LAUNCH_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--model", default=None,
+                 help="Model adapter name (e.g. bert-base) or a local Hugging Face folder; must match the plan's "
+                      "profile [default: the MODEL (and --weights) the plan's profile was made with]."),
+    click.option("--weights", type=click.Path(file_okay=False), default=None,
+                 help="Local Hugging Face model folder whose weights to start from [default: a --model folder's own "
+                      "weights when it has weight files, else random init from --seed]."),
+    click.option("--nproc-per-node", type=int, default=None,
+                 help="Processes (GPUs) on this node [default on one node: the plan's K*D]."),
+    click.option("--nnodes", default="1", show_default=True, help="Nodes (torchrun), or MIN:MAX."),
+    click.option("--node-rank", type=int, default=None, help="This node's rank (torchrun static rendezvous)."),
+    click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (torchrun)."),
+    click.option("--rdzv-id", default=None, help="Job id shared by all nodes (torchrun)."),
+    click.option("--rdzv-backend", default=None, help="Rendezvous backend, e.g. c10d (torchrun)."),
+    click.option("--master-addr", default=None, help="Static rendezvous address (torchrun)."),
+    click.option("--master-port", type=int, default=None, help="Static rendezvous port (torchrun)."),
+    click.option("--max-restarts", type=int, default=0, show_default=True,
+                 help="Restart the worker group on a failure; restarts resume from --checkpoint-dir."),
+]
+"""The model and torchrun's launch: processes, nodes, rendezvous, restarts."""
+
+
+RUN_TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--epochs", type=int, default=None, help="Epochs (default: the plan's)."),
+    click.option("--steps-per-epoch", type=int, default=None, help="Optimizer steps per epoch (default: the data's)."),
+    click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="adamw", show_default=True),
+    click.option("--lr", type=float, default=None,
+                 help="Peak learning rate [default: 5e-5 with AdamW (fine-tuning), 0.01 with SGD]."),
+    click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]), default="constant",
+                 show_default=True, help="After the warm-up: keep the rate, or decay it to 0 at the last step."),
+    click.option("--warmup-steps", type=int, default=0, show_default=True,
+                 help="Linear learning-rate warm-up over the first N optimizer steps."),
+    click.option("--clip-grad-norm", type=float, default=None,
+                 help="Clip the global gradient norm (the whole model's, across stages) to this value."),
+    click.option("--decay-all", is_flag=True,
+                 help="Apply --weight-decay to biases and normalisation weights too (default: matrices only)."),
+    click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum."),
+    click.option("--weight-decay", type=float, default=0.0, show_default=True),
+    click.option("--adam-eps", type=float, default=1e-8, show_default=True, help="AdamW epsilon."),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--freeze", type=click.Choice(["planned", "adaptive"]), default="planned", show_default=True,
+                 help="Follow the plan's trajectory, or decide from measured gradient norms."),
+    click.option("--freeze-every", type=int, default=None,
+                 help="A freeze step every N optimizer steps (default: the plan's cadence, per epoch)."),
+    click.option("--alpha", type=float, default=None, help="Freeze rate for --freeze adaptive (default: the plan's)."),
+]
+"""Training: epochs, optimizer, learning rate, seed and freezing."""
+
+
+RUN_OUTPUT_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None),
+    click.option("--checkpoint-every", type=int, default=0, show_default=True,
+                 help="Also checkpoint every N steps (always at each epoch end when --checkpoint-dir is set)."),
+    click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir/checkpoint.pt."),
+    click.option("--log", "log_path", default="run.jsonl", show_default=True,
+                 help="Run log (JSON lines) for `ptplan compare`."),
+    click.option("--data", default="synthetic", show_default=True,
+                 help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask."),
+    click.option("--no-shuffle", is_flag=True, help="Visit samples in id order."),
+    click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
+                 help="Held-out .pt/.npz file (the --data format): evaluated at each epoch end (accuracy and loss "
+                      "for classification, perplexity for GPT-2), logged and printed at the end."),
+    click.option("--eval-every", type=int, default=0, show_default=True,
+                 help="Also evaluate every N optimizer steps (0: epoch ends only)."),
+    click.option("--eval-batch-size", type=int, default=32, show_default=True,
+                 help="Samples per evaluation micro-batch on each pipeline."),
+    click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
+                 help="Write the final model here as a complete Hugging Face folder: weights, config.json with the "
+                      "--data file's label names, the tokenizer (or image processor) of --weights or the --model "
+                      "folder, and a model card (README.md). Must not exist or be empty."),
+    click.option("--export-best", is_flag=True,
+                 help="Write --export at the best held-out evaluation (accuracy; loss for causal LMs) instead of "
+                      "the end; needs --eval-data."),
+    click.option("--save-model-every", type=int, default=0, show_default=True,
+                 help="Every N optimizer steps, write the model only (a Hugging Face folder, no optimizer state) to "
+                      "--save-model-dir/model-stepNNNNNN."),
+    click.option("--save-model-dir", type=click.Path(file_okay=False), default=None,
+                 help="Folder for --save-model-every [default: --checkpoint-dir]."),
+]
+"""Checkpoints, the run log, the data, evaluation and the model written out."""
+
+
+RUN_DEVICE_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+                 help="bf16: forward passes under torch.autocast in bfloat16 (weights, gradients and optimizer state "
+                      "stay float32); on CUDA (a GPU with bf16) or CPU."),
+    click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model."),
+    click.option("--num-labels", type=int, default=None,
+                 help="Classes of the classification head (bert, vit) [default: the plan's profile's]."),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+    click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
+                 help="Seconds a collective may wait before the job fails (a dead rank)."),
+    click.option("--no-progress", is_flag=True, help="No progress bar."),
+]
+"""Precision, the model's head and dropout, the device, timeouts and progress."""
+
+
+RUN_CACHE_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--cache", "cache_mode", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+                 help="AutoCache: 'auto' caches the frozen prefix's output per sample in the phases where the plan "
+                      "says so (ptplan plan --cache); 'off' recomputes it every step (same results)."),
+    click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+                 help="Directory for the cache's RAM tier, shared by the processes of a node; removed at the end "
+                      "(default: /dev/shm, RAM-backed)."),
+    click.option("--cache-budget", default=None, metavar="SIZE",
+                 help="Cap on the cache's RAM-tier bytes per node, e.g. 8GiB or 500MB (default: what the data "
+                      "needs, every sample's prefix output at two frozen counts)."),
+    click.option("--cache-spill-dir", type=click.Path(file_okay=False), default=None,
+                 help="Disk directory for cache slabs beyond --cache-budget (default: none; rows that do not fit "
+                      "are recomputed)."),
+    click.option("--cache-allow-nondeterministic", is_flag=True,
+                 help="Cache even when the frozen prefix is not a fixed function of the sample (random data "
+                      "augmentation, a layer random in eval mode); later epochs then replay the first output. "
+                      "Without it such a run stops before training."),
+]
+"""AutoCache: the frozen prefix's outputs cached per sample."""
+
+
+def with_options(*groups: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    """A decorator applying the option groups in order (the first one's first option shows first in --help)."""
+    def apply(f: Any) -> Any:
+        for opt in reversed([o for g in groups for o in g]):
+            f = opt(f)
+        return f
+    return apply
+
+
 @click.command("run")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False))
-@click.option("--model", default=None,
-              help="Model adapter name (e.g. bert-base) or a local Hugging Face folder; must match the plan's "
-                   "profile [default: the MODEL (and --weights) the plan's profile was made with].")
-@click.option("--weights", type=click.Path(file_okay=False), default=None,
-              help="Local Hugging Face model folder whose weights to start from [default: a --model folder's own "
-                   "weights when it has weight files, else random init from --seed].")
-@click.option("--nproc-per-node", type=int, default=None,
-              help="Processes (GPUs) on this node [default on one node: the plan's K*D].")
-@click.option("--nnodes", default="1", show_default=True, help="Nodes (torchrun), or MIN:MAX.")
-@click.option("--node-rank", type=int, default=None, help="This node's rank (torchrun static rendezvous).")
-@click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (torchrun).")
-@click.option("--rdzv-id", default=None, help="Job id shared by all nodes (torchrun).")
-@click.option("--rdzv-backend", default=None, help="Rendezvous backend, e.g. c10d (torchrun).")
-@click.option("--master-addr", default=None, help="Static rendezvous address (torchrun).")
-@click.option("--master-port", type=int, default=None, help="Static rendezvous port (torchrun).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
-              help="Restart the worker group on a failure; restarts resume from --checkpoint-dir.")
-@click.option("--epochs", type=int, default=None, help="Epochs (default: the plan's).")
-@click.option("--steps-per-epoch", type=int, default=None, help="Optimizer steps per epoch (default: the data's).")
-@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="adamw", show_default=True)
-@click.option("--lr", type=float, default=None,
-              help="Peak learning rate [default: 5e-5 with AdamW (fine-tuning), 0.01 with SGD].")
-@click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]), default="constant",
-              show_default=True, help="After the warm-up: keep the rate, or decay it to 0 at the last step.")
-@click.option("--warmup-steps", type=int, default=0, show_default=True,
-              help="Linear learning-rate warm-up over the first N optimizer steps.")
-@click.option("--clip-grad-norm", type=float, default=None,
-              help="Clip the global gradient norm (the whole model's, across stages) to this value.")
-@click.option("--decay-all", is_flag=True,
-              help="Apply --weight-decay to biases and normalisation weights too (default: matrices only).")
-@click.option("--momentum", type=float, default=0.9, show_default=True, help="SGD momentum.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--adam-eps", type=float, default=1e-8, show_default=True, help="AdamW epsilon.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--freeze", type=click.Choice(["planned", "adaptive"]), default="planned", show_default=True,
-              help="Follow the plan's trajectory, or decide from measured gradient norms.")
-@click.option("--freeze-every", type=int, default=None,
-              help="A freeze step every N optimizer steps (default: the plan's cadence, per epoch).")
-@click.option("--alpha", type=float, default=None, help="Freeze rate for --freeze adaptive (default: the plan's).")
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None)
-@click.option("--checkpoint-every", type=int, default=0, show_default=True,
-              help="Also checkpoint every N steps (always at each epoch end when --checkpoint-dir is set).")
-@click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir/checkpoint.pt.")
-@click.option("--log", "log_path", default="run.jsonl", show_default=True,
-              help="Run log (JSON lines) for `ptplan compare`.")
-@click.option("--data", default="synthetic", show_default=True,
-              help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask.")
-@click.option("--no-shuffle", is_flag=True, help="Visit samples in id order.")
-@click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
-              help="Held-out .pt/.npz file (the --data format): evaluated at each epoch end (accuracy and loss "
-                   "for classification, perplexity for GPT-2), logged and printed at the end.")
-@click.option("--eval-every", type=int, default=0, show_default=True,
-              help="Also evaluate every N optimizer steps (0: epoch ends only).")
-@click.option("--eval-batch-size", type=int, default=32, show_default=True,
-              help="Samples per evaluation micro-batch on each pipeline.")
-@click.option("--export", "export_dir", type=click.Path(file_okay=False), default=None,
-              help="Write the final model here as a complete Hugging Face folder: weights, config.json with the "
-                   "--data file's label names, the tokenizer (or image processor) of --weights or the --model "
-                   "folder, and a model card (README.md). Must not exist or be empty.")
-@click.option("--export-best", is_flag=True,
-              help="Write --export at the best held-out evaluation (accuracy; loss for causal LMs) instead of "
-                   "the end; needs --eval-data.")
-@click.option("--save-model-every", type=int, default=0, show_default=True,
-              help="Every N optimizer steps, write the model only (a Hugging Face folder, no optimizer state) to "
-                   "--save-model-dir/model-stepNNNNNN.")
-@click.option("--save-model-dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for --save-model-every [default: --checkpoint-dir].")
-@click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-              help="bf16: forward passes under torch.autocast in bfloat16 (weights, gradients and optimizer state "
-                   "stay float32); on CUDA (a GPU with bf16) or CPU.")
-@click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model.")
-@click.option("--num-labels", type=int, default=None,
-              help="Classes of the classification head (bert, vit) [default: the plan's profile's].")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True,
-              help="Seconds a collective may wait before the job fails (a dead rank).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-@click.option("--cache", "cache_mode", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
-              help="AutoCache: 'auto' caches the frozen prefix's output per sample in the phases where the plan "
-                   "says so (ptplan plan --cache); 'off' recomputes it every step (same results).")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Directory for the cache's RAM tier, shared by the processes of a node; removed at the end "
-                   "(default: /dev/shm, RAM-backed).")
-@click.option("--cache-budget", default=None, metavar="SIZE",
-              help="Cap on the cache's RAM-tier bytes per node, e.g. 8GiB or 500MB (default: what the data "
-                   "needs, every sample's prefix output at two frozen counts).")
-@click.option("--cache-spill-dir", type=click.Path(file_okay=False), default=None,
-              help="Disk directory for cache slabs beyond --cache-budget (default: none; rows that do not fit "
-                   "are recomputed).")
-@click.option("--cache-allow-nondeterministic", is_flag=True,
-              help="Cache even when the frozen prefix is not a fixed function of the sample (random data "
-                   "augmentation, a layer random in eval mode); later epochs then replay the first output. "
-                   "Without it such a run stops before training.")
+@with_options(RUN_LAUNCH_OPTIONS, RUN_TRAINING_OPTIONS, RUN_OUTPUT_OPTIONS, RUN_DEVICE_OPTIONS,
+              RUN_CACHE_OPTIONS)
 @click.option("--dry-run", is_flag=True, help="Check everything and print the torchrun command; do not run.")
 def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: int | None, nnodes: str, node_rank: int | None,
         rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, master_addr: str | None,
@@ -128,8 +165,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
                   --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1   (on each node)
     """
     from ptplan.executor.training.config import RunConfig
-    from ptplan.executor.training.job import with_plan_num_labels
-    from ptplan.executor.launch.launcher import Rendezvous, command, launch, worker_log_path
+    from ptplan.executor.launch.launcher import Rendezvous
 
     model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -161,6 +197,15 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
 
     refuse_inapplicable(click.get_current_context(), RUN_RULES)  # after each value's own check (RunConfig)
+    _check_and_launch(cfg, rdzv, dry_run)
+
+
+def _check_and_launch(cfg: Any, rdzv: Any, dry_run: bool) -> None:
+    """The plan's head size into the config, every check before launch, then torchrun (--dry-run: print its
+    command instead); a failed job exits with its code, an exported model is finished."""
+    from ptplan.executor.training.job import with_plan_num_labels
+    from ptplan.executor.launch.launcher import command, launch, worker_log_path
+
     cfg = with_plan_num_labels(cfg)
     wlog = worker_log_path(cfg.log, rdzv)
     check_before_launch(cfg, rdzv, worker_log=wlog)

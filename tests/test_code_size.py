@@ -14,7 +14,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 ALLOWED: dict[str, int] = {
-    "cli/run_cmd.py:run": 167,
     "planner/partition.py:split_stages": 120,
     "cli/profile_cmd.py:profile": 111,
     "executor/runtime/sliced.py:run_sliced_step": 82,
