@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shlex
 from pathlib import Path
+from typing import Any
 
 import click
 from click.core import ParameterSource
@@ -111,20 +112,37 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     dtype = dtype_name(dtype)
     sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
     _check_counts(warmup, repeats, budget, threads)
-    dev_kind = device.split(":")[0]
-    if project is not None:
-        from ptplan.planner.devices import get_device
-
-        dev_model = get_device(project)
-        dev_model.matmul_peak(dtype)  # the dtype exists on that device
-        dev_kind = dev_model.key
+    dev_model = None if project is None else _projection_device(project, dtype)
+    dev_kind = device.split(":")[0] if dev_model is None else dev_model.key
     _out_path(out, weights)  # checked before any work; the default name once the model is built
+    model = _build(model_name, device, dev_kind, sizes, threads, num_labels, projecting=dev_model is not None,
+                   granularity=granularity, seq_len=seq_len, image_size=image_size, dtype=dtype, dropout=dropout,
+                   weights=weights)
+    path = _out_path(out, weights, default_out(model.name, dev_kind, dtype))
+    if dev_model is not None:
+        return _projected(model, dev_model, sizes, path, slices)
+    _measured(model, model_name, weights, path, device=device, dev_kind=dev_kind, sizes=sizes, warmup=warmup,
+              repeats=repeats, timer=timer, quiet=quiet, budget=budget, slices=slices)
 
+
+def _projection_device(project: str, dtype: str) -> Any:
+    """``--project``'s datasheet device, once the dtype is known to exist on it."""
+    from ptplan.planner.devices import get_device
+
+    dev_model = get_device(project)
+    dev_model.matmul_peak(dtype)  # the dtype exists on that device
+    return dev_model
+
+
+def _build(model_name: str, device: str, dev_kind: str, sizes: list[int] | None, threads: int | None,
+           num_labels: int | None, *, projecting: bool, granularity: str, seq_len: int | None,
+           image_size: int | None, dtype: str, dropout: float | None, weights: str | None) -> Any:
+    """The model to profile, once the device, the sizes and the head are checked and torch's threads are set
+    (CPU default 1); projecting, every weight is on meta, and measuring, the largest size must fit memory."""
     import torch  # torch only when profiling: the other commands stay fast
 
     from ptplan.executor.families import build_model
-    from ptplan.executor.profiling.profiler import agreement, check_batch_sizes, head_num_labels, profile_model, resolve_device
-    from ptplan.planner.profile import save_profile
+    from ptplan.executor.profiling.profiler import check_batch_sizes, head_num_labels, resolve_device
 
     labels = head_num_labels(model_name, num_labels)
     resolve_device(device)  # fail on a missing GPU before building a large model
@@ -136,12 +154,19 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights,
                         **({} if labels is None else {"num_labels": labels}),
-                        **({} if project is None else {"layers": []}))  # projecting: every weight on meta
-    if sizes is not None and project is None:
+                        **({"layers": []} if projecting else {}))  # projecting: every weight on meta
+    if sizes is not None and not projecting:
         check_sizes_fit(model, resolve_device(device), sizes)
-    path = _out_path(out, weights, default_out(model.name, dev_kind, dtype))
-    if project is not None:
-        return _projected(model, dev_model, sizes, path, slices)
+    return model
+
+
+def _measured(model: Any, model_name: str, weights: str | None, path: Path, *, device: str, dev_kind: str,
+              sizes: list[int] | None, warmup: int, repeats: int, timer: str, quiet: bool, budget: float,
+              slices: bool) -> None:
+    """The measured profile (with ``slices``, its token-slice costs too) written to ``path``, and its summary."""
+    from ptplan.executor.profiling.profiler import agreement, profile_model
+    from ptplan.planner.profile import save_profile
+
     _warn_if_busy(dev_kind, timer)  # after every refusal: a refused call prints its one error line only
     prof = profile_model(model, device=device, batch_sizes=sizes, warmup=warmup, repeats=repeats,
                          progress=not quiet, timer=timer, command=command_line(click.get_current_context()),
