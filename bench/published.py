@@ -447,12 +447,16 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]], summ: dict[str, Any], eff: dict[str, Any]) -> None:
-    print(f"\n{'point':<34} {'role':<8} {'quantity':<12} {'published':>9} {'ptplan':>9} {'error':>8}  note")
+    print(f"\n{'point':<44} {'role':<8} {'quantity':<12} {'published':>9} {'ptplan':>9} {'error':>8} "
+          f"{'bubble':>6} {'AR':>5}  note")
     for r in rows:
         pred = "—" if r["predicted"] is None else f"{r['predicted']:.3g}"
         err = "—" if r["error"] is None else f"{100 * r['error']:+.1f}%"
-        print(f"{r['key']:<34} {r['role']:<8} {r['quantity']:<12} {r['published']:>9.4g} {pred:>9} {err:>8}  "
-              f"{r['note'][:70]}")
+        t = r["terms"]
+        terms = f"{t['bubble']:>6.2f} {t['allreduce']:>5.2f}" if t else f"{'':>6} {'':>5}"
+        print(f"{r['key']:<44} {r['role']:<8} {r['quantity']:<12} {r['published']:>9.4g} {pred:>9} {err:>8} {terms}  "
+              f"{r['note'][:60]}")
+    print("(bubble: the simulated iteration's idle share; AR: its exposed data-parallel all-reduce share)")
     print(f"\nfitted efficiency (matmul_max): " + ", ".join(f"{k} {v['matmul_max']:.3f} (fit rms log error "
                                                            f"{v['rms_log_error']:.3f})" for k, v in eff.items()))
     m, x = summ["median_abs_error"], summ["max_abs_error"]
