@@ -6,9 +6,10 @@ stages, M micro-batches. ``Phase.actions[k]`` is position k's list in ``planner.
 
 The executor runs exactly those lists: ``phase_schedule`` parses and checks them (every action
 known, every forward before its backward, every message matched, no deadlock: ``check_schedule``),
-and ``torch_actions`` writes them as torch.distributed.pipelining ``_Action`` lists for its custom-
-schedule runtime (``_PipelineScheduleRuntime._prepare_schedule_with_comms(..., format="compute_comms")``,
-the path torchtitan's CSV schedules take). Token by token:
+and the one step interpreter (``step.StepInterpreter``) runs them action by action, for every schedule.
+``torch_text``/``torch_actions`` write them in torch.distributed.pipelining's schedule IR (``_Action``,
+through ``torch_adapter``), the text torch's custom-schedule runtime and torchtitan's CSV schedules read,
+for reports and for comparing with torch's own orders. Token by token:
 
 - ``F`` -> ``F``; ``W`` -> ``W``;
 - ``B`` -> ``B`` (full backward), or ``I`` (input gradient only) where the same (stage, micro-batch)
@@ -19,14 +20,15 @@ the path torchtitan's CSV schedules take). Token by token:
   it divides the stage's gradients by M (the loss is a mean per micro-batch). The data-parallel
   all-reduce itself runs after the schedule's step (``runtime.ElasticRuntime``), never inside it.
 
-Torch matches messages between two ranks by order alone (no tags), so the receives one rank posts
-from another must come in the order that rank sends them; ``check_message_order`` refuses lists
-where they do not (a transformer's activations and gradients have the same shape: a mismatch would
-silently swap them). Plans written before phases stored actions (``Phase.actions`` empty) get the
+Messages between two ranks are matched by order alone (no tags: the interpreter's, as torch's), so the
+receives one rank posts from another must come in the order that rank sends them; ``check_message_order``
+refuses lists where they do not (a transformer's activations and gradients have the same shape: a mismatch
+would silently swap them). Plans written before phases stored actions (``Phase.actions`` empty) get the
 lists ``planner.schedule.build_schedule`` generates for the phase's schedule name, so every phase runs
-through the same path. Two kinds of phase run their own loops instead, and their lists must be the
-generator's: PipeDream-2BW (``twobw``) and token-sliced phases (``Phase.slices``: ``sliced_schedule``,
-``planner.schedule.terapipe``'s lists, run by ``sliced.SlicedPipe``).
+through the same path. Two kinds of phase must hold the generator's lists, run by the same interpreter
+under their own policy: PipeDream-2BW (``twobw.TwoBW``: a step is one mini-batch's stretch of the list)
+and token-sliced phases (``Phase.slices``: ``sliced_schedule``, ``planner.schedule.terapipe``'s lists, the
+slice index on each action: ``sliced.SliceCompute``).
 """
 from __future__ import annotations
 
@@ -53,9 +55,9 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
     ``build_schedule`` generates for ``phase.schedule``. Raises PtplanError naming the phase and the
     action at fault."""
     fix = "re-run `ptplan plan`, or plan with another schedule if it writes the same lists again"
-    if phase.slices:  # token slices (TeraPipe): run by executor/runtime/sliced.py's own loop, GPipe order over slices
+    if phase.slices:  # token slices (TeraPipe): GPipe order over slices, a slice index on each action
         return sliced_schedule(phase, index)
-    if phase.schedule == "2bw":  # run by executor/runtime/twobw.py's own loop: the continuous 1F1B the planner generates
+    if phase.schedule == "2bw":  # the continuous 1F1B the planner generates, cut into steps by twobw.TwoBW
         try:
             want = build_schedule("2bw", phase.K, phase.M, phase.V)
         except ScheduleError as e:
@@ -73,7 +75,7 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
 
 def sliced_schedule(phase: Phase, index: int | None = None) -> Schedule:
     """A token-sliced phase's schedule: ``planner.schedule.terapipe`` for its K, M and slice count (what
-    ``ptplan plan --token-slices auto`` writes and executor/runtime/sliced.py's loop runs), checked (sizes, messages,
+    ``ptplan plan --token-slices auto`` writes and the step interpreter runs with sliced.py's compute), checked (sizes, messages,
     slice order); the phase's stored action lists must be those."""
     from ptplan.executor.runtime.sliced import check_slice_order
 
@@ -172,7 +174,8 @@ def torch_text(schedule: Schedule) -> tuple[tuple[str, ...], ...]:
 
 
 def torch_actions(schedule: Schedule) -> dict[int, list[Any]]:
-    """Per position, its actions as torch ``_Action`` objects: what ``_prepare_schedule_with_comms`` takes."""
-    from torch.distributed.pipelining.schedules import _Action
+    """Per position, its actions as torch ``_Action`` objects (``torch_adapter``): what torch's custom-schedule
+    runtime's ``_prepare_schedule_with_comms`` takes."""
+    from ptplan.executor.runtime.torch_adapter import torch_action
 
-    return {r: [_Action.from_str(tok) for tok in toks] for r, toks in enumerate(torch_text(schedule))}
+    return {r: [torch_action(tok) for tok in toks] for r, toks in enumerate(torch_text(schedule))}

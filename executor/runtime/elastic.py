@@ -9,7 +9,7 @@ it recomputes it, in host memory when the AutoCache serves it. Every other layer
 model keeps its ``nn.Parameter`` objects without storage (``stage.LayerStore``), so one optimizer
 over all parameters stays valid (``optim``: it keeps state only for this rank's active layers). A
 phase gives each rank one stage, or V chunks at one pipeline position (``stage``), run by the plan's
-action lists (``actions``) on torch.distributed.pipelining's custom-schedule runtime; their
+action lists (``actions``) on the one step interpreter (``step.StepInterpreter``, for every schedule); their
 gradients are averaged over the position's data-parallel group by one flat all-reduce after the
 schedule's step (never DDP around a stage). A stage with FSDP (``Phase.fsdp_at``, D > 1) instead trains
 FSDP2-sharded copies of its active layers over that group (``hybrid.ShardedStage``: gradients reduce-scattered
@@ -28,12 +28,12 @@ Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps n
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
 frees what it only sent, destroys the old groups and creates the new ones in the same order on
 every rank (``groups``), and rebuilds the stage and its schedule. The training loop is in
-``training``. A PipeDream-2BW phase (schedule ``2bw``) runs its own flush-free loop instead
-(``twobw.TwoBWPipe``: each ``train_step`` runs one mini-batch's stretch of a continuous 1F1B, with
-two weight versions and one-step-stale updates); ``switch``, ``gather`` and ``close`` first drain it.
-A token-sliced phase (``Phase.slices``, TeraPipe) runs ``sliced.SlicedPipe``'s point-to-point loop on the
-canonical layers instead of torch's schedule; each ``train_step`` runs the whole schedule, so it leaves
-nothing to drain, and its gradients are averaged and stepped as in any phase.
+``training``. A PipeDream-2BW phase (schedule ``2bw``) runs the same interpreter under the 2BW policy
+(``twobw.TwoBW``: each ``train_step`` runs one mini-batch's stretch of the plan's continuous 1F1B, with
+two weight versions and one-step-stale updates: the step is ``stale``, it steps the optimizer itself);
+``switch``, ``gather`` and ``close`` first drain it. A token-sliced phase (``Phase.slices``, TeraPipe) runs it
+with the slice compute (``sliced.SliceCompute``) on the canonical layers; each ``train_step`` runs the whole
+schedule, so it leaves nothing to drain, and its gradients are averaged and stepped as in any phase.
 In a phase that caches the frozen prefix (``Phase.cache``, with a cache set up by
 ``cache_run``), stage 0's module holds no prefix: ``train_step`` feeds it ``cache.prefix_forward``'s
 output for the shard, computed micro-batch by micro-batch as recomputation would.
@@ -65,9 +65,8 @@ from ptplan.executor.runtime.groups import PhaseGroups, build_groups, chunks_of,
 from ptplan.executor.runtime.hybrid import ShardedStage, local, tp_split
 from ptplan.executor.runtime.optim import drop_state, ensure_state, state_keys
 from ptplan.executor.runtime.stage import LayerStore, build_schedule, set_trainable, stage_module
+from ptplan.executor.runtime.step import StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
-from ptplan.executor.runtime.sliced import SlicedPipe
-from ptplan.executor.runtime.twobw import TwoBWPipe
 
 
 class ElasticRuntime:
@@ -103,7 +102,8 @@ class ElasticRuntime:
         """The stages (chunks) this rank runs in the current phase: chunk index -> module."""
         self.module = None
         """This rank's stage module (V = 1), or all its chunks in one ModuleList (V > 1)."""
-        self.schedule = None
+        self.schedule: StepInterpreter | None = None
+        """This rank's step (``step.StepInterpreter``) for the current phase."""
         self.owned: list[int] = []
         self.held: dict[int, str] = {}
         """The layers this rank holds in the current phase and where (``transition.holdings``)."""
@@ -248,19 +248,9 @@ class ElasticRuntime:
                        for c in chunks_of(ph, self.groups.place.stage)}
         mods = list(self.chunks.values())
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
-        if ph.slices:  # token slices (TeraPipe): executor/runtime/sliced.py's own loop over the canonical layers
-            row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
-            self.schedule = SlicedPipe(self.model, ph, self.phase_schedules[index], position=k, row=row,
-                                       cached_prefix=self._caches(ph), group=self.groups.pp_group, device=self.device)
-            return
-        if ph.schedule == "2bw":
-            row, k = ph.ranks[self.groups.place.pipeline], self.groups.place.stage
-            self.schedule = TwoBWPipe(self.module, stage=k, K=ph.K, M=ph.M, prev_rank=row[k - 1] if k > 0 else None,
-                                      next_rank=row[k + 1] if k < ph.K - 1 else None, loss_fn=self.model.loss,
-                                      device=self.device, update=self._twobw_update)
-            return
         self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
-                                       self.model.loss)
+                                       self.model.loss, position=self.groups.place.stage, model=self.model,
+                                       cached_prefix=self._caches(ph), update=self._twobw_update)
 
     def _reshard(self) -> None:
         """In a phase with tp or FSDP whose stage is not sharded now (after ``drain`` or a gather): shard it
@@ -271,7 +261,8 @@ class ElasticRuntime:
             self._build_stage(self.phase, self.phase_index)
 
     def _drain_2bw(self) -> None:
-        if isinstance(self.schedule, TwoBWPipe):
+        """Finish what the step left in flight (2BW's outstanding backwards and updates; nothing otherwise)."""
+        if self.schedule is not None:
             self.schedule.drain()
 
     def drain(self) -> None:
@@ -402,16 +393,12 @@ class ElasticRuntime:
             if self.memory_hook is not None:
                 self.memory_hook("buffers", x)
         kw = {} if mask is None else {"attention_mask": mask}
-        if isinstance(self.schedule, TwoBWPipe):
+        x, y = (x if first else None), (y if last else None)
+        assert self.schedule is not None, "train_step before the first switch"
+        if self.schedule.stale:  # 2BW: the step updates the weights itself
             return self._train_step_2bw(x, y, kw, want_norms=want_norms)
         self.opt.zero_grad(set_to_none=True)
-        losses: list[Tensor] = []
-        args = (x,) if first else ()
-        ends = {"target": y, "losses": losses} if last else {}
-        if isinstance(self.schedule, SlicedPipe):  # a token-sliced phase: gradients left in the parameters
-            losses += self.schedule.step(x if first else None, y if last else None, mask)
-        else:
-            self.schedule.step(*args, return_outputs=False, **ends, **kw)
+        losses = self.schedule.run(x, y, kw)  # gradients left in the parameters
         t0 = time.perf_counter()
         self._allreduce_grads()  # all but the FSDP layers' (reduce-scattered in the backward)
         self.last_allreduce_s = time.perf_counter() - t0
@@ -434,16 +421,17 @@ class ElasticRuntime:
         vec = vec.cpu()
         return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
 
-    def _train_step_2bw(self, x: Tensor, y: Tensor, kw: dict[str, Tensor], *, want_norms: bool
+    def _train_step_2bw(self, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor], *, want_norms: bool
                         ) -> tuple[float, list[float]]:
         """``train_step`` in a 2BW phase: one mini-batch's stretch (``twobw``); the loss is the mean over
         the mini-batch's micro-batches at its weight version; the norms are those of the gradients that
         updated this rank's stage during the stretch (zero where none did)."""
         ph, pipe = self.phase, self.schedule
+        assert pipe is not None
         L = self.model.num_blocks
         self._norms = [0.0] * L if want_norms else None
         self.last_allreduce_s = 0.0
-        losses = pipe.step(x if pipe.prev is None else None, y if pipe.next is None else None, kw)
+        losses = pipe.run(x, y, kw)
         vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
         if losses:
             vec[0] = torch.stack([loss.double() for loss in losses]).mean()

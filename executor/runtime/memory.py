@@ -13,9 +13,10 @@ stage.py's term in brackets:
 - **optimizer** [optimizer]: bytes of the optimizer state tensors of those parameters (AdamW: two
   moments and a 4-byte step counter per parameter tensor, the counters being what stage.py leaves
   out), from ``optimizer.state``.
-- **buffers** [buffers]: the ``torch.distributed.pipelining`` stage's receive buffers (one
-  activation buffer and one gradient buffer per micro-batch, allocated for the phase and kept), from
-  the stage's receive infos; on stage 0 of a phase that caches the prefix, also the shard's prefix
+- **buffers** [buffers]: the step interpreter's receive buffers (``step.Messages``: one activation
+  buffer and one gradient buffer per micro-batch, allocated at the phase's first step and kept, as
+  torch.distributed.pipelining keeps them; 2BW keeps one gradient buffer), from
+  ``StepInterpreter.recv_buffers``; on stage 0 of a phase that caches the prefix, also the shard's prefix
   output (``ElasticRuntime.train_step`` reports it through ``memory_hook``).
 - **activations** [activations]: the peak, over the step, of the bytes saved for backward and still
   alive, tracked with ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage is
@@ -76,20 +77,6 @@ def _sum_unique(tensors, seen: set[int]) -> int:
         seen.add(ptr)
         total += nbytes
     return total
-
-
-def _recv_buffers(schedule: Any) -> list[Tensor]:
-    """The receive buffers of a torch.distributed.pipelining schedule's stages (private attributes, read only)."""
-    out: list[Tensor] = []
-    for stage in getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]:
-        for name in ("args_recv_info", "grad_recv_info"):
-            infos = getattr(stage, name, None) or {}
-            for recv in infos.values():
-                for info in recv or ():
-                    buf = getattr(info, "buffer", None)
-                    if isinstance(buf, Tensor):
-                        out.append(buf)
-    return out
 
 
 class _Holder:
@@ -157,7 +144,7 @@ class StepMemory:
         opt_tensors = [v for p in self.params for v in self.rt.opt.state.get(p, {}).values()
                        if isinstance(v, Tensor)]
         optimizer = _sum_unique(opt_tensors, seen)
-        buffers = _sum_unique(_recv_buffers(self.rt.schedule), seen) if self.rt.schedule is not None else 0
+        buffers = _sum_unique(self.rt.schedule.recv_buffers(), seen) if self.rt.schedule is not None else 0
         return {"params": params, "optimizer": optimizer, "buffers": buffers}, seen
 
     def _pack(self, t: Tensor) -> Any:

@@ -1,5 +1,6 @@
 """Token-sliced pipelined training (TeraPipe) for causal LMs: slice-aware layers, a stage that keeps each
-sequence's keys and values, and a point-to-point loop that runs a sliced schedule's actions.
+sequence's keys and values, and the step interpreter's compute for slices (``SliceCompute``: the one
+interpreter, ``step.StepInterpreter``, runs a sliced schedule's actions, the slice index on each action).
 
 Legend: L tokens per sequence, a slice of s tokens at offset c (the c earlier tokens of the same
 sequence are its context), K stages, M micro-batches, S slices per micro-batch.
@@ -22,7 +23,7 @@ slice cannot replay the unsliced run's random masks; the parity tests build mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,8 @@ from ptplan.executor.families.registry import is_attention, slice_forward
 KV = tuple[Tensor, Tensor]
 
 RECORD: list[tuple[int, int, tuple[int, ...]]] | None = None
-"""Tests: set to a list to have every ``SlicedPipe.step`` append (K, position, slices) as it runs."""
+"""Tests: set to a list to have every step of a token-sliced phase in the elastic runtime (``sliced_compute``)
+append (K, position, slices) as it runs."""
 
 
 # ---- slice-aware layers --------------------------------------------------------------------------
@@ -195,136 +197,134 @@ def check_slice_order(schedule: Schedule) -> None:
                 raise ScheduleError(f"{a}: token-sliced stages run whole backwards (no W)")
 
 
-# ---- the point-to-point loop ----------------------------------------------------------------------
+# ---- the slice compute of the step interpreter ---------------------------------------------------
+
+class SliceCompute:
+    """The step interpreter's compute for token slices (``step.StepInterpreter``): action (stage, micro-batch m,
+    slice sl) runs slice sl of micro-batch m through this position's ``SlicedStage`` -- on position 0 the tokens
+    ``[offset, offset + length)`` of the micro-batch (after the frozen prefix, run once per micro-batch), elsewhere
+    the received slice. Each slice's loss is its share of the mean over micro-batches of each micro-batch's mean
+    next-token loss, so ``reduce`` divides nothing; it averages the stage's gradients over ``dp_group`` when given
+    (the elastic runtime averages them itself and gives none)."""
+
+    def __init__(self, stage: SlicedStage, slices: Sequence[int], M: int, *,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
+        if sum(slices) < 1:
+            raise PtplanError(f"slice lengths {list(slices)} cover no token")
+        self.stage, self.slices, self.M, self.dp_group = stage, list(slices), M, dp_group
+        self.offs = offsets(slices)
+        self.inputs: Sequence[Tensor] | None = None
+        self.labels: Sequence[Tensor] | None = None
+        self.masks: Sequence[Tensor] | None = None
+        self.counts: list[int] = []
+        self.prefix_out: dict[int, Tensor] = {}
+        self.total = 0.0
+        self.where: tuple[int, int] | None = None
+        """(K, position) in the elastic runtime, for ``RECORD``."""
+
+    def load(self, inputs: Sequence[Tensor] | None, labels: Sequence[Tensor] | None,
+             masks: Sequence[Tensor] | None) -> None:
+        """The step's micro-batches (``inputs`` on stage 0, ``labels`` on the last): per micro-batch, [b, L] ids."""
+        if (inputs if self.stage.first else labels) is None:
+            raise PtplanError("the token-sliced stage needs its inputs (position 0) or labels (last position)")
+        self.inputs, self.labels, self.masks = inputs, labels, masks
+        self.counts = [int((lab[:, 1:] != -100).sum()) for lab in labels] if labels is not None else [1] * self.M
+        self.total = 0.0
+
+    def begin(self, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor]) -> None:
+        """The pipeline's batch, split into M micro-batches as torch's schedules split (``tensor_split``)."""
+        ref = x if self.stage.first else y
+        L = sum(self.slices)
+        if ref is not None and ref.shape[1] != L:
+            raise PtplanError(f"the phase cuts sequences of {L} tokens into slices {self.slices} but the batch has "
+                              f"sequences of {ref.shape[1]}; plan with the data's sequence length")
+        if RECORD is not None and self.where is not None:
+            RECORD.append((*self.where, tuple(self.slices)))
+        split = (lambda t: None if t is None else list(t.tensor_split(self.M)))
+        self.load(split(x) if self.stage.first else None, split(y) if self.stage.last else None,
+                  split(kw.get("attention_mask")))
+
+    def end(self) -> None:
+        self.inputs = self.labels = self.masks = None
+        self.prefix_out = {}
+
+    def in_flight(self) -> int:
+        return len(self.stage.state)
+
+    def forward(self, c: int, m: int, sl: int, inp: Tensor | None) -> Tensor:
+        st, off, n = self.stage, self.offs[sl], self.slices[sl]
+        mask = None if self.masks is None else self.masks[m]
+        if st.first:
+            assert self.inputs is not None
+            src = self.inputs[m]
+            if st.prefix:
+                if sl == 0:
+                    self.prefix_out[m] = st.run_prefix(src, mask)
+                src = self.prefix_out[m] if sl < len(self.slices) - 1 else self.prefix_out.pop(m)
+            inp = src[:, off:off + n]
+        assert inp is not None
+        out = st.forward(m, sl, inp, off, mask, labels=None if self.labels is None else self.labels[m],
+                         count=self.counts[m] * self.M)
+        if st.last:
+            self.total += float(out.detach())
+        return out
+
+    def backward(self, c: int, m: int, sl: int, grad: Tensor | None, *, full: bool) -> Tensor | None:
+        return self.stage.backward(m, sl, grad)
+
+    def backward_weight(self, c: int, m: int, sl: int) -> None:
+        raise ScheduleError(f"{c}W{m}.{sl}: token-sliced stages run whole backwards (no W)")
+
+    def reduce(self, c: int) -> None:
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            n = dist.get_world_size(self.dp_group)
+            for layer in self.stage.layers:
+                for p in layer.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=self.dp_group)
+                        p.grad.div_(n)
+
+    def losses(self) -> list[Tensor]:
+        """On the last position, the step's loss (one float64 tensor); elsewhere nothing."""
+        return [torch.tensor(self.total, dtype=torch.float64)] if self.stage.last else []
+
 
 def run_sliced_step(schedule: Schedule, stage: SlicedStage, *, position: int, ranks: Sequence[int],
                     slices: Sequence[int], inputs: Sequence[Tensor] | None, labels: Sequence[Tensor] | None,
-                    hidden: int, dtype: torch.dtype = torch.float32, group: dist.ProcessGroup | None = None,
-                    dp_group: dist.ProcessGroup | None = None, attention_mask: Sequence[Tensor] | None = None,
-                    device: torch.device | str = "cpu") -> float:
-    """Run position ``position``'s actions of a token-sliced schedule (one stage per position): forwards and
-    backwards of each (micro-batch, slice), point-to-point sends and receives with the neighbouring
-    positions (global ranks ``ranks[k]``), and, at ALLREDUCE, the average of the stage's gradients over
-    ``dp_group`` (skipped when None; the elastic runtime averages them itself). Receive buffers go on
-    ``device``. Gradients accumulate in the stage's parameters; the caller steps
-    the optimizer. ``inputs`` (stage 0) and ``labels`` (last stage): per micro-batch, ``[b, L]`` ids.
-    The gradient is that of the mean over micro-batches of each micro-batch's mean next-token loss.
-    Returns that loss on the last position (0.0 elsewhere)."""
-    if sum(slices) < 1 or len(slices) != schedule.slices:
+                    hidden: int | None = None, dtype: torch.dtype | None = None,
+                    group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
+                    attention_mask: Sequence[Tensor] | None = None, device: torch.device | str = "cpu") -> float:
+    """Run position ``position``'s actions of a token-sliced schedule (one stage per position) with the step
+    interpreter: forwards and backwards of each (micro-batch, slice), point-to-point messages with the
+    neighbouring positions (global ranks ``ranks[k]``), and, at ALLREDUCE, the average of the stage's gradients
+    over ``dp_group`` (skipped when None). Gradients accumulate in the stage's parameters; the caller steps the
+    optimizer. ``inputs`` (stage 0) and ``labels`` (last stage): per micro-batch, ``[b, L]`` ids. Returns, on the
+    last position, the mean over micro-batches of each micro-batch's mean next-token loss (0.0 elsewhere).
+    ``hidden`` and ``dtype`` are not needed (a message's shape and dtype travel with its first send)."""
+    from ptplan.executor.runtime.step import StepInterpreter
+
+    if len(slices) != schedule.slices:
         raise PtplanError(f"{len(slices)} slice lengths {list(slices)} for a schedule with slices={schedule.slices}")
     check_slice_order(schedule)
-    M = schedule.M
-    offs = offsets(slices)
-    K = schedule.K
-    if schedule.stage_to_rank != tuple(range(K)):
+    if schedule.stage_to_rank != tuple(range(schedule.K)):
         raise PtplanError("the token-sliced loop runs one stage per position (stage_to_rank = 0..K-1)")
-    ref = labels if labels is not None else inputs
-    if ref is None:
-        raise PtplanError("give the inputs (stage 0) or the labels (last stage) so the micro-batch size is known")
-    b = ref[0].shape[0]
-    counts = [int((lab[:, 1:] != -100).sum()) for lab in labels] if labels is not None else [1] * M
-    received: dict[tuple[bool, int, int], Tensor] = {}
-    grads_in: dict[tuple[int, int], Tensor | None] = {}
-    outputs: dict[tuple[int, int], Tensor] = {}
-    pending: list[dist.Work] = []
-    prefix_out: dict[int, Tensor] = {}
-    loss = 0.0
-    for a in schedule.actions[position]:
-        k, m, sl = a.kind, a.mb, a.slice
-        shape = (b, slices[sl], hidden)
-        mask = None if attention_mask is None else attention_mask[m]
-        if k is ActionKind.RECV_F or k is ActionKind.RECV_B:
-            fwd = k is ActionKind.RECV_F
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buf, src=ranks[a.stage - 1 if fwd else a.stage + 1], group=group)
-            received[(fwd, m, sl)] = buf
-        elif k is ActionKind.F:
-            if stage.first:
-                assert inputs is not None
-                src = inputs[m]
-                if stage.prefix:
-                    if sl == 0:
-                        prefix_out[m] = stage.run_prefix(inputs[m], mask)
-                    src = prefix_out[m] if sl < len(slices) - 1 else prefix_out.pop(m)
-                x = src[:, offs[sl]:offs[sl] + slices[sl]]
-            else:
-                x = received.pop((True, m, sl))
-            out = stage.forward(m, sl, x, offs[sl], mask, labels=None if labels is None else labels[m],
-                                count=counts[m] * M)
-            if stage.last:
-                loss += float(out.detach())
-            outputs[(m, sl)] = out.detach()
-        elif k is ActionKind.SEND_F:
-            pending.append(dist.isend(outputs.pop((m, sl)).contiguous(), dst=ranks[a.stage + 1], group=group))
-        elif k is ActionKind.B:
-            outputs.pop((m, sl), None)
-            g = None if stage.last else received.pop((False, m, sl))
-            grads_in[(m, sl)] = stage.backward(m, sl, g)
-        elif k is ActionKind.SEND_B:
-            g_in = grads_in.pop((m, sl))
-            assert g_in is not None
-            pending.append(dist.isend(g_in.contiguous(), dst=ranks[a.stage - 1], group=group))
-        elif k is ActionKind.ALLREDUCE:
-            if dp_group is not None and dist.get_world_size(dp_group) > 1:
-                n = dist.get_world_size(dp_group)
-                for layer in stage.layers:
-                    for p in layer.parameters():
-                        if p.grad is not None:
-                            dist.all_reduce(p.grad, group=dp_group)
-                            p.grad.div_(n)
-        else:
-            raise ScheduleError(f"the token-sliced loop cannot run {a}")
-    for w in pending:
-        w.wait()
-    if stage.state:
-        raise ScheduleError(f"{len(stage.state)} slices ran forward without a backward on position {position}")
-    return loss
+    compute = SliceCompute(stage, slices, schedule.M, dp_group=dp_group)
+    compute.load(inputs, labels, attention_mask)
+    step = StepInterpreter(schedule, position, compute, group=group, device=torch.device(device), ranks=ranks)
+    losses = step.run_loaded()
+    return float(losses[0]) if losses else 0.0
 
 
-# ---- in the elastic runtime ------------------------------------------------------------------------
-
-class SlicedPipe:
-    """One rank's stage of a token-sliced phase (``Phase.slices``) in the elastic runtime: what
-    ``runtime.ElasticRuntime`` runs instead of torch's schedule, as it runs ``twobw.TwoBWPipe`` for 2BW.
-
-    The stage's layers are the canonical model's (``model.layers[lo:hi]`` of the phase's partition, plus on
-    position 0 the frozen prefix ``[0, frozen_layers)`` unless the AutoCache serves it), so a phase
-    transition moves their weights and optimizer state as for any phase and nothing outlives a ``step``:
-    each step runs the whole schedule (every slice's forward and backward) and leaves the gradients in the
-    parameters; the runtime averages them over the data-parallel group and steps the optimizer. There is
-    nothing to drain."""
-
-    def __init__(self, model: nn.Module, phase, schedule: Schedule, *, position: int, row: Sequence[int],
-                 cached_prefix: bool, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        K = phase.K
-        lo, hi = phase.partition[position]
-        first, last = position == 0, position == K - 1
-        prefix = model.layers[:phase.frozen_layers] if first and not cached_prefix else []
-        self.stage = SlicedStage(model.layers[lo:hi], first=first, last=last, prefix=prefix)
-        self.schedule, self.position, self.ranks = schedule, position, list(row)
-        self.slices, self.M, self.group, self.device = tuple(phase.slices), phase.M, group, device
-        self.hidden = int(model.config.hidden_size)
-        self.first, self.last = first, last
-
-    def step(self, x: Tensor | None, y: Tensor | None, mask: Tensor | None) -> list[Tensor]:
-        """One iteration on this rank's shard of the batch (``x``: ids, or the cached prefix's output, on
-        position 0; ``y``: labels on the last): split into M micro-batches as torch's schedules split
-        (``tensor_split``), each sequence cut into the phase's slices. Returns, on the last position, the
-        mean over micro-batches of each micro-batch's mean loss (one tensor); elsewhere nothing."""
-        ref = x if self.first else y
-        if ref is None:
-            raise PtplanError("the token-sliced stage needs its inputs (position 0) or labels (last position)")
-        L = sum(self.slices)
-        if ref.shape[1] != L:
-            raise PtplanError(f"the phase cuts sequences of {L} tokens into slices {list(self.slices)} but the batch "
-                              f"has sequences of {ref.shape[1]}; plan with the data's sequence length")
-        M = self.M
-        if RECORD is not None:
-            RECORD.append((self.schedule.K, self.position, self.slices))
-        split = (lambda t: None if t is None else list(t.tensor_split(M)))
-        dtype = next((p.dtype for m in self.stage.layers for p in m.parameters()), torch.float32)
-        loss = run_sliced_step(self.schedule, self.stage, position=self.position, ranks=self.ranks,
-                               slices=self.slices, inputs=split(x) if self.first else None,
-                               labels=split(y) if self.last else None, hidden=self.hidden, dtype=dtype,
-                               group=self.group, dp_group=None, attention_mask=split(mask), device=self.device)
-        return [torch.tensor(loss, dtype=torch.float64)] if self.last else []
+def sliced_compute(model: nn.Module, phase: Any, position: int, *, cached_prefix: bool) -> SliceCompute:
+    """Position ``position``'s compute in a token-sliced phase (``Phase.slices``) of the elastic runtime, on the
+    canonical model's layers (``model.layers[lo:hi]`` of the phase's partition, plus on position 0 the frozen
+    prefix ``[0, frozen_layers)`` unless the AutoCache serves it), so a phase transition moves their weights and
+    optimizer state as for any phase; each step runs the whole schedule and leaves the gradients in the
+    parameters, for the runtime to average and step."""
+    lo, hi = phase.partition[position]
+    first, last = position == 0, position == phase.K - 1
+    prefix = model.layers[:phase.frozen_layers] if first and not cached_prefix else []
+    stage = SlicedStage(model.layers[lo:hi], first=first, last=last, prefix=prefix)
+    compute = SliceCompute(stage, tuple(phase.slices), phase.M)
+    compute.where = (phase.K, position)
+    return compute

@@ -5,9 +5,8 @@ Stage (chunk) s runs layers ``partition[s]``; a rank holds one stage, or V of th
 schedules (``groups.chunks_of``). Stage 0 first runs the frozen prefix ``[0, frozen_layers)`` under
 ``no_grad`` in eval mode, unless the phase caches it (then stage 0's input is the prefix's output,
 from ``cache.prefix_forward``). The layers are the canonical model's own modules (no copies), so
-training a stage trains the canonical model in place. The schedule runs the plan's action lists
-(``actions``): torch.distributed.pipelining's custom-schedule runtime when K > 1, ``LocalSchedule``
-when K = 1.
+training a stage trains the canonical model in place. The step runs the plan's action lists
+(``actions``) on the one step interpreter (``step.StepInterpreter``) at every K (``build_schedule``).
 
 Storage (``LayerStore``): every rank keeps the canonical model's module tree and every
 ``nn.Parameter`` object (so one optimizer over all of them stays valid and a parameter keeps its
@@ -35,9 +34,9 @@ from torch import Tensor, nn
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase
-from ptplan.planner.schedule import ActionKind, Schedule
+from ptplan.planner.schedule import Schedule
 
-from ptplan.executor.runtime.actions import split_backwards, torch_actions
+from ptplan.executor.runtime.step import ChunkCompute, StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST
 
 
@@ -205,113 +204,39 @@ def set_trainable(model: nn.Module, frozen_layers: int) -> None:
 
 
 def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Schedule, device: torch.device,
-                   pp_group, loss_fn: Callable[[Tensor, Tensor], Tensor]):
-    """The phase's schedule on this rank: ``schedule``'s lists (``actions.phase_schedule``) run by
-    torch.distributed.pipelining's custom-schedule runtime, one hand-built ``PipelineStage`` per chunk
-    this rank holds (``chunks``: chunk index -> module), or by ``LocalSchedule`` when K == 1 (one
-    position, no process group).
+                   pp_group: Any, loss_fn: Callable[[Tensor, Tensor], Tensor], *, position: int,
+                   model: nn.Module | None = None, cached_prefix: bool = False,
+                   update: Callable[[list[tuple[nn.Parameter, Tensor | None]]], None] | None = None
+                   ) -> StepInterpreter:
+    """The phase's step on this rank: the one interpreter (``step.StepInterpreter``) over ``schedule``'s lists
+    (``actions.phase_schedule``) at pipeline position ``position``, with the compute and step policy the
+    phase's data asks for -- token slices (``Phase.slices``: ``sliced.SliceCompute`` on ``model``'s layers),
+    PipeDream-2BW (schedule ``2bw``: ``twobw.TwoBW``, whose updates call ``update``), else whole micro-batches
+    on ``chunks`` (chunk index -> module) with a flushed step. At K = 1 there are no messages (``pp_group`` None).
 
-    The loss is a mean per micro-batch and each stage's ``ALLREDUCE`` (torch's ``REDUCE_GRAD``) divides
-    its accumulated gradients by M, so a pipeline's gradient is the mean over its micro-batches.
+    The loss is a mean per micro-batch and each stage's ``ALLREDUCE`` divides its accumulated gradients by M,
+    so a pipeline's gradient is the mean over its micro-batches.
     """
-    if phase.K == 1:
-        return LocalSchedule(chunks, schedule, loss_fn)
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from ptplan.executor.runtime.sliced import sliced_compute
+    from ptplan.executor.runtime.twobw import TwoBW
 
-    stages = [PipelineStage(mod, c, phase.stages, device, group=pp_group) for c, mod in sorted(chunks.items())]
-    runtime = _PipelineScheduleRuntime(stages, n_microbatches=phase.M, loss_fn=loss_fn, scale_grads=True)
-    runtime._prepare_schedule_with_comms(torch_actions(schedule), format="compute_comms")
-    return runtime
+    compute: Any
+    policy: Any = None
+    if phase.slices:
+        if model is None:
+            raise PtplanError("a token-sliced phase's step needs the model (its layers run slice by slice)")
+        compute = sliced_compute(model, phase, position, cached_prefix=cached_prefix)
+    else:
+        compute = ChunkCompute(chunks, loss_fn, M=phase.M, last=schedule.K - 1)
+        if phase.schedule == "2bw":
+            if update is None or len(chunks) != 1:
+                raise PtplanError(f"a 2BW phase runs one chunk per position with an update function, got chunks "
+                                  f"{sorted(chunks)}")
+            policy = TwoBW(chunks[position], schedule, position, update)
+            compute.call = policy.call
+    return StepInterpreter(schedule, position, compute, group=pp_group, device=device, policy=policy)
 
 
-class LocalSchedule:
-    """A pipeline of one position (K = 1): its action list run in this process, with ``step`` called as
-    torch's schedules are (``step(x, target=y, losses=[], attention_mask=m)``).
-
-    Chunks pass activations and gradients in memory (the plan has no messages at K = 1). Each action
-    does what torch's runtime does for it: F runs a chunk on one micro-batch (the last adds the loss);
-    B is the full backward, or where the (chunk, micro-batch) has a W only the input gradient
-    (``stage_backward_input``; on chunk 0, whose input needs no gradient, nothing), W the weight
-    gradient (``stage_backward_weight``; on chunk 0 the whole backward); ALLREDUCE divides the chunk's
-    gradients by M. The compute entry points are ``_forward``, ``_backward`` and ``_backward_weight``.
-    """
-
-    def __init__(self, chunks: dict[int, StageModule], schedule: Schedule,
-                 loss_fn: Callable[[Tensor, Tensor], Tensor]) -> None:
-        assert schedule.num_ranks == 1 and set(chunks) == set(range(schedule.K)), (schedule.K, sorted(chunks))
-        self.chunks, self.schedule, self.loss_fn = chunks, schedule, loss_fn
-        self.M, self.last = schedule.M, schedule.K - 1
-        self.split = split_backwards(schedule)
-
-    def step(self, x: Tensor, *, target: Tensor, losses: list[Tensor] | None = None, return_outputs: bool = False,
-             **kwargs: Tensor) -> None:
-        M = self.M
-        self._xs, self._ys = torch.tensor_split(x, M), torch.tensor_split(target, M)
-        parts = {k: torch.tensor_split(t, M) for k, t in kwargs.items()}
-        self._kw = [{k: v[m] for k, v in parts.items()} for m in range(M)]
-        self._fwd: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        """(chunk, micro-batch) -> (its input, its output; the loss on the last chunk) until its backward."""
-        self._grad_in: dict[tuple[int, int], Tensor | None] = {}
-        """(chunk, micro-batch) -> the gradient of its input, until the chunk before uses it."""
-        self._pending: dict[tuple[int, int], Any] = {}
-        """(chunk, micro-batch) -> what its W needs, from its input-gradient B."""
-        self._losses: dict[int, Tensor] = {}
-        try:
-            for a in self.schedule.actions[0]:
-                if a.kind is ActionKind.F:
-                    self._forward(a.stage, a.mb)
-                elif a.kind is ActionKind.B:
-                    self._backward(a.stage, a.mb, full=(a.stage, a.mb) not in self.split)
-                elif a.kind is ActionKind.W:
-                    self._backward_weight(a.stage, a.mb)
-                elif a.kind is ActionKind.ALLREDUCE:
-                    for p in self.chunks[a.stage].parameters():
-                        if p.grad is not None:
-                            p.grad.div_(M)
-                else:
-                    raise PtplanError(f"a one-position pipeline has no messages, but its schedule holds {a}")
-            if losses is not None:
-                losses.extend(self._losses[m] for m in range(M))
-        finally:
-            del self._xs, self._ys, self._kw, self._fwd, self._grad_in, self._pending, self._losses
-
-    def _forward(self, c: int, m: int) -> None:
-        inp = self._xs[m] if c == 0 else self._fwd[(c - 1, m)][1].detach().requires_grad_(True)
-        out = self.chunks[c](inp, **self._kw[m])
-        if c == self.last:
-            out = self.loss_fn(out, self._ys[m])
-            self._losses[m] = out.detach()
-        self._fwd[(c, m)] = (inp, out)
-
-    def _out_grad(self, c: int, m: int) -> Tensor | None:
-        return None if c == self.last else self._grad_in.pop((c + 1, m))
-
-    def _backward(self, c: int, m: int, *, full: bool) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_input
-
-        if full:
-            inp, out = self._fwd.pop((c, m))
-            torch.autograd.backward(out, grad_tensors=self._out_grad(c, m))
-            if c > 0:
-                self._grad_in[(c, m)] = inp.grad
-            return
-        if c == 0:  # torch's first stage: the input needs no gradient, so W runs the whole backward
-            self._pending[(c, m)] = self._out_grad(c, m)
-            return
-        inp, out = self._fwd.pop((c, m))
-        grad = self._out_grad(c, m)
-        dinputs, groups = stage_backward_input([out], None if grad is None else [grad], [inp],
-                                               self.chunks[c].parameters())
-        self._grad_in[(c, m)] = dinputs[0]
-        self._pending[(c, m)] = groups
-
-    def _backward_weight(self, c: int, m: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
-        pending = self._pending.pop((c, m))
-        if c == 0:
-            _, out = self._fwd.pop((c, m))
-            torch.autograd.backward(out, grad_tensors=pending)
-        else:
-            stage_backward_weight(self.chunks[c].parameters(), pending)
+LocalSchedule = StepInterpreter
+"""The name tests record the compute entry points under (``_forward``, ``_backward``, ``_backward_weight``):
+once the K = 1 interpreter, now the one interpreter for every K (``step``)."""

@@ -4,12 +4,16 @@ Legend: K pipeline stages (one per rank, V = 1), M micro-batches per mini-batch,
 replicas, s this rank's stage, w = K-s-1 its warm-up forwards; micro-batches are numbered g = t·M + m
 across the phase (mini-batch t, micro-batch m).
 
-Order: the continuous 1F1B of ``planner.schedule.two_bw`` — w warm-up forwards once, then forward
-g+w and backward g in turn, and the remaining backwards only when the phase ends (``drain``).
-``step`` (one call per mini-batch t, the runtime's ``train_step``) runs that order's stretch whose
-forwards are mini-batch t's: forwards t·M .. t·M+M-1, each followed by the backward w behind it. No
-stretch waits for a later one (stage s's backwards need stage s+1's, which runs them one stretch
-earlier or in the same one), so the stretches end without a flush, and a gradient received in
+Order: the plan's lists, run by the one step interpreter (``step.StepInterpreter``) under this module's
+policy ``TwoBW``. The lists are ``planner.schedule.two_bw``'s continuous 1F1B over a window of N
+mini-batches -- w warm-up forwards once, then forward g+w and backward g in turn, then the remaining
+backwards (the drain). ``stretches`` cuts a position's list into N stretches and the drain: stretch t holds
+the messages and forwards of mini-batch t's micro-batches t·M .. t·M+M-1 and the backwards (with their
+messages) of micro-batches t·M-w .. t·M+M-1-w, in the list's order (each a contiguous run of it). Step t
+(one call per mini-batch, the runtime's ``train_step``) runs stretch t; past the window, stretch N-1 shifted
+by (t-N+1)·M micro-batches (the list is periodic there); ``drain`` runs the drain shifted to the last
+mini-batch run. No stretch waits for a later one (stage s's backwards need stage s+1's, which runs them one
+stretch earlier or in the same one), so the stretches end without a flush, and a gradient received in
 stretch t may have been sent in stretch t-1 (sends are asynchronous; ``drain`` waits for them).
 
 Weights (``Schedule.version``): micro-batch g runs forward and backward with version t = g // M.
@@ -28,63 +32,91 @@ snapshot or a checkpoint: it acts as a flush, so checkpointing every n steps cha
 little; a run resumed from a checkpoint starts, like the run that wrote it, a fresh pipe from its
 weights (not tested)) and at the end.
 
-Not done here: activation recomputation (the planner's stage model has it; the search does not
-choose it) and V > 1 chunks per rank.
+Not done here: V > 1 chunks per rank (the planner writes 2BW with one stage per position).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from ptplan.planner.errors import PtplanError
+from ptplan.planner.schedule import Action, ActionKind, Schedule
 
 RECORD: list[tuple[int, int, str]] | None = None
-"""Tests: set to a list to have every pipe append (K, stage, action) as it runs it — ``F<g>``, ``B<g>``,
+"""Tests: set to a list to have every 2BW position append (K, stage, action) as it runs it — ``F<g>``, ``B<g>``,
 ``U<t>`` (the update with mini-batch t's gradient)."""
 
+_FORWARD_SIDE = (ActionKind.RECV_F, ActionKind.F, ActionKind.SEND_F)
 
-class TwoBWPipe:
-    """One rank's stage of a 2BW pipeline (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, *, stage: int, K: int, M: int, prev_rank: int | None,
-                 next_rank: int | None, loss_fn: Callable[[Tensor, Tensor], Tensor], device: torch.device,
+def stretches(actions: Sequence[Action], M: int, N: int) -> tuple[list[list[Action]], list[Action]]:
+    """A position's continuous 1F1B list over N mini-batches cut into its N stretches and its drain (see the
+    module docstring); w, the warm-up forwards, is read from the list (forwards before its first backward)."""
+    kinds = [a.kind for a in actions]
+    first_b = kinds.index(ActionKind.B) if ActionKind.B in kinds else len(kinds)
+    w = sum(1 for k in kinds[:first_b] if k is ActionKind.F)
+    out: list[list[Action]] = [[] for _ in range(N)]
+    tail: list[Action] = []
+    for a in actions:
+        if a.kind is ActionKind.ALLREDUCE:
+            tail.append(a)
+            continue
+        g = a.mb if a.kind in _FORWARD_SIDE else a.mb + w
+        (out[g // M] if g < N * M else tail).append(a)
+    return out, tail
+
+
+def _shift(actions: Sequence[Action], by: int) -> list[Action]:
+    return [a if a.kind is ActionKind.ALLREDUCE or not by else Action(a.stage, a.kind, a.mb + by, a.slice)
+            for a in actions]
+
+
+class TwoBW:
+    """The step interpreter's policy for PipeDream-2BW on one position (one chunk): which stretch of the plan's
+    list a step runs, the weight version each micro-batch runs with, and the update after each mini-batch's
+    last backward (``update``: sets the gradients, averages them over the replicas, steps the optimizer)."""
+
+    stale = True
+
+    def __init__(self, module: torch.nn.Module, schedule: Schedule, position: int,
                  update: Callable[[list[tuple[torch.nn.Parameter, Tensor | None]]], None]) -> None:
+        K, M, N = schedule.K, schedule.M, schedule.minibatches
+        if schedule.stage_to_rank != tuple(range(K)):
+            raise PtplanError(f"2BW runs one stage per position, but the schedule places its stages "
+                              f"{schedule.stage_to_rank}; re-plan with --schedule 2bw")
         if M < K:
             raise PtplanError(f"2BW needs M >= K micro-batches per mini-batch, got M={M} < K={K}; re-plan with "
                               f"--schedule 2bw (the planner only makes M >= K)")
-        self.module, self.s, self.K, self.M = module, stage, K, M
-        self.prev, self.next = prev_rank, next_rank
-        self.loss_fn, self.device, self.update_fn = loss_fn, device, update
-        self.warm = K - stage - 1
+        if N < 2:
+            raise PtplanError(f"2BW's lists must lay out at least 2 mini-batches (the steady stretch repeats), got "
+                              f"{N}; re-run `ptplan plan` (it writes {K}x{M} lists over 8 mini-batches)")
+        self.module, self.s, self.K, self.M, self.N = module, position, K, M, N
+        self.update_fn = update
+        self.parts, self.tail = stretches(schedule.actions[position], M, N)
         self.active = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         """This stage's trainable parameters: the ones with two versions."""
         self.recompute = bool(getattr(module, "recompute", False))
-        """Activation recomputation (``Phase.recompute``): the pipe checkpoints the whole functional call
-        of a micro-batch, so the backward's rerun sees that micro-batch's weight version (the stage
-        module's own checkpoint would rerun outside ``functional_call``, on the newest weights)."""
+        """Activation recomputation (``Phase.recompute``): the whole functional call of a micro-batch is
+        checkpointed, so the backward's rerun sees that micro-batch's weight version (the stage module's own
+        checkpoint would rerun outside ``functional_call``, on the newest weights)."""
         if self.recompute:
-            module.recompute = False
+            module.recompute = False  # type: ignore[assignment]
         self.versions: dict[int, dict[str, Tensor]] = {}
-        """Version t -> its leaf tensors (versions 0 and 1 share the weights the pipe starts from)."""
-        self._restart()
+        """Version t -> its leaf tensors (versions 0 and 1 share the weights the policy starts from)."""
         self.steps = 0
-        """Mini-batches whose forwards have run (the next ``step`` is mini-batch ``steps``)."""
-        self.next_b = 0
-        """The next micro-batch to run backward."""
-        self.saved: dict[int, tuple[Tensor | None, Tensor]] = {}
-        """Micro-batch -> (its input if it needs a gradient, its output or loss) until its backward."""
+        """Mini-batches whose stretch has run (the next step is mini-batch ``steps``)."""
         self.done_b: dict[int, int] = {}
         """Mini-batch -> backwards done."""
-        self.sends: list[tuple[dist.Work, Tensor]] = []
-        self.losses: list[Tensor] = []
+        self.restart()
 
-    def _restart(self) -> None:
+    def restart(self) -> None:
         """Start from the canonical weights: W(0) = W(1) = them."""
+        self.steps = 0
+        self.done_b = {}
         self.versions = {0: {n: self._leaf(p) for n, p in self.active}, 1: {n: self._leaf(p) for n, p in self.active}}
 
     @staticmethod
@@ -92,58 +124,36 @@ class TwoBWPipe:
         """A leaf tensor over p's storage, with its own autograd identity and version counter."""
         return p.data.requires_grad_(True)
 
-    # ---- messages ----------------------------------------------------------------------------
-    def _send(self, t: Tensor, dst: int) -> None:
-        head = torch.zeros(8, dtype=torch.int64, device=self.device)
-        head[0] = t.dim()
-        head[1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        t = t.detach().contiguous()
-        self.sends += [(dist.isend(head, dst), head), (dist.isend(t, dst), t)]
+    # ---- which actions ---------------------------------------------------------------------------
+    def step_actions(self) -> list[Action]:
+        t = self.steps
+        self.steps += 1
+        return self.parts[t] if t < self.N else _shift(self.parts[self.N - 1], (t - self.N + 1) * self.M)
 
-    def _recv(self, src: int, dtype: torch.dtype) -> Tensor:
-        head = torch.empty(8, dtype=torch.int64, device=self.device)
-        dist.recv(head, src)
-        shape = head[1:1 + int(head[0])].tolist()
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(out, src)
-        return out
+    def drain_actions(self) -> list[Action]:
+        return _shift(self.tail, (self.steps - self.N) * self.M) if self.steps else []
 
-    def _reap(self, wait: bool = False) -> None:
-        if wait:
-            for work, _ in self.sends:
-                work.wait()
-            self.sends = []
-        else:
-            self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
+    def mb_key(self, g: int) -> int:
+        return g % self.M
 
-    # ---- compute -------------------------------------------------------------------------------
-    def _forward(self, g: int, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor]) -> None:
-        if self.prev is None:
-            inp, keep = x, None
-        else:
-            inp = self._recv(self.prev, self.dtype).requires_grad_(True)
-            keep = inp
+    def slot(self, key: tuple[str, int, int, int]) -> Hashable | None:
+        """Each received input is its micro-batch's own until its backward (a new tensor); one gradient
+        buffer (``planner/stage.py``'s 2BW buffers)."""
+        return None if key[0] == "F" else ("B", key[1])
+
+    # ---- the weight versions ---------------------------------------------------------------------
+    def call(self, c: int, g: int, inp: Tensor, kw: dict[str, Tensor]) -> Tensor:
+        """Micro-batch g's forward on weight version g // M."""
         params = self.versions[g // self.M]
         if self.recompute:
-            out = checkpoint(functional_call, self.module, params, (inp,), kw, use_reentrant=False)
-        else:
-            out = functional_call(self.module, params, (inp,), kw)
-        if self.next is None:
-            out = self.loss_fn(out, y)
-            self.losses.append(out.detach())
-        else:
-            self._send(out, self.next)
-        self.saved[g] = (keep, out)
+            return checkpoint(functional_call, self.module, params, (inp,), kw, use_reentrant=False)
+        return functional_call(self.module, params, (inp,), kw)
+
+    def after_forward(self, c: int, g: int) -> None:
         if RECORD is not None:
             RECORD.append((self.K, self.s, f"F{g}"))
 
-    def _backward(self, g: int) -> None:
-        inp, out = self.saved.pop(g)
-        grad = None if self.next is None else self._recv(self.next, out.dtype)
-        torch.autograd.backward(out, grad_tensors=grad)
-        if self.prev is not None:
-            assert inp is not None and inp.grad is not None, "a received input keeps its gradient"
-            self._send(inp.grad, self.prev)
+    def after_backward(self, c: int, g: int) -> None:
         if RECORD is not None:
             RECORD.append((self.K, self.s, f"B{g}"))
         t = g // self.M
@@ -151,7 +161,10 @@ class TwoBWPipe:
         if self.done_b[t] == self.M:
             del self.done_b[t]
             self._update(t)
-        self._reap()
+
+    def reduce(self, compute: Any, c: int) -> None:
+        """The list's end-of-gradients: every mini-batch's update already ran (after its last backward)."""
+        assert not self.done_b, f"2BW: mini-batches {sorted(self.done_b)} still have backwards to run"
 
     def _update(self, t: int) -> None:
         """Mini-batch t's gradient (mean over its micro-batches) makes version t+2 from version t+1."""
@@ -173,40 +186,3 @@ class TwoBWPipe:
         self.versions[t + 2] = {n: self._leaf(p) for n, p in self.active}
         if RECORD is not None:
             RECORD.append((self.K, self.s, f"U{t}"))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next((p.dtype for _, p in self.active), torch.float32)
-
-    def step(self, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor]) -> list[Tensor]:
-        """Mini-batch t = ``steps``: its M forwards, each followed by the backward w behind it (from the
-        second mini-batch on; the first starts with the warm-up). ``x``, ``y`` and ``kw`` hold the
-        pipeline's whole mini-batch (split here into M micro-batches). Returns the last stage's M
-        losses (empty elsewhere)."""
-        M, t = self.M, self.steps
-        xs = torch.tensor_split(x, M) if x is not None else [None] * M
-        ys = torch.tensor_split(y, M) if y is not None else [None] * M
-        kws = [dict(zip(kw, parts)) for parts in zip(*(torch.tensor_split(v, M) for v in kw.values()))] \
-            if kw else [{}] * M
-        self.losses = []
-        for m in range(M):
-            g = t * M + m
-            self._forward(g, xs[m], ys[m], kws[m])
-            if g - self.warm >= 0:
-                assert self.next_b == g - self.warm, (self.next_b, g, self.warm)
-                self._backward(self.next_b)
-                self.next_b += 1
-        self.steps += 1
-        return self.losses
-
-    def drain(self) -> None:
-        """Run the outstanding backwards and updates (the phase ends, or a checkpoint or snapshot gathers the
-        weights): the canonical weights are then the newest version, every gradient applied; wait for
-        every send; and start again from them (W(0) = W(1) = them) should more mini-batches follow."""
-        end = self.steps * self.M
-        while self.next_b < end:
-            self._backward(self.next_b)
-            self.next_b += 1
-        self._reap(wait=True)
-        self.steps = self.next_b = 0
-        self._restart()
