@@ -426,6 +426,14 @@ def price_all(points: list[Point], counts: Counts, sizes: dict[str, tuple[int, .
     return rows
 
 
+def _group(key: str) -> str:
+    """A point's group: its source and, for Megatron-LM, the table and scheme (Table 1, Table 2 PTD, ZeRO-3)."""
+    for g in ("megatron-t1", "megatron-t2-ptd", "megatron-t2-zero3", "pipetransformer-imagenet"):
+        if key.startswith(g):
+            return g
+    return key
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Held-out error statistics, the issue's targets, and per-source medians."""
     held = [r for r in rows if r["role"] == "held-out" and r["error"] is not None]
@@ -434,12 +442,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for src in sorted({r["source"] for r in held}):
         e = [abs(r["error"]) for r in held if r["source"] == src]
         by_src[src] = {"points": len(e), "median_abs_error": statistics.median(e), "max_abs_error": max(e)}
+    groups: dict[str, list[float]] = {}
+    for r in held:
+        groups.setdefault(_group(r["key"]), []).append(abs(r["error"]))
+    by_group = {g: {"points": len(e), "median_abs_error": statistics.median(e), "max_abs_error": max(e)}
+                for g, e in groups.items()}
     tera = next((r for r in rows if r["key"] == "terapipe-gpt3-175b"), None)
     out = {"points": len(rows), "fitted": sum(r["role"] == "fit" for r in rows),
            "held_out_priced": len(held),
            "held_out_unpriced": [r["key"] for r in rows if r["role"] == "held-out" and r["error"] is None],
            "median_abs_error": statistics.median(errs) if errs else None, "max_abs_error": max(errs) if errs else None,
-           "by_source": by_src,
+           "by_source": by_src, "by_group": by_group,
            "target_median_le_15pct": bool(errs) and statistics.median(errs) <= 0.15,
            "target_max_le_35pct": bool(errs) and max(errs) <= 0.35,
            "terapipe_within_25pct": tera is not None and tera["error"] is not None and abs(tera["error"]) <= 0.25}
@@ -464,7 +477,7 @@ def print_table(rows: list[dict[str, Any]], summ: dict[str, Any], eff: dict[str,
           f"{'—' if m is None else f'{100 * m:.1f} %'}, max {'—' if x is None else f'{100 * x:.1f} %'}; targets: "
           f"median <= 15 % {summ['target_median_le_15pct']}, max <= 35 % {summ['target_max_le_35pct']}, "
           f"TeraPipe within 25 % of 5.0x {summ['terapipe_within_25pct']}")
-    for src, v in summ["by_source"].items():
+    for src, v in {**summ["by_source"], **summ["by_group"]}.items():
         print(f"  {src}: {v['points']} points, median |error| {100 * v['median_abs_error']:.1f} %, max "
               f"{100 * v['max_abs_error']:.1f} %")
 
