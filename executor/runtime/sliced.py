@@ -150,8 +150,8 @@ class SlicedStage:
             if past is None:
                 continue
             a = 0
-            for t in range(sl):
-                prev = self.state[(mb, t)]
+            for u in range(sl):
+                prev = self.state[(mb, u)]
                 n = prev.kv[j][0].shape[2]
                 for w in range(2):
                     g = past[w].grad
@@ -315,7 +315,7 @@ def run_sliced_step(schedule: Schedule, stage: SlicedStage, *, position: int, ra
     return float(losses[0]) if losses else 0.0
 
 
-def sliced_compute(model: nn.Module, phase: Any, position: int, *, cached_prefix: bool) -> SliceCompute:
+def sliced_compute(model: Any, phase: Any, position: int, *, cached_prefix: bool) -> SliceCompute:
     """Position ``position``'s compute in a token-sliced phase (``Phase.slices``) of the elastic runtime, on the
     canonical model's layers (``model.layers[lo:hi]`` of the phase's partition, plus on position 0 the frozen
     prefix ``[0, frozen_layers)`` unless the AutoCache serves it), so a phase transition moves their weights and

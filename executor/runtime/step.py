@@ -26,7 +26,7 @@ rest). The compute entry points are ``_forward``, ``_backward`` and ``_backward_
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ Key = tuple[str, int, int, int]
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool, torch.int8, torch.int16)
 _HEAD = 8  # ndim, dtype code, up to 6 sizes
+
+TRACE: list[tuple[int, str]] | None = None
+"""Tests: set to a list to have every interpreter append (position, action) for each action it runs, in order."""
 
 
 class PipelineStep(Protocol):
@@ -134,7 +137,7 @@ class ChunkCompute:
     ``call(c, m, input, kwargs)`` runs chunk c (default: the module; 2BW: on micro-batch m's weight version).
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], loss_fn: Callable[[Tensor, Tensor], Tensor], *, M: int,
+    def __init__(self, chunks: Mapping[int, nn.Module], loss_fn: Callable[[Tensor, Tensor], Tensor], *, M: int,
                  last: int, call: Callable[[int, int, Tensor, dict[str, Tensor]], Tensor] | None = None) -> None:
         self.chunks, self.loss_fn, self.M, self.last = chunks, loss_fn, M, last
         self.call = call or (lambda c, m, inp, kw: self.chunks[c](inp, **kw))
@@ -172,7 +175,10 @@ class ChunkCompute:
             inp = inp.detach().requires_grad_(True)
         out = self.call(c, m, inp, self._kw[i])
         if c == self.last:
-            out = self.loss_fn(out, self._ys[i])
+            y = self._ys[i]
+            if y is None:
+                raise PtplanError("the last stage needs the batch's targets")
+            out = self.loss_fn(out, y)
             self._losses[m] = out.detach()
         self.fwd[(c, m)] = (inp if c > 0 else None, out)
         return out
@@ -187,6 +193,7 @@ class ChunkCompute:
             self.pending[(c, m)] = grad
             return None
         inp, out = self.fwd.pop((c, m))
+        assert inp is not None, f"chunk {c} > 0 keeps its input"
         dinputs, groups = torch_adapter.backward_input([out], None if grad is None else [grad], [inp],
                                                        self.chunks[c].parameters())
         self.pending[(c, m)] = groups
@@ -297,6 +304,8 @@ class StepInterpreter:
     # ---- actions --------------------------------------------------------------------------------
     def _execute(self, actions: Sequence[Action]) -> None:
         for a in actions:
+            if TRACE is not None:
+                TRACE.append((self.position, str(a)))
             k, c, m, sl = a.kind, a.stage, a.mb, a.slice
             if k is ActionKind.F:
                 self._forward(c, m, sl)
