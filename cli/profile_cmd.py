@@ -105,9 +105,11 @@ def profile(model_name: str, device: str, dtype: str, seq_len: int | None, image
              vit-base(-patch16-224) vit-large(-patch16-224) vit-huge-patch14-224
              gpt2 gpt2-medium gpt2-large gpt2-xl llama-2-7b llama-3.2-1b llama-3.1-8b
              mistral-7b qwen2.5-0.5b qwen2.5-7b
+      for --project (which allocates no weights): gpt3-175b llama-3.1-70b llama-3.1-405b
     Example: ptplan profile bert-base --device cpu --out p.json   (sizes 1, 2, 4, ... 64 as memory allows)
              ptplan profile ./my-model --seq-len 64   (a local folder: its own name and family)
              ptplan profile bert-base --project h100 --dtype bf16   (projected, in seconds)
+             ptplan profile gpt3-175b --project v100 --dtype fp16 --seq-len 2048 --slices   (any size)
     """
     dtype = dtype_name(dtype)
     sizes = None if batch_sizes is None else parse_batch_sizes(batch_sizes)
