@@ -202,7 +202,8 @@ def test_executor_checks_accept_sliced_phases_and_refuse_broken_ones():
 
 def test_ptplan_run_dry_run_checks_token_sliced_phases(tmp_path):
     """`ptplan run --dry-run` of a plan with token-sliced phases passes; with a sliced phase's action lists
-    edited it exits 2 before launching, naming the phase and the fix."""
+    edited it exits 2 before launching, naming the phase and the fix (the plan reader every command shares
+    refuses it: ``plan_checks``)."""
     from click.testing import CliRunner
 
     from ptplan.cli.main import cli
@@ -217,4 +218,5 @@ def test_ptplan_run_dry_run_checks_token_sliced_phases(tmp_path):
     obj["phases"][2]["actions"] = [" ".join(map(str, a)) for a in terapipe(2, 2, 3).actions]
     (tmp_path / "plan.json").write_text(json.dumps(obj))
     r = CliRunner().invoke(cli, args)
-    assert r.exit_code == 2 and "plan phase 2" in r.output and "action lists differ" in r.output, r.output
+    assert r.exit_code == 2 and "field 'phases[2].actions'" in r.output and "action lists differ" in r.output \
+        and "Re-run `ptplan plan`" in r.output and r.output.count("\n") == 1, r.output
