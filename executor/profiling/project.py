@@ -2,7 +2,7 @@
 
 ``ptplan profile MODEL --project h100 --dtype bfloat16`` writes a ``ptplan.profile/1`` file for a GPU
 nobody here has. Nothing runs on real data: the model is moved to the ``meta`` device (tensors with
-shapes, no storage), and each layer's forward (grad enabled), backward (input and weight gradients; and the input gradient alone,
+shapes, no storage; ``swapped`` puts meta copies in for the duration), and each layer's forward (grad enabled), backward (input and weight gradients; and the input gradient alone,
 so that the weight-gradient part zero-bubble schedules run apart is their difference)
 and no-grad forward run under a dispatch mode that records every aten operation with
 
@@ -20,8 +20,9 @@ output and saved-for-backward bytes per sample from the measuring profiler's own
 CPU tensors* (``torch._subclasses.fake_tensor``: CPU device, shapes, no storage; one forward of the largest
 micro-batch up to ``MEMORY_BATCH`` samples, saved tensors counted through ``saved_tensors_hooks``), so
 torch's dispatcher picks the same kernels as on a real CPU and a projected profile's memory equals a
-measured one's. (The timing pass runs on the meta device, where torch picks the unfused attention path,
-which saves more than the CPU's or CUDA's fused kernels.) No weight is ever allocated: build the model
+measured one's. (The timing pass runs on the meta device, where torch would take the unfused attention path,
+which saves more than the CPU's or CUDA's fused kernels; ``FusedAttention`` runs attention there as the fused
+kernel a GPU picks, so its time is one kernel's, not softmax's and dropout's over b·heads·s².) No weight is ever allocated: build the model
 with ``build_model(name, layers=[])`` (every parameter on meta) and a 175 B model projects in seconds in a
 few hundred MiB; a model with real weights works too and is left as it was found. The whole-model step is
 the sum of the layers (a projection has no second measurement to check it against), and the provenance
