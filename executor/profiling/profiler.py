@@ -182,7 +182,8 @@ def _split_step(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor, m
                 ) -> tuple[list[float], list[float]]:
     """One training step layer by layer whose backward is split as zero-bubble schedules run it; returns
     per-layer input-gradient (B) and weight-gradient (W) seconds."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from ptplan.executor.runtime.torch_adapter import backward_input as stage_backward_input
+    from ptplan.executor.runtime.torch_adapter import backward_weight as stage_backward_weight
 
     n = len(model.layers)
     _clear_grads(model)
