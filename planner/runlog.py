@@ -46,6 +46,11 @@ FIELDS: dict[str, dict[str, str]] = {
     # made it best) or "model" (--save-model-every)
     "export": {"step": "int", "path": "str", "kind": "str", "loss": "float?", "accuracy": "float?",
                "perplexity": "float?"},
+    # --checkpoint-format sharded: a save (seconds: the slowest rank's, the step blocked that long; async: the
+    # staging only, and ``checkpoint_written`` when the background write is committed)
+    "checkpoint": {"step": "int", "format": "str", "async": "bool", "path": "str", "seconds": "float",
+                   "bytes_max": "int", "bytes_total": "int"},
+    "checkpoint_written": {"step": "int", "seconds": "float"},
     "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
                     "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
                     "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",

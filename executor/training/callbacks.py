@@ -347,13 +347,25 @@ class Checkpointing(Callback):
         self.save = save or save_checkpoint
         self.last = -1
         """The step of the newest checkpoint (-1: none yet)."""
+        self.sharded: Any = None
+        """``--checkpoint-format sharded``: the run's ``sharded.ShardedWriter`` (made at the first save)."""
 
     def on_start(self, ctx: RunContext) -> None:
         self.last = ctx.pos.global_step if ctx.resuming else -1
 
     def _save(self, ctx: RunContext) -> None:
-        self.save(ctx)
+        if ctx.cfg.checkpoint_format == "sharded" and self.save is save_checkpoint:
+            from ptplan.executor.training.sharded import ShardedWriter
+
+            self.sharded = self.sharded or ShardedWriter()
+            ctx.log.write(self.sharded.save(ctx))  # the ``checkpoint`` record: seconds, bytes per rank
+        else:
+            self.save(ctx)
         self.last = ctx.pos.global_step
+
+    def on_end(self, ctx: RunContext) -> None:
+        if self.sharded is not None:
+            self.sharded.wait(ctx)  # an async save in flight finished and committed (collective)
 
     def after_step(self, ctx: RunContext) -> None:
         cfg = ctx.cfg

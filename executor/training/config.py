@@ -63,6 +63,12 @@ class RunConfig:
     """Also checkpoint every N optimizer steps (0: only at the end of each epoch and of the run)."""
     resume: bool = False
     """Continue from ``checkpoint_dir/checkpoint.pt`` (in whatever phase it was written)."""
+    checkpoint_format: str = "single"
+    """``single``: rank 0 gathers and writes ``checkpoint.pt`` (resumes the same plan and world size; no shared
+    folder needed). ``sharded``: every rank writes its own layers with torch.distributed.checkpoint into one
+    folder every rank sees (``training/sharded.py``); resumes on any world size and plan of the same profile."""
+    async_checkpoint: bool = False
+    """``sharded`` only: write in the background (DCP ``async_save``), training goes on during the write."""
     log: str | None = None
     """Run log path (JSON lines), written by rank 0; appended to on resume."""
     data: str = "synthetic"
@@ -131,6 +137,11 @@ class RunConfig:
                 raise PtplanError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
         if self.checkpoint_every < 0:
             raise PtplanError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_format not in ("single", "sharded"):
+            raise PtplanError(f"unknown --checkpoint-format {self.checkpoint_format!r}; use single or sharded")
+        if self.async_checkpoint and self.checkpoint_format != "sharded":
+            raise PtplanError("--async-checkpoint needs --checkpoint-format sharded (a single file is written by "
+                              "rank 0 after a gather)")
         if self.lr_schedule not in ("constant", "linear", "cosine"):
             raise PtplanError(f"unknown --lr-schedule {self.lr_schedule!r}; use constant, linear or cosine")
         if self.warmup_steps < 0:

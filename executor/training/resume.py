@@ -128,6 +128,12 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
     restart before the first checkpoint). Raises the same PtplanError on every rank when ``--resume``
     finds no usable checkpoint on any rank.
     """
+    if cfg.checkpoint_format == "sharded":  # a sharded checkpoint first (any plan of the profile), else a file
+        from ptplan.executor.training import sharded
+
+        decided, found = sharded.find(cfg, plan, model_name, world, run)
+        if decided:
+            return found
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     wants = bool(cfg.resume or (restarted and cfg.checkpoint_dir))
     mine = _my_checkpoint(cfg, plan, model_name, world, run) if wants else None
@@ -227,7 +233,12 @@ def restore(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: Source, run:
     its own layers' tensors from its mapped file (the others' are never read); the source rank sends the
     rest (``_send_rest``). Storage is given first where the phase keeps each layer, so the switch moves
     nothing and a sharded stage (tp, FSDP) is built from the loaded values. Returns the position and the
-    ``resume`` record's timing (the switch's, plus the checkpoint's load)."""
+    ``resume`` record's timing (the switch's, plus the checkpoint's load). A sharded checkpoint
+    (``sharded.ShardedSource``) loads resharded into this plan's phase (``sharded.restore``)."""
+    from ptplan.executor.training import sharded
+
+    if isinstance(source, sharded.ShardedSource):
+        return sharded.restore(cfg, rt, source)
     data, meta = _open_source(cfg, plan, rt, source, run)
     pos = Position(**meta["position"])
     index = phase_index(plan, pos.frozen_blocks)

@@ -1,0 +1,382 @@
+"""Sharded checkpoints (torch.distributed.checkpoint): every rank writes its own layers, any plan of the profile reads them.
+
+``--checkpoint-format sharded``. A save is collective: each rank passes DCP only what it holds in the current
+phase -- its stage's weights (stage 0: also the frozen prefix) under their canonical names (``layers.<i>.<...>``)
+and the optimizer state of the active layers it trains, as ``optim.<name>.<state key>`` -- and DCP writes them in
+parallel, one file per rank; a tensor several ranks hold (data-parallel replicas, a tensor-parallel group after
+the gather) is written once (DCP's save planner de-duplicates equal keys). No rank gathers the model. A stage
+with FSDP or tp is first gathered back into its full layers (``ElasticRuntime.drain``: its own stage only).
+
+Layout under ``--checkpoint-dir``::
+
+    sharded-step00000012/   DCP's files (.metadata, __<rank>_0.distcp) of the save after 12 optimizer steps
+    sharded.json            the commit point, written by rank 0 (temp file, fsync, rename) after every rank's
+                            files are complete; older step folders are removed after it
+
+``sharded.json`` holds: schema, id, folder, the plan (``checkpoint.plan_identity``: profile fingerprint,
+phases, freeze steps, batch) and its id, model, optimizer and its state keys, world size, the phase it was in
+(index, frozen blocks and layers, K, D, global batch), the run settings (``checkpoint.RUN_KEYS``), the
+position (``state.Position``), per-rank RNG states (base64 of ``torch.get_rng_state``), the bytes each rank
+passed to DCP, and the save's seconds.
+
+Resume (``find``, ``restore``): every rank must see the same ``sharded.json`` (one folder every rank sees: a
+shared file system, or one node). Any plan made from the same profile can continue it -- another world size,
+K, D, strategy -- if it has a phase for the checkpoint's frozen count with the same global batch (same step,
+same data order: the epoch's order and the cursor are global), and the same freeze steps under a planned
+freeze. Each rank allocates the layers it holds in that phase of the new plan and loads exactly those keys
+(DCP reads the needed bytes from whichever rank's file holds them). RNG states are restored per rank when
+the world size is the same; otherwise each rank is re-seeded from the seed, its rank and the step.
+
+``--async-checkpoint``: ``dcp.async_save`` on a dedicated gloo group; the step waits only for DCP's copy of
+the rank's tensors (staging), the write runs in a thread, and ``sharded.json`` is committed when it is done
+(at the next save, or at the run's end; a run that fails keeps the previous
+committed checkpoint).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.plan import Plan
+
+from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
+from ptplan.executor.runtime.optim import ensure_state, state_keys
+from ptplan.executor.runtime.transition import holdings, needs, owned_layers
+from ptplan.executor.cache.run import agree
+from ptplan.executor.training import checkpoint as ckpt
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.training.resume import Source, rng_state
+from ptplan.executor.training.state import Position, RunContext
+
+SCHEMA = "ptplan.checkpoint.sharded/1"
+META = "sharded.json"
+PREFIX = "sharded-step"
+
+
+def meta_path(folder: str | os.PathLike) -> str:
+    return os.path.join(os.fspath(folder), META)
+
+
+def step_folder(folder: str | os.PathLike, step: int) -> str:
+    return os.path.join(os.fspath(folder), f"{PREFIX}{step:08d}")
+
+
+def local_state(rt: ElasticRuntime) -> dict[str, Tensor]:
+    """What this rank holds in its current phase, by canonical key: its layers' weights, and the optimizer
+    state of the active layers it trains (the tensors themselves: no copy)."""
+    ph = rt.phase
+    assert ph is not None
+    keys = state_keys(rt.opt)
+    out: dict[str, Tensor] = {}
+    for i in sorted(holdings(ph, rt.rank, rt.n, cached_prefix=rt._caches(ph))):
+        for p in rt.layer_params[i]:
+            out[rt.names[id(p)]] = p.detach()
+    for i in owned_layers(ph, rt.rank, rt.n):
+        if i >= ph.frozen_layers:
+            for p in rt.layer_params[i]:
+                for k, v in zip(keys, ensure_state(rt.opt, p)):
+                    out[f"optim.{rt.names[id(p)]}.{k}"] = v
+    return out
+
+
+def nbytes(state: dict[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _encode_rng(state: dict[str, Any]) -> dict[str, str]:
+    return {k: base64.b64encode(v.numpy().tobytes()).decode() for k, v in state.items()}
+
+
+def _decode_rng(state: dict[str, str]) -> dict[str, Tensor]:
+    return {k: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.uint8) for k, v in state.items()}
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """``path`` replaced atomically by ``data`` (temp file, fsync, rename, fsync of the folder)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise PtplanError(f"cannot write the checkpoint metadata {path}: {e.strerror or e}; the previous checkpoint, "
+                          f"if any, is kept. Free space or pass another --checkpoint-dir") from None
+    ckpt._fsync_dir(os.path.dirname(path))
+
+
+def _metadata(ctx: RunContext, folder: str, rng: list[Any], sizes: list[int]) -> dict[str, Any]:
+    rt, ph, plan = ctx.rt, ctx.rt.phase, ctx.plan
+    assert ph is not None and rt.phase_index is not None
+    return {"schema": SCHEMA, "id": uuid.uuid4().hex, "folder": os.path.basename(folder),
+            "plan_id": ckpt.plan_id(plan), "plan": ckpt.plan_identity(plan), "model_name": rt.model.name,
+            "optimizer": ctx.cfg.optimizer, "state_keys": list(state_keys(rt.opt)), "world_size": rt.world,
+            "phase": {"index": rt.phase_index, "frozen_blocks": ph.frozen_blocks, "frozen_layers": ph.frozen_layers,
+                      "K": ph.K, "D": ph.D, "tp": ph.tp, "global_batch": ph.global_batch},
+            "global_batch": {str(p.frozen_blocks): p.global_batch for p in plan.phases},
+            "run": ctx.run_id, "position": asdict(ctx.pos), "rng": rng, "bytes": sizes}
+
+
+class ShardedWriter:
+    """Writes a run's sharded checkpoints (every rank holds one; ``save`` and ``wait`` are collective)."""
+
+    def __init__(self) -> None:
+        self.pending: tuple[Future[Any], dict[str, Any], float] | None = None
+        """An async save in flight: (DCP's future, the metadata to commit, when it started)."""
+        self.group: Any = None
+        """The gloo group async saves run their collectives on (not the training's)."""
+
+    def save(self, ctx: RunContext) -> dict[str, Any]:
+        """Write the checkpoint of ``ctx``'s position; returns the ``checkpoint`` record's fields (rank 0
+        writes it to the run log)."""
+        cfg, rt = ctx.cfg, ctx.rt
+        assert cfg.checkpoint_dir is not None
+        self.wait(ctx)
+        t0 = time.perf_counter()
+        rt.drain()  # FSDP/tp shards gathered into this stage's full layers; 2BW's updates done
+        state = local_state(rt)
+        rng: list[Any] = [None] * rt.world
+        dist.all_gather_object(rng, _encode_rng(rng_state()))
+        sizes: list[Any] = [None] * rt.world
+        dist.all_gather_object(sizes, nbytes(state))
+        folder = step_folder(cfg.checkpoint_dir, ctx.pos.global_step)
+        problem = None
+        if rt.rank == 0:
+            try:
+                os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+                shutil.rmtree(folder, ignore_errors=True)  # a save of this step that never committed
+            except OSError as e:
+                problem = f"cannot create the checkpoint folder {cfg.checkpoint_dir}: {e.strerror}"
+        agree(problem)
+        meta = _metadata(ctx, folder, rng, sizes)
+        if cfg.async_checkpoint:
+            if self.group is None:
+                self.group = dist.new_group(backend="gloo")
+            fut = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+            assert isinstance(fut, Future)
+            self.pending = (fut, meta, t0)
+            blocked = time.perf_counter() - t0
+            return {"type": "checkpoint", "format": "sharded", "async": True, "step": ctx.pos.global_step,
+                    "path": folder, "seconds": _slowest(blocked, rt), "bytes_max": max(sizes),
+                    "bytes_total": sum(sizes)}
+        dcp.save(state, checkpoint_id=folder)
+        seconds = _slowest(time.perf_counter() - t0, rt)
+        meta["seconds"] = seconds
+        self._commit(ctx, meta)
+        return {"type": "checkpoint", "format": "sharded", "async": False, "step": ctx.pos.global_step,
+                "path": folder, "seconds": seconds, "bytes_max": max(sizes), "bytes_total": sum(sizes)}
+
+    def wait(self, ctx: RunContext) -> None:
+        """Finish an async save in flight: every rank waits for its write, rank 0 commits the metadata and
+        logs a ``checkpoint_written`` record with the seconds from the save's start."""
+        if self.pending is None:
+            return
+        fut, meta, t0 = self.pending
+        self.pending = None
+        fut.result()
+        meta["seconds"] = time.perf_counter() - t0
+        self._commit(ctx, meta)
+        ctx.log.write({"type": "checkpoint_written", "step": meta["position"]["global_step"],
+                       "seconds": meta["seconds"]})
+
+    def _commit(self, ctx: RunContext, meta: dict[str, Any]) -> None:
+        """Rank 0 (after every rank's files are complete) replaces ``sharded.json`` and removes older step
+        folders; every rank raises rank 0's error. DCP's save (or its future) returns on rank 0, the
+        coordinator, only after every rank's write result reached it."""
+        problem = None
+        folder = ctx.cfg.checkpoint_dir
+        assert folder is not None
+        if ctx.rank == 0:
+            try:
+                _write_json(meta_path(folder), meta)
+                for name in os.listdir(folder):
+                    if name.startswith(PREFIX) and name != meta["folder"]:
+                        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            except PtplanError as e:
+                problem = str(e)
+        agree(problem)
+
+
+def _slowest(seconds: float, rt: ElasticRuntime) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+# ---- resume ------------------------------------------------------------------------------------
+
+_FIX = ("; plan again from the checkpoint's profile and settings (ptplan plan ... --gpus N), or start without "
+        "--resume (and another --checkpoint-dir)")
+
+
+def resume_problems(meta: dict[str, Any], *, plan: Plan, model_name: str, optimizer: str, freeze: str,
+                    run: dict[str, Any]) -> list[str]:
+    """What keeps the sharded checkpoint ``meta`` from continuing in ``plan`` (empty: it can). The plan may
+    differ in world size, layout and strategy; it may not differ in what the position means."""
+    out = []
+    old = meta["plan"]
+    new = ckpt.plan_identity(plan)
+    if old["profile"] != new["profile"]:
+        out.append(f"it was written for profile {old['profile']}, this plan is of profile {new['profile']}")
+    if meta["model_name"] != model_name:
+        out.append(f"it is for model {meta['model_name']}, not {model_name}")
+    if meta["optimizer"] != optimizer:
+        out.append(f"it holds {meta['optimizer']} state, not {optimizer}")
+    for k in ckpt.RUN_KEYS:
+        if meta["run"].get(k) != run.get(k):
+            out.append(f"its {k} is {meta['run'].get(k)!r}, this run's is {run.get(k)!r}")
+    frozen = int(meta["position"]["frozen_blocks"])
+    here = {p.frozen_blocks: p.global_batch for p in plan.phases}
+    if frozen not in here:
+        out.append(f"it is at {frozen} frozen blocks, and this plan has no phase for that (phases for "
+                   f"{sorted(here)} frozen blocks)")
+    for f, gb in sorted((int(k), v) for k, v in meta["global_batch"].items()):
+        if f in here and here[f] != gb:
+            out.append(f"its phase with {f} frozen blocks trains on a global batch of {gb} samples, this plan's on "
+                       f"{here[f]} (plan with --batch {gb} and the constant global batch policy)")
+            break
+    if freeze == "planned" and old["freeze_steps"] != new["freeze_steps"]:
+        out.append(f"its planned freeze steps are {old['freeze_steps']}, this plan's are {new['freeze_steps']}")
+    return out
+
+
+@dataclass(frozen=True)
+class ShardedSource(Source):
+    """A sharded checkpoint every rank reads its own part of (``readers``: all)."""
+
+    meta: dict[str, Any] = field(compare=False, hash=False)
+    folder: str = field(compare=False)
+
+
+def read_meta(folder: str | os.PathLike) -> dict[str, Any]:
+    """``folder/sharded.json``, checked: one PtplanError for a damaged file or a missing DCP folder."""
+    path = meta_path(folder)
+    fix = "delete it (or restore a good copy) and start without --resume"
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PtplanError(f"sharded checkpoint {path} cannot be read ({type(e).__name__}: {e}); {fix}") from None
+    if not isinstance(meta, dict) or meta.get("schema") != SCHEMA:
+        raise PtplanError(f"{path} is not a ptplan sharded checkpoint of schema {SCHEMA}; {fix}")
+    data = os.path.join(os.fspath(folder), str(meta.get("folder")))
+    if not os.path.exists(os.path.join(data, ".metadata")):
+        raise PtplanError(f"sharded checkpoint {path} names {data}, which holds no DCP .metadata; {fix}")
+    return meta
+
+
+def find(cfg: RunConfig, plan: Plan, model_name: str, world: int, run: dict[str, Any]
+         ) -> tuple[bool, ShardedSource | None]:
+    """Whether to resume from a sharded checkpoint (collective; every rank gets the same answer or the same
+    PtplanError). (False, None): no rank sees one -- the caller looks for a single-file checkpoint."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    wants = bool(cfg.resume or (restarted and cfg.checkpoint_dir))
+    mine: dict[str, Any] | None = None
+    if wants and cfg.checkpoint_dir and os.path.exists(meta_path(cfg.checkpoint_dir)):
+        try:
+            mine = {"meta": read_meta(cfg.checkpoint_dir)}
+        except PtplanError as e:
+            mine = {"error": str(e)}
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, (wants, mine))
+    if not any(w for w, _ in got) or all(m is None for _, m in got):
+        return False, None
+    agree(next((m["error"] for _, m in got if m and "error" in m), None))
+    ids = [m["meta"]["id"] if m else None for _, m in got]
+    if len(set(ids)) != 1:
+        seen = {i: [r for r, x in enumerate(ids) if x == i] for i in dict.fromkeys(ids)}
+        raise PtplanError("a sharded checkpoint must be one folder every rank sees, but the ranks see different "
+                          "ones (" + "; ".join(f"ranks {rs}: {'none' if i is None else 'id ' + i}" for i, rs in
+                                               seen.items()) + "); put --checkpoint-dir on a shared file system, or "
+                          "use --checkpoint-format single")
+    meta = next(m["meta"] for _, m in got if m)
+    problems = resume_problems(meta, plan=plan, model_name=model_name, optimizer=cfg.optimizer, freeze=cfg.freeze,
+                               run=run)
+    if problems:
+        raise PtplanError(f"cannot resume from {meta_path(cfg.checkpoint_dir or '')}: " + "; ".join(problems) + _FIX)
+    pos = meta["position"]
+    return True, ShardedSource(rank=0, step=int(pos["global_step"]), frozen_blocks=int(pos["frozen_blocks"]),
+                               readers=frozenset(range(world)), meta=meta,
+                               folder=os.path.join(cfg.checkpoint_dir or "", meta["folder"]))
+
+
+def _wanted(rt: ElasticRuntime, index: int) -> dict[str, Tensor]:
+    """Storage for what this rank holds in phase ``index`` (weights; optimizer state of its active layers),
+    allocated where the phase keeps it, by canonical key: what it loads."""
+    new = rt.plan.phases[index]
+    for i, where in holdings(new, rt.rank, rt.n, cached_prefix=rt._caches(new)).items():
+        if rt.store.where[i] != where:
+            rt.store.place(i, where, keep_values=False)
+    out: dict[str, Tensor] = {}
+    keys = state_keys(rt.opt)
+    for i in sorted(holdings(new, rt.rank, rt.n, cached_prefix=rt._caches(new))):
+        for p in rt.layer_params[i]:
+            out[rt.names[id(p)]] = p.data
+    for i in owned_layers(new, rt.rank, rt.n):
+        if i >= new.frozen_layers:
+            for p in rt.layer_params[i]:
+                for k, v in zip(keys, ensure_state(rt.opt, p)):
+                    out[f"optim.{rt.names[id(p)]}.{k}"] = v
+    return out
+
+
+def _check_keys(folder: str, want: dict[str, Tensor]) -> str | None:
+    """Why the checkpoint in ``folder`` cannot fill ``want`` (a missing key or another shape), else None."""
+    have = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    missing = [k for k in want if k not in have]
+    bad = [k for k in want if k in have and tuple(getattr(have[k], "size", ())) != tuple(want[k].shape)]
+    if missing or bad:
+        return (f"the sharded checkpoint {folder} does not fit this model: missing {missing[:3]}, other shapes "
+                f"{bad[:3]}; resume with the model and optimizer it was written for")
+    return None
+
+
+def restore(cfg: RunConfig, rt: ElasticRuntime, source: ShardedSource) -> tuple[Position, dict[str, Any]]:
+    """Load the checkpoint into this plan's phase for its frozen count (collective): each rank allocates and
+    loads only what it holds there (DCP reads those bytes from whichever files hold them), then the phase
+    is entered with nothing to move. Returns the position and the ``resume`` record's timing."""
+    meta = source.meta
+    pos = Position(**meta["position"])
+    index = phase_index(rt.plan, pos.frozen_blocks)
+    new = rt.plan.phases[index]
+    t0 = time.perf_counter()
+    want = _wanted(rt, index)
+    agree(_check_keys(source.folder, want))
+    dcp.load(want, checkpoint_id=source.folder)
+    read = nbytes(want)
+    del want
+    load_s = time.perf_counter() - t0
+    active = range(new.frozen_layers, rt.n)
+    need = needs(new, rt.n)
+    info = rt.switch(index, have_weights=need,
+                     have_state=[need[i] if i in active else frozenset() for i in range(rt.n)])
+    if meta["world_size"] == rt.world:
+        rng = _decode_rng(meta["rng"][rt.rank])
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # another world: no per-rank stream to continue; a fresh one per rank and step
+        torch.manual_seed(cfg.seed * 1009 + rt.rank + 7919 * (pos.global_step + 1))
+    both = torch.tensor([load_s, read], dtype=torch.float64, device=rt.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    load_s = float(both[0].item())
+    info = {**info, "seconds": info["seconds"] + load_s, "parts": {**info["parts"], "checkpoint": load_s},
+            "bytes": {**info["bytes"], "checkpoint_read_max": int(both[1].item())},
+            "from": {"world_size": meta["world_size"], "plan_id": meta["plan_id"], **meta["phase"]}}
+    return pos, info
