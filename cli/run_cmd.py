@@ -66,6 +66,12 @@ RUN_OUTPUT_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--checkpoint-every", type=int, default=0, show_default=True,
                  help="Also checkpoint every N steps (always at each epoch end when --checkpoint-dir is set)."),
     click.option("--resume", is_flag=True, help="Continue from --checkpoint-dir/checkpoint.pt."),
+    click.option("--checkpoint-format", type=click.Choice(["single", "sharded"]), default="single", show_default=True,
+                 help="single: rank 0 gathers and writes checkpoint.pt (same plan and world size on resume; no shared "
+                      "folder needed). sharded: every rank writes its own stage (torch.distributed.checkpoint) to one "
+                      "folder all ranks see; --resume with any plan of the same profile (another GPU count)."),
+    click.option("--async-checkpoint", is_flag=True,
+                 help="With --checkpoint-format sharded: write in the background while training goes on."),
     click.option("--log", "log_path", default="run.jsonl", show_default=True,
                  help="Run log (JSON lines) for `ptplan compare`."),
     click.option("--data", default="synthetic", show_default=True,
@@ -150,7 +156,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
         optimizer: str, lr: float | None, lr_schedule: str, warmup_steps: int, clip_grad_norm: float | None,
         decay_all: bool, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
         freeze_every: int | None, alpha: float | None, checkpoint_dir: str | None, checkpoint_every: int,
-        resume: bool, log_path: str, data: str, no_shuffle: bool, eval_data: str | None, eval_every: int,
+        resume: bool, checkpoint_format: str, async_checkpoint: bool, log_path: str, data: str, no_shuffle: bool, eval_data: str | None, eval_every: int,
         eval_batch_size: int, export_dir: str | None, export_best: bool, save_model_every: int,
         save_model_dir: str | None, precision: str, dropout: float | None, num_labels: int | None,
         device: str, timeout_s: float, no_progress: bool, cache_mode: str, cache_dir: str | None,
@@ -182,7 +188,8 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
                     warmup_steps=warmup_steps, clip_grad_norm=clip_grad_norm, decay_all=decay_all, momentum=momentum,
                     weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every,
                     alpha=alpha, checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
-                    checkpoint_every=checkpoint_every, resume=resume,
+                    checkpoint_every=checkpoint_every, resume=resume, checkpoint_format=checkpoint_format,
+                    async_checkpoint=async_checkpoint,
                     log=os.path.abspath(log_path) if log_path else None,
                     data=data if data == "synthetic" else os.path.abspath(data), shuffle=not no_shuffle,
                     eval_data=os.path.abspath(eval_data) if eval_data else None, eval_every=eval_every,
@@ -368,11 +375,19 @@ def _check_synthetic_epoch(cfg, plan, samples: int, nproc_per_node: int) -> None
 def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> None:
     """On one node, the checkpoint --resume reads: present, readable and of this plan and run (several nodes:
     the workers look for it on every node, see ``executor.training``)."""
-    from ptplan.executor.training import checkpoint as ckpt
+    from ptplan.executor.training import checkpoint as ckpt, sharded
 
-    data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
     run_id = {"samples": samples, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
               "freeze_every": cfg.freeze_every}
+    if cfg.checkpoint_format == "sharded" and os.path.exists(sharded.meta_path(cfg.checkpoint_dir)):
+        meta = sharded.read_meta(cfg.checkpoint_dir)  # any plan of its profile can continue it
+        problems = sharded.resume_problems(meta, plan=plan, model_name=model_name, optimizer=cfg.optimizer,
+                                           freeze=cfg.freeze, run=run_id)
+        if problems:
+            raise PtplanError(f"cannot resume from {sharded.meta_path(cfg.checkpoint_dir)}: " + "; ".join(problems)
+                              + sharded.FIX)
+        return
+    data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
     problems = ckpt.mismatches(data, plan=plan, model_name=model_name, optimizer=cfg.optimizer, world_size=world,
                                run=run_id)
     if problems:

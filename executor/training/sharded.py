@@ -221,7 +221,7 @@ def _slowest(seconds: float, rt: ElasticRuntime) -> float:
 
 # ---- resume ------------------------------------------------------------------------------------
 
-_FIX = ("; plan again from the checkpoint's profile and settings (ptplan plan ... --gpus N), or start without "
+FIX = ("; plan again from the checkpoint's profile and settings (ptplan plan with that profile and another --cluster), or start without "
         "--resume (and another --checkpoint-dir)")
 
 
@@ -309,7 +309,7 @@ def find(cfg: RunConfig, plan: Plan, model_name: str, world: int, run: dict[str,
     problems = resume_problems(meta, plan=plan, model_name=model_name, optimizer=cfg.optimizer, freeze=cfg.freeze,
                                run=run)
     if problems:
-        raise PtplanError(f"cannot resume from {meta_path(cfg.checkpoint_dir or '')}: " + "; ".join(problems) + _FIX)
+        raise PtplanError(f"cannot resume from {meta_path(cfg.checkpoint_dir or '')}: " + "; ".join(problems) + FIX)
     pos = meta["position"]
     return True, ShardedSource(rank=0, step=int(pos["global_step"]), frozen_blocks=int(pos["frozen_blocks"]),
                                readers=frozenset(range(world)), meta=meta,
