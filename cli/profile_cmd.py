@@ -155,8 +155,8 @@ def _build(model_name: str, device: str, dev_kind: str, sizes: list[int] | None,
         torch.set_num_threads(threads)
     model = build_model(model_name, granularity=granularity, seq_len=seq_len, image_size=image_size,
                         dtype=getattr(torch, dtype), dropout=dropout, weights=weights,
-                        **({} if labels is None else {"num_labels": labels}),
-                        **({"layers": []} if projecting else {}))  # projecting: every weight on meta
+                        num_labels=2 if labels is None else labels,  # build_model's own default when not given
+                        layers=[] if projecting else None)  # projecting: every weight on meta
     if sizes is not None and not projecting:
         check_sizes_fit(model, resolve_device(device), sizes)
     return model

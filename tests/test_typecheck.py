@@ -1,4 +1,5 @@
-"""planner/ and cli/ type-check clean with mypy, seen as the installed ptplan.planner / ptplan.cli (.ci/typecheck)."""
+"""planner/, executor/ and cli/ type-check clean with mypy (torch and transformers unfollowed: their types are Any),
+seen as the installed ptplan.* packages (.ci/typecheck)."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_mypy_is_clean_on_planner_and_cli():
+def test_mypy_is_clean_on_planner_executor_and_cli():
     pytest.importorskip("mypy", reason="mypy is in the test extra: pip install -e '.[test]'")
     if shutil.which("bash") is None:
         pytest.skip("needs bash for .ci/typecheck")

@@ -197,7 +197,6 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
         print(f"ptplan run: note: the AutoCache needs up to {need} bytes per node for {N} samples but "
               f"--cache-budget allows {budget}; rows beyond it go to "
               f"{cfg.cache_spill_dir or 'no spill directory, so they are recomputed'}", flush=True)
-    common = dict(job_id=job, allow_nondeterministic=cfg.cache_allow_nondeterministic)
     cache: ActivationCache | None = None
     try:
         problem = None
@@ -205,17 +204,19 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
             if creator:
                 cache = ActivationCache(cfg.cache_dir, create=True, sample_shape=shape, dtype=dtype, num_samples=N,
                                         budget_bytes=budget, spill_dir=cfg.cache_spill_dir, shard_rows=shard_rows,
-                                        **common)
+                                        job_id=job, allow_nondeterministic=cfg.cache_allow_nondeterministic)
         except PtplanError as e:
             problem = f"activation cache on node {node}: {e}"
         agree(problem)  # also the barrier: every node's cache exists now
         problem = None
         try:
             if not creator:
-                cache = ActivationCache(cfg.cache_dir, create=False, **common)
+                cache = ActivationCache(cfg.cache_dir, create=False, job_id=job,
+                                        allow_nondeterministic=cfg.cache_allow_nondeterministic)
         except PtplanError as e:
             problem = f"activation cache on node {node}: {e}"
         agree(problem)
+        assert cache is not None, "every rank opened the node's cache (agree raised otherwise)"
         problem = None
         try:
             everyone = frozenset(range(dist.get_world_size()))

@@ -56,7 +56,7 @@ def _micro_batch(cache: ActivationCache, model: nn.Module, x: Tensor, mask: Tens
         return h.to(dev)
     c = cache.lookup_partial(ids, f - 1)
     h = cache.get(ids, c, tag=cache.tag_for(model, c)) if c else None
-    if h is not None:
+    if c and h is not None:
         cache.record(refreshes=ids.size)
         h = _run(model, h.to(dev), c, f, mask)
     else:  # a miss, or the rows were evicted since the lookup

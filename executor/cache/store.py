@@ -191,7 +191,7 @@ class Slab:
         self._set_valid(local)
 
     def close(self) -> None:
-        self.rows = None  # release the buffer export before closing the map
+        self.rows = np.empty((0, 0), dtype=np.uint8)  # release the buffer export before closing the map
         try:
             self.mm.close()
         finally:

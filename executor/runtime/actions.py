@@ -134,8 +134,8 @@ def check_message_order(schedule: Schedule) -> None:
                 fwd = a.kind is ActionKind.RECV_F
                 src = a.stage - 1 if fwd else a.stage + 1
                 recvs.setdefault((s2r[src], r), []).append(("F" if fwd else "B", src, a.mb))
-    for (a, b), sent in sorted(sends.items()):
-        got = recvs.get((a, b), [])
+    for (a_rank, b_rank), sent in sorted(sends.items()):
+        got = recvs.get((a_rank, b_rank), [])
         if got != sent:
             i = next(i for i, (x, y) in enumerate(zip(sent + [None], got + [None])) if x != y)
 
@@ -146,10 +146,10 @@ def check_message_order(schedule: Schedule) -> None:
                 peer = stage + (1 if kind == "F" else -1)
                 return f"{peer}RECV_{kind}{mb}" if recv else f"{stage}SEND_{kind}{mb}"
 
-            raise ScheduleError(f"rank {b} receives from rank {a} in another order than rank {a} sends: message {i} "
-                                f"is {text(sent[i] if i < len(sent) else None, False)} on rank {a} but "
-                                f"{text(got[i] if i < len(got) else None, True)} on rank {b}; torch pairs the "
-                                f"messages between two ranks in order, so reorder rank {b}'s receives")
+            raise ScheduleError(f"rank {b_rank} receives from rank {a_rank} in another order than rank {a_rank} "
+                                f"sends: message {i} is {text(sent[i] if i < len(sent) else None, False)} on rank "
+                                f"{a_rank} but {text(got[i] if i < len(got) else None, True)} on rank {b_rank}; torch "
+                                f"pairs the messages between two ranks in order, so reorder rank {b_rank}'s receives")
 
 
 def torch_token(action: Action, split: frozenset[tuple[int, int]]) -> str:

@@ -95,9 +95,9 @@ class ElasticRuntime:
         self.phase_schedules = [phase_schedule(ph, i) for i, ph in enumerate(plan.phases)]
         """Per phase, the schedule it runs (``actions.phase_schedule``: the plan's action lists, checked
         here, before any collective, so a plan the executor cannot run fails on every rank at once)."""
-        self.phase_index: int | None = None
-        self.phase: Phase | None = None
-        self.groups: PhaseGroups | None = None
+        self._phase_index: int | None = None
+        self._phase: Phase | None = None
+        self._groups: PhaseGroups | None = None
         self.chunks: dict[int, torch.nn.Module] = {}
         """The stages (chunks) this rank runs in the current phase: chunk index -> module."""
         self.module = None
@@ -126,6 +126,33 @@ class ElasticRuntime:
         self.memory_hook: Callable[[str, Tensor], None] | None = None
         """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
         (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
+
+    # ---- the current phase (set by ``switch``) -----------------------------------------------
+    @property
+    def entered(self) -> bool:
+        """Whether a phase was entered (``switch``); before that there is no phase, index or groups."""
+        return self._phase is not None
+
+    @staticmethod
+    def _entered(value: Any) -> Any:
+        if value is None:
+            raise RuntimeError("the runtime has entered no phase yet (or was closed): call switch() first")
+        return value
+
+    @property
+    def phase(self) -> Phase:
+        """The phase this rank runs now."""
+        return self._entered(self._phase)
+
+    @property
+    def phase_index(self) -> int:
+        """The current phase's index in the plan."""
+        return self._entered(self._phase_index)
+
+    @property
+    def groups(self) -> PhaseGroups:
+        """The current phase's process groups and this rank's place in them (built by ``switch`` first)."""
+        return self._entered(self._groups)
 
     # ---- moving layers ---------------------------------------------------------------------
     def _weights_of(self, layers: tuple[int, ...]) -> list[Tensor]:
@@ -191,16 +218,16 @@ class ElasticRuntime:
         self.current, self.owned, self.held = need, owned, held
         t2 = time.perf_counter()
         set_trainable(self.model, new.frozen_layers)
-        old = self.phase
-        if old is None or self.groups is None or (old.K, old.D, old.tp, old.ranks) != (new.K, new.D, new.tp,
-                                                                                         new.ranks):
-            destroy_groups(self.groups)
-            self.groups = None
-            self.groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
+        old = self._phase
+        if old is None or self._groups is None or (old.K, old.D, old.tp, old.ranks) != (new.K, new.D, new.tp,
+                                                                                           new.ranks):
+            destroy_groups(self._groups)
+            self._groups = None
+            self._groups = build_groups(new, self.rank, timeout=self.timeout, backend=None)
         t3 = time.perf_counter()
         self._build_stage(new, index)
         t4 = time.perf_counter()
-        self.phase, self.phase_index = new, index
+        self._phase, self._phase_index = new, index
         secs = torch.tensor([t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0], dtype=torch.float64, device=self.device)
         sent = torch.tensor([sent_w, sent_s], dtype=torch.float64, device=self.device)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX)
@@ -298,7 +325,7 @@ class ElasticRuntime:
         first ``switch``, or between steps: then the prefix moves between host and device as needed and
         the current stage is rebuilt)."""
         self.cache = cache
-        if self.phase is not None:
+        if self.entered:
             self._unshard()
             self.held = holdings(self.phase, self.rank, self.n, cached_prefix=self._caches(self.phase))
             self._settle(self.held, also=set(), current=None)
@@ -464,9 +491,9 @@ class ElasticRuntime:
             for i in range(self.n):
                 if self.store.where[i] is None:
                     self.store.place(i, HOST, keep_values=False)
-        for transfers, state in ((weights_t, False), (state_t, True)):
+        for transfers, of_state in ((weights_t, False), (state_t, True)):
             for src in sorted({t.src for t in transfers}):
-                self._exchange([t for t in transfers if t.src == src], state=state)
+                self._exchange([t for t in transfers if t.src == src], state=of_state)
         if self.rank != 0:
             self._reshard()
             return {}, {}
@@ -495,8 +522,8 @@ class ElasticRuntime:
         """Destroy the phase's groups. The model keeps only this rank's last stage (the rest has no storage)."""
         self._drain_2bw()
         self._unshard()
-        destroy_groups(self.groups)
-        self.groups = None
+        destroy_groups(self._groups)
+        self._groups = None
 
 
 def _timedelta(seconds: float):

@@ -132,7 +132,7 @@ class StepMemory:
         self.module = runtime.module
         self.params = [p for p in self.module.parameters()]
         self._hooks: Any = None
-        self._handle = None
+        self._handle: Any = None
         self._shard_input = 0
         self._transient = 0
         self.result: dict[str, int] = {}

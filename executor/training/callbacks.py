@@ -166,7 +166,8 @@ class PeakMemory(Callback):
 
     def on_step(self, ctx: RunContext, result: StepResult) -> None:
         if self.mem is not None:
-            result.fields.update(self.mem.stop() or self.mem.record())  # collective
+            self.mem.stop()
+            result.fields.update(self.mem.record())  # collective
             self.mem = None
 
 
@@ -384,6 +385,7 @@ def save_checkpoint(ctx: RunContext) -> None:
     from dataclasses import asdict
 
     cfg, rt = ctx.cfg, ctx.rt
+    assert cfg.checkpoint_dir is not None, "Checkpointing runs only with --checkpoint-dir"
     weights, state = rt.gather(with_state=True)
     rng: list[Any] = [None] * rt.world
     dist.all_gather_object(rng, rng_state())

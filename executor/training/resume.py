@@ -97,7 +97,8 @@ class Source:
 
 
 def _cannot_resume(cfg: RunConfig, problems: list[str], fix: str = "") -> PtplanError:
-    return PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: " + "; ".join(problems) + fix)
+    where = ckpt.checkpoint_path(cfg.checkpoint_dir) if cfg.checkpoint_dir else "(no --checkpoint-dir)"
+    return PtplanError(f"cannot resume from {where}: " + "; ".join(problems) + fix)
 
 
 def _my_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run: dict[str, Any]
@@ -166,6 +167,7 @@ def _open_source(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: Source,
     data = None
     problem, payload = None, None
     if rt.rank in source.readers:
+        assert cfg.checkpoint_dir is not None, "a reader of the source checkpoint has its folder"
         try:
             data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
             problems = ckpt.mismatches(data, plan=plan, model_name=rt.model.name, optimizer=cfg.optimizer,
