@@ -147,6 +147,14 @@ def other_points() -> list[Point]:
                     assumed="per-pipeline batch 64, sequence 256, 3 epochs, 87,599 training questions, alpha 1/3, fp32",
                     setting=dict(model="bert-large", seq_len=256, device="rtx5000", like="paper", epochs=3,
                                  samples=87_599, batch=64, row="full")))
+    for data, (base, full) in {"imagenet": (95_400, 33_660), "cifar100": (2_106, 743), "squad": (18_420, 8_760)}.items():
+        src = next(q for q in pt if q.key.startswith(f"pipetransformer-{data}") and q.setting["row"] == "full")
+        for row, secs, text in (("no-freeze", base, "baseline"), ("full", full, "PipeTransformer")):
+            pt.append(Point(key=f"pipetransformer-{data}-{text.lower()}-time", source="pipetransformer",
+                            where=f"PyTorch blog Table 1, {data}: {text} training time {secs:,} s",
+                            quantity="training s", published=float(secs), kind="ablation", assumed=src.assumed +
+                            "; the published time may include evaluation and data loading, which ptplan does not "
+                            "price", setting=dict(src.setting, row=row, seconds=True)))
     tera = Point(key="terapipe-gpt3-175b", source="terapipe",
                  where="abstract and Sec. 5: GPT-3 175B on 48 p3.16xlarge, TeraPipe 5.0x over the same model-parallel "
                        "setting without token slices", quantity="speedup", published=5.0, kind="terapipe",
@@ -295,9 +303,10 @@ def price_ablation(p: Point, prof: Any) -> Priced:
                          batch_policy="constant-pipeline", allow_extrapolation=True)
     ab = ablate(prof, get_preset(s["like"]), cfg, FreezePolicy(policy="geometric", alpha=1 / 3))
     row = ab.row(s["row"])
-    if row.speedup is None:
+    value = row.seconds if s.get("seconds") else row.speedup
+    if value is None:
         return Priced(None, f"row {row.key} not priced: {row.error}")
-    return Priced(row.speedup, f"{ab.baseline_seconds:.0f} s baseline, {row.seconds:.0f} s row")
+    return Priced(value, f"{ab.baseline_seconds:.0f} s baseline, {row.seconds:.0f} s row")
 
 
 def price_terapipe(p: Point, prof: Any) -> Priced:
@@ -428,10 +437,12 @@ def price_all(points: list[Point], counts: Counts, sizes: dict[str, tuple[int, .
 
 def _group(key: str) -> str:
     """A point's group: its source and, for Megatron-LM, the table and scheme (Table 1, Table 2 PTD, ZeRO-3)."""
-    for g in ("megatron-t1", "megatron-t2-ptd", "megatron-t2-zero3", "pipetransformer-imagenet"):
+    if key.startswith("pipetransformer") and key.endswith("-time"):
+        return "pipetransformer-times"
+    for g in ("megatron-t1", "megatron-t2-ptd", "megatron-t2-zero3"):
         if key.startswith(g):
             return g
-    return key
+    return "pipetransformer-speedups" if key.startswith("pipetransformer") else key
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
