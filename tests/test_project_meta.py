@@ -129,3 +129,24 @@ def test_attention_is_counted_as_the_gpus_fused_kernel(name):
     fused = next(o for o in attn.forward if o.name == "_scaled_dot_product_efficient_attention")
     assert fused.flops == 4 * b * s * s * h
     assert [o.name for o in attn.backward].count("_scaled_dot_product_efficient_attention_backward") == 1
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "bert-tiny", "vit-tiny"])
+def test_repeated_blocks_reuse_their_record_and_it_equals_recording_every_layer(name, monkeypatch):
+    """A repeated block takes the record of the second equal one (``project._same_as``); the records equal those of
+    recording every layer (fails if the first block's shared-module first-call work, e.g. Llama's rotary cache, were
+    copied to every block, or if a block differing in any width were reused)."""
+    from ptplan.executor.profiling import project
+
+    def record(memo: bool) -> list:
+        if not memo:
+            monkeypatch.setattr(project, "_same_as", lambda *a: None)
+        m = build_model(name, layers=[])
+        with swapped(m, lambda t: t.to("meta")):
+            return project.record_layers(m, 2)
+
+    reused = record(True)
+    monkeypatch.undo()
+    every = record(False)
+    assert reused == every
+    assert sum(1 for a, b in zip(reused[5:], reused[3:]) if a is b) >= 1  # blocks 3+ share one record

@@ -235,45 +235,79 @@ def record_layers(model: LayeredModel, b: int) -> list[LayerOps]:
     return _record(model, b)
 
 
+def _same_as(layer: nn.Module, kind: str, i: int, n: int, h: Tensor) -> tuple[Any, ...] | None:
+    """What makes two layers' recorded operations equal: class, kind, the module tree (``repr``: widths, eps,
+    dropout), every parameter's and buffer's shape and dtype, and the input's; None for the first and last layer
+    (the data and the loss)."""
+    if i == 0 or i == n - 1:
+        return None
+    tensors = tuple((k, tuple(t.shape), t.dtype) for k, t in (*layer.named_parameters(), *layer.named_buffers()))
+    return type(layer).__qualname__, kind, repr(layer), tensors, tuple(h.shape), h.dtype
+
+
 def _record(model: LayeredModel, b: int) -> list[LayerOps]:
-    """Every layer of ``model`` (already on the meta device) run on a meta micro-batch of b samples."""
+    """Every layer of ``model`` (already on the meta device) run on a meta micro-batch of b samples. A layer equal
+    to two recorded before (``_same_as``: a Transformer's repeated blocks) takes the second one's record (the first
+    may include a shared module's first-call work, e.g. a rotary cache), so a 126-block model records a few layers,
+    not all, and the records equal recording every layer."""
     x, labels, mask = model.make_batch(b)
     x, labels = x.to("meta"), labels.to("meta")
     mask = None if mask is None else mask.to("meta")
     out: list[LayerOps] = []
+    seen: dict[tuple[Any, ...], tuple[LayerOps, torch.Size, torch.dtype]] = {}
+    once: set[tuple[Any, ...]] = set()  # the first of equal layers may differ (shared modules' first-call work)
     h = x
     n = len(model.layers)
     for i, layer in enumerate(model.layers):
-        layer.train()
-        xin = h if i == 0 else h.detach().requires_grad_(True)
-        params = [p for p in layer.parameters() if p.requires_grad]
-        saved = _SavedBytes({_storage(p)[0] for p in layer.parameters()})
-        fwd = _Recorder()
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), FusedAttention(), fwd:
-            y = layer(xin, attention_mask=mask)
-            loss = model.loss(y, labels) if i == n - 1 else None
-        # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
-        # schedules run apart) is the difference: a separate weight-only pass would redo the gradients
-        # of intermediate activations
-        root, seed = (loss, None) if loss is not None else (y, torch.ones_like(y))
-        bwd, inp = _Recorder(), _Recorder()
-        if i > 0:
-            with inp:
-                torch.autograd.grad(root, [xin], grad_outputs=seed, retain_graph=True, allow_unused=True)
-        with bwd:
-            torch.autograd.grad(root, ([xin] if i > 0 else []) + params, grad_outputs=seed, allow_unused=True)
-        layer.eval()
-        nog = _Recorder()
-        with torch.no_grad(), FusedAttention(), nog:
-            yn = layer(h.detach(), attention_mask=mask)
-            if i == n - 1:
-                model.loss(yn, labels)
-        out.append(LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops),
-                            nograd=tuple(nog.ops),
-                            output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved.total // b)))
-        h = y.detach()
+        key = _same_as(layer, model.specs[i].kind, i, n, h)
+        if key is not None and key in seen:
+            ops, shape, dtype = seen[key]
+            out.append(ops)
+            h = torch.empty(shape, dtype=dtype, device="meta")
+            continue
+        ops, h = _record_layer(model, i, h, mask, labels)
+        out.append(ops)
+        if key is not None and key in once:
+            seen[key] = (ops, h.shape, h.dtype)
+        elif key is not None:
+            once.add(key)
     model.train()
     return out
+
+
+def _record_layer(model: LayeredModel, i: int, h: Tensor, mask: Tensor | None, labels: Tensor
+                  ) -> tuple[LayerOps, Tensor]:
+    """Layer i's forward, backward (whole and input gradient alone) and no-grad forward on input h, recorded; and
+    its output (detached), the next layer's input."""
+    layer, n = model.layers[i], len(model.layers)
+    b = h.shape[0]
+    layer.train()
+    xin = h if i == 0 else h.detach().requires_grad_(True)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    saved = _SavedBytes({_storage(p)[0] for p in layer.parameters()})
+    fwd = _Recorder()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), FusedAttention(), fwd:
+        y = layer(xin, attention_mask=mask)
+        loss = model.loss(y, labels) if i == n - 1 else None
+    # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
+    # schedules run apart) is the difference: a separate weight-only pass would redo the gradients
+    # of intermediate activations
+    root, seed = (loss, None) if loss is not None else (y, torch.ones_like(y))
+    bwd, inp = _Recorder(), _Recorder()
+    if i > 0:
+        with inp:
+            torch.autograd.grad(root, [xin], grad_outputs=seed, retain_graph=True, allow_unused=True)
+    with bwd:
+        torch.autograd.grad(root, ([xin] if i > 0 else []) + params, grad_outputs=seed, allow_unused=True)
+    layer.eval()
+    nog = _Recorder()
+    with torch.no_grad(), FusedAttention(), nog:
+        yn = layer(h.detach(), attention_mask=mask)
+        if i == n - 1:
+            model.loss(yn, labels)
+    ops = LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops), nograd=tuple(nog.ops),
+                   output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved.total // b))
+    return ops, y.detach()
 
 
 @dataclass(frozen=True)
