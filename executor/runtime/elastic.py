@@ -69,7 +69,43 @@ from ptplan.executor.runtime.step import StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
 
 
-class ElasticRuntime:
+class PhaseState:
+    """The phase a runtime is in (set by ``ElasticRuntime.switch``): before the first switch, and after
+    ``close``, there is no phase, index or groups, and asking for one is an error, not a None."""
+
+    def __init__(self) -> None:
+        self._phase_index: int | None = None
+        self._phase: Phase | None = None
+        self._groups: PhaseGroups | None = None
+
+    @property
+    def entered(self) -> bool:
+        """Whether a phase was entered (``switch``)."""
+        return self._phase is not None
+
+    @staticmethod
+    def _entered(value: Any) -> Any:
+        if value is None:
+            raise RuntimeError("the runtime has entered no phase yet (or was closed): call switch() first")
+        return value
+
+    @property
+    def phase(self) -> Phase:
+        """The phase this rank runs now."""
+        return self._entered(self._phase)
+
+    @property
+    def phase_index(self) -> int:
+        """The current phase's index in the plan."""
+        return self._entered(self._phase_index)
+
+    @property
+    def groups(self) -> PhaseGroups:
+        """The current phase's process groups and this rank's place in them (built by ``switch`` first)."""
+        return self._entered(self._groups)
+
+
+class ElasticRuntime(PhaseState):
     """One rank's view of the run: its layers' storage, optimizer, current phase, groups and stage."""
 
     def __init__(self, plan: Plan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -95,9 +131,7 @@ class ElasticRuntime:
         self.phase_schedules = [phase_schedule(ph, i) for i, ph in enumerate(plan.phases)]
         """Per phase, the schedule it runs (``actions.phase_schedule``: the plan's action lists, checked
         here, before any collective, so a plan the executor cannot run fails on every rank at once)."""
-        self._phase_index: int | None = None
-        self._phase: Phase | None = None
-        self._groups: PhaseGroups | None = None
+        PhaseState.__init__(self)
         self.chunks: dict[int, torch.nn.Module] = {}
         """The stages (chunks) this rank runs in the current phase: chunk index -> module."""
         self.module = None
@@ -126,33 +160,6 @@ class ElasticRuntime:
         self.memory_hook: Callable[[str, Tensor], None] | None = None
         """Set by ``memory.StepMemory`` while it measures a step: told of the cached stage 0's shard input
         (``"buffers"``) and of the flat gradient all-reduce buffer (``"transient"``) when they are made."""
-
-    # ---- the current phase (set by ``switch``) -----------------------------------------------
-    @property
-    def entered(self) -> bool:
-        """Whether a phase was entered (``switch``); before that there is no phase, index or groups."""
-        return self._phase is not None
-
-    @staticmethod
-    def _entered(value: Any) -> Any:
-        if value is None:
-            raise RuntimeError("the runtime has entered no phase yet (or was closed): call switch() first")
-        return value
-
-    @property
-    def phase(self) -> Phase:
-        """The phase this rank runs now."""
-        return self._entered(self._phase)
-
-    @property
-    def phase_index(self) -> int:
-        """The current phase's index in the plan."""
-        return self._entered(self._phase_index)
-
-    @property
-    def groups(self) -> PhaseGroups:
-        """The current phase's process groups and this rank's place in them (built by ``switch`` first)."""
-        return self._entered(self._groups)
 
     # ---- moving layers ---------------------------------------------------------------------
     def _weights_of(self, layers: tuple[int, ...]) -> list[Tensor]:
