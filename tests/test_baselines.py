@@ -82,3 +82,40 @@ def test_tensor_parallel_row_uses_the_widest_tp_in_a_node():
     got = rows(prof, toy(), TrainingConfig(epochs=1, samples_per_epoch=64, batch=16))["tensor-parallel"]
     assert (got.K, got.tp, got.D) == (1, 4, 1) and got.iteration_s and got.seconds
     assert "tp=4" in got.note
+
+
+def test_a_gpu_profile_on_another_devices_cluster_is_warned():
+    """Issue 22: an H100 profile on the RTX 5000 cluster, GPU profiles on cpu:N get a warning; the GPU's own
+    cluster and CPU profiles do not (those have their own warning on GPU clusters)."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.planner import device_mismatch
+    from ptplan.planner.profile import load_profile
+    h100 = load_profile("profiles/bert-base_h100_bf16.json")
+    rtx = load_profile("profiles/bert-base_rtx5000_fp32.json")
+    cpu = load_profile("profiles/bert-base_cpu_fp32.json")
+    assert "Quadro RTX 5000" in device_mismatch(h100, get_preset("paper"))
+    assert "CPU processes" in device_mismatch(rtx, get_preset("cpu:4"))
+    assert device_mismatch(h100, get_preset("dgx-h100")) is None
+    assert device_mismatch(rtx, get_preset("paper")) is None
+    assert device_mismatch(cpu, get_preset("cpu:4")) is None and device_mismatch(cpu, get_preset("paper")) is None
+
+
+def test_cpu_clusters_can_plan_the_autocache():
+    """Issue 22: on cpu:N the processes' limits took all of the RAM, so the AutoCache never fitted ('needs 0.0 GiB
+    ... has 0.0 GiB'). Now the cache and the processes share it: with the cache on, the cache fits where its rows
+    fit the RAM, each process gets what the cache leaves, and a cache too big says how big against what RAM."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.search import PhaseSearch, Visit
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=256)
+    cl = get_preset("cpu:4")
+    cfg = TrainingConfig(epochs=2, samples_per_epoch=256, batch=16, cache="on")
+    s = PhaseSearch(prof, cl, cfg)
+    ch = s.search(3, Visit(samples=256.0))
+    assert ch.cand.cache
+    n0 = prof.frozen_boundary(3)
+    need = s.host_bytes_per_node(ch.cand, n0, 0)
+    assert s.stage_limit(ch.cand, n0, 0) == pytest.approx(
+        min(s.limit, (cl.host_memory_bytes * 0.9 - need) / 4) / ch.cand.V)
+    big = replace(cfg, samples_per_epoch=int(cl.host_memory_bytes // 4096 // 16 * 16))  # rows over the RAM
+    ok, why = PhaseSearch(prof, cl, big).host_fits(ch.cand, n0, 0)
+    assert not ok and "shared with its 4 processes" in why and "0.0 GiB" not in why.split("but")[1][:20]
