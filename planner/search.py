@@ -760,9 +760,7 @@ class _Scorer:
                 + s.c.step_overhead_s
         steady = iteration(min(m.read_setup_s for m in ms))
         fill = iteration(min(m.fill_setup_s for m in ms)) if c.cache else steady
-        N = s.cfg.samples_per_epoch  # the objective is linear in the two iterations: its two weights
-        lb = (_seconds_per_sample(c, 1.0, 0.0, self.visit, N) * steady
-              + _seconds_per_sample(c, 0.0, 1.0, self.visit, N) * fill)
+        lb = np.asarray(_seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch), dtype=float)
         for st in range(X.shape[1] - 1):
             _, mem = model.evaluate(st, model.prepare(lo[:, st], hi[:, st]))
             lb = np.where(np.asarray(mem) > self.limit, np.inf, lb)
