@@ -254,8 +254,6 @@ def freeze_only_costs(search: PhaseSearch, cand: Candidate, ranges: Sequence[tup
         costs.append(StageCost(
             forward_s=float(tm.cum_nograd[a] - tm.cum_nograd[lo]) + float(tm.cum_fwd[hi] - tm.cum_fwd[a]) + ovh,
             backward_s=float(tm.cum_bwd[hi] - tm.cum_bwd[a]) + ovh, send_forward_s=send_f,
-            backward_weight_s=min(float(tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[a]),
-                                  float(tm.cum_bwd[hi] - tm.cum_bwd[a]) + ovh),  # zero-bubble W (issue 22)
             send_backward_s=send_b,
             allreduce_s=float(L.ar_lat[s] + grad * L.ar_per_byte[s]) if D > 1 and active else 0.0,
             optimizer_s=float(t.cum_opt_s[hi] - t.cum_opt_s[a]), fixed_bytes=int(fixed),

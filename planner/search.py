@@ -238,15 +238,9 @@ class PhaseSearch:
     def schedule(self, c: Candidate) -> Schedule:
         return build_schedule(c.schedule, c.K, c.M, c.V)
 
-    def stage_limit(self, c: Candidate, n0: int | None = None, fill_from: int = 0) -> float:
-        """Bytes one stage (chunk) may use: the device's usable memory, over V chunks per position. On a CPU cluster
-        with the AutoCache (given n0) the processes and the cache share the node's RAM: each process may use what
-        the cache leaves of it, split evenly (issue 22: before, the processes' limits took all of it)."""
-        lim = self.limit
-        if c.cache and n0 is not None and self.c.device_is_host and self.c.host_memory_bytes is not None:
-            room = self.c.host_memory_bytes * self.cfg.memory_fraction - self.host_bytes_per_node(c, n0, fill_from)
-            lim = min(lim, max(room, 1.0) / self.c.gpus_per_node)
-        return lim / c.V
+    def stage_limit(self, c: Candidate) -> float:
+        """Bytes one stage (chunk) may use: the device's usable memory, over V chunks per position."""
+        return self.limit if c.V == 1 else self.limit / c.V
 
     def pipeline_batch(self, D: int) -> int | None:
         if self.cfg.batch_policy == "constant-global":
@@ -260,7 +254,7 @@ class PhaseSearch:
             return StageChoice([self.uniform_model(replace(cand, fsdp_per_stage=False, recompute_per_stage=False,
                                                            fsdp=st.fsdp, recompute=st.recompute,
                                                            recompute_layers=st.recompute_layers), n0, fill_from)
-                                for st in self.stage_options(cand, n0)], self.stage_limit(cand, n0, fill_from))
+                                for st in self.stage_options(cand, n0)], self.stage_limit(cand))
         return self.uniform_model(cand, n0, fill_from)
 
     def stage_options(self, cand: Candidate, n0: int) -> list[Strategy]:
@@ -507,14 +501,19 @@ class PhaseSearch:
         need = self.host_bytes_per_node(c, n0, fill_from)
         if cap is None or not c.cache:
             return True, ""
-        usable = cap * self.cfg.memory_fraction  # on a CPU cluster shared with the processes (``stage_limit``)
-        if need < usable:
+        usable = cap * self.cfg.memory_fraction
+        if self.c.device_is_host:
+            usable -= self.c.gpus_per_node * self.limit  # the processes' own memory comes out of the same RAM
+        if need <= usable:
             return True, ""
         return False, (f"the AutoCache needs {need / GiB:,.1f} GiB of host memory per node "
                        f"(prefix outputs of {self.cfg.samples_per_epoch:,} samples and the frozen weights) but a "
-                       f"node has {usable / GiB:,.1f} GiB ({cap / GiB:,.1f} GiB x {self.cfg.memory_fraction:g}"
-                       + (f", shared with its {self.c.gpus_per_node} processes" if self.c.device_is_host else "")
-                       + "); use fewer samples per epoch, a node with more memory, or --cache off")
+                       f"node has {max(usable, 0) / GiB:,.1f} GiB to spare"
+                       + (f" ({cap / GiB:,.1f} GiB x {self.cfg.memory_fraction:g}, less its "
+                          f"{self.c.gpus_per_node} processes' {self.limit / GiB:,.1f} GiB each: on a CPU cluster "
+                          f"the processes share that RAM and their limits take all of it; give a cluster file with "
+                          f"smaller gpu_memory_bytes to leave the cache room, or --cache off)"
+                          if self.c.device_is_host else ""))
 
     # ---- 3. evaluation and search --------------------------------------------------------------
     def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf, *, descend: bool = True
@@ -532,7 +531,7 @@ class PhaseSearch:
         model, part = self._split_memo.pop(key, None) or (self.model(c, n0, fill_from), None)
         try:
             # V > 1: each of a position's V chunks within limit / V, so that the position fits
-            part = part or split_stages(model, c.S, self.stage_limit(c, n0, fill_from))
+            part = part or split_stages(model, c.S, self.stage_limit(c))
         except InfeasibleError as e:
             return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
         if not descend:  # ``_search`` may descend from it later
@@ -707,7 +706,7 @@ class _Scorer:
     def __init__(self, search: PhaseSearch, c: Candidate, model: StageModel | StageChoice, sched: Schedule,
                  visit: Visit, cutoff: float) -> None:
         self.s, self.c, self.model, self.sched, self.visit, self.cutoff = search, c, model, sched, visit, cutoff
-        self.limit = search.stage_limit(c, model.start, visit.fill_from if c.cache else 0) * (1 + 1e-12)
+        self.limit = search.stage_limit(c) * (1 + 1e-12)
 
     def __call__(self, cuts: tuple[int, ...], best: float) -> float:
         s, c, model = self.s, self.c, self.model

@@ -29,7 +29,7 @@ def brute_force(s: PhaseSearch, f: int, visit: Visit) -> tuple[float, object, tu
         if not s.host_fits(c, n0, ff)[0]:
             continue
         model = s.model(c, n0, ff)
-        limit = s.stage_limit(c, n0, ff) * (1 + 1e-12)
+        limit = s.stage_limit(c) * (1 + 1e-12)
         sched = s.schedule(c)
         for inner in itertools.combinations(range(n0 + 1, s.n), c.S - 1):
             b = [n0, *inner, s.n]
