@@ -62,10 +62,10 @@ def test_full_system_is_never_slower_than_the_rows_it_searches_beyond(paper_abla
         assert full <= paper_ablation.row(key).seconds * (1 + 1e-12), key
 
 
+@pytest.mark.xfail(strict=True, reason="planner defect the ablation found: under GPipe the split minimises the "
+                   "slowest stage's forward + backward, but GPipe's iteration grows with the slowest forward plus the "
+                   "slowest backward, which may sit on different stages")
 def test_full_system_is_never_slower_than_the_greedy_split_under_gpipe(vit):
-    """Was a strict xfail (the split minimised the slowest stage's forward + backward, GPipe's iteration grows
-    with the slowest forward plus the slowest backward); the split is now chosen by simulated time
-    (``planner/resplit.py``, issue 22 item 4)."""
     cfg = TrainingConfig(epochs=6, samples_per_epoch=20_000, batch=64, batch_policy="constant-pipeline",
                          schedule="gpipe")
     ab = ablate(vit, get_preset("cpu:4"), cfg, FreezePolicy(policy="geometric", alpha=0.2))
