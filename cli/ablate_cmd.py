@@ -16,6 +16,27 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def baseline_lines(ab: Ablation) -> list[str]:
+    """The baselines without freezing (planner/baselines.py) as table lines: layout, time, the full system's
+    speedup over each, memory per GPU and whether it fits."""
+    lines: list[str] = []
+    if ab.baselines:
+        lines += ["", f"{'baseline, no freezing':<50} {'K':>3} {'D':>4} {'tp':>3} {'M':>4} {'seconds':>11} "
+                      f"{'full is':>8}  memory per GPU"]
+        full_s = ab.row("full").seconds
+        for b in ab.baselines:
+            if b.seconds is None:
+                lines.append(f"{b.label:<50} not possible: {b.error}")
+                continue
+            vs = f"{b.seconds / full_s:.2f}x" if full_s else "-"
+            extra = "".join(f", {w}" for w, on in (("FSDP", b.fsdp), ("recompute", b.recompute)) if on)
+            lines.append(f"{b.label:<50} {b.K:>3} {b.D:>4} {b.tp:>3} {b.M:>4} {b.seconds:>11,.1f} {vs:>8}  "
+                         f"{b.peak_memory_bytes / 2**30:,.2f} GiB, {b.fit_text}{extra}"
+                         + (f" ({b.note})" if b.note else ""))
+        lines.append("full is: the baseline's seconds over the full system's (row 6)")
+    return lines
+
+
 def format_ablation(ab: Ablation) -> str:
     """The ablation as a table: row, what changed, seconds, speedups, the paper's bar, the K x D trajectory."""
     tr, fz = ab.training, ab.freeze
@@ -54,6 +75,7 @@ def format_ablation(ab: Ablation) -> str:
         lines.append(f"! row {r.number}: {n}")
     if len(flagged) > 16:
         lines.append(f"! ... and {len(flagged) - 16} more notes (--json: rows[].phases[].notes)")
+    lines += baseline_lines(ab)
     if ab.best_static_seconds < ab.baseline_seconds:
         full = ab.row("full").seconds
         vs = f"; the full system is {ab.best_static_seconds / full:.2f}x faster than it" if full else ""

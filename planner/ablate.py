@@ -38,6 +38,9 @@ Beyond the paper, each the full system with one part replaced:
    micro-batch size outside the profile's measured sizes, or M < K under 1F1B) the valid M nearest
    to it is used, and the phase says so.
 
+Beside the rows, ``baselines.py``'s classic layouts without freezing (pure data parallel, pure FSDP, tensor
+parallel, pipeline only, the best uniform strategy), each with its memory ("does not fit" where it does not).
+
 Speedups are against row 1; each row also states its step against the row it builds on (2 on 1,
 3 on 2, 4 on 3, 5 on 3, 6 on 5, 7-9 on 6). ``PAPER_SPEEDUPS`` holds the paper's published bars
 (PyTorch blog Fig. 9: ViT-B/16 on ImageNet, 2 nodes x 8 Quadro RTX 5000), for comparison only.
@@ -49,6 +52,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
+from .baselines import BaselineRow, baselines
 from .cluster import Cluster
 from .config import TrainingConfig
 from .errors import InfeasibleError, PtplanError
@@ -185,6 +189,13 @@ class Ablation:
     best_static_K: int
     best_static_M: int
     warnings: tuple[str, ...] = ()
+    baselines: tuple[BaselineRow, ...] = ()
+    """Classic layouts without freezing (``baselines.py``: pure data parallel, pure FSDP, tensor parallel,
+    pipeline only, the best uniform strategy), each with its time and memory, beside the rows."""
+
+    def baseline_speedup(self, b: BaselineRow) -> float | None:
+        """Row 1's seconds over the baseline's (as the rows' speedups)."""
+        return self.baseline_seconds / b.seconds if b.seconds else None
 
     def row(self, key: str) -> AblationRow:
         for r in self.rows:
@@ -203,6 +214,9 @@ class Ablation:
         for r, obj in zip(self.rows, d["rows"]):
             obj["summary"] = r.summary()
             obj["fits"] = r.fits
+        for b, obj in zip(self.baselines, d["baselines"]):
+            obj["fit"] = b.fit_text
+            obj["speedup"] = self.baseline_speedup(b)
         return {"schema": "ptplan.ablation/1", **d}
 
 
@@ -240,6 +254,8 @@ def freeze_only_costs(search: PhaseSearch, cand: Candidate, ranges: Sequence[tup
         costs.append(StageCost(
             forward_s=float(tm.cum_nograd[a] - tm.cum_nograd[lo]) + float(tm.cum_fwd[hi] - tm.cum_fwd[a]) + ovh,
             backward_s=float(tm.cum_bwd[hi] - tm.cum_bwd[a]) + ovh, send_forward_s=send_f,
+            backward_weight_s=min(float(tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[a]),
+                                  float(tm.cum_bwd[hi] - tm.cum_bwd[a]) + ovh),  # zero-bubble W (issue 22)
             send_backward_s=send_b,
             allreduce_s=float(L.ar_lat[s] + grad * L.ar_per_byte[s]) if D > 1 and active else 0.0,
             optimizer_s=float(t.cum_opt_s[hi] - t.cum_opt_s[a]), fixed_bytes=int(fixed),
@@ -627,7 +643,8 @@ def ablate(profile: Profile, cluster: Cluster, training: TrainingConfig, freeze:
                     freeze_steps=tuple(table), rows=tuple(rows),
                     best_static_seconds=full_plan.totals.best_static_seconds,
                     best_static_K=full_plan.totals.best_static_K, best_static_M=full_plan.totals.best_static_M,
-                    warnings=tuple(w.message for w in full_plan.warnings))
+                    warnings=tuple(w.message for w in full_plan.warnings),
+                    baselines=baselines(profile, cluster, cfg, freeze))
 
 
 def _fixed_width(profile: Profile, cluster: Cluster, cfg: TrainingConfig, table: list[int], freeze: FreezePolicy

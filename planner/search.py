@@ -40,6 +40,7 @@ from .config import TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
 from .partition import split_stages
+from .resplit import GIVE_UP, best_split, enumerable
 from .plan import MemoryBreakdown
 from .profile import Profile
 from .replicate import divisors
@@ -192,6 +193,8 @@ class PhaseSearch:
         self._stage0: dict[int, int] = {}
         self._fbmax: dict[int | tuple[int, int], np.ndarray] = {}
         self._hint: dict[bool | None, tuple] = {}
+        self._split_memo: dict[tuple, tuple] = {}
+        """(stage model, AutoPipe's split) of the candidates ``_search`` evaluated without the descent."""
         self.schedules = self._schedules()
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
@@ -235,9 +238,15 @@ class PhaseSearch:
     def schedule(self, c: Candidate) -> Schedule:
         return build_schedule(c.schedule, c.K, c.M, c.V)
 
-    def stage_limit(self, c: Candidate) -> float:
-        """Bytes one stage (chunk) may use: the device's usable memory, over V chunks per position."""
-        return self.limit if c.V == 1 else self.limit / c.V
+    def stage_limit(self, c: Candidate, n0: int | None = None, fill_from: int = 0) -> float:
+        """Bytes one stage (chunk) may use: the device's usable memory, over V chunks per position. On a CPU cluster
+        with the AutoCache (given n0) the processes and the cache share the node's RAM: each process may use what
+        the cache leaves of it, split evenly (issue 22: before, the processes' limits took all of it)."""
+        lim = self.limit
+        if c.cache and n0 is not None and self.c.device_is_host and self.c.host_memory_bytes is not None:
+            room = self.c.host_memory_bytes * self.cfg.memory_fraction - self.host_bytes_per_node(c, n0, fill_from)
+            lim = min(lim, max(room, 1.0) / self.c.gpus_per_node)
+        return lim / c.V
 
     def pipeline_batch(self, D: int) -> int | None:
         if self.cfg.batch_policy == "constant-global":
@@ -251,7 +260,7 @@ class PhaseSearch:
             return StageChoice([self.uniform_model(replace(cand, fsdp_per_stage=False, recompute_per_stage=False,
                                                            fsdp=st.fsdp, recompute=st.recompute,
                                                            recompute_layers=st.recompute_layers), n0, fill_from)
-                                for st in self.stage_options(cand, n0)], self.stage_limit(cand))
+                                for st in self.stage_options(cand, n0)], self.stage_limit(cand, n0, fill_from))
         return self.uniform_model(cand, n0, fill_from)
 
     def stage_options(self, cand: Candidate, n0: int) -> list[Strategy]:
@@ -473,41 +482,8 @@ class PhaseSearch:
         return got
 
     def split_bound(self, c: Candidate, costs: Sequence[StageCost]) -> float:
-        """A lower bound on the simulated iteration once the split is known (the same arguments as
-        ``lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
-        S, M, K = len(costs), c.M, c.K
-        zb = c.schedule.startswith("zb")
-        f = [x.forward_s + x.prefix_s for x in costs]
-        b = [x.backward_s for x in costs]
-        path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b
-        T = sum(f) + sum(path_b) + costs[0].setup_s + sum(x.send_forward_s + x.send_backward_s for x in costs)
-        s2r = stage_to_rank(c.schedule, K, c.V)
-        load = [0.0] * K
-        done = [0.0] * K
-        for s, x in enumerate(costs):
-            load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
-            done[s2r[s]] += x.allreduce_s + x.optimizer_s
-        if c.schedule == "2bw":  # the steady state: each rank's work (and all-reduces) once per period
-            opt, ar = [0.0] * K, [0.0] * K
-            for s, x in enumerate(costs):
-                opt[s2r[s]] += x.optimizer_s
-                ar[s2r[s]] += x.allreduce_s
-            return max(max(ld + o for ld, o in zip(load, opt)), max(ar)) + self.c.step_overhead_s
-        pipe = max(T, max(load))
-        if c.schedule == "gpipe":
-            pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))
-        elif c.schedule == "1f1b":
-            pipe = max(pipe, T + max((M - 1) * f[s] + max(0, M - S + s) * b[s] for s in range(S)))
-        if not zb:  # head and tail of every stage
-            head = tail_b = 0.0
-            for s in range(S):
-                pipe = max(pipe, costs[0].setup_s + head + M * (f[s] + b[s]) + tail_b)
-                head += f[s]
-                tail_b += b[s]
-        tail = max(ld + dn for ld, dn in zip(load, done))
-        if zb:
-            return max(pipe, tail) + self.c.step_overhead_s
-        return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + self.c.step_overhead_s
+        """``split_bound`` (module level) for this search's cluster."""
+        return split_bound(c, costs, self.c.step_overhead_s)
 
     def host_bytes_per_node(self, c: Candidate, n0: int, fill_from: int) -> float:
         """Host memory a node needs for the AutoCache: every sample's prefix output at n0 and, while a
@@ -531,41 +507,44 @@ class PhaseSearch:
         need = self.host_bytes_per_node(c, n0, fill_from)
         if cap is None or not c.cache:
             return True, ""
-        usable = cap * self.cfg.memory_fraction
-        if self.c.device_is_host:
-            usable -= self.c.gpus_per_node * self.limit  # the processes' own memory comes out of the same RAM
-        if need <= usable:
+        usable = cap * self.cfg.memory_fraction  # on a CPU cluster shared with the processes (``stage_limit``)
+        if need < usable:
             return True, ""
         return False, (f"the AutoCache needs {need / GiB:,.1f} GiB of host memory per node "
                        f"(prefix outputs of {self.cfg.samples_per_epoch:,} samples and the frozen weights) but a "
-                       f"node has {max(usable, 0) / GiB:,.1f} GiB to spare"
-                       + (f" ({cap / GiB:,.1f} GiB x {self.cfg.memory_fraction:g}, less its "
-                          f"{self.c.gpus_per_node} processes' {self.limit / GiB:,.1f} GiB each: on a CPU cluster "
-                          f"the processes share that RAM and their limits take all of it; give a cluster file with "
-                          f"smaller gpu_memory_bytes to leave the cache room, or --cache off)"
-                          if self.c.device_is_host else ""))
+                       f"node has {usable / GiB:,.1f} GiB ({cap / GiB:,.1f} GiB x {self.cfg.memory_fraction:g}"
+                       + (f", shared with its {self.c.gpus_per_node} processes" if self.c.device_is_host else "")
+                       + "); use fewer samples per epoch, a node with more memory, or --cache off")
 
     # ---- 3. evaluation and search --------------------------------------------------------------
-    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf
+    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf, *, descend: bool = True
                  ) -> "Choice | str | _Reason | None":
         """Split and simulate one candidate; a reason when it does not fit; None when its split's bound
-        per sample is no better than ``cutoff`` (it cannot win)."""
+        per sample is no better than ``cutoff`` (it cannot win). The split: the best by simulated time
+        (``resplit.best_split``: every split where there are few, else the descent from AutoPipe's split, which
+        ``descend=False`` leaves out)."""
         self.evaluated += 1
         fill_from = visit.fill_from if c.cache else 0
         ok, why = self.host_fits(c, n0, fill_from)
         if not ok:
             return f"K={c.K}, M={c.M}, cache on: {why}"
-        model = self.model(c, n0, fill_from)
+        key = (c, n0, fill_from)
+        model, part = self._split_memo.pop(key, None) or (self.model(c, n0, fill_from), None)
         try:
             # V > 1: each of a position's V chunks within limit / V, so that the position fits
-            part = split_stages(model, c.S, self.stage_limit(c))
+            part = part or split_stages(model, c.S, self.stage_limit(c, n0, fill_from))
         except InfeasibleError as e:
             return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
-        ranges = part.ranges
-        costs = tuple(model.stage_costs(ranges))
-        if self.split_bound(c, costs) / c.B > cutoff * (1 + 1e-12):
-            return None
+        if not descend:  # ``_search`` may descend from it later
+            self._split_memo[key] = (model, part)
         sched = self.schedule(c)
+        cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)],
+                                 sc := _Scorer(self, c, model, sched, visit, cutoff), bounds=sc.bounds,
+                                 give_up=cutoff * (1 + GIVE_UP) if descend else -math.inf)
+        if score > cutoff * (1 + 1e-12):
+            return None
+        ranges = tuple(zip(cuts[:-1], cuts[1:]))
+        costs = tuple(model.stage_costs(ranges))
         sim = simulate(sched, costs, step_overhead_s=self.c.step_overhead_s)
         fill_costs: tuple[StageCost, ...] = ()
         fill_sim = None
@@ -624,9 +603,13 @@ class PhaseSearch:
         heapq.heapify(heap)
         best: Choice | None = None
 
-        def consider(c: Candidate) -> None:
+        near: list[Choice] = []
+
+        def consider(c: Candidate, descend: bool = False) -> None:
             nonlocal best
-            got = self.evaluate(c, n0, visit, best.objective if best is not None else math.inf)
+            got = self.evaluate(c, n0, visit, best.objective if best is not None else math.inf, descend=descend)
+            if isinstance(got, Choice) and not descend:
+                near.append(got)
             if got is None:
                 return
             if not isinstance(got, Choice):
@@ -644,6 +627,11 @@ class PhaseSearch:
                 consider(c)
         if best is None:
             return [str(r) for r in reasons]
+        # the descent, for the candidates whose AutoPipe split is near the best (``resplit.GIVE_UP``)
+        for ch in sorted(near, key=_order):
+            if ch.objective <= best.objective * (1 + GIVE_UP) and not enumerable(n0, self.n, ch.cand.S):
+                consider(ch.cand, True)
+        self._split_memo.clear()
         self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
                              best.cand.tp, best.cand.mode)
         return replace(best, notes=tuple(notes))
@@ -661,6 +649,44 @@ class PhaseSearch:
             f"{'' if len(self.strategies) > 1 else '; or --strategies auto (tensor parallel, FSDP, recomputation)'}.")
 
 
+def split_bound(c: Candidate, costs: Sequence[StageCost], step_overhead_s: float) -> float:
+    """A lower bound on the simulated iteration once the split is known (the same arguments as
+    ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
+    S, M, K = len(costs), c.M, c.K
+    zb = c.schedule.startswith("zb")
+    f = [x.forward_s + x.prefix_s for x in costs]
+    b = [x.backward_s for x in costs]
+    path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b
+    T = sum(f) + sum(path_b) + costs[0].setup_s + sum(x.send_forward_s + x.send_backward_s for x in costs)
+    s2r = stage_to_rank(c.schedule, K, c.V)
+    load = [0.0] * K
+    done = [0.0] * K
+    for s, x in enumerate(costs):
+        load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
+        done[s2r[s]] += x.allreduce_s + x.optimizer_s
+    if c.schedule == "2bw":  # the steady state: each rank's work (and all-reduces) once per period
+        opt, ar = [0.0] * K, [0.0] * K
+        for s, x in enumerate(costs):
+            opt[s2r[s]] += x.optimizer_s
+            ar[s2r[s]] += x.allreduce_s
+        return max(max(ld + o for ld, o in zip(load, opt)), max(ar)) + step_overhead_s
+    pipe = max(T, max(load))
+    if c.schedule == "gpipe":
+        pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))
+    elif c.schedule == "1f1b":
+        pipe = max(pipe, T + max((M - 1) * f[s] + max(0, M - S + s) * b[s] for s in range(S)))
+    if not zb:  # head and tail of every stage
+        head = tail_b = 0.0
+        for s in range(S):
+            pipe = max(pipe, costs[0].setup_s + head + M * (f[s] + b[s]) + tail_b)
+            head += f[s]
+            tail_b += b[s]
+    tail = max(ld + dn for ld, dn in zip(load, done))
+    if zb:
+        return max(pipe, tail) + step_overhead_s
+    return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + step_overhead_s
+
+
 def _order(ch: Choice) -> tuple:
     """How choices compare: the objective, then (deterministic ties) smaller K, M, no cache, name, V,
     then the simpler strategy (smaller tp, fewer FSDP stages, fewer recomputing stages, a strategy fixed
@@ -669,6 +695,78 @@ def _order(ch: Choice) -> tuple:
     n_fsdp = sum(st.fsdp for st in ch.strategies) if ch.strategies else c.S * c.fsdp
     n_rc = sum(st.recompute for st in ch.strategies) if ch.strategies else c.S * c.recompute
     return ch.objective, c.K, c.M, c.cache, c.schedule, c.V, c.tp, n_fsdp, n_rc, c.mode
+
+
+class _Scorer:
+    """``resplit.best_split``'s score of one candidate's splits: the phase's seconds per sample (the
+    simulator's steady iteration, and with the AutoCache its fill iteration, weighted as ``_seconds_per_sample``);
+    infinite where a stage breaks the memory limit; the split's lower bound (``PhaseSearch.split_bound``) per
+    sample instead, where that already loses to the best so far or to the search's cutoff (never below the
+    simulated objective, so no such split is taken over a simulated one)."""
+
+    def __init__(self, search: PhaseSearch, c: Candidate, model: StageModel | StageChoice, sched: Schedule,
+                 visit: Visit, cutoff: float) -> None:
+        self.s, self.c, self.model, self.sched, self.visit, self.cutoff = search, c, model, sched, visit, cutoff
+        self.limit = search.stage_limit(c, model.start, visit.fill_from if c.cache else 0) * (1 + 1e-12)
+
+    def __call__(self, cuts: tuple[int, ...], best: float) -> float:
+        s, c, model = self.s, self.c, self.model
+        lo, hi = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
+        if bool((np.asarray(model.evaluate_split(model.prepare(lo, hi))[1]) > self.limit).any()):
+            return math.inf
+        ranges = tuple(zip(cuts[:-1], cuts[1:]))
+        costs = model.stage_costs(ranges)
+        if not c.cache:  # (the fill iteration has its own costs: a cached candidate's splits are all simulated)
+            lb = s.split_bound(c, costs) / c.B
+            if lb > min(best, self.cutoff) * (1 + 1e-12):
+                return lb
+        steady = simulate(self.sched, costs, step_overhead_s=s.c.step_overhead_s).iteration_s
+        fill = steady
+        if c.cache:
+            fill = simulate(self.sched, model.stage_costs(ranges, fill=True), step_overhead_s=s.c.step_overhead_s
+                            ).iteration_s
+        return _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
+
+    def bounds(self, X: np.ndarray) -> np.ndarray:
+        """Lower bounds of ``__call__`` for the splits in the rows of X (``resplit.Bounds``), cheap (numpy): the
+        terms of ``PhaseSearch.split_bound`` from each stage's least busy time l_s (the stage family's
+        ``cum_time_lb``: its layers' forward and backward, no messages) plus its two actions' overheads and stage
+        0's prefix. Every rank runs its M forwards and backwards one at a time, then its all-reduce and optimizer
+        step (M·l_s + ar_s + opt_s); with a flush, stage s starts only after micro-batch 0's forwards f_s' on the
+        stages before it (Σ_{s'<s} f_s' + M·l_s + ar_s + opt_s), and without W it also ends only before their
+        last backwards, after which stage 0's all-reduce and step come (Σ_{s'<s} l_s' + M·l_s + ar_0 + opt_0).
+        With the AutoCache stage 0's set-up comes first (reading, or in a fill iteration filling, the cache); then
+        the step overhead; steady and fill iterations weighted as the objective weighs them
+        (``_seconds_per_sample``). Infinite where a stage breaks the memory limit. Where stages choose their
+        strategy (``StageChoice``), each term is the least over the choices."""
+        c, model, s = self.c, self.model, self.s
+        ms = model.models if isinstance(model, StageChoice) else (model,)
+        lo, hi = X[:, :-1], X[:, 1:]
+        L = model.cum_time_lb[hi] - model.cum_time_lb[lo] + 2 * min(m.ovh for m in ms)
+        L[:, 0] += min(m.prefix_s for m in ms)
+        flush = c.schedule != "2bw"
+        done = np.min([(m.links.ar_lat + (m.t.cum_sync[hi] - m.t.cum_sync[lo]) * m.links.ar_per_byte
+                        if m.sync and flush else 0.0) + m.t.cum_opt_s[hi] - m.t.cum_opt_s[lo] for m in ms], axis=0)
+        work = c.M * L + done
+        head = np.max(np.cumsum(L, axis=1) - L + c.M * L, axis=1) + done[:, 0] \
+            if flush and not c.schedule.startswith("zb") else -np.inf
+        if flush:  # stage s's first forward waits for micro-batch 0's forwards on the stages before it
+            Fw = np.min([m.times.cum_fwd[hi] - m.times.cum_fwd[lo] for m in ms], axis=0) + min(m.ovh for m in ms)
+            Fw[:, 0] += min(m.prefix_s for m in ms)
+            head = np.maximum(head, np.max(np.cumsum(Fw, axis=1) - Fw + work, axis=1))
+
+        def iteration(setup: float) -> np.ndarray:  # the cache's set-up delays stage 0's rank, and so every stage
+            return np.maximum(np.maximum(work[:, 0] + setup, np.max(work, axis=1)), head + setup) \
+                + s.c.step_overhead_s
+        steady = iteration(min(m.read_setup_s for m in ms))
+        fill = iteration(min(m.fill_setup_s for m in ms)) if c.cache else steady
+        N = s.cfg.samples_per_epoch  # the objective is linear in the two iterations: its two weights
+        lb = (_seconds_per_sample(c, 1.0, 0.0, self.visit, N) * steady
+              + _seconds_per_sample(c, 0.0, 1.0, self.visit, N) * fill)
+        for st in range(X.shape[1] - 1):
+            _, mem = model.evaluate(st, model.prepare(lo[:, st], hi[:, st]))
+            lb = np.where(np.asarray(mem) > self.limit, np.inf, lb)
+        return lb
 
 
 class _Reason:

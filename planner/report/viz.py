@@ -332,7 +332,8 @@ def write_report(plan: Plan, path: str | os.PathLike, comparison: "Comparison | 
 # ---- the ablation (ptplan ablate --report) -------------------------------------------------------
 def ablation_figure(ab: "Ablation") -> go.Figure:
     """Predicted speedup of every ablation row over the no-freezing baseline, with the paper's published
-    bars beside the rows it has (PyTorch blog Fig. 9: ViT-B/16, ImageNet, 2 x 8 Quadro RTX 5000)."""
+    bars beside the rows it has (PyTorch blog Fig. 9: ViT-B/16, ImageNet, 2 x 8 Quadro RTX 5000), and the
+    classic layouts without freezing (``Ablation.baselines``; grey where they do not fit in memory)."""
     rows = [r for r in ab.rows if r.speedup is not None]
     labels = [f"{r.number}. {r.label}" for r in rows]
     fig = go.Figure()
@@ -343,6 +344,16 @@ def ablation_figure(ab: "Ablation") -> go.Figure:
         customdata=[[(r.seconds or 0.0) / 3600, r.speedup_vs or 0.0, r.versus] for r in rows],
         hovertemplate="%{y}<br>%{x:.2f}× the baseline<br>%{customdata[0]:.2f} h predicted<br>"
                       "%{customdata[1]:.2f}× over row %{customdata[2]}<extra></extra>"))
+    base = [(b, ab.baseline_speedup(b)) for b in ab.baselines if b.seconds]
+    if base:  # the classic layouts without freezing (planner/baselines.py), memory in the hover
+        fig.add_trace(go.Bar(
+            y=[f"B. {b.label}" for b, _ in base], x=[x for _, x in base], orientation="h",
+            name="baselines, no freezing", marker_color=[BASE_COLOUR if b.fits else "#BAB0AC" for b, _ in base],
+            text=[f"{x:.2f}×" + ("" if b.fits else " (does not fit)") for b, x in base], textposition="outside",
+            customdata=[[(b.seconds or 0.0) / 3600, b.peak_memory_bytes / 2**30, b.fit_text] for b, _ in base],
+            hovertemplate="%{y}<br>%{x:.2f}× the baseline<br>%{customdata[0]:.2f} h predicted<br>"
+                          "%{customdata[1]:.2f} GiB per GPU: %{customdata[2]}<extra></extra>"))
+        labels = labels + [f"B. {b.label}" for b, _ in base]
     paper = [(lab, r.paper_speedup) for lab, r in zip(labels, rows) if r.paper_speedup is not None]
     if paper:
         fig.add_trace(go.Scatter(y=[p[0] for p in paper], x=[p[1] for p in paper], mode="markers",
@@ -350,7 +361,7 @@ def ablation_figure(ab: "Ablation") -> go.Figure:
                                  name="the paper's bar (ViT-B/16 ImageNet, 2 x 8 RTX 5000)",
                                  hovertemplate="paper: %{x:.2f}×<extra></extra>"))
     fig.add_vline(x=1.0, line_dash="dot", line_color=BASE_COLOUR)
-    _base_layout(fig, f"Where the speedup comes from — {ab.model} on {ab.cluster}", 120 + 42 * len(rows),
+    _base_layout(fig, f"Where the speedup comes from — {ab.model} on {ab.cluster}", 120 + 42 * len(labels),
                  legend_right=False)
     fig.update_layout(xaxis_title="predicted speedup over no freezing (×)", bargap=0.35,
                       yaxis=dict(autorange="reversed"))

@@ -1,0 +1,131 @@
+"""The split by simulated time: AutoPipe's min-max split, then cut moves scored by the simulator.
+
+Legend: a split of the active layers [n0, n) into S stages is its S + 1 boundaries ``cuts`` (n0 first, n
+last); K, M, D as in ``search.py``.
+
+``partition.split_stages`` minimises a proxy, the slowest stage's busy time (its compute, both its
+messages and, on stage 0, the frozen prefix), then the sum of squares. The simulated iteration is not
+that: messages do not block the sender, a stage's all-reduce and optimizer step land after its own
+last backward (stage 0's after the whole pipeline), and a stage's position sets when it starts and
+ends. So the proxy's optimum can be slower than another split (issue 22: bert-large on cpu:4, 17 frozen,
+K=2: (35,36)|(36,51) 1.25x slower than (35,41)|(41,51)).
+
+``best_split`` scores every split where a candidate has at most ``ENUMERATE_UP_TO`` (and at most
+``ENUMERATE_LAYERS`` active layers: exact); otherwise it
+starts from the proxy's optimum and descends on the simulated objective: every move of one
+cut by up to ``RADIUS`` layers, every shift of two neighbouring cuts together by one, every move of
+one layer across a stage (a cut moved one way, the next the other way), and every shift by one of all the
+cuts before, or all the cuts after, a stage (moving weight towards the pipeline's ends, where all-reduces
+land at different times), each split scored by ``score``
+(the simulator; infinite where a stage does not fit); the best move is taken while it improves, from
+the best split so far. Scores are memoised by cuts, and ``score`` may return infinity early for a split
+whose lower bound already loses (``PhaseSearch.split_bound``), so most moves cost a bound, not a
+simulation. Randomised brute force (``tests/test_resplit.py``: every split x K x M x cache scored by the
+simulator) holds the search's chosen phase to the best simulated one.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+RADIUS = 1
+"""How many layers one cut moves in one step."""
+GIVE_UP = 0.05
+"""The search does not descend from a split whose score is over (1 + GIVE_UP) x the best candidate's so far (the
+issue's audit found the proxy's split at most 1.55x the best split's simulated time; a candidate that far behind
+the best is not refined)."""
+MAX_ROUNDS = 64
+"""Descent steps at most per split (each takes the best improving move)."""
+ENUMERATE_UP_TO = 1024
+"""Where a candidate has at most this many splits, every one is scored (exact) instead of the descent ..."""
+ENUMERATE_LAYERS = 16
+"""... and at most this many active layers (a large model's K = 2 would otherwise score every cut of it)."""
+
+
+def neighbours(cuts: Sequence[int], radius: int = RADIUS) -> list[tuple[int, ...]]:
+    """Splits one move away (module docstring): valid boundaries only (every stage keeps a layer)."""
+    c = list(cuts)
+    S = len(c) - 1
+    out: list[tuple[int, ...]] = []
+
+    def add(x: list[int]) -> None:
+        if all(a < b for a, b in zip(x, x[1:])):
+            out.append(tuple(x))
+
+    for i in range(1, S):
+        for d in range(1, radius + 1):
+            for sgn in (-d, d):
+                x = c.copy()
+                x[i] += sgn
+                add(x)
+    for i in range(1, S - 1):
+        for sgn in (-1, 1):
+            x = c.copy()
+            x[i] += sgn
+            x[i + 1] += sgn
+            add(x)
+            y = c.copy()
+            y[i] += sgn
+            y[i + 1] -= sgn
+            add(y)
+    for i in range(2, S):  # every cut from the i-th on, or up to the (i-1)-th, shifted by one layer
+        for sgn in (-1, 1):
+            add(c[:i] + [x + sgn for x in c[i:S]] + c[S:])
+            add(c[:1] + [x + sgn for x in c[1:i]] + c[i:])
+    return list(dict.fromkeys(out))
+
+
+def enumerable(a: int, n: int, S: int, up_to: int | None = None) -> bool:
+    """Whether ``best_split`` scores every split of layers [a, n) into S stages (instead of the descent);
+    ``up_to`` default ``ENUMERATE_UP_TO``."""
+    return n - a <= ENUMERATE_LAYERS and math.comb(n - a - 1, S - 1) <= (ENUMERATE_UP_TO if up_to is None else up_to)
+
+
+Bounds = Callable[[np.ndarray], np.ndarray]
+"""Lower bounds of the scores of many splits at once (rows of cuts), cheap (numpy): infinite where one does not fit."""
+
+
+def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
+               radius: int = RADIUS, max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None,
+               give_up: float = math.inf) -> tuple[tuple[int, ...], float]:
+    """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
+    descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
+    where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
+    lower-bounds scores, so that splits whose bound loses are not scored: the enumeration scores splits in
+    ascending order of their bounds and stops at the first that cannot win. The descent is not started where
+    ``cuts`` scores above ``give_up``."""
+    cur = tuple(cuts)
+    best = score(cur, math.inf)
+    if len(cur) <= 2:
+        return cur, best
+    a, n, S = cur[0], cur[-1], len(cur) - 1
+    if enumerable(a, n, S, enumerate_up_to):
+        X = np.array([(a, *inner, n) for inner in itertools.combinations(range(a + 1, n), S - 1)], dtype=np.int64)
+        lb = bounds(X) if bounds is not None else np.zeros(len(X))
+        for i in np.argsort(lb, kind="stable").tolist():
+            if not lb[i] < best * (1 - 1e-12):
+                break
+            x = tuple(X[i].tolist())
+            if x != cur:
+                v = score(x, best)
+                if v < best * (1 - 1e-12):
+                    cur, best = x, v
+        return cur, best
+    seen: dict[tuple[int, ...], float] = {cur: best}
+    if not best <= give_up:
+        return cur, best
+    for _ in range(max_rounds):
+        step, step_score = cur, best
+        nb = [x for x in neighbours(cur, radius) if x not in seen]
+        lbs = bounds(np.array(nb, dtype=np.int64)).tolist() if bounds is not None and nb else [0.0] * len(nb)
+        for x, lo in zip(nb, lbs):
+            v = seen[x] = lo if not lo < step_score * (1 - 1e-12) else score(x, step_score)
+            if v < step_score * (1 - 1e-12):
+                step, step_score = x, v
+        if step == cur:
+            break
+        cur, best = step, step_score
+    return cur, best
