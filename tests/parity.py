@@ -108,6 +108,7 @@ def recorded_run(cfg: Any, plan: Plan, model: nn.Module, dataset: Any, *, world:
 
 def adamw_well_conditioned(grads: list[dict[str, torch.Tensor]], weights: list[dict[str, torch.Tensor]], *,
                            lr: float, eps: float, grad_tol: float, tol: float, floor: float = 0.02,
+                           grad_floor: float | None = None,
                            betas: tuple[float, float] = (0.9, 0.999)) -> list[dict[str, torch.Tensor]]:
     """Per step t and tensor, the elements whose AdamW weights a run may be held to ``tol`` on (a bool mask).
 
@@ -121,7 +122,9 @@ def adamw_well_conditioned(grads: list[dict[str, torch.Tensor]], weights: list[d
     them (``adamw_loose_bound``).
 
     ``grads[t]``/``weights[t]``: the reference's gradients at step t (of the parameters that trained) and its
-    weights after that step."""
+    weights after that step. ``grad_floor`` (default ``floor``): the smallest gradient scale Δg is taken of; with
+    clipped gradients (every element far below ``floor``) the tensor's own largest gradient is the scale its
+    rounding is relative to, so pass 0."""
     b1, b2 = betas
     out: list[dict[str, torch.Tensor]] = []
     m: dict[str, torch.Tensor] = {}
@@ -138,7 +141,7 @@ def adamw_well_conditioned(grads: list[dict[str, torch.Tensor]], weights: list[d
                 m[k] = b1 * m.get(k, torch.zeros_like(g)) + (1 - b1) * g
                 v[k] = b2 * v.get(k, torch.zeros_like(g)) + (1 - b2) * g * g
                 mh, sv = m[k] / (1 - b1 ** n[k]), (v[k] / (1 - b2 ** n[k])).sqrt() + eps
-                dg = grad_tol * max(float(g.abs().max()), floor)
+                dg = grad_tol * max(float(g.abs().max()), floor if grad_floor is None else grad_floor)
                 err[k] = err.get(k, torch.zeros_like(g)) + lr * dg * (1 / sv + mh.abs() / sv ** 2)
             masks[k] = err.get(k, torch.zeros_like(w, dtype=torch.float64)) <= tol * max(float(w.abs().max()), floor)
         out.append(masks)

@@ -24,7 +24,7 @@ from ptplan.executor.runtime.optim import lr_factor, param_groups
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import make_plan, spec
 from ptplan.executor.launch.local import run_world
-from parity import max_rel_diff
+from parity import adamw_loose_bound, adamw_well_conditioned, masked_max_rel_diff, max_rel_diff
 from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.errors import PtplanError
 
@@ -32,7 +32,11 @@ pytestmark = pytest.mark.multiproc
 
 N, B, STEPS, WARMUP, CLIP = 48, 8, 6, 2, 0.05
 OPT = {"sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01, tol=1e-5),
-       "adamw": dict(lr=2e-3, weight_decay=0.01, eps=1e-6, tol=1e-4)}
+       "adamw": dict(lr=2e-3, weight_decay=0.01, eps=1e-6, tol=1e-5)}
+# The gradients' rounding difference between the run (4 ranks: another summation order) and the reference, as a
+# share of a tensor's largest gradient: float32's unit round-off (6e-8) times the 16 summands a micro-batch
+# mean and the 4-rank all-reduce reorder -- 1e-6, twice the 4.5e-7 measured on another CPU (issue 24).
+GRAD_ROUNDING = 1e-6
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -75,7 +79,7 @@ def _reference(optimizer: str, data):
            torch.optim.AdamW(groups, lr=o["lr"], eps=o["eps"]))
     x, y, m = data
     order = epoch_order(N, 0, 0)
-    norms, lrs = [], []
+    norms, lrs, grads, weights = [], [], [], []
     first_active = next(i for i, s in enumerate(model.specs) if s.block is not None and s.block >= 1)
     for t in range(STEPS):
         if t == 3:  # one block frozen from step 3
@@ -92,8 +96,13 @@ def _reference(optimizer: str, data):
         for g in opt.param_groups:
             g["lr"] = lr
         lrs.append(lr)
+        # what AdamW sees this step: the clipped gradient scaled by this step's lr relative to the base lr
+        # (adamw_well_conditioned takes one lr; the schedule only scales the update)
+        grads.append({k: p.grad.detach().clone() * (lr / o["lr"]) for k, p in model.named_parameters()
+                      if p.grad is not None})
         opt.step()
-    return {k: v.detach().clone() for k, v in model.named_parameters()}, norms, lrs
+        weights.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    return weights[-1], norms, lrs, grads, weights
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -117,13 +126,22 @@ def test_clipping_schedule_and_decay_groups_match_a_single_process_reference(opt
     res = run_world(4, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
     assert res.ok, res.explain()
     got = torch.load(tmp_path / "final.pt")
-    want, norms, lrs = _reference(optimizer, data)
+    want, norms, lrs, grads, weights = _reference(optimizer, data)
     steps = [r for r in read_records(cfg.log) if r["type"] == "step"]
     assert [(r["K"], r["D"]) for r in steps] == [(2, 2)] * 3 + [(1, 4)] * 3
     assert [r["lr"] for r in steps] == pytest.approx(lrs, rel=1e-12)
     assert [r["grad_norm"] for r in steps] == pytest.approx(norms, rel=1e-4)
     assert all(n > CLIP for n in norms)  # every step clipped
-    worst, where = max_rel_diff(got, want)
+    if optimizer == "sgd":
+        worst, where = max_rel_diff(got, want)
+    else:  # AdamW: held to tol where the update is well-conditioned, elsewhere to what AdamW can move an element
+        masks = adamw_well_conditioned(grads, weights, lr=o["lr"], eps=o["eps"], grad_tol=GRAD_ROUNDING, tol=o["tol"],
+                                       grad_floor=0.0)
+        worst, where, outside, share = masked_max_rel_diff(got, want, masks[-1])
+        print(f"\nadamw: max rel diff {worst:.2e} ({where}) on {share:.1%} of the elements; elsewhere {outside:.1e} "
+              f"(bound {adamw_loose_bound(o['lr'], STEPS):.1e})")
+        assert share > 0.5, share  # the strict comparison still covers most of the elements
+        assert outside <= adamw_loose_bound(o["lr"], STEPS), outside
     assert worst <= o["tol"], (worst, where)
 
 
