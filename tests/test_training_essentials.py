@@ -24,7 +24,7 @@ from ptplan.executor.runtime.optim import lr_factor, param_groups
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import make_plan, spec
 from ptplan.executor.launch.local import run_world
-from parity import adamw_loose_bound, adamw_well_conditioned, masked_max_rel_diff, max_rel_diff
+from parity import GRAD_ROUNDING, MIN_SHARE, adamw_loose_bound, adamw_well_conditioned, masked_max_rel_diff, max_rel_diff
 from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.errors import PtplanError
 
@@ -33,10 +33,6 @@ pytestmark = pytest.mark.multiproc
 N, B, STEPS, WARMUP, CLIP = 48, 8, 6, 2, 0.05
 OPT = {"sgd": dict(lr=0.05, momentum=0.9, weight_decay=0.01, tol=1e-5),
        "adamw": dict(lr=2e-3, weight_decay=0.01, eps=1e-6, tol=1e-5)}
-# The gradients' rounding difference between the run (4 ranks: another summation order) and the reference, as a
-# share of a tensor's largest gradient: float32's unit round-off (6e-8) times the 16 summands a micro-batch
-# mean and the 4-rank all-reduce reorder -- 1e-6, twice the 4.5e-7 measured on another CPU (issue 24).
-GRAD_ROUNDING = 1e-6
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -140,7 +136,7 @@ def test_clipping_schedule_and_decay_groups_match_a_single_process_reference(opt
         worst, where, outside, share = masked_max_rel_diff(got, want, masks[-1])
         print(f"\nadamw: max rel diff {worst:.2e} ({where}) on {share:.1%} of the elements; elsewhere {outside:.1e} "
               f"(bound {adamw_loose_bound(o['lr'], STEPS):.1e})")
-        assert share > 0.5, share  # the strict comparison still covers most of the elements
+        assert share >= MIN_SHARE, share  # the strict comparison still covers most of the elements
         assert outside <= adamw_loose_bound(o["lr"], STEPS), outside
     assert worst <= o["tol"], (worst, where)
 
