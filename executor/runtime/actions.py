@@ -62,7 +62,7 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
             want = build_schedule("2bw", phase.K, phase.M, phase.V)
         except ScheduleError as e:
             raise PtplanError(f"{_where(index, phase)}: the executor cannot run its schedule: {e}; {fix}") from None
-        if phase.actions and tuple(phase.actions) != tuple(" ".join(map(str, a)) for a in want.actions):
+        if not _stored_lists_are(phase, want):
             raise PtplanError(f"{_where(index, phase)}: the executor runs PipeDream-2BW as the continuous 1F1B that "
                               f"`ptplan plan` writes (planner.schedule.two_bw), but this phase's action lists differ; "
                               f"{fix}")
@@ -71,6 +71,11 @@ def phase_schedule(phase: Phase, index: int | None = None) -> Schedule:
         return _checked(phase.schedule, phase.K, phase.M, phase.V, phase.stage_to_rank(), phase.actions)
     except ScheduleError as e:
         raise PtplanError(f"{_where(index, phase)}: the executor cannot run its schedule: {e}; {fix}") from None
+
+
+def _stored_lists_are(phase: Phase, want: Schedule) -> bool:
+    """Whether the phase's stored action lists (if it has any) are ``want``'s, as the plan writes them."""
+    return not phase.actions or tuple(phase.actions) == tuple(" ".join(map(str, a)) for a in want.actions)
 
 
 def sliced_schedule(phase: Phase, index: int | None = None) -> Schedule:
@@ -90,7 +95,7 @@ def sliced_schedule(phase: Phase, index: int | None = None) -> Schedule:
         check_slice_order(want)
     except ScheduleError as e:
         raise PtplanError(f"{where}: the executor cannot run its token-sliced schedule: {e}") from None
-    if phase.actions and tuple(phase.actions) != tuple(" ".join(map(str, a)) for a in want.actions):
+    if not _stored_lists_are(phase, want):
         raise PtplanError(f"{where}: a token-sliced phase runs TeraPipe's schedule (planner.schedule.terapipe: every "
                           f"slice forward in order, then each micro-batch's slices backward in reverse), but this "
                           f"phase's action lists differ; re-run `ptplan plan --token-slices auto`")
