@@ -21,11 +21,17 @@ RUN_LAUNCH_OPTIONS: list[Callable[[Any], Any]] = [
                       "weights when it has weight files, else random init from --seed]."),
     click.option("--nproc-per-node", type=int, default=None,
                  help="Processes (GPUs) on this node [default on one node: the plan's K*D]."),
-    click.option("--nnodes", default="1", show_default=True, help="Nodes (torchrun), or MIN:MAX."),
+    click.option("--nnodes", default="1", show_default=True,
+                 help="Nodes (torchrun), or MIN:MAX: with --rdzv-backend c10d the job goes on when nodes leave or "
+                      "join, re-planning for the new world size from the plan's profile and resuming from its last "
+                      "sharded checkpoint (--checkpoint-format sharded --checkpoint-every N, --max-restarts >= 1)."),
     click.option("--node-rank", type=int, default=None, help="This node's rank (torchrun static rendezvous)."),
     click.option("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous (torchrun)."),
     click.option("--rdzv-id", default=None, help="Job id shared by all nodes (torchrun)."),
     click.option("--rdzv-backend", default=None, help="Rendezvous backend, e.g. c10d (torchrun)."),
+    click.option("--rdzv-conf", default=None, metavar="KEY=VALUE,...",
+                 help="Rendezvous settings (torchrun), e.g. last_call_timeout=2,keep_alive_interval=1 (how long an "
+                      "elastic rendezvous waits for more nodes, how soon it drops a lost one)."),
     click.option("--master-addr", default=None, help="Static rendezvous address (torchrun)."),
     click.option("--master-port", type=int, default=None, help="Static rendezvous port (torchrun)."),
     click.option("--max-restarts", type=int, default=0, show_default=True,
@@ -151,7 +157,8 @@ def with_options(*groups: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
               RUN_CACHE_OPTIONS)
 @click.option("--dry-run", is_flag=True, help="Check everything and print the torchrun command; do not run.")
 def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: int | None, nnodes: str, node_rank: int | None,
-        rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, master_addr: str | None,
+        rdzv_endpoint: str | None, rdzv_id: str | None, rdzv_backend: str | None, rdzv_conf: str | None,
+        master_addr: str | None,
         master_port: int | None, max_restarts: int, epochs: int | None, steps_per_epoch: int | None,
         optimizer: str, lr: float | None, lr_schedule: str, warmup_steps: int, clip_grad_norm: float | None,
         decay_all: bool, momentum: float, weight_decay: float, adam_eps: float, seed: int, freeze: str,
@@ -176,7 +183,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
-                      max_restarts=max_restarts)
+                      max_restarts=max_restarts, rdzv_conf=rdzv_conf)
     if not log_path.strip():
         raise PtplanError("--log is empty; give a file name (the run log `ptplan compare` reads)")
     # Every path the workers read or write is made absolute here: they may start in another directory.
@@ -215,14 +222,14 @@ def _check_and_launch(cfg: Any, rdzv: Any, dry_run: bool) -> None:
 
     cfg = with_plan_num_labels(cfg)
     wlog = worker_log_path(cfg.log, rdzv)
-    check_before_launch(cfg, rdzv, worker_log=wlog)
+    replan = check_before_launch(cfg, rdzv, worker_log=wlog)
     if dry_run:
         click.echo(shlex.join(command(cfg, rdzv)))
         return
     from ptplan.cli.outputs import make_parent_folders
 
     make_parent_folders(cfg.log, wlog)  # checked creatable before launch; the workers open them
-    outcome = launch(cfg, rdzv, worker_log=wlog)
+    outcome = launch(cfg, rdzv, worker_log=wlog, replan=replan)
     if outcome.swept:
         click.echo(f"note: removed {len(outcome.swept)} file(s) left by ended ptplan jobs: "
                    f"{', '.join(outcome.swept)}", err=True)
@@ -263,10 +270,11 @@ def _absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
-def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
+def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
     """Refuse a job that cannot work before starting any process: world size, model, batch, schedule, the
     outputs (never an input, folders writable), the data file (dtype, ids, labels, sequence length, size)
-    and, on one node, the checkpoint a --resume would read (readable, of this plan and run)."""
+    and, on one node, the checkpoint a --resume would read (readable, of this plan and run). Returns an elastic
+    job's re-plan settings (``replan.check_elastic``), else None."""
     from ptplan.cli.main import check_outputs
     from ptplan.executor.data.dataset import check_data, load_dataset
     from ptplan.executor.training.freezing import FreezeSchedule
@@ -277,7 +285,14 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
 
     plan = load_plan(cfg.plan)
     world = rdzv.fixed_world()
-    check_world(plan, world)
+    replan = None
+    if rdzv.elastic:  # the world forms at the rendezvous; the workers re-plan when it is not the plan's
+        from ptplan.executor.launch.replan import check_elastic
+
+        check_world(plan, plan.world_size)
+        replan = check_elastic(cfg, rdzv, plan)
+    else:
+        check_world(plan, world)
     rdzv.check_nodes()
     gb, policy = global_batch_of(plan), batch_policy_of(plan)
     for i, ph in enumerate(plan.phases):
@@ -338,8 +353,9 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> None:
         ev = load_dataset(cfg.eval_data)
         check_data(ev, model, what=f"--eval-data {cfg.eval_data}")
         del ev
-    if cfg.resume and rdzv.nodes == 1:
+    if cfg.resume and rdzv.max_nodes == 1:
         _check_resumable(cfg, plan, model.name, world, n)
+    return replan
 
 
 def _check_run_length(cfg, plan, samples: int) -> None:

@@ -60,15 +60,33 @@ class Comparison:
     resumes: tuple[dict[str, Any], ...] = ()
     """Where the run resumed from a checkpoint (``RunLog.resumes``: step, line, ``replaced_steps``): each step
     is counted once, from the resumed run, and its first step after a resume is a warm-up step."""
+    memberships: tuple[dict[str, Any], ...] = ()
+    """Where an elastic job's world changed (``RunLog.memberships``: step, line, from, to): the steps after one
+    ran the re-planned plan; only the steps of the plan compared are in ``phases``."""
+    other_plan_steps: int = 0
+    """Steps the run took under another plan of its membership changes (left out; compare them with that plan)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
+def _shape(phases: Any) -> list[dict[str, Any]]:
+    return [{k: s.get(k) for k in ("frozen_blocks", "K", "D", "M")} for s in phases or () if isinstance(s, dict)]
+
+
+def _segments(plan: Plan, log: RunLog) -> list[tuple[int, bool]]:
+    """(first step, whether ``plan`` ran from there) for the run's start and each membership change."""
+    ours = _shape([dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases])
+    start = log.header is None or (log.header.world_size == plan.world_size and _shape(log.header.phases) == ours)
+    return [(-1, start)] + [(m["step"], m["to"].get("world_size") == plan.world_size and _shape(m["to"].get("phases"))
+                             == ours) for m in log.memberships]
+
+
 def _check_same_plan(plan: Plan, log: RunLog) -> None:
-    """Refuse a run log written for another plan: profile fingerprint and phase shapes must agree."""
+    """Refuse a run log written for another plan: profile fingerprint and phase shapes must agree (with the
+    run's start or, after a membership change, with the plan it went on with)."""
     header = log.header
-    if header is None:
+    if header is None or any(ran for at, ran in _segments(plan, log) if at >= 0):
         return
     fp, want = header.plan_fingerprint, plan.inputs.profile.fingerprint
     if fp and want and fp != want:
@@ -114,7 +132,12 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     seen_in_visit: dict[int, int] = {}
     last_phase = None
     resumed_at = {r["step"] for r in log.resumes}  # a resumed run rebuilds its stage: a new visit
+    segments = _segments(plan, log)
+    other = 0
     for r in log.steps:
+        if not [ran for at, ran in segments if at <= r.step][-1]:
+            other += 1  # a step of another plan of the run's membership changes
+            continue
         ph = r.phase
         if not 0 <= ph < len(plan.phases):
             raise PtplanError(f"run log refers to phase {ph} but the plan has {len(plan.phases)} phases; "
@@ -165,8 +188,17 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     return Comparison(
         phases=tuple(rows), transitions=tuple(r.to_json() for r in log.transitions), warnings=log.warnings,
         evals=tuple(r.fields for r in log.records if r.type == "eval"), resumes=log.resumes,
+        memberships=log.memberships, other_plan_steps=other,
         median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in rows),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
+
+
+def _members(side: dict[str, Any]) -> str:
+    """One side of a membership change: world size, plan id and file, K x D per phase."""
+    layout = " ".join(f"{p.get('K')}x{p.get('D')}" for p in side.get("phases") or () if isinstance(p, dict))
+    n = side.get("world_size")
+    return (f"{n} process{'' if n == 1 else 'es'}, plan {side.get('plan_id')}"
+            + (f" ({side['plan']})" if side.get("plan") else "") + (f" [K x D per phase: {layout}]" if layout else ""))
 
 
 def format_comparison(c: Comparison) -> str:
@@ -185,6 +217,12 @@ def format_comparison(c: Comparison) -> str:
     lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
                  f"stopped run logged from there were replaced by the resumed run's (each step counted once)"
                  for r in c.resumes if r["replaced_steps"])
+    for m in c.memberships:
+        lines.append(f"membership changed at step {m['step']} (line {m['line']}): {_members(m['from'])} -> "
+                     f"{_members(m['to'])}")
+    if c.other_plan_steps:
+        lines.append(f"note: {c.other_plan_steps} step(s) ran another plan of the run's membership changes and are "
+                     f"left out; compare them with that plan (ptplan compare PLAN RUNLOG)")
     lines.append(f"median |error|: iteration time {c.median_abs_iteration_error:.1%}"
                  + (f", peak memory {c.median_abs_memory_error:.1%}" if c.median_abs_memory_error is not None else
                     ", peak memory not measured"))

@@ -51,6 +51,10 @@ FIELDS: dict[str, dict[str, str]] = {
     "checkpoint": {"step": "int", "format": "str", "async": "bool", "path": "str", "seconds": "float",
                    "bytes_max": "int", "bytes_total": "int"},
     "checkpoint_written": {"step": "int", "seconds": "float"},
+    # an elastic job's world changed (--nnodes MIN:MAX): the plans before and after (world_size, plan_id, plan
+    # file, phases), the step it went on from (after the ``resume`` record), the seconds spent re-planning
+    "membership": {"step": "int", "resumed": "bool", "attempt": "int?", "from": "obj", "to": "obj",
+                   "replan_seconds": "float?"},
     "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
                     "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
                     "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",
@@ -218,6 +222,9 @@ class RunLog:
     resumes: tuple[dict[str, Any], ...] = ()
     """Per ``resume`` record: the step it continues from, its line, and how many step records the failed
     attempt had logged from that step on (``replaced_steps``: left out, the resumed run's count)."""
+    memberships: tuple[dict[str, Any], ...] = ()
+    """Per ``membership`` record (an elastic job's world changed): the step from which the steps ran the new plan,
+    its line, and the record's ``from`` and ``to`` (world_size, plan_id, plan, phases)."""
 
 
 _REPLAYED = ("step", "transition", "freeze_decision", "cache", "eval", "export")
@@ -294,13 +301,16 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
     records = _keep_last(records)
     h0 = next((r for r in records if r.type == "header"), None)
     steps: dict[int, Step] = {}
+    world = None if h0 is None else h0.fields["world_size"]
     for r in records:
+        if r.type == "membership" and isinstance(r.fields["to"].get("world_size"), int):
+            world = r.fields["to"]["world_size"]  # the steps after it ran on the new world
         if r.type == "step":
             f = r.fields
             rows = (f.get("memory") or {}).get("per_rank")
-            if h0 is not None and isinstance(rows, list) and len(rows) != h0.fields["world_size"]:
+            if world is not None and isinstance(rows, list) and len(rows) != world:
                 raise SchemaError(f"run log {p}", f"line {r.line}.memory.per_rank", f"has {len(rows)} entries but the "
-                                  f"run's world has {h0.fields['world_size']} ranks (header.world_size)")
+                                  f"run's world has {world} ranks (header.world_size or the last membership's)")
             steps[f["step"]] = Step(**f)
     if not steps:
         raise PtplanError(f"run log {p} has no step records; was it written by `ptplan run --log`?")
@@ -309,4 +319,6 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
                                            world_size=h.get("world_size"), phases=tuple(h.get("phases") or ()))
     return RunLog(path=p, header=header, steps=tuple(steps[k] for k in sorted(steps)),
                   transitions=tuple(r for r in records if r.type == "transition"), records=tuple(records),
-                  warnings=tuple(warnings), resumes=tuple(resumes))
+                  warnings=tuple(warnings), resumes=tuple(resumes),
+                  memberships=tuple({"step": r.fields["step"], "line": r.line, "from": r.fields["from"],
+                                     "to": r.fields["to"]} for r in records if r.type == "membership"))

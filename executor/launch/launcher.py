@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from ptplan.planner.errors import PtplanError
 
 if TYPE_CHECKING:  # the launcher and its janitor import no torch: they start (and clean up) in a blink
+    from ptplan.executor.launch.replan import ReplanSettings
     from ptplan.executor.training.config import RunConfig
 
 ENV_JOB_DIR = "PTPLAN_JOB_DIR"
@@ -171,7 +172,8 @@ class Rendezvous:
 
     nproc_per_node: int
     nnodes: str = "1"
-    """Nodes: ``N``, or ``N:N`` (ptplan's world size is fixed by the plan, so MIN must equal MAX)."""
+    """Nodes: ``N``, or ``MIN:MAX`` with an elastic (c10d) rendezvous: when the node count changes, the workers
+    re-plan for the new world size and resume from the last sharded checkpoint (``replan.check_elastic``)."""
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
@@ -180,6 +182,9 @@ class Rendezvous:
     master_port: int | None = None
     max_restarts: int = 0
     """Restarts of the whole worker group on a failure; a restart resumes from the newest checkpoint."""
+    rdzv_conf: str | None = None
+    """torchrun's ``--rdzv-conf`` (``KEY=VALUE,...``), e.g. ``last_call_timeout=2,keep_alive_interval=1``: how long
+    an elastic rendezvous waits for more nodes, and how soon it drops a lost one."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -190,10 +195,13 @@ class Rendezvous:
         lo, hi = int(m[1]), int(m[2] or m[1])
         if lo < 1:
             raise PtplanError(f"--nnodes must be at least 1, got {self.nnodes!r}")
-        if lo != hi:
-            raise PtplanError(f"--nnodes {self.nnodes}: a plan fixes the world size (K*D processes), so the node "
-                              f"count cannot vary; pass --nnodes {hi} with a plan for {hi} x {self.nproc_per_node} "
-                              f"processes (or {lo} with one for {lo} x {self.nproc_per_node})")
+        if hi < lo:
+            raise PtplanError(f"--nnodes {self.nnodes}: MIN is more than MAX; give MIN:MAX such as {hi}:{lo}")
+        if lo != hi and (self.rdzv_backend != "c10d" or not self.rdzv_endpoint):
+            raise PtplanError(f"--nnodes {self.nnodes}: the node count cannot vary without an elastic rendezvous "
+                              f"(the job re-plans when it changes): add --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+                              f"--rdzv-id JOB, or pass --nnodes {hi} with a plan for {hi} x {self.nproc_per_node} "
+                              f"processes")
         if self.node_rank is not None and not 0 <= self.node_rank < lo:
             raise PtplanError(f"--node-rank must lie in 0..{lo - 1} for --nnodes {lo}, got {self.node_rank}")
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
@@ -207,6 +215,9 @@ class Rendezvous:
             raise PtplanError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.rdzv_backend not in (None, "c10d", "static", "etcd", "etcd-v2"):
             raise PtplanError(f"--rdzv-backend {self.rdzv_backend!r}: use c10d (or static)")
+        if self.rdzv_conf is not None and not re.fullmatch(r"\w+=[^,=\s]+(,\w+=[^,=\s]+)*", self.rdzv_conf):
+            raise PtplanError(f"--rdzv-conf {self.rdzv_conf!r}: expected KEY=VALUE pairs joined by commas, e.g. "
+                              f"last_call_timeout=2,join_timeout=60")
 
     def check_nodes(self) -> None:
         """Several nodes need a rendezvous every node can reach (checked after the world size)."""
@@ -221,7 +232,21 @@ class Rendezvous:
 
     @property
     def nodes(self) -> int:
+        """The node count the job starts with (MIN of MIN:MAX)."""
+        return self.min_nodes
+
+    @property
+    def min_nodes(self) -> int:
         return int(self.nnodes.split(":")[0])
+
+    @property
+    def max_nodes(self) -> int:
+        return int(self.nnodes.split(":")[-1])
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count may change while the job runs (MIN < MAX: the workers re-plan)."""
+        return self.max_nodes > self.min_nodes
 
     def fixed_world(self) -> int:
         """nnodes × nproc_per_node (the node count is fixed: see ``nnodes``)."""
@@ -229,13 +254,15 @@ class Rendezvous:
 
 
 def torchrun_args(rdzv: Rendezvous) -> list[str]:
-    args = [f"--nproc-per-node={rdzv.nproc_per_node}", f"--nnodes={rdzv.nodes}"]
+    nnodes = f"{rdzv.min_nodes}:{rdzv.max_nodes}" if rdzv.elastic else str(rdzv.nodes)
+    args = [f"--nproc-per-node={rdzv.nproc_per_node}", f"--nnodes={nnodes}"]
     single = rdzv.nodes == 1 and not rdzv.rdzv_endpoint and not rdzv.master_addr
     if single:
         args.append("--standalone")
     for flag, value in (("--node-rank", rdzv.node_rank), ("--rdzv-endpoint", rdzv.rdzv_endpoint),
                         ("--rdzv-id", rdzv.rdzv_id), ("--rdzv-backend", rdzv.rdzv_backend),
-                        ("--master-addr", rdzv.master_addr), ("--master-port", rdzv.master_port)):
+                        ("--master-addr", rdzv.master_addr), ("--master-port", rdzv.master_port),
+                        ("--rdzv-conf", rdzv.rdzv_conf)):
         if value is not None:
             args.append(f"{flag}={value}")
     args.append(f"--max-restarts={rdzv.max_restarts}")
@@ -253,7 +280,7 @@ def worker_log_path(log: str | None, rdzv: Rendezvous) -> str:
     (``<stem>.node<k>.workers.log`` or ``<stem>.<host>-<pid>.workers.log`` on several nodes)."""
     base = log or os.path.abspath("run.jsonl")
     stem = base[:-len(".jsonl")] if base.endswith(".jsonl") else base
-    if rdzv.nodes > 1:
+    if rdzv.max_nodes > 1:
         node = f"node{rdzv.node_rank}" if rdzv.node_rank is not None else f"{socket.gethostname()}-{os.getpid()}"
         stem = f"{stem}.{node}"
     return f"{stem}.workers.log"
@@ -399,8 +426,9 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
-    """Run torchrun for this node as the owner of its workers (module docstring) and say how it ended."""
+def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str, replan: ReplanSettings | None = None) -> Outcome:
+    """Run torchrun for this node as the owner of its workers (module docstring) and say how it ended.
+    ``replan``: an elastic job's re-plan settings, handed to the workers (``replan.ENV_REPLAN``)."""
     tag = owner_tag()
     folders = job_folders(cfg)
     swept, _ = sweep(folders)  # what ended jobs left (their owner is gone): a SIGKILLed launcher, a power cut
@@ -412,6 +440,10 @@ def launch(cfg: RunConfig, rdzv: Rendezvous, *, worker_log: str) -> Outcome:
     # A fresh store for the workers of every rendezvous round (c10d): the shared one keeps the last round's
     # keys, and restarted gloo workers then connect to dead peers' addresses (connectFullMesh refused).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if replan is not None:
+        from ptplan.executor.launch.replan import ENV_REPLAN
+
+        env[ENV_REPLAN] = replan.to_env()
     proc: subprocess.Popen | None = None
     rc = 1
     me = os.getpid()

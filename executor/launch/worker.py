@@ -75,6 +75,35 @@ def _init_process_group(backend: str, timeout_s: float, device) -> None:
                             device_id=device_id)
 
 
+def run_job(cfg: Any, device: Any) -> tuple[Any, Any]:
+    """One worker's training on an initialised default process group: the plan for this world (re-planned when an
+    elastic job's world is not the plan's: ``membership.plan_for_world``), this rank's stage of the phase it starts
+    in (phase 0's, or the checkpoint's), the data, then ``run_training``. Returns (the run's summary, the config
+    it ran: ``cfg.plan`` names the re-planned plan)."""
+    import torch.distributed as dist
+
+    from ptplan.planner.plan import load_plan
+
+    from ptplan.executor.data.dataset import load_dataset
+    from ptplan.executor.families import model_source
+    from ptplan.executor.launch.membership import plan_for_world
+    from ptplan.executor.launch.replan import ReplanSettings
+    from ptplan.executor.training.job import build_for_plan, make_dataset, samples_needed
+    from ptplan.executor.training.loop import run_training, stage_layers, start_phase
+
+    cfg, plan, change = plan_for_world(cfg, load_plan(cfg.plan), ReplanSettings.from_env())
+    loaded = None if cfg.data == "synthetic" else load_dataset(cfg.data)
+    # this rank builds only its stage of the phase it starts in (phase 0's, or the checkpoint's)
+    first = start_phase(cfg, plan, model_name=model_source(cfg.model, cfg.weights).label,
+                        samples=samples_needed(plan, cfg) if loaded is None else len(loaded))
+    model = build_for_plan(plan, cfg, layers=stage_layers(plan, first, dist.get_rank()))
+    data = loaded if loaded is not None else make_dataset(plan, cfg, model)
+    evald = None if cfg.eval_data is None else load_dataset(cfg.eval_data)
+    summary = run_training(cfg, plan, model, data, device=device, eval_dataset=evald,
+                           callbacks=[change] if change is not None else [])
+    return summary, cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     from ptplan.executor.launch.launcher import die_with_parent
 
@@ -90,13 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         from ptplan.planner.errors import PtplanError
-        from ptplan.planner.plan import load_plan
 
         from ptplan.executor.training.config import RunConfig
-        from ptplan.executor.data.dataset import load_dataset
-        from ptplan.executor.training.job import build_for_plan, make_dataset, pick_device, samples_needed
-        from ptplan.executor.families import model_source
-        from ptplan.executor.training.loop import run_training, stage_layers, start_phase
+        from ptplan.executor.training.job import pick_device
 
         try:
             cfg = RunConfig.from_json(args.config)
@@ -104,15 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.set_device(device)
             _init_process_group(backend, cfg.timeout_s, device)
-            plan = load_plan(cfg.plan)
-            loaded = None if cfg.data == "synthetic" else load_dataset(cfg.data)
-            # this rank builds only its stage of the phase it starts in (phase 0's, or the checkpoint's)
-            first = start_phase(cfg, plan, model_name=model_source(cfg.model, cfg.weights).label,
-                                samples=samples_needed(plan, cfg) if loaded is None else len(loaded))
-            model = build_for_plan(plan, cfg, layers=stage_layers(plan, first, dist.get_rank()))
-            data = loaded if loaded is not None else make_dataset(plan, cfg, model)
-            evald = None if cfg.eval_data is None else load_dataset(cfg.eval_data)
-            summary = run_training(cfg, plan, model, data, device=device, eval_dataset=evald)
+            summary, cfg = run_job(cfg, device)
             if report.rank == 0:
                 tr = ", ".join(f"{t['from_phase']}->{t['to_phase']} {t['seconds']:.2f} s" for t in summary.transitions)
                 print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, final loss "

@@ -65,6 +65,14 @@ def comparison_figure(comparison: "Comparison") -> go.Figure:
     if not has_mem:
         fig.add_annotation(text="memory not measured in this run", x=0.78, xref="paper", y=0.5, yref="paper",
                            showarrow=False, font=dict(size=13, color="#6b7280"))
+    events = [f"membership change at step {m['step']}: {m['from'].get('world_size')} -> {m['to'].get('world_size')} "
+              f"processes, re-planned (plan {m['from'].get('plan_id')} -> {m['to'].get('plan_id')})"
+              for m in comparison.memberships]
+    if comparison.other_plan_steps:
+        events.append(f"{comparison.other_plan_steps} step(s) of the run's other plan left out")
+    if events:
+        fig.add_annotation(text="<br>".join(events), x=0.5, xref="paper", y=1.12, yref="paper", showarrow=False,
+                           font=dict(size=12, color="#b45309"))
     return fig
 
 

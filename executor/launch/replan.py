@@ -1,0 +1,141 @@
+"""Re-planning on a membership change: what an elastic job (``ptplan run --nnodes MIN:MAX``) needs to plan again
+for another world size, and the planning itself (torch-free: the launcher imports it, the workers call it).
+
+A plan records its inputs (``plan.inputs``: the profile's identity and file path, the cluster, the training
+settings, the freeze policy) but not two search switches, ``--strategies`` and ``--token-slices``; they are
+read off the plan's phases (``settings_for``: any tensor-parallel, FSDP or recomputing stage means
+``--strategies auto``; any token-sliced phase ``--token-slices auto``). The launcher resolves the profile file
+once (as recorded, or beside the plan), checks that it is the plan's (fingerprint), and hands the workers
+these settings in ``PTPLAN_REPLAN`` (JSON). A worker whose world (``WORLD_SIZE``) is not the plan's then runs
+the same search as ``ptplan plan`` (``make_plan``) for the same device kind with the new process count
+(``cluster_for``), in-process, and writes the plan beside the run log (``replanned_path``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+from ptplan.planner.cluster import Cluster, cpu_cluster
+from ptplan.planner.errors import PtplanError
+
+if TYPE_CHECKING:
+    from ptplan.planner.plan import Plan
+
+    from ptplan.executor.launch.launcher import Rendezvous
+    from ptplan.executor.training.config import RunConfig
+
+ENV_REPLAN = "PTPLAN_REPLAN"
+"""The re-plan settings (``ReplanSettings`` as JSON), set by the launcher of an elastic job."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplanSettings:
+    """What a worker needs beyond the plan to plan again for another world size."""
+
+    profile: str
+    """The plan's profile file, absolute (its fingerprint checked against the plan's by the launcher)."""
+    strategies: str
+    """``off`` or ``auto``: the plan's ``--strategies`` (read off its phases)."""
+    token_slices: str
+    """``off`` or ``auto``: the plan's ``--token-slices`` (read off its phases)."""
+    log: str
+    """The run log; re-planned plans are written beside it (``replanned_path``)."""
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> "ReplanSettings | None":
+        text = os.environ.get(ENV_REPLAN)
+        return None if not text else cls(**json.loads(text))
+
+
+def profile_file(plan: "Plan", plan_path: str) -> str | None:
+    """The plan's profile file when it can be found: its recorded path, or the same name beside the plan."""
+    ref = plan.inputs.profile.path
+    if not ref:
+        return None
+    here = os.path.dirname(os.path.abspath(plan_path))
+    for cand in (ref if os.path.isabs(ref) else os.path.abspath(ref), os.path.join(here, ref),
+                 os.path.join(here, os.path.basename(ref))):
+        if os.path.isfile(cand):
+            return cand
+    return None
+
+
+def settings_for(cfg: "RunConfig", plan: "Plan") -> ReplanSettings:
+    """The re-plan settings of ``cfg``'s plan; PtplanError when its profile file is gone or is another one."""
+    from ptplan.planner.profile import load_profile
+
+    fix = (f"keep the profile the plan was made from at {plan.inputs.profile.path or '(not recorded)'} (or beside "
+           f"the plan), or run with a fixed --nnodes")
+    path = profile_file(plan, cfg.plan)
+    if path is None:
+        raise PtplanError(f"--nnodes MIN:MAX re-plans from the plan's profile when the node count changes, but the "
+                          f"profile file of {cfg.plan} is not found; {fix}")
+    prof = load_profile(path)
+    if prof.fingerprint() != plan.inputs.profile.fingerprint:
+        raise PtplanError(f"--nnodes MIN:MAX re-plans from the plan's profile, but {path} has fingerprint "
+                          f"{prof.fingerprint()} and the plan was made from {plan.inputs.profile.fingerprint}; {fix}")
+    strategies = "auto" if any(p.tp > 1 or p.any_fsdp or p.any_recompute for p in plan.phases) else "off"
+    slices = "auto" if any(p.slices for p in plan.phases) else "off"
+    return ReplanSettings(profile=path, strategies=strategies, token_slices=slices,
+                          log=os.path.abspath(cfg.log or "run.jsonl"))
+
+
+def check_elastic(cfg: "RunConfig", rdzv: "Rendezvous", plan: "Plan") -> ReplanSettings:
+    """An elastic job (MIN < MAX nodes) can re-plan and resume: a sharded checkpoint written every N steps,
+    restarts allowed, and the plan's profile at hand. Returns the settings the workers get."""
+    lo, hi = rdzv.min_nodes, rdzv.max_nodes
+    need = []
+    if not cfg.checkpoint_dir or cfg.checkpoint_format != "sharded":
+        need.append("--checkpoint-dir DIR --checkpoint-format sharded (a folder every node sees; any world size "
+                    "resumes from it)")
+    if not cfg.checkpoint_every:
+        need.append("--checkpoint-every N (the steps since the last checkpoint are run again after a change)")
+    if rdzv.max_restarts < 1:
+        need.append("--max-restarts 1 or more (a lost node fails the worker group; a restart re-plans)")
+    if need:
+        raise PtplanError(f"--nnodes {lo}:{hi}: when the node count changes the job re-plans for the new world size "
+                          f"and resumes from its last checkpoint, so it needs " + "; ".join(need)
+                          + f"; or pass a fixed --nnodes")
+    return settings_for(cfg, plan)
+
+
+def cluster_for(cluster: Cluster, world: int, per_node: int) -> Cluster:
+    """The plan's cluster with ``world`` processes, ``per_node`` on each node: ``cpu:<world>`` for a CPU cluster,
+    else the same device and links with ``world / per_node`` nodes."""
+    if cluster.device_kind == "cpu":
+        return cpu_cluster(world)
+    if per_node < 1 or world % per_node:
+        raise PtplanError(f"cannot re-plan for {world} processes with {per_node} per node (not a whole number of "
+                          f"nodes)")
+    nodes = world // per_node
+    return replace(cluster, name=f"{cluster.name}-{nodes}x{per_node}", nodes=nodes, gpus_per_node=per_node)
+
+
+def replan(plan: "Plan", settings: ReplanSettings, world: int, per_node: int) -> "Plan":
+    """The plan ``ptplan plan`` makes from ``plan``'s profile and settings for ``world`` processes (``cluster_for``);
+    PtplanError naming the world size when no plan fits it."""
+    from ptplan.planner.config import check_batch_reach
+    from ptplan.planner.planner import make_plan
+    from ptplan.planner.profile import load_profile
+
+    prof = load_profile(settings.profile)
+    cluster = cluster_for(plan.inputs.cluster, world, per_node)
+    inp = plan.inputs
+    try:
+        check_batch_reach(inp.training, cluster.world_size, max(prof.batch_sizes))
+        return make_plan(prof, cluster, inp.training, inp.freeze, profile_path=settings.profile,
+                         strategies=settings.strategies, token_slices=settings.token_slices)
+    except PtplanError as e:
+        raise PtplanError(f"the job now has {world} processes (was planned for {plan.world_size}) and re-planning "
+                          f"for {world} failed: {e}") from None
+
+
+def replanned_path(settings: ReplanSettings, world: int) -> str:
+    """Where the plan for ``world`` processes is written: beside the run log, ``<stem>.plan-world<W>.json``."""
+    stem = settings.log[:-len(".jsonl")] if settings.log.endswith(".jsonl") else settings.log
+    return f"{stem}.plan-world{world}.json"
