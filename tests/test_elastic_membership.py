@@ -1,0 +1,253 @@
+"""Re-plan on membership change (issue 23 item 3): two ``ptplan run`` launchers on this machine form one job through a
+c10d rendezvous on loopback (``--nnodes 1:2``, one process each); the one that does not host the rendezvous store is
+SIGKILLed after the first checkpoint. The survivor's worker fails on the lost peer, torchrun restarts it alone, it
+plans again for one process from the plan's profile, resumes from the sharded checkpoint and finishes.
+
+Pinned: the run log holds both plans and a ``membership`` record (2 -> 1 processes, the step resumed from), the
+re-planned plan is written beside the log, ``ptplan compare`` reads the log against either plan, and the final
+weights equal a reference that ran the same steps with the same data order on the same world sizes (2 processes to
+the checkpoint, then the existing resume path on 1 process with the re-planned plan) within
+tests/test_sharded_checkpoint.py's tolerance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+from parity import max_rel_diff
+from ptplan.cli.main import cli
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.config import RunConfig
+from ptplan.planner.cluster import cpu_cluster
+from ptplan.planner.config import TrainingConfig
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.freeze import FreezePolicy
+from ptplan.planner.plan import load_plan, save_plan
+from ptplan.planner.planner import make_plan
+from ptplan.planner.profile import load_profile
+from ptplan.planner.runlog import read_run_log
+from ptplan.profiles import shipped
+
+TOL = 1e-5
+"""tests/test_sharded_checkpoint.py's tolerance (another world size sums the gradients in another order)."""
+STEPS_PER_EPOCH, EPOCHS = 4, 8
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+"""Seconds, not torch's defaults (30 s for more nodes, 15 s to drop a lost one): the restart takes ~1-2 s."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_job(folder: Path) -> Path:
+    """bert-tiny's shipped CPU profile planned for cpu:2 (4 steps of 8 samples per epoch, freezing per epoch)."""
+    path = shipped("bert-tiny_cpu_fp32")
+    training = TrainingConfig(epochs=EPOCHS, samples_per_epoch=8 * STEPS_PER_EPOCH, batch=8, optimizer="sgd")
+    plan = make_plan(load_profile(path), cpu_cluster(2), training, FreezePolicy(policy="geometric", alpha=0.5),
+                     profile_path=str(path))
+    save_plan(plan, folder / "plan.json")
+    return folder / "plan.json"
+
+
+def run_args(plan: Path, folder: Path, port: int, conf: str = RDZV_CONF) -> list[str]:
+    return [str(plan), "--model", "bert-tiny", "--nproc-per-node", "1", "--nnodes", "1:2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}", "--rdzv-conf", conf,
+            "--max-restarts", "2", "--checkpoint-dir", str(folder / "ck"), "--checkpoint-format", "sharded",
+            "--checkpoint-every", str(STEPS_PER_EPOCH), "--optimizer", "sgd", "--lr", "0.05", "--dropout", "0",
+            "--cache", "off", "--timeout", "30", "--no-progress", "--log", str(folder / "run.jsonl")]
+
+
+def _wait_joined(store: Any, rdzv_id: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Until a node has joined the rendezvous ``rdzv_id``: its state in the store is no longer the c10d backend's
+    empty sentinel."""
+    key = f"torch.rendezvous.{rdzv_id}"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"node 1 ended early: {proc.communicate()}")
+        if store.check([key]) and store.get(key) != b"Y2FuaW1hZGFt":
+            return
+        time.sleep(0.05)
+    raise AssertionError("node 1 never joined the rendezvous")
+
+
+def _poll(log: Path, pred: Any, timeout: float, procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
+    """The run log's whole lines once ``pred(records)`` holds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        recs = []
+        if log.exists():
+            for line in log.read_text().splitlines():
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    break
+        if pred(recs):
+            return recs
+        if procs[0].poll() is not None:
+            raise AssertionError(f"node 0 ended before the expected record: {procs[0].communicate()}")
+        time.sleep(0.02)
+    for p in procs:
+        p.kill()
+    raise AssertionError(f"timed out waiting for the run log ({timeout} s)")
+
+
+def _first_new_step(recs: list[dict[str, Any]]) -> bool:
+    seen = [i for i, r in enumerate(recs) if r["type"] == "membership"]
+    return bool(seen) and any(r["type"] == "step" for r in recs[seen[0]:])
+
+
+def two_nodes_one_killed(folder: Path, plan: Path) -> dict[str, Any]:
+    """Two launchers joined through a rendezvous store this process hosts (so that neither launcher's end takes the
+    store away): node 1 joins first and waits up to 60 s for more nodes, node 0 then completes the round (both
+    nodes in the first round, whatever their start-up times). SIGKILL node 1's launcher once the first checkpoint
+    is committed; node 0 re-rendezvous alone after its own 1 s last call. Returns the survivor's exit, its output
+    and the seconds from the kill to its first new step."""
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(last_call: int) -> subprocess.Popen:
+        conf = RDZV_CONF.replace("last_call_timeout=1", f"last_call_timeout={last_call}") + ",is_host=false"
+        args = run_args(plan, folder, port, conf=conf)
+        return subprocess.Popen([sys.executable, "-m", "ptplan.cli.main", "run", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+    node1 = start(60)
+    _wait_joined(store, f"job{port}", node1)
+    node0 = start(1)
+    log = folder / "run.jsonl"
+    _poll(log, lambda rs: any(r["type"] == "checkpoint" for r in rs), 90, [node0, node1])
+    node1.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _poll(log, _first_new_step, 90, [node0, node1])
+    first_new_step_s = time.monotonic() - killed
+    out, err = node0.communicate(timeout=120)
+    node1.communicate(timeout=30)
+    del store
+    return {"code": node0.returncode, "out": out, "err": err, "first_new_step_s": first_new_step_s,
+            "node1_code": node1.returncode}
+
+
+def worker_config(plan: Path, folder: Path) -> RunConfig:
+    """The RunConfig ``ptplan run`` hands its workers for these arguments (its --dry-run command's --config)."""
+    r = CliRunner().invoke(cli, ["run", *run_args(plan, folder, free_port()), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    argv = shlex.split(r.output.strip().splitlines()[-1])
+    return RunConfig.from_json(argv[argv.index("--config") + 1])
+
+
+def _train(rank: int, world: int, cfg: RunConfig) -> None:
+    from ptplan.executor.launch.worker import run_job
+
+    run_job(cfg, torch.device("cpu"))
+
+
+def reference(folder: Path, cfg: RunConfig, replanned: str, at: int) -> None:
+    """The same steps on the same world sizes through the existing resume path: 2 processes with the job's plan to
+    step ``at`` (its last checkpoint), then 1 process resuming it with the re-planned plan to the end."""
+    ck, log = str(folder / "ref-ck"), str(folder / "ref.jsonl")
+    first = dataclasses.replace(cfg, epochs=at // STEPS_PER_EPOCH, checkpoint_dir=ck, log=log)
+    res = run_world(2, _train, args=(first,), tmpdir=str(folder), timeout_s=30, deadline_s=120)
+    assert res.ok, res.explain()
+    rest = dataclasses.replace(cfg, plan=replanned, checkpoint_dir=ck, log=log, resume=True)
+    res = run_world(1, _train, args=(rest,), tmpdir=str(folder), timeout_s=30, deadline_s=120)
+    assert res.ok, res.explain()
+
+
+def final_weights(ck: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a run's last sharded checkpoint (read in this process)."""
+    meta = json.loads((ck / "sharded.json").read_text())
+    folder = str(ck / meta["folder"])
+    md = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    sd = {k: torch.zeros(tuple(m.size), dtype=m.properties.dtype) for k, m in md.items() if not k.startswith("optim.")}
+    dcp.load(sd, checkpoint_id=folder, no_dist=True)
+    return sd
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_lost_node_replans_resumes_and_equals_the_reference(tmp_path, one_torch_thread):
+    plan = make_job(tmp_path)
+    got = two_nodes_one_killed(tmp_path, plan)
+    assert got["code"] == 0, got
+    print(f"kill of node 1 -> the survivor's first new step: {got['first_new_step_s']:.2f} s")
+    log = read_run_log(tmp_path / "run.jsonl")
+    (m,) = log.memberships
+    assert (m["from"]["world_size"], m["to"]["world_size"]) == (2, 1)
+    assert m["from"]["plan"] == str(plan) and m["from"]["plan_id"] != m["to"]["plan_id"]
+    replanned = m["to"]["plan"]
+    assert replanned == str(tmp_path / "run.plan-world1.json") and load_plan(replanned).world_size == 1
+    assert [p["K"] * p["D"] for p in m["to"]["phases"]] == [1] * len(m["to"]["phases"])
+    at = m["step"]
+    assert at > 0 and at % STEPS_PER_EPOCH == 0 and [r["step"] for r in log.resumes] == [at]
+    assert [s.step for s in log.steps] == list(range(EPOCHS * STEPS_PER_EPOCH))  # each step once
+    assert {s.K * s.D for s in log.steps if s.step < at} == {2} and {s.K * s.D for s in log.steps if s.step >= at} == {1}
+    for p, ours in ((plan, at), (Path(replanned), EPOCHS * STEPS_PER_EPOCH - at)):  # compare reads it against both
+        r = CliRunner().invoke(cli, ["compare", str(p), str(tmp_path / "run.jsonl")])
+        assert r.exit_code == 0 and "membership changed at step" in r.output, r.output
+        assert f"{EPOCHS * STEPS_PER_EPOCH - ours} step(s) ran another plan" in r.output, r.output
+
+    reference(tmp_path, worker_config(plan, tmp_path), replanned, at)
+    want, have = final_weights(tmp_path / "ref-ck"), final_weights(tmp_path / "ck")
+    assert sorted(want) == sorted(have)
+    d, where = max_rel_diff(have, want)
+    assert d <= TOL, (d, where)
+
+
+def test_a_varying_node_count_needs_what_a_re_plan_needs(tmp_path):
+    plan = make_job(tmp_path)
+    args = run_args(plan, tmp_path, free_port())
+
+    def refused(*change: str, drop: tuple[str, ...] = ()) -> str:
+        a = list(args)
+        for flag in drop:
+            i = a.index(flag)
+            del a[i:i + 2]
+        r = CliRunner().invoke(cli, ["run", *a, *change, "--dry-run"])
+        assert r.exit_code != 0, r.output
+        return r.output
+
+    assert "the node count cannot vary without an elastic rendezvous" in refused("--rdzv-backend", "static")
+    out = refused("--checkpoint-format", "single", "--max-restarts", "0")
+    assert "--checkpoint-format sharded" in out and "--max-restarts 1 or more" in out, out
+    assert "--checkpoint-every N" in refused(drop=("--checkpoint-every",))
+    assert "expected KEY=VALUE pairs" in refused("--rdzv-conf", "last_call_timeout")
+    moved = tmp_path / "moved.json"
+    obj = json.loads(plan.read_text())
+    obj["inputs"]["profile"]["path"] = str(tmp_path / "gone" / "bert-tiny_cpu_fp32.json")
+    moved.write_text(json.dumps(obj))
+    r = CliRunner().invoke(cli, ["run", str(moved), *args[1:], "--dry-run"])
+    assert r.exit_code != 0 and "the profile file of" in r.output and "is not found" in r.output, r.output
+    r = CliRunner().invoke(cli, ["run", *args, "--dry-run"])
+    assert r.exit_code == 0 and "--nnodes=1:2" in r.output and f"--rdzv-conf={RDZV_CONF}" in r.output, r.output
+
+
+def test_the_cluster_for_the_new_world_keeps_the_device_kind():
+    from ptplan.executor.launch.replan import cluster_for
+    from ptplan.planner.cluster import PRESETS
+
+    assert cluster_for(cpu_cluster(2), 1, 1).world_size == 1
+    paper = cluster_for(PRESETS["paper"], 8, 8)  # one of the paper's two nodes lost
+    assert (paper.nodes, paper.gpus_per_node, paper.gpu_name) == (1, 8, "Quadro RTX 5000")
+    assert paper.inter_bandwidth == PRESETS["paper"].inter_bandwidth
+    with pytest.raises(PtplanError, match="not a whole number of nodes"):
+        cluster_for(PRESETS["paper"], 12, 8)
