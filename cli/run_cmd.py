@@ -279,21 +279,12 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
     from ptplan.executor.data.dataset import check_data, load_dataset
     from ptplan.executor.training.freezing import FreezeSchedule
     from ptplan.executor.training.job import build_for_plan, samples_needed
-    from ptplan.executor.training.validate import (batch_policy_of, check_model, check_phase, check_trajectory, check_world,
-                                          global_batch_of)
+    from ptplan.executor.training.validate import batch_policy_of, check_model, check_phase, check_trajectory, global_batch_of
     from ptplan.planner.plan import load_plan
 
     plan = load_plan(cfg.plan)
     world = rdzv.fixed_world()
-    replan = None
-    if rdzv.elastic:  # the world forms at the rendezvous; the workers re-plan when it is not the plan's
-        from ptplan.executor.launch.replan import check_elastic
-
-        check_world(plan, plan.world_size)
-        replan = check_elastic(cfg, rdzv, plan)
-    else:
-        check_world(plan, world)
-    rdzv.check_nodes()
+    replan = _check_world(cfg, rdzv, plan)
     gb, policy = global_batch_of(plan), batch_policy_of(plan)
     for i, ph in enumerate(plan.phases):
         check_phase(i, ph, gb, policy)
@@ -355,6 +346,24 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
         del ev
     if cfg.resume and rdzv.max_nodes == 1:
         _check_resumable(cfg, plan, model.name, world, n)
+    return replan
+
+
+def _check_world(cfg, rdzv, plan) -> Any:
+    """The job's processes against the plan's, and the nodes' rendezvous. An elastic job (--nnodes MIN:MAX) forms
+    its world at the rendezvous and its workers re-plan when it is not the plan's: what that needs is checked
+    (``replan.check_elastic``) and its re-plan settings returned; else None."""
+    from ptplan.executor.training.validate import check_world
+
+    replan = None
+    if rdzv.elastic:
+        from ptplan.executor.launch.replan import check_elastic
+
+        check_world(plan, plan.world_size)  # the plan's strategies
+        replan = check_elastic(cfg, rdzv, plan)
+    else:
+        check_world(plan, rdzv.fixed_world())
+    rdzv.check_nodes()
     return replan
 
 
