@@ -251,3 +251,90 @@ def test_the_cluster_for_the_new_world_keeps_the_device_kind():
     assert paper.inter_bandwidth == PRESETS["paper"].inter_bandwidth
     with pytest.raises(PtplanError, match="not a whole number of nodes"):
         cluster_for(PRESETS["paper"], 12, 8)
+
+
+def _hand_plans() -> tuple[Any, Any]:
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.handplan import make_plan as hand_plan, spec
+
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0, seed=0)
+    two = hand_plan(model, [spec(0, K=1, D=2, M=1, b=2)], samples_per_epoch=16)
+    one = hand_plan(model, [spec(0, K=1, D=1, M=1, b=4)], samples_per_epoch=16)
+    return two, one
+
+
+def _side(plan: Any, path: str) -> dict[str, Any]:
+    return {"world_size": plan.world_size, "plan_id": path[-6:], "plan": path,
+            "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]}
+
+
+def test_compare_takes_each_plan_s_own_steps_around_a_membership_change(tmp_path):
+    from ptplan.planner.compare import compare, format_comparison
+
+    two, one = _hand_plans()
+    log = tmp_path / "run.jsonl"
+
+    def step(s: int, D: int) -> dict[str, Any]:
+        return {"type": "step", "epoch": 0, "step": s, "phase": 0, "frozen_blocks": 0, "K": 1, "D": D,
+                "seconds": 0.1, "samples": 4, "loss": 1.0, "memory_sampled": True, "peak_memory_bytes": 10,
+                "memory": {"per_rank": [{"total": 10}] * D}}
+
+    recs = [{"type": "header", "schema": "ptplan.runlog/1", "model": "bert-tiny", "world_size": 2,
+             "phases": _side(two, "")["phases"]}, *[step(s, 2) for s in range(4)],
+            {"type": "resume", "step": 2, "epoch": 0, "seconds": 0.1},
+            {"type": "membership", "step": 2, "resumed": True, "attempt": 1, "from": _side(two, "/p/plan.json"),
+             "to": _side(one, "/p/run.plan-world1.json"), "replan_seconds": 0.2}, *[step(s, 1) for s in range(2, 7)]]
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = read_run_log(log)  # the new world's per-rank memory rows (1) are checked against the membership's world
+    assert [s.step for s in got.steps] == list(range(7)) and [m["step"] for m in got.memberships] == [2]
+    before, after = compare(two, got, warmup=0), compare(one, got, warmup=0)
+    assert (before.phases[0].steps, before.other_plan_steps) == (2, 5)
+    assert (after.phases[0].steps, after.other_plan_steps) == (5, 2)
+    text = format_comparison(after)
+    assert "membership changed at step 2 (line 7): 2 processes" in text and "-> 1 process, plan" in text, text
+    assert "2 step(s) ran another plan" in text
+    three = dataclasses.replace(one, phases=(dataclasses.replace(one.phases[0], M=2),))
+    with pytest.raises(PtplanError, match="compare the run with the plan it ran"):
+        compare(three, got)
+    bad = recs[:6] + [{**recs[6], "to": {**recs[6]["to"], "world_size": 2}}] + recs[7:]
+    log.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    with pytest.raises(PtplanError, match=r"has 1 entries but the run's world has 2 ranks"):
+        read_run_log(log)
+
+
+def _membership_on_restart(rank: int, world: int, cfg: RunConfig, plan: Any, out: str) -> None:
+    from ptplan.executor.launch.membership import plan_for_world
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    got_cfg, got_plan, change = plan_for_world(cfg, plan, None)
+    assert got_cfg is cfg and got_plan is plan
+    Path(out).write_text(json.dumps(None if change is None else {"old": change.old, "new": change.new}))
+
+
+@pytest.mark.multiproc
+def test_a_restart_on_the_plan_s_own_world_from_another_world_s_checkpoint_is_a_membership_change(tmp_path):
+    from ptplan.executor.training import checkpoint as ckpt, sharded
+
+    two, one = _hand_plans()
+    ck = tmp_path / "ck"
+    (ck / "sharded-step00000004").mkdir(parents=True)
+    (ck / "sharded-step00000004" / ".metadata").write_bytes(b"")
+    out = str(tmp_path / "change.json")
+    cfg = RunConfig(plan=str(tmp_path / "plan.json"), model="bert-tiny", checkpoint_dir=str(ck),
+                    checkpoint_format="sharded")
+    for saved_by, want in ((two, True), (one, False)):  # a checkpoint of 2 processes; then one of this world's
+        meta = {"schema": sharded.SCHEMA, "folder": "sharded-step00000004", "plan_id": ckpt.plan_id(saved_by),
+                "plan": ckpt.plan_identity(saved_by), "world_size": saved_by.world_size}
+        (ck / sharded.META).write_text(json.dumps(meta))
+        res = run_world(1, _membership_on_restart, args=(cfg, one, out), tmpdir=str(tmp_path), timeout_s=30,
+                        deadline_s=60)
+        assert res.ok, res.explain()
+        change = json.loads(Path(out).read_text())
+        if not want:
+            assert change is None  # a restart on the same world: no membership change
+            continue
+        assert change["old"]["world_size"] == 2 and change["old"]["plan_id"] == ckpt.plan_id(two)
+        assert change["old"]["phases"][0]["D"] == 2 and change["old"]["plan"] is None  # not a plan of this job
+        assert change["new"] == {"world_size": 1, "plan_id": ckpt.plan_id(one), "plan": cfg.plan,
+                                 "phases": [dict(frozen_blocks=0, K=1, D=1, tp=1, M=1, b=4,
+                                                 schedule=one.phases[0].schedule)]}
