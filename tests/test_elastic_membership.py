@@ -138,12 +138,14 @@ def two_nodes_one_killed(folder: Path, plan: Path) -> dict[str, Any]:
     _poll(log, lambda rs: any(r["type"] == "checkpoint" for r in rs), 90, [node0, node1])
     node1.send_signal(signal.SIGKILL)
     killed = time.monotonic()
+    _poll(log, lambda rs: any(r["type"] == "membership" for r in rs), 90, [node0, node1])
+    membership_s = time.monotonic() - killed
     _poll(log, _first_new_step, 90, [node0, node1])
     first_new_step_s = time.monotonic() - killed
     out, err = node0.communicate(timeout=120)
     node1.communicate(timeout=30)
     del store
-    return {"code": node0.returncode, "out": out, "err": err, "first_new_step_s": first_new_step_s,
+    return {"code": node0.returncode, "out": out, "err": err, "first_new_step_s": first_new_step_s, "membership_s": membership_s,
             "node1_code": node1.returncode}
 
 
