@@ -55,10 +55,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def make_job(folder: Path) -> Path:
+def make_job(folder: Path, policy: str = "constant-global") -> Path:
     """bert-tiny's shipped CPU profile planned for cpu:2 (4 steps of 8 samples per epoch, freezing per epoch)."""
     path = shipped("bert-tiny_cpu_fp32")
-    training = TrainingConfig(epochs=EPOCHS, samples_per_epoch=8 * STEPS_PER_EPOCH, batch=8, optimizer="sgd")
+    training = TrainingConfig(epochs=EPOCHS, samples_per_epoch=8 * STEPS_PER_EPOCH, batch=8, optimizer="sgd",
+                              batch_policy=policy)
     plan = make_plan(load_profile(path), cpu_cluster(2), training, FreezePolicy(policy="geometric", alpha=0.5),
                      profile_path=str(path))
     save_plan(plan, folder / "plan.json")
@@ -239,6 +240,10 @@ def test_a_varying_node_count_needs_what_a_re_plan_needs(tmp_path):
     moved.write_text(json.dumps(obj))
     r = CliRunner().invoke(cli, ["run", str(moved), *args[1:], "--dry-run"])
     assert r.exit_code != 0 and "the profile file of" in r.output and "is not found" in r.output, r.output
+    (tmp_path / "pp").mkdir()
+    per_pipeline = make_job(tmp_path / "pp", "constant-pipeline")
+    r = CliRunner().invoke(cli, ["run", str(per_pipeline), *args[1:], "--dry-run"])
+    assert r.exit_code != 0 and "constant-global batch policy (this one's is constant-pipeline" in r.output, r.output
     r = CliRunner().invoke(cli, ["run", *args, "--dry-run"])
     assert r.exit_code == 0 and "--nnodes=1:2" in r.output and f"--rdzv-conf={RDZV_CONF}" in r.output, r.output
 

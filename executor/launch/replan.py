@@ -87,7 +87,8 @@ def settings_for(cfg: "RunConfig", plan: "Plan") -> ReplanSettings:
 
 def check_elastic(cfg: "RunConfig", rdzv: "Rendezvous", plan: "Plan") -> ReplanSettings:
     """An elastic job (MIN < MAX nodes) can re-plan and resume: a sharded checkpoint written every N steps,
-    restarts allowed, and the plan's profile at hand. Returns the settings the workers get."""
+    restarts allowed, a global batch that does not depend on the world size, and the plan's profile at hand.
+    Returns the settings the workers get."""
     lo, hi = rdzv.min_nodes, rdzv.max_nodes
     need = []
     if not cfg.checkpoint_dir or cfg.checkpoint_format != "sharded":
@@ -97,6 +98,10 @@ def check_elastic(cfg: "RunConfig", rdzv: "Rendezvous", plan: "Plan") -> ReplanS
         need.append("--checkpoint-every N (the steps since the last checkpoint are run again after a change)")
     if rdzv.max_restarts < 1:
         need.append("--max-restarts 1 or more (a lost node fails the worker group; a restart re-plans)")
+    if plan.inputs.training.batch_policy != "constant-global":
+        need.append(f"a plan with the constant-global batch policy (this one's is "
+                    f"{plan.inputs.training.batch_policy}: its global batch, and so the data order from the "
+                    f"checkpoint on, would change with the world size; ptplan plan --batch-policy constant-global)")
     if need:
         raise PtplanError(f"--nnodes {lo}:{hi}: when the node count changes the job re-plans for the new world size "
                           f"and resumes from its last checkpoint, so it needs " + "; ".join(need)
