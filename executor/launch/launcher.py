@@ -19,6 +19,11 @@ The launcher (``ptplan run``, one per node) owns what its workers start and make
   in its own session that watches a pipe only the launcher holds) stops torchrun and the workers and
   removes the same files, seconds later. A start also removes those whose owner is gone (``sweep``
   without a tag, in ``launch``): what a power cut (or a killed janitor) left.
+- **Elastic jobs.** ``--nnodes MIN:MAX`` with a c10d rendezvous lets the node count change while the job runs
+  (``Rendezvous.elastic``): torchrun restarts the worker group with the new world, and each worker re-plans for it
+  from the plan's profile and settings, which the launcher hands over in ``PTPLAN_REPLAN`` (``replan.py``), and
+  resumes from the last sharded checkpoint (``membership.py``); ``replan.check_elastic`` refuses a job that could
+  not (no sharded ``--checkpoint-every`` checkpoint, no restarts, a per-pipeline batch, the profile file gone).
 - **Messages.** Workers write ``a<attempt>-r<rank>.start`` (their pid) when they start and
   ``a<attempt>-r<rank>.json`` (kind, exception type, message, time) when they fail, into the job folder
   (``PTPLAN_JOB_DIR``); torchrun's output and the workers' stderr (tracebacks) go to the worker log.
