@@ -47,9 +47,10 @@ FIELDS: dict[str, dict[str, str]] = {
     "export": {"step": "int", "path": "str", "kind": "str", "loss": "float?", "accuracy": "float?",
                "perplexity": "float?"},
     # --checkpoint-format sharded: a save (seconds: the slowest rank's, the step blocked that long; async: the
-    # staging only, and ``checkpoint_written`` when the background write is committed)
+    # staging only, and ``checkpoint_written`` when the background write is committed); rss_growth_bytes: per
+    # rank, its peak resident size during a synchronous write minus the size before (Linux)
     "checkpoint": {"step": "int", "format": "str", "async": "bool", "path": "str", "seconds": "float",
-                   "bytes_max": "int", "bytes_total": "int"},
+                   "bytes_max": "int", "bytes_total": "int", "rss_growth_bytes": "list?"},
     "checkpoint_written": {"step": "int", "seconds": "float"},
     # an elastic job's world changed (--nnodes MIN:MAX): the plans before and after (world_size, plan_id, plan
     # file, phases), the step it went on from (after the ``resume`` record), the seconds spent re-planning

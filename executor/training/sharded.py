@@ -56,6 +56,7 @@ from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 from ptplan.executor.runtime.transition import holdings, needs, owned_layers
 from ptplan.executor.cache.run import agree
+from ptplan.executor.training.rss import PeakRss
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.resume import Source, rng_state
@@ -175,12 +176,18 @@ class ShardedWriter:
             return {"type": "checkpoint", "format": "sharded", "async": True, "step": ctx.pos.global_step,
                     "path": folder, "seconds": _slowest(blocked, rt), "bytes_max": max(sizes),
                     "bytes_total": sum(sizes)}
-        dcp.save(state, checkpoint_id=folder)
+        with PeakRss() as rss:  # this rank's host memory while DCP writes its own state
+            dcp.save(state, checkpoint_id=folder)
         seconds = _slowest(time.perf_counter() - t0, rt)
+        growth: list[Any] = [None] * rt.world
+        dist.all_gather_object(growth, rss.growth)
         meta["seconds"] = seconds
         self._commit(ctx, meta)
-        return {"type": "checkpoint", "format": "sharded", "async": False, "step": ctx.pos.global_step,
-                "path": folder, "seconds": seconds, "bytes_max": max(sizes), "bytes_total": sum(sizes)}
+        record = {"type": "checkpoint", "format": "sharded", "async": False, "step": ctx.pos.global_step,
+                  "path": folder, "seconds": seconds, "bytes_max": max(sizes), "bytes_total": sum(sizes)}
+        if all(g is not None for g in growth):
+            record["rss_growth_bytes"] = growth  # per rank: its peak resident size during the write minus before
+        return record
 
     def wait(self, ctx: RunContext) -> None:
         """Finish an async save in flight: every rank waits for its write, rank 0 commits the metadata and
