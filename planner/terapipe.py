@@ -42,7 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import PtplanError
+from .errors import InfeasibleError, PtplanError
 from .simulate import SliceCosts, StageCost
 
 
@@ -593,6 +593,68 @@ def sliceable(phase) -> bool:
     return slice_refusal(phase) is None
 
 
+def _best_slicing(search, ranges, costs, K: int, M: int, b: int) -> tuple[float, tuple[int, ...]] | None:
+    """(iteration, slices) of the fastest slicing of one split (TeraPipe's optimum and 2-8 even slices, each
+    simulated with the ``terapipe`` schedule); None where no slicing fits the device's memory."""
+    from .schedule import terapipe
+    from .simulate import simulate
+
+    profile = search.p
+    L = profile.model.seq_len
+    model = stage_slice_model(profile, ranges, b)
+    opt = _slice_candidates(model, costs, L, K, M, slice_granularity(L))
+    tries = {opt} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n)) for n in (2, 3, 4, 6, 8) if n <= L}
+    best: tuple[float, tuple[int, ...]] | None = None
+    for cand in sorted(tries, key=len):
+        if len(cand) < 2:
+            continue
+        sim = simulate(terapipe(K, M, len(cand)), costs, step_overhead_s=search.c.step_overhead_s,
+                       slice_costs=slice_costs(model, costs, L, cand))
+        if max(sim.rank_peak_memory_bytes) > search.limit:
+            continue
+        if best is None or sim.iteration_s < best[0]:
+            best = (sim.iteration_s, cand)
+    return best
+
+
+def _sliced_split(search, choice, phase):
+    """(ranges, their stage costs, their stage memory, (iteration, slices)) of the split whose best slicing is fastest. The search chose
+    the split for the unsliced schedule; slices change what is best (a stage's bubble is filled differently), so
+    the split is searched again on the sliced objective (``resplit.best_split``'s descent, from the better of the
+    chosen split and AutoPipe's busy-time split). A phase with the AutoCache keeps its split (its fill iteration
+    has costs of its own)."""
+    from .partition import split_stages
+    from .resplit import best_split
+
+    K, M, b = phase.K, phase.M, phase.micro_batch_size
+    if choice.cand.cache:
+        return choice.ranges, choice.costs, choice.memory, _best_slicing(search, choice.ranges, choice.costs, K, M, b)
+    model = search.model(choice.cand, choice.ranges[0][0])
+    limit = search.stage_limit(choice.cand) * (1 + 1e-12)
+    scored: dict[tuple[int, ...], tuple[float, tuple[int, ...]] | None] = {}
+
+    def score(cuts: tuple[int, ...], _best: float) -> float:  # memory: the sliced simulation's, in _best_slicing
+        ranges = tuple(zip(cuts[:-1], cuts[1:]))
+        scored[cuts] = got = _best_slicing(search, ranges, tuple(model.stage_costs(ranges)), K, M, b)
+        return got[0] if got is not None else math.inf
+
+    def cuts_of(ranges) -> tuple[int, ...]:
+        return (ranges[0][0], *(hi for _, hi in ranges))
+
+    starts = [cuts_of(choice.ranges)]
+    try:
+        starts.append(cuts_of(split_stages(model, len(choice.ranges), limit).ranges))
+    except InfeasibleError:
+        pass
+    start = min(dict.fromkeys(starts), key=lambda c: score(c, math.inf))
+    cuts, t = best_split(start, score, enumerate_up_to=0)
+    if not math.isfinite(t):
+        return choice.ranges, choice.costs, choice.memory, None
+    ranges = tuple(zip(cuts[:-1], cuts[1:]))
+    return ranges, tuple(model.stage_costs(ranges)), tuple(model.stage_memory(ranges)), scored[cuts]
+
+
+
 def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max_events: int = 20_000):
     """``phase`` (the planner's, from ``choice``) with token slices where they pay, else unchanged.
 
@@ -616,26 +678,13 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
         return phase
     if (why := slice_refusal(phase)) is not None:
         return replace(phase, notes=(*phase.notes, f"token slices not planned: the executor cannot run them with {why}"))
-    L, K, M, b = profile.model.seq_len, phase.K, phase.M, phase.micro_batch_size
-    model = stage_slice_model(profile, phase.partition, b)
-    costs = choice.costs
-    if K < 2:
-        return phase  # one stage: no pipeline bubble for slices to fill
-    overhead = search.c.step_overhead_s
-    opt = _slice_candidates(model, costs, L, K, M, slice_granularity(L))
-    tries = {opt} | {tuple(L // n + (1 if i < L % n else 0) for i in range(n)) for n in (2, 3, 4, 6, 8) if n <= L}
-    best: tuple[float, tuple[int, ...]] | None = None
-    for cand in sorted(tries, key=len):
-        if len(cand) < 2:
-            continue
-        sc = slice_costs(model, costs, L, cand)
-        t = simulate(terapipe(K, M, len(cand)), costs, step_overhead_s=overhead, slice_costs=sc).iteration_s
-        if best is None or t < best[0]:
-            best = (t, cand)
+    K, M = phase.K, phase.M
+    ranges, costs, stage_memory, best = _sliced_split(search, choice, phase)
     if best is None:
         return phase
     slices = best[1]
-    sc = slice_costs(model, costs, L, slices)
+    L, overhead = profile.model.seq_len, search.c.step_overhead_s
+    sc = slice_costs(stage_slice_model(profile, ranges, phase.micro_batch_size), costs, L, slices)
     f, bw = np.asarray(sc.forward_s), np.asarray(sc.backward_s)
     sched = terapipe(K, M, len(slices))
     events = keep_timeline and K * M * len(slices) * 6 <= max_events
@@ -644,7 +693,7 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
         return phase
     fill = simulate(sched, choice.fill_costs, step_overhead_s=overhead, slice_costs=sc) if choice.fill_costs else None
     memory = tuple(replace(m, inflight=int(n), activations=int(n) * int(c.activation_bytes_per_mb), total=int(t))
-                   for m, n, c, t in zip(choice.memory, sim.peak_inflight, costs, sim.stage_peak_memory_bytes))
+                   for m, n, c, t in zip(stage_memory, sim.peak_inflight, costs, sim.stage_peak_memory_bytes))
     B = phase.global_batch
     pred = replace(phase.predicted, iteration_s=sim.iteration_s,
                    samples_per_s=B / sim.iteration_s if sim.iteration_s > 0 else 0.0,
@@ -657,6 +706,6 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
     assert isinstance(pred, Prediction)
     note = (f"token slices {','.join(map(str, slices))} (TeraPipe): {phase.predicted.iteration_s:.4g} s -> "
             f"{sim.iteration_s:.4g} s per iteration (was {phase.schedule})")
-    return replace(phase, schedule="gpipe", slices=tuple(slices), predicted=pred,
+    return replace(phase, schedule="gpipe", slices=tuple(slices), predicted=pred, partition=tuple(ranges),
                    actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                    timeline=sim.events if events else (), notes=(*phase.notes, note))
