@@ -3,9 +3,9 @@
 The ``cpu:N`` preset's ``action_overhead_s`` and ``step_overhead_s`` (``planner/cluster.py``) come
 from here, measured apart from any model's compute:
 
-- **action overhead**: two processes (fork, gloo, one thread each) run a
-  ``torch.distributed.pipelining`` 1F1B schedule (K=2, hand-built ``PipelineStage``s, as the
-  runtime builds them) over a module with next to no compute (a 16x16 linear layer, one sample per
+- **action overhead**: two processes (fork, gloo, one thread each) run a 1F1B schedule (K=2) with the
+  executor's own step interpreter (``executor/runtime/step.py``: ``StepInterpreter`` and ``ChunkCompute``,
+  what every training step runs) over a module with next to no compute (a 16x16 linear layer, one sample per
   micro-batch) for M = 2..32 micro-batches, and measure each rank's CPU time per step
   (``time.process_time``: the host work, not the waiting). A least-squares line
   cpu(M) = a + 2M * o over M gives o, the CPU seconds per forward or backward action (each rank runs
@@ -48,23 +48,24 @@ WIDTH = 16
 
 def _pipeline_worker(rank: int, world: int, repeats: int, out_path: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from ptplan.executor.runtime.step import ChunkCompute, StepInterpreter
+    from ptplan.planner.schedule import build_schedule
 
     torch.manual_seed(0)
     mod = torch.nn.Linear(WIDTH, WIDTH)
     res = {}
     for M in MS:
-        stage = PipelineStage(mod, rank, 2, torch.device("cpu"))
-        sched = Schedule1F1B(stage, n_microbatches=M, loss_fn=lambda y, t: (y - t).pow(2).mean(), scale_grads=True)
-        x = torch.randn(M, WIDTH)
+        compute = ChunkCompute({rank: mod}, lambda y, t: (y - t).pow(2).mean(), M=M, last=1)
+        step = StepInterpreter(build_schedule("1f1b", 2, M, 1), rank, compute, group=dist.group.WORLD,
+                               device=torch.device("cpu"))
+        x, target = torch.randn(M, WIDTH), torch.zeros(M, WIDTH)
         times, cpu = [], []
         for r in range(repeats + 3):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            if rank == 0:
-                sched.step(x, return_outputs=False)
-            else:
-                sched.step(target=torch.zeros(M, WIDTH), return_outputs=False)
+            step.run(x if rank == 0 else None, target if rank == 1 else None, {})
+            mod.zero_grad(set_to_none=True)
             if r >= 3:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)

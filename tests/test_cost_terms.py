@@ -167,7 +167,7 @@ def test_the_profiler_measures_the_action_overhead_and_the_planner_charges_it():
     prof = profile_model(build_model("bert-tiny", seq_len=8), device="cpu", batch_sizes=[1], warmup=0, repeats=1,
                          progress=False)
     o = prof.measurement["action_overhead_s"]
-    assert 1e-6 < o < 0.05  # host seconds per forward or backward action of torch's schedule runtime
+    assert 1e-6 < o < 0.05  # host seconds per forward or backward action of the step interpreter
     # a CPU profile's overhead is charged on a CPU cluster where it is larger than the cluster's own figure ...
     cpu = dataclasses.replace(get_preset("cpu:2"), action_overhead_s=0.0)
     assert charged_overheads(cpu, prof).action_overhead_s == o
@@ -176,6 +176,25 @@ def test_the_profiler_measures_the_action_overhead_and_the_planner_charges_it():
     assert charged_overheads(get_preset("dgx-h100"), prof) is get_preset("dgx-h100")
     gpu_prof = dataclasses.replace(prof, device=dataclasses.replace(prof.device, kind="cuda"))
     assert charged_overheads(get_preset("dgx-h100"), gpu_prof).action_overhead_s == o
+
+
+def test_the_overhead_is_measured_on_the_interpreter_the_executor_runs():
+    """The profiler times the executor's own step interpreter (issue 21: it timed torch's ScheduleGPipe, 64 us an
+    action on the 2-core box, where the interpreter takes 26 us): every action it runs is the interpreter's."""
+    import torch
+
+    from ptplan.executor.profiling.overhead import measure_action_overhead
+    from ptplan.executor.runtime import step as step_mod
+
+    step_mod.TRACE = []
+    try:
+        o = measure_action_overhead(torch.device("cpu"), low=2, high=4, repeats=1)
+        ran = list(step_mod.TRACE)
+    finally:
+        step_mod.TRACE = None
+    assert o is not None and o >= 0.0
+    # (2 + 4 micro-batches) x (forward + backward) + ALLREDUCE per step, 3 steps (2 warm-up + 1) at each M
+    assert sum(1 for _, a in ran if a.startswith("0F")) == 3 * (2 + 4), ran[:8]
 
 
 def test_charged_overhead_prices_each_extra_action():
