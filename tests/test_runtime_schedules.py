@@ -2,9 +2,9 @@
 
 Pure: how a phase's action lists become torch's schedule IR (``executor/runtime/actions.py``) and what it refuses.
 Multi-process: 4 gloo processes run an elastic plan (K=4,D=1 -> K=2,D=2 -> K=1,D=4) while every
-rank records the compute actions its stages really run -- torch's ``PipelineStage`` entry points
-(``forward_one_chunk``, ``backward_one_chunk`` with or without ``full_backward``,
-``backward_weight_one_chunk``) and ``LocalSchedule``'s at K=1 -- and each step's record equals the
+rank records the compute actions its stages really run -- the step interpreter's compute entry points
+(``_forward``, ``_backward`` full or input-gradient only, ``_backward_weight``) at every K; torch's
+``PipelineStage`` entry points are recorded too, so a return to torch's runtime would show twice -- and each step's record equals the
 plan's list for that rank's position (``planner.schedule.torch_compute_order``), for GPipe, 1F1B,
 ZB-H1, interleaved 1F1B and looped BFS (V=2), and for a plan without stored actions. (ZB-V's lists
 are refused: their receives between two ranks do not follow the sends' order.)
@@ -149,7 +149,7 @@ def _record_compute_actions() -> list[str]:
     action in torch's text to the returned list."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    from ptplan.executor.runtime.stage import LocalSchedule
+    from ptplan.executor.runtime.step import StepInterpreter
 
     log: list[str] = []
 
@@ -169,9 +169,9 @@ def _record_compute_actions() -> list[str]:
     wrap(_PipelineStageBase, "backward_one_chunk",
          lambda s, a: f"{s.stage_index}{'B' if a['full_backward'] else 'I'}{a['bwd_chunk_id']}")
     wrap(_PipelineStageBase, "backward_weight_one_chunk", lambda s, a: f"{s.stage_index}W{a['bwd_chunk_id']}")
-    wrap(LocalSchedule, "_forward", lambda s, a: f"{a['c']}F{a['m']}")
-    wrap(LocalSchedule, "_backward", lambda s, a: f"{a['c']}{'B' if a['full'] else 'I'}{a['m']}")
-    wrap(LocalSchedule, "_backward_weight", lambda s, a: f"{a['c']}W{a['m']}")
+    wrap(StepInterpreter, "_forward", lambda s, a: f"{a['c']}F{a['m']}")
+    wrap(StepInterpreter, "_backward", lambda s, a: f"{a['c']}{'B' if a['full'] else 'I'}{a['m']}")
+    wrap(StepInterpreter, "_backward_weight", lambda s, a: f"{a['c']}W{a['m']}")
     return log
 
 

@@ -22,7 +22,7 @@ ranks against 417.6 MiB for the whole model, peak resident memory 535, 482, 472 
 (``bench/stage_build_bytes.py``). The first switch then moves nothing (every rank built what it needs); a model built whole (tests, ``custom_model``: the user's layers are
 already materialised, left as they are) starts as every layer on HOST and is freed to the stage at
 the first switch. Initialisation does not depend on who builds a layer: each Hugging Face submodule is
-initialised from its own seed (``models.module_seed``), so a stage build equals the whole build on its
+initialised from its own seed (``families.weights.module_seed``), so a stage build equals the whole build on its
 layers, bit for bit (``tests/test_stage_build.py``).
 """
 from __future__ import annotations
@@ -236,7 +236,3 @@ def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Sched
             compute.call = policy.call
     return StepInterpreter(schedule, position, compute, group=pp_group, device=device, policy=policy)
 
-
-LocalSchedule = StepInterpreter
-"""The name tests record the compute entry points under (``_forward``, ``_backward``, ``_backward_weight``):
-once the K = 1 interpreter, now the one interpreter for every K (``step``)."""
