@@ -51,6 +51,8 @@ def test_a_run_moves_from_a_pipeline_to_fsdp_to_tensor_parallel_and_ends_where_i
     data = TensorDataset(*model.make_batch(16, generator=torch.Generator().manual_seed(1)))
     tmp, ck = str(tmp_path), str(tmp_path / "ck")
     plans = {name: _layout_plan(model, name) for name in LAYOUTS}
+    sizes = [sum(p.numel() * 4 for p in layer.parameters()) for layer in model.layers]
+    whole = sum(sizes) + sum(sizes[plans["fsdp"].phases[1].frozen_layers:])  # weights + active layers' momentum
     for plan in plans.values():
         assert {ph.world for ph in plan.phases} == {2}
     want = _run(tmp, 2, _cfg(tmp, "ref", freeze_every=5, epochs=5, momentum=0.9), plans["pipeline"], model, data)
@@ -65,6 +67,8 @@ def test_a_run_moves_from_a_pipeline_to_fsdp_to_tensor_parallel_and_ends_where_i
             assert meta["world_size"] == 2 and meta["position"]["global_step"] == 2 * chain[i - 1][1]
             shutil.copytree(ck, tmp_path / f"saved-{i}")
             saved = _saved(str(tmp_path / f"saved-{i}" / meta["folder"]))
+            if chain[i - 1][0] == "fsdp":  # written as FSDP's shards: each rank half the state, none gathered it
+                assert sum(meta["bytes"]) == whole and max(meta["bytes"]) < 0.55 * whole, (meta["bytes"], whole)
         cfg = _cfg(tmp, "chain", freeze_every=5, epochs=epochs, momentum=0.9, checkpoint_dir=ck, resume=i > 0)
         got = _run(tmp, 2, cfg, plans[name], model, data, loaded=loaded if i > 0 else None)
         if saved is not None:
@@ -73,6 +77,10 @@ def test_a_run_moves_from_a_pipeline_to_fsdp_to_tensor_parallel_and_ends_where_i
             for k, v in saved.items():
                 assert torch.equal(flat[k], v), (name, k)
     assert got is not None
+    final = json.load(open(os.path.join(ck, "sharded.json")))  # step 10, written as tp's halves
+    assert final["position"]["global_step"] == 10 and max(final["bytes"]) < 0.75 * whole, (final["bytes"], whole)
+    written = _saved(os.path.join(ck, final["folder"]))
+    assert all(torch.equal(written[k], v) for k, v in got.items())
     resumes = [r["step"] for r in read_records(os.path.join(tmp, "chain.jsonl")) if r["type"] == "resume"]
     assert resumes == [4, 8], resumes
     assert [ph.strategy_label for ph in plans["tp"].phases] == ["tp2", "tp2"]

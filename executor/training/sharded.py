@@ -5,7 +5,9 @@ phase -- its stage's weights (stage 0: also the frozen prefix) under their canon
 and the optimizer state of the active layers it trains, as ``optim.<name>.<state key>`` -- and DCP writes them in
 parallel, one file per rank; a tensor several ranks hold (data-parallel replicas, a tensor-parallel group after
 the gather) is written once (DCP's save planner de-duplicates equal keys). No rank gathers the model. A stage
-with FSDP or tp is first gathered back into its full layers (``ElasticRuntime.drain``: its own stage only).
+with FSDP or tp passes the DTensors it trains (``in_place``): each rank writes only its own shards, and a load
+into any other layout reads the slices it needs; a tp copy whose layout is not the layer's (GPT-2's Conv1D
+weights train transposed) is first gathered back into its full layers (``ElasticRuntime.drain``: its own stage).
 
 Layout under ``--checkpoint-dir``::
 
@@ -53,6 +55,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Plan
 
 from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
+from ptplan.executor.runtime.hybrid import local
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 from ptplan.executor.runtime.transition import holdings, needs, owned_layers
 from ptplan.executor.cache.run import agree
@@ -75,26 +78,48 @@ def step_folder(folder: str | os.PathLike, step: int) -> str:
     return os.path.join(os.fspath(folder), f"{PREFIX}{step:08d}")
 
 
+def in_place(rt: ElasticRuntime) -> bool:
+    """Whether DCP can write this rank's split or sharded layers as they train (``hybrid.ShardedStage``: FSDP's
+    and tp's DTensors under the canonical names, each rank its own shards): every copy keeps its layer's layout.
+    A family whose tp copy reorders or transposes a weight (GPT-2's fused Conv1D) is gathered first instead."""
+    st = rt.sharded
+    return st is not None and not st.back and not any(st._frozen_back.values())
+
+
+def _weights(rt: ElasticRuntime, i: int) -> list[tuple[str, Tensor]]:
+    """Layer i's weights by canonical name: its split or sharded copy's (DTensors) while the stage has one, else
+    the layer's own."""
+    st = rt.sharded
+    copy = st.copies.get(i) if st is not None else None
+    if copy is None:
+        return [(rt.names[id(p)], p.detach()) for p in rt.layer_params[i]]
+    by_name = dict(copy.named_parameters())
+    return [(rt.names[id(p)], by_name[n].detach()) for n, p in rt.model.layers[i].named_parameters()]
+
+
 def local_state(rt: ElasticRuntime) -> dict[str, Tensor]:
     """What this rank holds in its current phase, by canonical key: its layers' weights, and the optimizer
-    state of the active layers it trains (the tensors themselves: no copy)."""
+    state of the active layers it trains (the tensors themselves: no copy). In a stage with FSDP or tp
+    (``in_place``) the weights and state are the DTensors training uses: each rank passes only its shards."""
     ph = rt.phase
     assert ph is not None
     keys = state_keys(rt.opt)
+    st = rt.sharded
     out: dict[str, Tensor] = {}
     for i in sorted(holdings(ph, rt.rank, rt.n, cached_prefix=rt._caches(ph))):
-        for p in rt.layer_params[i]:
-            out[rt.names[id(p)]] = p.detach()
+        out.update(_weights(rt, i))
     for i in owned_layers(ph, rt.rank, rt.n):
         if i >= ph.frozen_layers:
             for p in rt.layer_params[i]:
-                for k, v in zip(keys, ensure_state(rt.opt, p)):
+                q = st.live.get(id(p), p) if st is not None else p
+                for k, v in zip(keys, ensure_state(rt.opt, q)):
                     out[f"optim.{rt.names[id(p)]}.{k}"] = v
     return out
 
 
 def nbytes(state: dict[str, Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+    """The bytes this rank holds of ``state`` (a DTensor: its local shards)."""
+    return sum(local(t).numel() * t.element_size() for t in state.values())
 
 
 def _encode_rng(state: dict[str, Any]) -> dict[str, str]:
@@ -150,33 +175,37 @@ class ShardedWriter:
         assert cfg.checkpoint_dir is not None
         self.wait(ctx)
         t0 = time.perf_counter()
-        rt.drain()  # FSDP/tp shards gathered into this stage's full layers; 2BW's updates done
-        state = local_state(rt)
-        rng: list[Any] = [None] * rt.world
-        dist.all_gather_object(rng, _encode_rng(rng_state()))
-        sizes: list[Any] = [None] * rt.world
-        dist.all_gather_object(sizes, nbytes(state))
-        folder = step_folder(cfg.checkpoint_dir, ctx.pos.global_step)
-        problem = None
-        if rt.rank == 0:
-            try:
-                os.makedirs(cfg.checkpoint_dir, exist_ok=True)
-                shutil.rmtree(folder, ignore_errors=True)  # a save of this step that never committed
-            except OSError as e:
-                problem = f"cannot create the checkpoint folder {cfg.checkpoint_dir}: {e.strerror}"
-        agree(problem)
-        meta = _metadata(ctx, folder, rng, sizes)
-        if cfg.async_checkpoint:
-            if self.group is None:
-                self.group = dist.new_group(backend="gloo")
-            fut = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
-            assert isinstance(fut, Future)
-            self.pending = (fut, meta, t0)
-            blocked = time.perf_counter() - t0
-            return {"type": "checkpoint", "format": "sharded", "async": True, "step": ctx.pos.global_step,
-                    "path": folder, "seconds": _slowest(blocked, rt), "bytes_max": max(sizes),
-                    "bytes_total": sum(sizes)}
-        with PeakRss() as rss:  # this rank's host memory while DCP writes its own state
+        with PeakRss() as rss:  # this rank's host memory from before a gather (if any) to the end of DCP's write
+            if in_place(rt):  # FSDP/tp shards written as they are (2BW's updates done first)
+                assert rt.schedule is not None
+                rt.schedule.drain()
+            else:  # 2BW's updates done; a tp copy in another layout gathered into this stage's full layers
+                rt.drain()
+            state = local_state(rt)
+            rng: list[Any] = [None] * rt.world
+            dist.all_gather_object(rng, _encode_rng(rng_state()))
+            sizes: list[Any] = [None] * rt.world
+            dist.all_gather_object(sizes, nbytes(state))
+            folder = step_folder(cfg.checkpoint_dir, ctx.pos.global_step)
+            problem = None
+            if rt.rank == 0:
+                try:
+                    os.makedirs(cfg.checkpoint_dir, exist_ok=True)
+                    shutil.rmtree(folder, ignore_errors=True)  # a save of this step that never committed
+                except OSError as e:
+                    problem = f"cannot create the checkpoint folder {cfg.checkpoint_dir}: {e.strerror}"
+            agree(problem)
+            meta = _metadata(ctx, folder, rng, sizes)
+            if cfg.async_checkpoint:
+                if self.group is None:
+                    self.group = dist.new_group(backend="gloo")
+                fut = dcp.async_save(state, checkpoint_id=folder, process_group=self.group)
+                assert isinstance(fut, Future)
+                self.pending = (fut, meta, t0)
+                blocked = time.perf_counter() - t0
+                return {"type": "checkpoint", "format": "sharded", "async": True, "step": ctx.pos.global_step,
+                        "path": folder, "seconds": _slowest(blocked, rt), "bytes_max": max(sizes),
+                        "bytes_total": sum(sizes)}
             dcp.save(state, checkpoint_id=folder)
         seconds = _slowest(time.perf_counter() - t0, rt)
         growth: list[Any] = [None] * rt.world
