@@ -28,7 +28,9 @@ Entering a phase (``ElasticRuntime.switch``) frees what the rank neither keeps n
 what it newly holds, moves weights and then optimizer state to their new owners (``transition``),
 frees what it only sent, destroys the old groups and creates the new ones in the same order on
 every rank (``groups``), and rebuilds the stage and its schedule. The training loop is in
-``training``. A PipeDream-2BW phase (schedule ``2bw``) runs the same interpreter under the 2BW policy
+``training``. The step's body is ``train_step`` (its gradient average, clipping and norms in
+``gradients``); ``gather`` brings the whole model to rank 0. A PipeDream-2BW phase (schedule ``2bw``)
+runs the same interpreter under the 2BW policy
 (``twobw.TwoBW``: each ``train_step`` runs one mini-batch's stretch of the plan's continuous 1F1B, with
 two weight versions and one-step-stale updates: the step is ``stale``, it steps the optimizer itself);
 ``switch``, ``gather`` and ``close`` first drain it. A token-sliced phase (``Phase.slices``, TeraPipe) runs it
@@ -48,8 +50,8 @@ optimizer state) in host memory until it returns -- one source rank's messages a
 
 from __future__ import annotations
 
-import math
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -60,12 +62,15 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
 
 from ptplan.executor.runtime.actions import phase_schedule
-from ptplan.executor.cache.autocache import ActivationCache, prefix_forward
+from ptplan.executor.cache.autocache import ActivationCache
+from ptplan.executor.runtime.gather import gather
+from ptplan.executor.runtime.gradients import allreduce_grads, twobw_update
 from ptplan.executor.runtime.groups import PhaseGroups, build_groups, chunks_of, destroy_groups, dp_ranks_of, fsdp_chunks, tp_ranks_of
-from ptplan.executor.runtime.hybrid import ShardedStage, local, tp_split
-from ptplan.executor.runtime.optim import drop_state, ensure_state, state_keys
+from ptplan.executor.runtime.hybrid import ShardedStage
+from ptplan.executor.runtime.optim import drop_state, ensure_state
 from ptplan.executor.runtime.stage import LayerStore, build_schedule, set_trainable, stage_module
 from ptplan.executor.runtime.step import StepInterpreter
+from ptplan.executor.runtime.train_step import train_step
 from ptplan.executor.runtime.transition import DEVICE, HOST, Transfer, exchange, holdings, needs, owned_layers, plan_transfers, sources
 
 
@@ -275,7 +280,7 @@ class ElasticRuntime(PhaseState):
             self.sharded = ShardedStage(self.model.layers, self.layer_params, self.owned, self.opt, dp=dp, tp=tp,
                                         device=self.device, release=self.store.release,
                                         place=lambda i: self.store.place(i, DEVICE, keep_values=False),
-                                        fsdp_layers=fsdp_layers, prefix=prefix)
+                                        fsdp_layers=fsdp_layers, prefix=prefix, sp=ph.sp)
             self.sharded.enter()
             twins = self.sharded.copies
         self.chunks = {c: stage_module(self.model, ph, c, cached_prefix=self._caches(ph), twins=twins)
@@ -284,7 +289,7 @@ class ElasticRuntime(PhaseState):
         self.module = mods[0] if len(mods) == 1 else torch.nn.ModuleList(mods)
         self.schedule = build_schedule(self.chunks, ph, self.phase_schedules[index], self.device, self.groups.pp_group,
                                        self.model.loss, position=self.groups.place.stage, model=self.model,
-                                       cached_prefix=self._caches(ph), update=self._twobw_update)
+                                       cached_prefix=self._caches(ph), update=partial(twobw_update, self))
 
     def _reshard(self) -> None:
         """In a phase with tp or FSDP whose stage is not sharded now (after ``drain`` or a gather): shard it
@@ -310,23 +315,6 @@ class ElasticRuntime(PhaseState):
             self._unshard()
             self._build_stage(self.phase, self.phase_index, shard=False)
 
-    def _twobw_update(self, pairs: list[tuple[torch.nn.Parameter, Tensor | None]]) -> None:
-        """2BW's update of one stage: the mini-batch's gradient averaged over the data-parallel group, the
-        optimizer step, and (for adaptive freezing) its per-block norms."""
-        for p, g in pairs:
-            p.grad = g
-        t0 = time.perf_counter()
-        self._allreduce_grads()
-        self.last_allreduce_s += time.perf_counter() - t0
-        if self._norms is not None and self.groups.place.pipeline == 0:
-            for p, _ in pairs:
-                b = self.block_of[self.layer_of[id(p)]]
-                if b is not None and p.grad is not None:
-                    self._norms[b] += p.grad.double().pow(2).sum().item()
-        self.opt.step()
-        for p, _ in pairs:
-            p.grad = None
-
     def set_cache(self, cache: ActivationCache | None) -> None:
         """Read the frozen prefix's output from ``cache`` in caching phases from now on (call before the
         first ``switch``, or between steps: then the prefix moves between host and device as needed and
@@ -339,70 +327,9 @@ class ElasticRuntime(PhaseState):
             self._build_stage(self.phase, self.phase_index)
 
     # ---- one optimizer step ----------------------------------------------------------------
-    def _live_params(self, i: int) -> list[torch.nn.Parameter]:
-        """Layer i's parameters as they train now (FSDP: the sharded ones)."""
-        return self.layer_params[i] if self.sharded is None else self.sharded.params(i)
-
-    def _fsdp_layer(self, i: int) -> bool:
-        """Whether layer i trains FSDP-sharded now (its gradient reduce-scattered, a shard per replica)."""
-        return self.sharded is not None and i in self.sharded.fsdp_layers
-
-    def _grad_sq(self, g: Tensor, i: int) -> Tensor:
-        """This rank's share of the squared norm of layer i's gradient ``g`` in a whole-model norm summed over
-        the world: each stage counted once -- on pipeline 0, or for an FSDP layer on every replica (each its
-        shard); a tensor-parallel shard on every tp rank, a replicated tensor on tp index 0 only."""
-        place = self.groups.place
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        if not (place.pipeline == 0 or self._fsdp_layer(i)):
-            return zero
-        if place.tp != 0 and not tp_split(g):
-            return zero
-        return local(g).double().pow(2).sum()
-
-    def _owned_grads(self) -> list[tuple[int, Tensor]]:
-        """(layer, gradient) of every owned layer's parameters that have one."""
-        return [(i, p.grad) for i in self.owned for p in self._live_params(i) if p.grad is not None]
-
     def _allreduce_grads(self) -> None:
-        """Average the gradients over the data-parallel group with one flat all-reduce (per dtype), leaving
-        out the FSDP layers' (reduce-scattered in the backward). Every rank of the group holds the same
-        chunks, so all of them leave out the same layers."""
-        ph = self.phase
-        if ph.D == 1:
-            return
-        # tensor parallel: each rank its shards
-        grads = [local(g) for i, g in self._owned_grads() if not self._fsdp_layer(i)]
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for _, gs in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([g.reshape(-1) for g in gs])  # the stage's one transient (planner/stage.py's "after")
-            if self.memory_hook is not None:
-                self.memory_hook("transient", flat)
-            dist.all_reduce(flat, group=self.groups.dp_group)
-            flat.div_(ph.D)
-            off = 0
-            for g in gs:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
-            del flat
-
-    def _clip(self) -> None:
-        """Scale every gradient by min(1, c / (norm + 1e-6)), norm the global norm of the whole model's
-        gradients after the data-parallel average: each stage's squares counted once (on pipeline 0's
-        replica), summed over the world -- ``clip_grad_norm_``'s rule on the whole model, in one all-reduce."""
-        assert self.clip_grad_norm is not None
-        grads = self._owned_grads()
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for i, g in grads:
-            sq += self._grad_sq(g, i)
-        dist.all_reduce(sq)
-        norm = math.sqrt(float(sq.item()))
-        self.last_grad_norm = norm
-        coef = self.clip_grad_norm / (norm + 1e-6)
-        if coef < 1.0:
-            for _, g in grads:
-                g.mul_(coef)
+        """Average the gradients over the data-parallel group (``gradients.allreduce_grads``)."""
+        allreduce_grads(self)
 
     def _caches(self, ph: Phase) -> bool:
         """Whether stage 0 of ``ph`` reads the frozen prefix's output from the cache."""
@@ -410,116 +337,16 @@ class ElasticRuntime(PhaseState):
 
     def train_step(self, batch: tuple[Tensor, Tensor, Tensor | None], *, want_norms: bool,
                    ids: Tensor | None = None) -> tuple[float, list[float]]:
-        """Forward, backward, data-parallel gradient average and optimizer step on this rank's shard.
-
-        ``ids``: the shard's sample ids (needed when the phase caches the frozen prefix). Returns the
-        global mean loss and, with ``want_norms``, the per-block gradient norms (every rank gets the
-        same numbers: one all-reduce over the world).
-        """
-        self._reshard()  # after an evaluation (``drain``)
-        ph, place = self.phase, self.groups.place
-        first, last = 0 in self.chunks, ph.stages - 1 in self.chunks
-        x, y, mask = (None if t is None else t.to(self.device) for t in batch)
-        if first and self._caches(ph):  # the shard's prefix output, micro-batch by micro-batch
-            assert ids is not None, "a caching phase needs the shard's sample ids"
-            x = prefix_forward(self.model, x, mask, ids, ph.frozen_layers, self.cache,
-                               micro_batch_size=ph.micro_batch_size)
-            if self.memory_hook is not None:
-                self.memory_hook("buffers", x)
-        kw = {} if mask is None else {"attention_mask": mask}
-        x, y = (x if first else None), (y if last else None)
-        assert self.schedule is not None, "train_step before the first switch"
-        if self.schedule.stale:  # 2BW: the step updates the weights itself
-            return self._train_step_2bw(x, y, kw, want_norms=want_norms)
-        self.opt.zero_grad(set_to_none=True)
-        losses = self.schedule.run(x, y, kw)  # gradients left in the parameters
-        t0 = time.perf_counter()
-        self._allreduce_grads()  # all but the FSDP layers' (reduce-scattered in the backward)
-        self.last_allreduce_s = time.perf_counter() - t0
-        if self.clip_grad_norm is not None:
-            self._clip()
-        self.opt.step()
-        L = self.model.num_blocks
-        vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
-        if last and place.tp == 0:  # a tensor-parallel group's ranks compute the same loss
-            vec[0] = torch.stack([loss.double() for loss in losses]).mean()
-        if want_norms:  # one replica per stage counts its (averaged) gradients (``_grad_sq``)
-            for i in self.owned:
-                b = self.block_of[i]
-                if b is None:
-                    continue
-                for p in self._live_params(i):
-                    if p.grad is not None:
-                        vec[1 + b] += self._grad_sq(p.grad, i)
-        dist.all_reduce(vec)
-        vec = vec.cpu()
-        return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
-
-    def _train_step_2bw(self, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor], *, want_norms: bool
-                        ) -> tuple[float, list[float]]:
-        """``train_step`` in a 2BW phase: one mini-batch's stretch (``twobw``); the loss is the mean over
-        the mini-batch's micro-batches at its weight version; the norms are those of the gradients that
-        updated this rank's stage during the stretch (zero where none did)."""
-        ph, pipe = self.phase, self.schedule
-        assert pipe is not None
-        L = self.model.num_blocks
-        self._norms = [0.0] * L if want_norms else None
-        self.last_allreduce_s = 0.0
-        losses = pipe.run(x, y, kw)
-        vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=self.device)
-        if losses:
-            vec[0] = torch.stack([loss.double() for loss in losses]).mean()
-        if want_norms:
-            vec[1:] = torch.tensor(self._norms, dtype=torch.float64)
-        self._norms = None
-        dist.all_reduce(vec)
-        vec = vec.cpu()
-        return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+        """Forward, backward, data-parallel gradient average and optimizer step on this rank's shard
+        (``train_step.train_step``): the global mean loss and, with ``want_norms``, the per-block gradient
+        norms; ``ids``, the shard's sample ids, are needed when the phase caches the frozen prefix."""
+        return train_step(self, batch, want_norms=want_norms, ids=ids)
 
     # ---- whole-model views -----------------------------------------------------------------
     def gather(self, with_state: bool = False) -> tuple[dict[str, Tensor], dict[str, dict[str, Tensor]]]:
-        """Bring every layer (and optionally every active layer's optimizer state) to rank 0; collective.
-
-        Rank 0 gets ({name: weights}, {name: {key: state}}), CPU tensors; the others get empty dicts.
-        Rank 0 gives the layers it does not hold host storage for the exchange (one source rank at a
-        time) and frees it again before returning: the returned tensors are then the only copies.
-        """
-        self._drain_2bw()
-        self._unshard()
-        ph = self.phase
-        to0 = [frozenset({0})] * self.n
-        weights_t = self._transfers(self.current, to0, state=False)
-        state_t: list[Transfer] = []
-        if with_state:
-            active = [i >= ph.frozen_layers for i in range(self.n)]
-            state_t = self._transfers([h if a else frozenset() for h, a in zip(self.current, active)],
-                                      [nd if a else frozenset() for nd, a in zip(to0, active)], state=True)
-        if self.rank == 0:
-            for i in range(self.n):
-                if self.store.where[i] is None:
-                    self.store.place(i, HOST, keep_values=False)
-        for transfers, of_state in ((weights_t, False), (state_t, True)):
-            for src in sorted({t.src for t in transfers}):
-                self._exchange([t for t in transfers if t.src == src], state=of_state)
-        if self.rank != 0:
-            self._reshard()
-            return {}, {}
-
-        def out(p: Tensor, t: Tensor) -> Tensor:  # a held layer's tensors stay in use: copy them
-            t = t.detach()
-            return t.to("cpu", copy=True) if self.layer_of[id(p)] in self.held else t.cpu()
-
-        weights = {name: out(p, p) for name, p in self.model.named_parameters()}
-        state: dict[str, dict[str, Tensor]] = {}
-        if with_state:
-            keys = state_keys(self.opt)
-            for i in range(ph.frozen_layers, self.n):
-                for p in self.layer_params[i]:
-                    state[self.names[id(p)]] = {k: out(p, v) for k, v in zip(keys, ensure_state(self.opt, p))}
-        drop_state(self.opt, self._params_of(self.owned))
-        self._settle(self.held, also=set(), current=None)
-        self._reshard()
-        return weights, state
+        """Bring every layer (and optionally every active layer's optimizer state) to rank 0 (``gather.gather``;
+        collective): rank 0 gets ({name: weights}, {name: {key: state}}) on the CPU, the others empty dicts."""
+        return gather(self, with_state)
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of the parameters this rank holds now: ``{"device": ..., "host": ...}``."""
