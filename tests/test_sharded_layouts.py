@@ -69,7 +69,8 @@ def test_a_run_moves_from_a_pipeline_to_fsdp_to_tensor_parallel_and_ends_where_i
             saved = _saved(str(tmp_path / f"saved-{i}" / meta["folder"]))
             if chain[i - 1][0] == "fsdp":  # written as FSDP's shards: each rank half the state, none gathered it
                 assert sum(meta["bytes"]) == whole and max(meta["bytes"]) < 0.55 * whole, (meta["bytes"], whole)
-        cfg = _cfg(tmp, "chain", freeze_every=5, epochs=epochs, momentum=0.9, checkpoint_dir=ck, resume=i > 0)
+        cfg = _cfg(tmp, "chain", freeze_every=5, epochs=epochs, momentum=0.9, checkpoint_dir=ck, resume=i > 0,
+                   async_checkpoint=name == "fsdp")  # FSDP's shards staged by DCP's async save
         got = _run(tmp, 2, cfg, plans[name], model, data, loaded=loaded if i > 0 else None)
         if saved is not None:
             flat = _flat(loaded)
@@ -83,6 +84,8 @@ def test_a_run_moves_from_a_pipeline_to_fsdp_to_tensor_parallel_and_ends_where_i
     assert all(torch.equal(written[k], v) for k, v in got.items())
     resumes = [r["step"] for r in read_records(os.path.join(tmp, "chain.jsonl")) if r["type"] == "resume"]
     assert resumes == [4, 8], resumes
+    saves = [(r["step"], r["async"]) for r in read_records(os.path.join(tmp, "chain.jsonl")) if r["type"] == "checkpoint"]
+    assert saves == [(2, False), (4, False), (6, True), (8, True), (10, False)], saves
     assert [ph.strategy_label for ph in plans["tp"].phases] == ["tp2", "tp2"]
     assert all(ph.any_fsdp for ph in plans["fsdp"].phases)
     d, where = max_rel_diff(got, want)
