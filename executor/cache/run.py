@@ -46,6 +46,7 @@ from ptplan.executor.cache.autocache import DEFAULT_SLAB_BYTES, MAX_SHARD_ROWS, 
 from ptplan.executor.cache.guard import check_prefix_modules, check_repeatable_layers, eval_mode
 from ptplan.executor.cache.store import SlabInfo, dtype_name
 from ptplan.executor.training.config import RunConfig
+from ptplan.executor.training.records import CacheRecord, CacheSetupRecord
 from ptplan.executor.data.dataset import Dataset
 
 COUNTERS = ("hits", "refreshes", "misses", "rows_written", "rows_not_cached", "slabs_evicted", "bytes_evicted",
@@ -117,14 +118,14 @@ def agree(problem: str | None, payload: Any = None) -> list[Any]:
 class RunCache:
     """This rank's handle on its node's cache, with what the run log needs."""
 
-    def __init__(self, cache: ActivationCache, *, creator: bool, device: torch.device, record: dict[str, Any]):
+    def __init__(self, cache: ActivationCache, *, creator: bool, device: torch.device, record: CacheSetupRecord):
         self.cache, self.creator, self.device = cache, creator, device
         self.setup_record = record
         """The ``cache_setup`` run-log record (rank 0 writes it)."""
         self._last = dict.fromkeys(COUNTERS, 0)
         self._done = False
 
-    def epoch_end(self, phase: Phase, epoch: int, step: int) -> dict[str, Any]:
+    def epoch_end(self, phase: Phase, epoch: int, step: int) -> CacheRecord:
         """Evict rows below this phase's count if it caches; the ``cache`` record (collective)."""
         if self.creator and phase.cache and phase.frozen_layers > 0:
             self.cache.evict_below(phase.frozen_layers)
@@ -133,9 +134,9 @@ class RunCache:
         vec = torch.tensor(vals, dtype=torch.int64, device=self.device)
         dist.all_reduce(vec)
         tot = dict(zip(COUNTERS + NODE_USAGE, vec.tolist()))
-        rec = {"type": "cache", "epoch": epoch, "step": step, "frozen_layers": phase.frozen_layers,
-               "phase_caches": phase.cache, **{k: tot[k] - self._last[k] for k in COUNTERS},
-               **{k: tot[k] for k in NODE_USAGE}, "totals": {k: tot[k] for k in COUNTERS}}
+        rec = CacheRecord(epoch=epoch, step=step, frozen_layers=phase.frozen_layers, phase_caches=phase.cache,
+                          **{k: tot[k] - self._last[k] for k in COUNTERS}, **{k: tot[k] for k in NODE_USAGE},
+                          totals={k: tot[k] for k in COUNTERS})
         self._last = {k: tot[k] for k in COUNTERS}
         return rec
 
@@ -234,10 +235,10 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     dist.all_reduce(nodes)
     n_nodes = int(nodes.item())
     predicted = max(plan.phases[i].predicted.cache_host_bytes_per_node for i in phases)
-    record = {"type": "cache_setup", "job_id": job, "nodes": n_nodes, "dir": cache.dir, "spill_dir": cache.spill_dir,
-              "budget_bytes": cache.budget_bytes, "need_bytes": need, "plan_bytes_per_node": predicted,
-              "sample_shape": list(shape), "dtype": dtype_name(dtype), "samples": N, "shard_rows": cache.shard_rows,
-              "phases": phases, "frozen_layers": sorted({plan.phases[i].frozen_layers for i in phases}),
-              "allow_nondeterministic": cfg.cache_allow_nondeterministic,
-              "notes": sorted({n for ns in all_notes for n in ns})}
+    record = CacheSetupRecord(job_id=job, nodes=n_nodes, dir=cache.dir, spill_dir=cache.spill_dir,
+                              budget_bytes=cache.budget_bytes, need_bytes=need, plan_bytes_per_node=predicted,
+                              sample_shape=list(shape), dtype=dtype_name(dtype), samples=N, shard_rows=cache.shard_rows,
+                              phases=phases, frozen_layers=sorted({plan.phases[i].frozen_layers for i in phases}),
+                              allow_nondeterministic=cfg.cache_allow_nondeterministic,
+                              notes=sorted({n for ns in all_notes for n in ns}))
     return RunCache(cache, creator=creator, device=device, record=record)

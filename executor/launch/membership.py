@@ -31,6 +31,7 @@ from ptplan.executor.launch.replan import ReplanSettings, replan, replanned_path
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.callbacks import Callback
 from ptplan.executor.training.config import RunConfig
+from ptplan.executor.training.records import MembershipRecord
 from ptplan.executor.training.state import RunContext
 
 
@@ -75,9 +76,9 @@ class Membership(Callback):
     """Seconds this rank spent planning for the new world (0: the plan was the job's own)."""
 
     def on_start(self, ctx: RunContext) -> None:
-        ctx.log.write({"type": "membership", "step": ctx.pos.global_step, "resumed": ctx.resuming,
-                       "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "from": self.old,
-                       "to": self.new, "replan_seconds": self.replan_s})
+        ctx.log.write(MembershipRecord(step=ctx.pos.global_step, resumed=ctx.resuming,
+                                       attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), from_=self.old,
+                                       to=self.new, replan_seconds=self.replan_s))
         ctx.log.sync()
 
 

@@ -36,6 +36,7 @@ from ptplan.executor.runtime.optim import lr_factor
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.evaluate import Metrics, evaluate
+from ptplan.executor.training.records import EvalRecord, ExportRecord, StepRecord
 from ptplan.executor.training.resume import rng_state
 from ptplan.executor.training.state import Position, RunContext, StepResult
 
@@ -195,10 +196,10 @@ class StepLog(Callback):
 
     def on_step(self, ctx: RunContext, result: StepResult) -> None:
         ph, rt = ctx.rt.phase, ctx.rt
-        ctx.log.step(epoch=ctx.pos.epoch, step=ctx.pos.global_step, phase=rt.phase_index,
-                     frozen_blocks=ph.frozen_blocks, K=ph.K, D=ph.D, seconds=result.seconds, samples=ph.global_batch,
-                     loss=result.loss, allreduce_seconds=rt.last_allreduce_s, **result.fields,
-                     **({"grad_norm": rt.last_grad_norm} if rt.last_grad_norm is not None else {}))
+        ctx.log.write(StepRecord(epoch=ctx.pos.epoch, step=ctx.pos.global_step, phase=rt.phase_index,
+                                 frozen_blocks=ph.frozen_blocks, K=ph.K, D=ph.D, seconds=result.seconds,
+                                 samples=ph.global_batch, loss=result.loss, allreduce_seconds=rt.last_allreduce_s,
+                                 grad_norm=rt.last_grad_norm, **result.fields))
 
     def on_finish(self, ctx: RunContext, ok: bool) -> None:
         ctx.log.close()
@@ -293,14 +294,14 @@ class Evaluation(Callback):
             m = evaluate(ctx.rt, self.dataset, cfg.eval_batch_size)
         self.evals.append(m)
         self.at.append(pos.global_step)
-        ctx.log.write({"type": "eval", "epoch": pos.epoch, "step": pos.global_step, "phase": ctx.rt.phase_index,
-                       **m.to_record()})
+        ctx.log.write(EvalRecord(epoch=pos.epoch, step=pos.global_step, phase=ctx.rt.phase_index, loss=m.loss,
+                                 samples=m.samples, seconds=m.seconds, accuracy=m.accuracy, perplexity=m.perplexity))
         if cfg.export_best and (not pos.best_eval or score(m) > tuple(pos.best_eval[:2])):
             assert cfg.export is not None  # RunConfig checks it
             pos.best_eval = [*score(m), float(pos.global_step)]
             export_model(cfg, ctx.rt, cfg.export, replace=True)
-            ctx.log.write({"type": "export", "step": pos.global_step, "path": cfg.export, "kind": "best",
-                           **{k: v for k, v in m.to_record().items() if k in ("loss", "accuracy", "perplexity")}})
+            ctx.log.write(ExportRecord(step=pos.global_step, path=cfg.export, kind="best", loss=m.loss,
+                                       accuracy=m.accuracy, perplexity=m.perplexity))
 
     def on_start(self, ctx: RunContext) -> None:
         """On a resume at a step that ``eval_every`` evaluated (before its checkpoint), that evaluation is in
@@ -327,7 +328,7 @@ class ModelSaves(Callback):
             assert cfg.save_model_dir is not None  # RunConfig checks it
             where = model_checkpoint_path(cfg.save_model_dir, step)
             export_model(cfg, ctx.rt, where, replace=True)
-            ctx.log.write({"type": "export", "step": step, "path": where, "kind": "model"})
+            ctx.log.write(ExportRecord(step=step, path=where, kind="model"))
 
 
 class FinalExport(Callback):
@@ -337,7 +338,7 @@ class FinalExport(Callback):
         cfg = ctx.cfg
         if cfg.export and not (cfg.export_best and ctx.pos.best_eval):
             export_model(cfg, ctx.rt, cfg.export)
-            ctx.log.write({"type": "export", "step": ctx.pos.global_step, "path": cfg.export, "kind": "final"})
+            ctx.log.write(ExportRecord(step=ctx.pos.global_step, path=cfg.export, kind="final"))
 
 
 class Checkpointing(Callback):

@@ -37,6 +37,8 @@ from ptplan.executor.training.evaluate import Metrics
 from ptplan.executor.training.freezing import FreezeSchedule
 from ptplan.executor.training.resume import Source, built_copies, find_checkpoint, restore, run_id, stage_layers, \
     start_phase
+from ptplan.executor.training.records import (EpochEndRecord, FreezeDecisionRecord, HeaderRecord, ResumeRecord,
+                                               TransitionRecord)
 from ptplan.executor.training.runlog import RunLog
 from ptplan.executor.training.state import Position, RunContext, StepResult
 from ptplan.executor.training.validate import check_plan
@@ -171,13 +173,14 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
 
 def _header(ctx: RunContext) -> None:
     cfg, plan = ctx.cfg, ctx.plan
-    ctx.log.header(plan_fingerprint=plan.inputs.profile.fingerprint, model=ctx.rt.model.name,
-                   world_size=ctx.rt.world, backend=ctx.rt.backend, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed,
-                   freeze=cfg.freeze, freeze_every=ctx.fs.every, batch_policy=plan.inputs.training.batch_policy,
-                   epochs=ctx.epochs, steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=len(ctx.dataset),
-                   plan=cfg.plan, **({"precision": cfg.precision} if cfg.precision != "fp32" else {}),
-                   phases=[dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size,
-                                schedule=p.schedule) for p in plan.phases])
+    ctx.log.write(HeaderRecord(
+        plan_fingerprint=plan.inputs.profile.fingerprint, model=ctx.rt.model.name, world_size=ctx.rt.world,
+        backend=ctx.rt.backend, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
+        freeze_every=ctx.fs.every, batch_policy=plan.inputs.training.batch_policy, epochs=ctx.epochs,
+        steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=len(ctx.dataset), plan=cfg.plan,
+        precision=cfg.precision if cfg.precision != "fp32" else None,
+        phases=[dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size, schedule=p.schedule)
+                for p in plan.phases]))
 
 
 def _enter(ctx: RunContext, cbs: Callbacks, source: Source | None) -> None:
@@ -190,10 +193,10 @@ def _enter(ctx: RunContext, cbs: Callbacks, source: Source | None) -> None:
         cache.setup(ctx, copies)
     if source is not None:
         ctx.pos, info = restore(ctx.cfg, plan, rt, source, ctx.run_id)
-        ctx.log.write({"type": "resume", "step": ctx.pos.global_step, "epoch": ctx.pos.epoch,
-                       "phase": rt.phase_index, "seconds": info["seconds"], "parts": info["parts"],
-                       "bytes": info["bytes"], "source_rank": source.rank,
-                       "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+        ctx.log.write(ResumeRecord(step=ctx.pos.global_step, epoch=ctx.pos.epoch, phase=rt.phase_index,
+                                   seconds=info["seconds"], parts=info["parts"], bytes=info["bytes"],
+                                   source_rank=source.rank,
+                                   attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
         return
     ctx.pos.frozen_blocks = ctx.fs.planned(0, 0)
     index = phase_index(plan, ctx.pos.frozen_blocks)
@@ -214,9 +217,9 @@ def _run_epoch(ctx: RunContext, cbs: Callbacks) -> None:
         ph = ctx.rt.phase
         if pos.cursor + ph.global_batch > N:  # the rest of the epoch holds no full global batch
             if cfg.steps_per_epoch:
-                ctx.log.write({"type": "epoch_end", "epoch": pos.epoch, "steps": pos.step_in_epoch,
-                               "reason": f"data exhausted: {N - pos.cursor} samples left, global batch "
-                                         f"{ph.global_batch}"})
+                ctx.log.write(EpochEndRecord(epoch=pos.epoch, steps=pos.step_in_epoch,
+                                             reason=f"data exhausted: {N - pos.cursor} samples left, global batch "
+                                                    f"{ph.global_batch}"))
             break
         _step(ctx, cbs, order)
     cbs.call("on_epoch_end", ctx)
@@ -257,13 +260,13 @@ def _follow_freeze(ctx: RunContext, cbs: Callbacks) -> None:
     if want != ctx.rt.phase.frozen_blocks:
         info = _transition(ctx.rt, ctx.plan, want, ctx.pos)
         ctx.transitions.append(info)
-        ctx.log.transition(**info)
+        ctx.log.write(TransitionRecord.from_json({"type": TransitionRecord.TYPE, **info}))
         ctx.log.sync()
         cbs.call("on_transition", ctx, info)
 
 
 def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position, device: torch.device
-            ) -> tuple[int, dict[str, Any] | None]:
+            ) -> tuple[int, FreezeDecisionRecord | None]:
     """The frozen count for the next step (identical on every rank), and the adaptive decision record."""
     if cfg.freeze == "planned":
         return fs.planned(pos.epoch, pos.global_step), None
@@ -273,8 +276,8 @@ def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position, device: torch.dev
     norms = [s / pos.norm_count for s in pos.norm_sum] if pos.norm_count else None
     want = fs.adaptive(pos.frozen_blocks, norms) if dist.get_rank() == 0 else 0
     want = broadcast_int(want, device)
-    record = {"type": "freeze_decision", "step": pos.global_step, "T": T, "from_frozen": pos.frozen_blocks,
-              "to_frozen": want, "alpha": fs.alpha, "grad_norms": norms, "steps_measured": pos.norm_count}
+    record = FreezeDecisionRecord(step=pos.global_step, T=T, from_frozen=pos.frozen_blocks, to_frozen=want,
+                                  alpha=fs.alpha, grad_norms=norms, steps_measured=pos.norm_count)
     pos.decided_T = T
     pos.norm_sum = [0.0] * len(pos.norm_sum)
     pos.norm_count = 0

@@ -1,6 +1,7 @@
 """The run log (``run.jsonl``): a header, then one JSON object per step and per transition; rank 0 writes.
 
-Records (``ptplan compare`` reads them)::
+Every record is a typed class of ``records.py`` (one per ``type``); ``RunLog.write`` takes it. Records
+(``ptplan compare`` reads them)::
 
     {"type": "header", "schema": "ptplan.runlog/1", "plan_fingerprint", "model", "world_size", ...}
     {"type": "step", "epoch", "step", "phase", "frozen_blocks", "K", "D", "seconds", "samples", "loss",
@@ -29,10 +30,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.runlog import SCHEMA, parse_record
+
+from ptplan.executor.training.records import RunRecord, StepRecord, TransitionRecord
 
 
 class RunLog:
@@ -78,11 +81,13 @@ class RunLog:
         except OSError as e:
             raise PtplanError(f"cannot open the run log {self.path}: {e.strerror}") from None
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Check the record with the reader's own parser (``planner.runlog``), then append it."""
+    def write(self, record: RunRecord | Mapping[str, Any]) -> None:
+        """Check the record with the reader's own parser (``planner.runlog``), then append it. The run's writers
+        pass typed records (``records.py``); a JSON object (tests, tools) is the same record at the boundary."""
         if self.path is None:
             return
-        rec = parse_record(json.loads(json.dumps(record, default=_plain)), what="run log record (before writing)")
+        obj = record.to_json() if isinstance(record, RunRecord) else dict(record)
+        rec = parse_record(json.loads(json.dumps(obj, default=_plain)), what="run log record (before writing)")
         line = (json.dumps(rec.to_json(), sort_keys=False) + "\n").encode()
         if self._pending is not None:
             self._pending.append(line)
@@ -120,17 +125,16 @@ class RunLog:
                 pass
 
     def header(self, **fields: Any) -> None:
+        """A header of some of ``records.HeaderRecord``'s fields (tests and tools; the run writes the record)."""
         self.write({"type": "header", "schema": SCHEMA, **fields})
 
-    def step(self, *, epoch: int, step: int, phase: int, frozen_blocks: int, K: int, D: int, seconds: float,
-             samples: int, loss: float, **extra: Any) -> None:
-        self.write({"type": "step", "epoch": epoch, "step": step, "phase": phase, "frozen_blocks": frozen_blocks,
-                    "K": K, "D": D, "seconds": seconds, "samples": samples, "loss": loss, **extra})
+    def step(self, **fields: Any) -> None:
+        """A ``records.StepRecord`` of these fields."""
+        self.write(StepRecord(**fields))
 
-    def transition(self, *, step: int, from_phase: int | None, to_phase: int, seconds: float,
-                   parts: dict[str, float], **extra: Any) -> None:
-        self.write({"type": "transition", "step": step, "from_phase": from_phase, "to_phase": to_phase,
-                    "seconds": seconds, "parts": parts, **extra})
+    def transition(self, **fields: Any) -> None:
+        """A ``records.TransitionRecord`` of these fields as JSON keys (``from``, ``to``: the phases' shapes)."""
+        self.write(TransitionRecord.from_json({"type": TransitionRecord.TYPE, **fields}))
 
     def close(self) -> None:
         """Sync and close; a log that never reached a step leaves the file as it was."""

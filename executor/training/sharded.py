@@ -59,6 +59,7 @@ from ptplan.executor.runtime.hybrid import local
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 from ptplan.executor.runtime.transition import holdings, needs, owned_layers
 from ptplan.executor.cache.run import agree
+from ptplan.executor.training.records import CheckpointRecord, CheckpointWrittenRecord
 from ptplan.executor.training.rss import PeakRss
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
@@ -168,9 +169,9 @@ class ShardedWriter:
         self.group: Any = None
         """The gloo group async saves run their collectives on (not the training's)."""
 
-    def save(self, ctx: RunContext) -> dict[str, Any]:
-        """Write the checkpoint of ``ctx``'s position; returns the ``checkpoint`` record's fields (rank 0
-        writes it to the run log)."""
+    def save(self, ctx: RunContext) -> CheckpointRecord:
+        """Write the checkpoint of ``ctx``'s position; returns the ``checkpoint`` record (rank 0 writes it to the
+        run log)."""
         cfg, rt = ctx.cfg, ctx.rt
         assert cfg.checkpoint_dir is not None
         self.wait(ctx)
@@ -203,20 +204,18 @@ class ShardedWriter:
                 assert isinstance(fut, Future)
                 self.pending = (fut, meta, t0)
                 blocked = time.perf_counter() - t0
-                return {"type": "checkpoint", "format": "sharded", "async": True, "step": ctx.pos.global_step,
-                        "path": folder, "seconds": _slowest(blocked, rt), "bytes_max": max(sizes),
-                        "bytes_total": sum(sizes)}
+                return CheckpointRecord(step=ctx.pos.global_step, format="sharded", async_=True, path=folder,
+                                        seconds=_slowest(blocked, rt), bytes_max=max(sizes), bytes_total=sum(sizes))
             dcp.save(state, checkpoint_id=folder)
         seconds = _slowest(time.perf_counter() - t0, rt)
         growth: list[Any] = [None] * rt.world
         dist.all_gather_object(growth, rss.growth)
         meta["seconds"] = seconds
         self._commit(ctx, meta)
-        record = {"type": "checkpoint", "format": "sharded", "async": False, "step": ctx.pos.global_step,
-                  "path": folder, "seconds": seconds, "bytes_max": max(sizes), "bytes_total": sum(sizes)}
-        if all(g is not None for g in growth):
-            record["rss_growth_bytes"] = growth  # per rank: its peak resident size during the write minus before
-        return record
+        # rss_growth_bytes per rank: its peak resident size during the write minus before (None: not measured)
+        return CheckpointRecord(step=ctx.pos.global_step, format="sharded", async_=False, path=folder,
+                                seconds=seconds, bytes_max=max(sizes), bytes_total=sum(sizes),
+                                rss_growth_bytes=growth if all(g is not None for g in growth) else None)
 
     def wait(self, ctx: RunContext) -> None:
         """Finish an async save in flight: every rank waits for its write, rank 0 commits the metadata and
@@ -228,8 +227,7 @@ class ShardedWriter:
         fut.result()
         meta["seconds"] = time.perf_counter() - t0
         self._commit(ctx, meta)
-        ctx.log.write({"type": "checkpoint_written", "step": meta["position"]["global_step"],
-                       "seconds": meta["seconds"]})
+        ctx.log.write(CheckpointWrittenRecord(step=meta["position"]["global_step"], seconds=meta["seconds"]))
 
     def _commit(self, ctx: RunContext, meta: dict[str, Any]) -> None:
         """Rank 0 (after every rank's files are complete) replaces ``sharded.json`` and removes older step
