@@ -61,3 +61,19 @@ class PeakRss:
         if self.start is None or self.peak is None:
             return None
         return max(self.peak - self.start, 0)
+
+
+def trim() -> None:
+    """Give the allocator's free pages back to the system (glibc ``malloc_trim(0)``; nothing elsewhere), so a
+    ``PeakRss`` entered next counts memory a stretch allocates even where earlier frees left pages resident
+    (freed layers of an earlier phase would otherwise be reused unseen)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        return

@@ -60,7 +60,7 @@ from ptplan.executor.runtime.optim import ensure_state, state_keys
 from ptplan.executor.runtime.transition import holdings, needs, owned_layers
 from ptplan.executor.cache.run import agree
 from ptplan.executor.training.records import CheckpointRecord, CheckpointWrittenRecord
-from ptplan.executor.training.rss import PeakRss
+from ptplan.executor.training.rss import PeakRss, trim
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.resume import Source, rng_state
@@ -176,6 +176,7 @@ class ShardedWriter:
         assert cfg.checkpoint_dir is not None
         self.wait(ctx)
         t0 = time.perf_counter()
+        trim()  # freed pages back to the system first: the growth below is what the save allocates
         with PeakRss() as rss:  # this rank's host memory from before a gather (if any) to the end of DCP's write
             if in_place(rt):  # FSDP/tp shards written as they are (2BW's updates done first)
                 assert rt.schedule is not None
