@@ -23,7 +23,8 @@ from .jsonio import Fields
 SCHEMA = "ptplan.runlog/1"
 
 # field -> kind; a trailing "?" marks an optional field. kinds: int, float, str, bool, num (int or
-# float), obj (a JSON object), list, any
+# float), obj (a JSON object), list, any. The writer builds each type with its class in
+# executor/training/records.py (a new type: its row here and one class there; tests/test_run_records.py checks both)
 FIELDS: dict[str, dict[str, str]] = {
     "header": {"schema": "str", "plan_fingerprint": "str?", "model": "str", "world_size": "int",
                "backend": "str?", "optimizer": "str?", "lr": "float?", "seed": "int?", "freeze": "str?",
