@@ -320,3 +320,32 @@ def test_terapipes_own_setting_tp8_by_48_stages_is_planned():
     ph = sliced_phase(p, K=48, M=2, b=1, tp=8, cluster=cl, granularity=16)
     assert len(ph.slices) > 1 and sum(ph.slices) == 2048 and ph.fits
     assert ph.iteration_s < ph.unsliced_s
+
+
+def test_fsdp_collectives_across_nodes_by_hand():
+    """What ptplan prices for ZeRO-3 / FSDP when the shard group spans nodes (bench/published.py's ZeRO-3 root cause):
+    per layer and micro-batch an all-gather of its weights in the forward, again in the backward, and a reduce-scatter
+    of its gradient, each a ring over the whole data-parallel group of n ranks -- (n-1)·α + (n-1)/n · bytes / bw with
+    bw the node's NICs together (8 x 25 GB/s on dgx-a100, not NVLink's 300 GB/s) -- added to the compute, not
+    overlapped; one NIC per node at X bytes/s makes bw = X (the bench's fitted per-GPU ZeRO-3 rate)."""
+    from ptplan.planner.cluster import Cluster
+    from ptplan.planner.stage import links_for
+
+    prof = synthetic_profile(num_blocks=2, hidden=64, seq_len=16, vocab=100, dtype_bytes=2)
+    t = CostTable(prof)
+    for nics, inter, bw in ((8, 25e9, 200e9), (1, 30e9, 30e9)):
+        cl = dataclasses.replace(Cluster.uniform(nodes=4, like="dgx-a100"), nics_per_node=nics, inter_bandwidth=inter)
+        n, alpha = 32, 10e-6  # 4 nodes x 8 GPUs; the IB latency (> NVLink's 5 us)
+        lk = links_for(cl, 1)
+        assert lk.ar_lat[0] == pytest.approx(2 * (n - 1) * alpha)
+        assert lk.ar_per_byte[0] == pytest.approx(2 * (n - 1) / n / bw)
+        sh = strategy_table(t, Strategy(fsdp=True), n, (0.0, 0.0), (float(lk.ar_lat[0]), float(lk.ar_per_byte[0])))
+        b, j = 2, 1  # micro-batch size 2 (column 1), the first attention half
+        W, G = prof.layers[j].param_bytes, prof.layers[j].grad_bytes
+        ag = (n - 1) * alpha + (n - 1) / n * W / bw
+        rs = (n - 1) * alpha + (n - 1) / n * G / bw
+        assert sh._fwd[j, 1] == pytest.approx(prof.layers[j].forward_s[1] + ag)
+        assert sh._bwd[j, 1] == pytest.approx(prof.layers[j].backward_s[1] + ag + rs)
+        assert sh.param_bytes[j] == pytest.approx(W / n) and sh.grad_bytes[j] == pytest.approx(G / n)
+        assert sh.cum_sync[-1] == 0.0  # no all-reduce after the pipeline
+        assert t.batch_sizes[1] == b

@@ -45,3 +45,40 @@ def test_parameter_counts_match_the_table(pub):
     for p, heads, h, l, *_ in pub._T1:
         n = 12 * l * h * h * (1 + 13 / (12 * h)) + (51200 + 2048) * h
         assert round(n / 1e9, 1) == p, p
+
+
+def test_fitted_constants_and_roles(pub):
+    """One ZeRO-3 row fits the ZeRO-3 collective rate (not the A100's efficiency); PipeTransformer's wall-clock times
+    are priced but not comparable (with the reason); every other point is held out or a named target."""
+    points = pub.megatron_points() + pub.other_points()
+    zero_fit = [p for p in points if p.fit and p.setting.get("fsdp")]
+    assert [p.key for p in zero_fit] == ["megatron-t2-zero3-174.6b-1536"]
+    roles = {p.key: pub.role(p) for p in points}
+    assert sum(r == "fit" for r in roles.values()) == 5
+    times = [k for k in roles if k.startswith("pipetransformer") and k.endswith("-time")]
+    assert len(times) == 6 and all(roles[k] == "not-comparable" for k in times)
+    assert all("not comparable" in p.not_comparable for p in points if p.key in times)
+    assert {k for k, r in roles.items() if r == "target"} == {"terapipe-gpt3-175b", "pipedream-2bw-over-gpipe"}
+    # with_collective touches ZeRO-3 points only
+    z, t1 = zero_fit[0], points[0]
+    assert pub.with_collective(z, 3e10).setting["collective_bw"] == 3e10
+    assert pub.with_collective(t1, 3e10) is t1
+
+
+def test_summary_keeps_not_comparable_rows_out(pub):
+    def row(key, role, err, source="megatron-sc21"):
+        return {"key": key, "role": role, "error": err, "source": source, "published": 1.0,
+                "predicted": None if err is None else 1.0 + err}
+
+    rows = [row("megatron-t1-3.6b", "held-out", 0.1), row("megatron-t1-7.5b", "held-out", -0.3),
+            row("pipetransformer-squad-baseline-time", "not-comparable", -0.9, "pipetransformer"),
+            row("terapipe-gpt3-175b", "target", 0.17, "terapipe"), row("megatron-t1-1.7b", "fit", 0.16)]
+    s = pub.summary(rows)
+    assert s["held_out_priced"] == 2 and s["median_abs_error"] == pytest.approx(0.2)
+    assert s["max_abs_error"] == pytest.approx(0.3) and s["target_max_le_35pct"]
+    assert s["not_comparable"] == {"pipetransformer-squad-baseline-time": -0.9}
+    assert s["targets"]["terapipe-gpt3-175b"]["error"] == 0.17 and s["terapipe_within_25pct"]
+
+
+def test_golden_section_finds_the_minimum(pub):
+    assert pub._golden(lambda x: (x - 0.42) ** 2, 0.0, 1.0, steps=30) == pytest.approx(0.42, abs=1e-5)
