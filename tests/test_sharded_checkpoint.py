@@ -177,3 +177,22 @@ def test_an_unknown_format_and_async_without_sharded_are_refused():
         RunConfig(plan="p", model="bert-tiny", checkpoint_format="zip")
     with pytest.raises(PtplanError, match="--async-checkpoint needs --checkpoint-format sharded"):
         RunConfig(plan="p", model="bert-tiny", async_checkpoint=True)
+
+
+def _check_shared(rank, world, folders):
+    sharded.check_shared(folders[rank], rank, wait_s=0.2)
+
+
+@pytest.mark.multiproc
+def test_ranks_that_do_not_share_the_checkpoint_folder_are_refused_at_the_first_save(tmp_path):
+    """Two "nodes" (rank 1 with a folder of its own, as on a node's own disk): every rank raises the same error
+    naming rank 1 and the fix; one folder for both passes and leaves no probe file behind."""
+    own = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for f in own:
+        os.makedirs(f)
+    res = run_world(2, _check_shared, (own,), tmpdir=str(tmp_path), timeout_s=30, deadline_s=60)
+    assert not res.ok and all("ranks [1] of 2 do not see the file rank 0 wrote" in e and
+                              "--checkpoint-format single" in e for e in res.errors), res.explain()
+    res = run_world(2, _check_shared, ([own[0]] * 2,), tmpdir=str(tmp_path), timeout_s=30, deadline_s=60)
+    assert res.ok, res.explain()
+    assert os.listdir(own[0]) == [] and os.listdir(own[1]) == []

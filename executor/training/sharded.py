@@ -160,10 +160,39 @@ def _metadata(ctx: RunContext, folder: str, rng: list[Any], sizes: list[int]) ->
             "run": ctx.run_id, "position": asdict(ctx.pos), "rng": rng, "bytes": sizes}
 
 
+def check_shared(folder: str, rank: int, *, wait_s: float = 2.0) -> None:
+    """Collective: every rank sees the file rank 0 writes in ``folder`` (a sharded checkpoint is one folder every
+    rank sees: a shared file system, or one node), else the same PtplanError on every rank, naming the ranks
+    that do not see it. A rank that does not see it at once looks again for ``wait_s`` (a network file system's
+    attribute cache)."""
+    problem = name = None
+    if rank == 0:
+        name = f".ptplan-shared-{uuid.uuid4().hex}"
+        try:
+            open(os.path.join(folder, name), "w").close()
+        except OSError as e:
+            problem = f"cannot write in the checkpoint folder {folder}: {e.strerror or e}"
+    probe = os.path.join(folder, agree(problem, name)[0])
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(probe) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = agree(None, os.path.exists(probe))
+    if rank == 0:
+        os.unlink(probe)
+    blind = [r for r, s in enumerate(seen) if not s]
+    if blind:
+        raise PtplanError(f"a sharded checkpoint must be one folder every rank sees, but ranks {blind} of {len(seen)} "
+                          f"do not see the file rank 0 wrote in {folder} (a folder on each node's own disk?); put "
+                          f"--checkpoint-dir on a file system every node shares (NFS, Lustre, ...), or use "
+                          f"--checkpoint-format single (global rank 0 writes the whole model on its node)")
+
+
 class ShardedWriter:
     """Writes a run's sharded checkpoints (every rank holds one; ``save`` and ``wait`` are collective)."""
 
     def __init__(self) -> None:
+        self.checked = False
+        """Whether every rank was seen to share the checkpoint folder (``check_shared``, at the first save)."""
         self.pending: tuple[Future[Any], dict[str, Any], float] | None = None
         """An async save in flight: (DCP's future, the metadata to commit, when it started)."""
         self.group: Any = None
@@ -197,6 +226,9 @@ class ShardedWriter:
                 except OSError as e:
                     problem = f"cannot create the checkpoint folder {cfg.checkpoint_dir}: {e.strerror}"
             agree(problem)
+            if not self.checked:
+                check_shared(cfg.checkpoint_dir, rt.rank)
+                self.checked = True
             meta = _metadata(ctx, folder, rng, sizes)
             if cfg.async_checkpoint:
                 if self.group is None:
