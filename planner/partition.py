@@ -153,11 +153,24 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
 
     Raises InfeasibleError with the numbers when no split fits.
     """
+    K, lim = _checked_split(model, K, memory_limit)
+    a, n = int(model.start), int(model.n)
+    first, first_ok = _first_stage(model, lim)
+    if K == 1:
+        if not first_ok[n]:
+            raise MemoryInfeasibleError(model, K, lim)
+        return _result(model, [a, n])
+    band = _band_limits(model, K, lim, first, first_ok)
+    T, costs = _min_max_pass(model, band, lim, first, first_ok)
+    return _result(model, _least_squares_cuts(band, costs, first, first_ok, T))
+
+
+def _checked_split(model: _StageFamily, K: int, memory_limit: float | None) -> tuple[int, float]:
+    """(K, the memory limit with its tolerance, inf for none), or the error that names the bad input."""
     if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1:
         raise PtplanError(f"number of stages K is {K!r}; it must be an integer >= 1")
     K = int(K)
-    a, n = int(model.start), int(model.n)
-    m = n - a
+    m = int(model.n) - int(model.start)
     if m <= 0:
         raise PtplanError("nothing to partition: no layers")
     if K > m:
@@ -169,21 +182,49 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
                 or not math.isfinite(memory_limit) or memory_limit <= 0:
             raise PtplanError(f"memory_limit is {memory_limit!r}; it must be a positive number of bytes")
         lim = float(memory_limit) * (1 + _TOL)
-    S, A = model.cum_time_lb, model.cum_state
-    js = np.arange(n + 1)
-    # stage 0 = [a, j): evaluated exactly for every j
-    J0 = js[a + 1:]
-    t0, m0 = model.evaluate(0, model.prepare(np.full(m, a), J0))
+    return K, lim
+
+
+def _first_stage(model: _StageFamily, lim: float) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 0 = [a, j) evaluated exactly for every end j: (its cost, whether it fits), indexed by j (inf and
+    False for j <= a)."""
+    a, n = int(model.start), int(model.n)
+    t0, m0 = model.evaluate(0, model.prepare(np.full(n - a, a), np.arange(n + 1)[a + 1:]))
     first = np.full(n + 1, np.inf)
     first[a + 1:] = t0
     first_ok = np.zeros(n + 1, dtype=bool)
     first_ok[a + 1:] = m0 <= lim
-    if K == 1:
-        if not first_ok[n]:
-            raise MemoryInfeasibleError(model, K, lim)
-        return _result(model, [a, n])
+    return first, first_ok
 
-    # stages from i: memory lower bound, then the time band below the quick split's bottleneck UB
+
+@dataclass(frozen=True)
+class _BandLimits:
+    """Where the DP looks. ``reach[i]``: the last end j of a stage [i, j) within the memory lower bound and the
+    time band (below the quick split's bottleneck); stage k (k stages cover [a, j)) ends at j in
+    [lo_k[k], hi_k[k]) and starts at i in [lo_k[k-1], hi_k[k-1]); in the band's layout (column j, row d is the
+    stage [i, j) with i = j - 1 - d, w rows) only rows d in [d0[k], d1[k]] matter for stage k."""
+
+    a: int
+    n: int
+    w: int
+    reach: np.ndarray
+    lo_k: list[int]
+    hi_k: list[int]
+    d0: list[int]
+    d1: list[int]
+
+    @property
+    def K(self) -> int:
+        return len(self.lo_k) - 1
+
+
+def _band_limits(model: _StageFamily, K: int, lim: float, first: np.ndarray, first_ok: np.ndarray) -> _BandLimits:
+    """Stages from i: the memory lower bound, then the time band below the quick split's bottleneck UB; each
+    stage's ends and starts, and its rows of the band (``_BandLimits``). MemoryInfeasibleError where no stage
+    0 or no chain of stages remains."""
+    a, n = int(model.start), int(model.n)
+    S, A = model.cum_time_lb, model.cum_state
+    js = np.arange(n + 1)
     reach = np.minimum(np.searchsorted(A, A + lim, side="right") - 1, n) if math.isfinite(lim) else np.full(n + 1, n)
     UB = _quick_bound(model, K, lim, first, first_ok)
     if math.isfinite(UB):
@@ -205,16 +246,22 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
     hi_k = [min(top[k], n - K + k) + 1 for k in range(K + 1)]    # exclusive
     if any(lo_k[k] >= hi_k[k] for k in range(1, K + 1)):
         raise MemoryInfeasibleError(model, K, lim)
-
-    # the band: column j, row d is the stage [i, j) with i = j - 1 - d. Stage k (k stages cover [a, j)) ends
-    # at j in [lo_k, hi_k) and starts at i in [lo_{k-1}, hi_{k-1}), so only rows d in [d0_k, d1_k] matter
-    # (elsewhere the previous stage's entry is inf or the stage breaks a bound): one sub-band, the rows any
-    # stage needs, is prepared, and each stage reads its own rows and columns of it.
+    # elsewhere the previous stage's entry is inf or the stage breaks a bound
     d0 = [0] * (K + 1)
     d1 = [0] * (K + 1)
     for k in range(2, K + 1):
         d0[k] = max(0, lo_k[k] - hi_k[k - 1])
         d1[k] = min(w - 1, hi_k[k] - 2 - lo_k[k - 1])
+    return _BandLimits(a=a, n=n, w=w, reach=reach, lo_k=lo_k, hi_k=hi_k, d0=d0, d1=d1)
+
+
+def _min_max_pass(model: _StageFamily, band: _BandLimits, lim: float, first: np.ndarray, first_ok: np.ndarray
+                  ) -> tuple[float, list[np.ndarray]]:
+    """Pass 1: T*, the least slowest-stage cost of any split, and each stage k's costs over its rows and columns
+    of the band (inf where a stage breaks the memory limit or the band). One sub-band, the rows any stage
+    needs, is prepared, and each stage reads its own rows and columns of it."""
+    K, a, n, w = band.K, band.a, band.n, band.w
+    lo_k, hi_k, d0, d1 = band.lo_k, band.hi_k, band.d0, band.d1
     F = np.full((K + 1, w + n + 1), np.inf)
     F[1, w:] = np.where(first_ok, first, np.inf)
     prev = _lagged(F, w)
@@ -225,10 +272,10 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
     r_lo, r_hi = min(d0[2:]), max(d1[2:]) + 1
     if r_lo >= r_hi:
         r_lo, r_hi = 0, 1
-    jj = js[None, c_lo:c_hi]
+    jj = np.arange(n + 1)[None, c_lo:c_hi]
     Id = _Diagonal(c_lo - r_lo, r_hi - r_lo, c_hi - c_lo, a, n)
     I = jj - 1 - np.arange(r_lo, r_hi)[:, None]
-    valid = (I >= a + 1) & (jj <= Id.take_from(reach))
+    valid = (I >= a + 1) & (jj <= Id.take_from(band.reach))
     terms = model.prepare(Id, jj)
     for k in range(2, K + 1):
         lo, hi = lo_k[k], hi_k[k]
@@ -244,8 +291,15 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
     T = float(F[K, w + n])
     if not math.isfinite(T):
         raise MemoryInfeasibleError(model, K, lim)
+    return T, costs
 
-    # pass 2: among splits whose every stage is <= T, the least sum of squared stage costs
+
+def _least_squares_cuts(band: _BandLimits, costs: list[np.ndarray], first: np.ndarray, first_ok: np.ndarray,
+                        T: float) -> list[int]:
+    """Pass 2: among splits whose every stage is <= T, the least sum of squared stage costs; then the walk back
+    to its cuts (the first d, the latest cut, that attains each optimum; the same float sums as the pass)."""
+    K, a, n, w = band.K, band.a, band.n, band.w
+    lo_k, hi_k, d0, d1 = band.lo_k, band.hi_k, band.d0, band.d1
     Q = np.full((K + 1, w + n + 1), np.inf)
     Q[1, w:] = np.where(first_ok & (first <= T), first * first, np.inf)
     qprev = _lagged(Q, w)
@@ -257,8 +311,6 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
         np.minimum.reduce(qprev[k - 1, d0[k]:d1[k] + 1, lo:hi] + sq[k], axis=0, initial=np.inf,
                           out=Q[k, w + lo:w + hi])
     assert math.isfinite(Q[K, w + n]), "pass 2 lost the optimum"
-
-    # walk back: the first d (latest cut) that attains each optimum; same float sums as above
     cuts = [n]
     j = n
     for k in range(K, 1, -1):
@@ -266,7 +318,7 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
         cuts.append(j)
     cuts.append(a)
     cuts.reverse()
-    return _result(model, cuts)
+    return cuts
 
 
 def _at(arr: np.ndarray, I: Any) -> np.ndarray:
