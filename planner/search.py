@@ -6,7 +6,7 @@ batch, N samples per epoch.
 
 Steps, all pure functions of the profile, the cluster and the training settings:
 
-1. ``candidates``: every (K, M, cache) the constraints allow: K divides W and is at most the active
+1. ``candidates`` (``candidates.py``): every (K, M, cache) the constraints allow: K divides W and is at most the active
    layers (the pinned K where it is possible; K <= start_K after the first phase), M splits the
    pipeline's batch (M >= K for 1F1B; the pinned M where possible), b inside the profile's
    measured sizes unless extrapolation is allowed, the AutoCache where the mode and the nodes'
@@ -15,11 +15,11 @@ Steps, all pure functions of the profile, the cluster and the training settings:
    ``stage.StageChoice``; FSDP only where D > 1). There is no cap on M: memory and the batch bound it.
    With ``--schedule 2bw`` (PipeDream-2BW) an iteration is one mini-batch of the flush-free steady
    state, stages keep two weight versions of their active layers, and M >= K.
-2. ``lower_bound``: a bound on the simulated iteration that needs no partition (the stages' total
+2. ``lower_bound`` (``bounds.py``): a bound on the simulated iteration that needs no partition (the stages' total
    compute divided over K, and one micro-batch's path through every stage). The simulator's
    iteration is never below it. Where stages choose FSDP, it is taken with per layer the smaller
    of the costs with and without FSDP (``strategy.min_table``), so it bounds every choice.
-3. ``search``: candidates in order of their bound per sample; each is split exactly by AutoPipe
+3. ``search`` (``_branch_and_bound``): candidates in order of their bound per sample; each is split exactly by AutoPipe
    under the one stage model's memory (``partition.split_stages``) and simulated; the search
    stops when the next bound per sample is no better than the best simulated. So the result is the
    candidate an exhaustive "split and simulate every candidate" would pick (tests check that).
@@ -30,129 +30,34 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 
+from .bounds import iteration_lower_bound, split_bound
+from .candidate import Candidate, Choice, Visit
+from .candidate import seconds_per_sample as _seconds_per_sample
+from .candidates import enumerate_candidates, pipeline_lengths, schedule_shapes
 from .cluster import Cluster, charged_overheads
-from .config import TrainingConfig
+from .config import AUTO_SCHEDULES, TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
 from .partition import split_stages
 from .resplit import GIVE_UP, best_split, enumerable
-from .plan import MemoryBreakdown
 from .profile import Profile
-from .replicate import divisors
-from .config import AUTO_SCHEDULES, INTERLEAVED_V
-from .schedule import Schedule, ScheduleError, build_schedule, check_sizes, peak_inflight, stage_to_rank
-from .simulate import SimResult, StageCost, simulate
-from .stage import Links, PhaseShape, StageChoice, StageModel, cache_setup_s, links_for
-from .strategy import Strategy, min_table, phase_label, strategy_table, tp_allreduce_coeffs
+from .schedule import Schedule, build_schedule, peak_inflight, stage_to_rank
+from .simulate import StageCost, simulate
+from .stage import Links, PhaseShape, StageChoice, StageModel, links_for
+from .strategy import Strategy, min_table, strategy_table, tp_allreduce_coeffs
 from .tp_split import tp_refusal
+
+__all__ = ["Candidate", "Choice", "PhaseSearch", "Visit", "exhaustive", "iteration_bound_holds",
+           "split_bound"]  # the records (candidate.py) and split_bound (bounds.py) are imported from here too
 
 GiB = float(1 << 30)
 LAYERWISE = (1, 2, 4, 8)
 """Layer counts a stage may recompute from its start, short of all of its layers (``stage_options``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Visit:
-    """How long a phase is expected to run, for weighing the AutoCache's fill against its savings."""
-
-    samples: float
-    """Samples the phase processes over the run (on the trajectory), or one epoch's (off it)."""
-    fill_from: int = 0
-    """Flat layers whose outputs are already cached when the phase starts (its fill runs only the
-    layers [fill_from, n0)); 0 = from the inputs."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    K: int
-    D: int
-    M: int
-    b: int
-    cache: bool
-    schedule: str = "1f1b"
-    V: int = 1
-    """Stages (chunks) per pipeline position: K·V stages in all."""
-    tp: int = 1
-    """Tensor-parallel width of every stage (``strategy.py``): K·D·tp GPUs."""
-    fsdp: bool = False
-    """FSDP on every stage (with ``fsdp_per_stage``: False)."""
-    recompute: bool = False
-    """Recomputation on every stage (with ``recompute_per_stage``: False)."""
-    fsdp_per_stage: bool = False
-    """Each stage chooses FSDP on or off (``stage.StageChoice``: the fastest that fits its memory)."""
-    recompute_per_stage: bool = False
-    """Each stage chooses recomputation on or off, likewise, and how many of its first layers to recompute
-    (``PhaseSearch.model``)."""
-    recompute_layers: int = 0
-    """With ``recompute``: only the first r layers of each stage (0 = all); set for ``StageChoice``'s models."""
-
-    @property
-    def strategy(self) -> Strategy:
-        """The strategy of every stage (per-stage choices: off here, see ``options``)."""
-        return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute, recompute_layers=self.recompute_layers)
-
-    @property
-    def per_stage(self) -> bool:
-        return self.fsdp_per_stage or self.recompute_per_stage
-
-    @property
-    def options(self) -> tuple[Strategy, ...]:
-        """The strategies a stage may take, simplest first (no FSDP, no recomputation)."""
-        return tuple(Strategy(tp=self.tp, fsdp=f, recompute=r)
-                     for f in ((False, True) if self.fsdp_per_stage else (self.fsdp,))
-                     for r in ((False, True) if self.recompute_per_stage else (self.recompute,)))
-
-    @property
-    def mode(self) -> tuple[int, int]:
-        """(FSDP, recomputation), each 0 off, 1 on every stage, 2 chosen per stage (for tie-breaking)."""
-        return (2 if self.fsdp_per_stage else int(self.fsdp), 2 if self.recompute_per_stage else int(self.recompute))
-
-    @property
-    def B(self) -> int:
-        return self.D * self.M * self.b
-
-    @property
-    def S(self) -> int:
-        return self.K * self.V
-
-
-@dataclass(frozen=True, kw_only=True)
-class Choice:
-    """A candidate split, simulated: what a phase of the plan is made of."""
-
-    cand: Candidate
-    ranges: tuple[tuple[int, int], ...]
-    costs: tuple[StageCost, ...]
-    sim: SimResult
-    fill_costs: tuple[StageCost, ...] = ()
-    fill_sim: SimResult | None = None
-    memory: tuple[MemoryBreakdown, ...] = ()
-    strategies: tuple[Strategy, ...] = ()
-    """Per stage (K·V entries), the strategy it runs (the candidate's one, or each stage's choice)."""
-    objective: float = math.inf
-    """Seconds per sample over the phase (fill iterations included)."""
-
-    @property
-    def label(self) -> str:
-        """The strategy as text (``strategy.phase_label``: per stage where the stages differ)."""
-        sts = self.strategies or (self.cand.strategy,) * self.cand.S
-        return phase_label(self.cand.tp, [st.fsdp for st in sts], [st.recompute for st in sts],
-                           [st.recompute_layers for st in sts])
-    notes: tuple[str, ...] = ()
-    links: Links | None = field(default=None, repr=False)
-
-
-def _seconds_per_sample(c: Candidate, steady: float, fill: float, visit: Visit, N: int) -> float:
-    """Expected seconds per sample of the phase: one fill pass over the data, then steady iterations."""
-    if not c.cache:
-        return steady / c.B
-    fill_samples = min(visit.samples, float(N // c.B * c.B))
-    return (fill * fill_samples + steady * max(visit.samples - fill_samples, 0.0)) / (max(visit.samples, 1.0) * c.B)
 
 
 class PhaseSearch:
@@ -194,7 +99,7 @@ class PhaseSearch:
         self._fbmax: dict[int | tuple[int, int], np.ndarray] = {}
         self._hint: dict[bool | None, tuple] = {}
         self._split_memo: dict[tuple, tuple] = {}
-        """(stage model, AutoPipe's split) of the candidates ``_search`` evaluated without the descent."""
+        """(stage model, AutoPipe's split) of the candidates ``_branch_and_bound`` evaluated without the descent."""
         self.schedules = self._schedules()
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
@@ -290,94 +195,18 @@ class PhaseSearch:
                           shard_table=self.table_for(cand))
 
     def shapes(self, K: int, M: int, n_active: int) -> list[tuple[str, int]]:
-        """(schedule, V) pairs that exist for K positions and M micro-batches and leave every stage a layer."""
-        out = []
-        for name in (self.schedules if K > 1 else self.schedules[:1]):
-            for V in (INTERLEAVED_V if name in ("interleaved-1f1b", "looped-bfs") else
-                      (2,) if name == "zb-v" else (1,)):
-                if K * V > n_active:
-                    continue
-                try:
-                    check_sizes(name, K, M, V)
-                except ScheduleError:
-                    continue
-                out.append((name, V))
-        return out
+        """(schedule, V) pairs for K positions and M micro-batches (``candidates.schedule_shapes``)."""
+        return schedule_shapes(self, K, M, n_active)
 
     # ---- 1. candidates -------------------------------------------------------------------------
     def k_options(self, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:
-        """Pipeline lengths to try, and notes when a pinned K cannot be used here."""
-        ks = [k for k in divisors(self.W) if k <= n_active]
-        cfg = self.cfg
-        if cfg.pin_K is not None and not free:
-            if cfg.pin_K in ks:
-                return [cfg.pin_K], []
-            why = (f"only {n_active} active layers" if cfg.pin_K > n_active else
-                   f"K={cfg.pin_K} does not divide the {self.W} GPUs")
-            return ks, [f"pinned K={cfg.pin_K} not possible ({why}); K chosen freely"]
-        if cfg.start_K is not None and not free:
-            if f == 0:
-                if cfg.start_K not in ks:
-                    raise PtplanError(f"--start-K {cfg.start_K} must divide the {self.W} GPUs and be at most the "
-                                      f"{n_active} layers; valid: {', '.join(map(str, ks))}")
-                return [cfg.start_K], []
-            return [k for k in ks if k <= cfg.start_K], []
-        return ks, []
+        """Pipeline lengths to try, and notes when a pinned K cannot be used here (``candidates.pipeline_lengths``)."""
+        return pipeline_lengths(self, f, n_active, free=free)
 
     def candidates(self, f: int, n0: int, *, free: bool = False, pin_k: bool = True, cache: bool | None = None
                    ) -> tuple[list[Candidate], list[str], list[str]]:
-        """(candidates, reasons some K or M were left out, notes for the phase). ``cache``: only
-        candidates with (True) or without (False) the AutoCache; None: as the training config says."""
-        cfg, n_active = self.cfg, self.n - n0
-        ks, notes = self.k_options(f, n_active, free=free or not pin_k)
-        lo_b, hi_b = self.t.measured_range
-        if n0 == 0:
-            caches = [False]
-        elif cache is not None:
-            caches = [cache]
-        else:
-            caches = [False] if cfg.cache == "off" else [True] if cfg.cache == "on" else [False, True]
-        out: list[Candidate] = []
-        reasons: list[str] = []
-        pin_m_used = cfg.pin_M is None
-        for (tp, fm, rm), K in ((md, K) for md in self.modes for K in ks if (self.W // md[0]) % K == 0):
-            D = self.W // (K * tp)
-            if fm and D == 1 or (fm, rm) == (0, 2) and D > 1:  # FSDP shards over replicas (none at D = 1)
-                continue
-            bp = self.pipeline_batch(D)
-            if bp is None:
-                reasons.append(f"K={K}: global batch {cfg.batch} does not split over D={D} pipelines")
-                continue
-            ms = [m for m in divisors(bp) if self.shapes(K, m, n_active)]
-            if not cfg.allow_extrapolation:
-                outside = [m for m in ms if not lo_b <= bp // m <= hi_b]
-                ms = [m for m in ms if lo_b <= bp // m <= hi_b]
-                if outside and not ms:
-                    reasons.append(f"K={K}: every micro-batch size for {bp} samples per pipeline is outside the "
-                                   f"profile's measured {lo_b}..{hi_b} (profile larger sizes, or allow extrapolation)")
-            if cfg.pin_M is not None and cfg.pin_M in ms:
-                ms = [cfg.pin_M]
-                pin_m_used = True
-            if not ms:
-                if not reasons or not reasons[-1].startswith(f"K={K}:"):
-                    reasons.append(f"K={K}: {bp} samples per pipeline have no micro-batch count that "
-                                   f"{'/'.join(self.schedules)} can run (e.g. 1F1B needs M >= K={K})")
-                continue
-            for M in ms:
-                for name, V in self.shapes(K, M, n_active):
-                    if name == "2bw" and (tp > 1 or fm or rm == 2):  # what executor/runtime/twobw.py cannot run
-                        why = (f"K={K}: 2bw with tp={tp}, FSDP or layer-wise recomputation left out (the executor's "
-                               f"2BW loop runs plain stages, whole-stage recomputation at most)")
-                        if why not in reasons:
-                            reasons.append(why)
-                        continue
-                    for cache in caches:
-                        out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
-                                             tp=tp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,
-                                             recompute_per_stage=rm == 2))
-        if not pin_m_used:
-            notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
-        return out, reasons, notes
+        """``candidates.enumerate_candidates``: (candidates, reasons some K or M were left out, notes)."""
+        return enumerate_candidates(self, f, n0, free=free, pin_k=pin_k, cache=cache)
 
     # ---- 2. bounds -----------------------------------------------------------------------------
     def objective_bound(self, c: Candidate, n0: int, visit: Visit) -> float:
@@ -391,85 +220,10 @@ class PhaseSearch:
         return _seconds_per_sample(c, steady, fill, visit, self.cfg.samples_per_epoch)
 
     def lower_bound(self, c: Candidate, n0: int, *, fill_from: int | None = None) -> float:
-        """Seconds that the simulated iteration of any split of this candidate is at least (a fill
-        iteration's with ``fill_from``, a steady one's without). It does not read recomputation (the
-        recomputed forward is left out: still a lower bound), so ``_search`` shares it between candidates
-        that differ only there.
+        """``bounds.iteration_lower_bound``: seconds that the simulated iteration of any split of c is at least."""
+        return iteration_lower_bound(self, c, n0, fill_from=fill_from)
 
-        With f_s, b_s a stage's forward and backward per micro-batch (overheads and the stage-0
-        prefix included), F = Σ f_s, B = Σ b_s, and T = F + B + the cache set-up + every link's
-        latency both ways (one micro-batch's path through the pipeline):
-
-        - pipeline: GPipe's makespan is at least T + (M-1)·max_s(f_s + b_s) >= T + (M-1)(F+B)/K; in
-          1F1B stage s runs (M-1) forwards and M-K+s backwards before its last forward, whose
-          micro-batch then takes the whole path: T + (M-1)f_s + (M-K+s)b_s, and the largest over s is
-          at least the average, T + (M-1)F/K + (M-K)B/K;
-        - head and tail (any schedule): stage s starts only after the stages before it ran micro-batch
-          0 forward and ends only before they run the last one backward, so the makespan is at least
-          H_s = Σ_{s'<s} t_s' + M·t_s (t = f + b) for every s. Weights w_s with M·w_j + Σ_{s>j} w_s
-          equal for every j make Σ w_s·H_s independent of the split: max_s H_s >= c·Σ t with
-          c = 1 / (1 - (1 - 1/M)^K) (exact for K = 1 and for M = 1);
-        - the largest layer: its stage runs it M times;
-        - the tail: every stage finishes its compute, then its all-reduce and optimizer step, and
-          the slowest of those is at least their average over the K stages;
-        - stage 0's last backward is the last compute of the iteration, so its all-reduce and
-          optimizer step (at least those of the first active layer, which it always holds) follow
-          the makespan bounds above;
-        plus the per-step overhead.
-
-        PipeDream-2BW (no flush; the iteration is the steady state's period per mini-batch): every rank
-        repeats its work — setup + M·(f_s + b_s) + optimizer step — once per period, so the period
-        is at least the ranks' total work over K, the largest layer's M forwards and backwards, and
-        stage 0's prefix and first layer with its optimizer step (``simulate``'s floor is the slowest
-        rank's work itself).
-        """
-        t = self.table_for(c)
-        tm = t.at(c.b)
-        K, M, S = c.K, c.M, c.S
-        zb = c.schedule.startswith("zb")
-        ovh = self.c.action_overhead_s if K > 1 else 0.0
-        n = self.n
-        prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
-        setup = cache_setup_s(self.t, n0, M, c.b, self.cfg.host_read_bandwidth, device_is_host=self.c.device_is_host,
-                              fill_from=fill_from) if c.cache else 0.0  # the cached prefix is whole
-        L = self.links(K, c.schedule, c.V, c.tp)
-        sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
-        sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])
-        sw = float(tm.cum_bwd_weight[n] - tm.cum_bwd_weight[n0]) if zb else 0.0
-        F = sf + S * ovh + prefix
-        Bw = sb + S * ovh
-        # one micro-batch's path: forwards, then the backwards that pass the gradient on (not W)
-        T = F + Bw - sw + setup + 2.0 * float(L.send_lat.sum())
-        pipe = max(T, M * (F + Bw) / K + setup / K)  # the path; the ranks' total work over K
-        if c.schedule == "gpipe":
-            pipe = max(pipe, T + (M - 1) * (F + Bw) / K)
-        elif c.schedule == "1f1b":
-            pipe = max(pipe, T + (M - 1) * F / K + max(0, M - K) * Bw / K)
-        if M > 1 and not zb:  # head and tail over the S stages (a W may end a zero-bubble stage's work)
-            pipe = max(pipe, setup + (F + Bw) / -math.expm1(S * math.log1p(-1.0 / M)))
-        fb_max = float(self._fb_suffix_max(c.b, t)[n0])
-        big = M * (fb_max + 2 * ovh)
-        if c.schedule == "2bw":
-            work = M * (F + Bw) + setup + float(t.cum_opt_s[n] - t.cum_opt_s[n0])
-            first = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh) + float(t.optimizer_s[n0])
-            return max(work / K, big, first) + self.c.step_overhead_s
-        x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
-        lat = 0.0
-        # FSDP reduce-scatters in the backward instead (``strategy.py``); a stage choosing FSDP may too
-        sync = c.D > 1 and not c.fsdp and not c.fsdp_per_stage
-        if sync:
-            x_sum += float(t.cum_sync[n] - t.cum_sync[n0]) * float(L.ar_per_byte.min())
-            lat = float(L.ar_lat.min())
-        tail = max((x_sum + M * (prefix + 2 * ovh * S) + setup) / K, big) + lat
-        stage0 = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh)  # the prefix and its first layer
-        last0 = float(t.optimizer_s[n0])
-        if sync:
-            last0 += float(L.ar_lat[0] + (t.cum_sync[n0 + 1] - t.cum_sync[n0]) * L.ar_per_byte[0])
-        if zb:  # stage 0's all-reduce follows its own work (its last W), not necessarily the makespan
-            return max(pipe, big, stage0 + last0, tail) + self.c.step_overhead_s
-        return max(max(pipe, big, stage0) + last0, tail) + self.c.step_overhead_s
-
-    def _fb_suffix_max(self, b: int, table: CostTable | None = None) -> np.ndarray:
+    def fb_suffix_max(self, b: int, table: CostTable | None = None) -> np.ndarray:
         """``[i]``: the largest forward + backward of one layer among layers [i, n) at micro-batch size b
         (in ``table``, default the profile's)."""
         table = self.t if table is None else table
@@ -535,7 +289,7 @@ class PhaseSearch:
             part = part or split_stages(model, c.S, self.stage_limit(c, n0, fill_from))
         except InfeasibleError as e:
             return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
-        if not descend:  # ``_search`` may descend from it later
+        if not descend:  # ``_branch_and_bound`` may descend from it later
             self._split_memo[key] = (model, part)
         sched = self.schedule(c)
         cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)],
@@ -564,127 +318,94 @@ class PhaseSearch:
         """The best configuration for f frozen blocks (``free``: ignore start_K and the pins; ``cache``:
         only with or without the AutoCache, None: as configured)."""
         n0 = self.p.frozen_boundary(f)
-        choice = self._search(f, n0, visit, free=free, pin_k=True, cache=cache)
+        choice = _branch_and_bound(self, f, n0, visit, free=free, pin_k=True, cache=cache)
         if isinstance(choice, Choice):
             return choice
         if self.cfg.pin_K is not None and not free:  # the pinned K fits nowhere here: choose freely, say so
-            again = self._search(f, n0, visit, free=False, pin_k=False, cache=cache)
+            again = _branch_and_bound(self, f, n0, visit, free=False, pin_k=False, cache=cache)
             if isinstance(again, Choice):
                 note = (f"pinned K={self.cfg.pin_K} does not fit here (no micro-batch count or split of it fits in "
                         f"memory); K chosen freely")
                 return replace(again, notes=(note, *again.notes))
-        raise self._infeasible(f, n0, choice)
+        raise _infeasible(self, f, n0, choice)
 
-    def _search(self, f: int, n0: int, visit: Visit, *, free: bool, pin_k: bool, cache: bool | None
-                ) -> Choice | list[str]:
-        cands, reasons0, notes = self.candidates(f, n0, free=free, pin_k=pin_k, cache=cache)
-        reasons: list[object] = list(reasons0)
-        fits = []
-        for c in cands:
-            ok, why = self.host_fits(c, n0, visit.fill_from if c.cache else 0)
-            if ok:
-                fits.append(c)
-            elif not any(isinstance(r, str) and r.endswith(why) for r in reasons[-1:]):
-                reasons.append(f"K={c.K}, cache on: {why}")
-        # recomputation is not in the bound (``lower_bound``): candidates that differ only in it share theirs
-        bounds: dict[tuple, float] = {}
 
-        def bound(c: Candidate) -> float:
-            key = (c.K, c.D, c.M, c.b, c.cache, c.schedule, c.V, c.tp, c.fsdp, c.fsdp_per_stage)
-            got = bounds.get(key)
-            if got is None:
-                got = bounds[key] = self.objective_bound(c, n0, visit)
-            return got
+def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, free: bool, pin_k: bool,
+                     cache: bool | None) -> Choice | list[str]:
+    """Step 3: candidates in order of their bound per sample, each split and simulated, until the next bound
+    is no better than the best simulated; then the descent for the ones near the best. The reasons none fits
+    where none does."""
+    cands, reasons0, notes = search.candidates(f, n0, free=free, pin_k=pin_k, cache=cache)
+    reasons: list[object] = list(reasons0)
+    fits = []
+    for c in cands:
+        ok, why = search.host_fits(c, n0, visit.fill_from if c.cache else 0)
+        if ok:
+            fits.append(c)
+        elif not any(isinstance(r, str) and r.endswith(why) for r in reasons[-1:]):
+            reasons.append(f"K={c.K}, cache on: {why}")
+    # recomputation is not in the bound (``lower_bound``): candidates that differ only in it share theirs
+    bounds: dict[tuple, float] = {}
 
-        heap = [(bound(c), i, c) for i, c in enumerate(fits)]
-        # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
-        hint = self._hint.get(cache)
-        first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.mode) == hint]
-        heapq.heapify(heap)
-        best: Choice | None = None
+    def bound(c: Candidate) -> float:
+        key = (c.K, c.D, c.M, c.b, c.cache, c.schedule, c.V, c.tp, c.fsdp, c.fsdp_per_stage)
+        got = bounds.get(key)
+        if got is None:
+            got = bounds[key] = search.objective_bound(c, n0, visit)
+        return got
 
-        near: list[Choice] = []
+    heap = [(bound(c), i, c) for i, c in enumerate(fits)]
+    # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
+    hint = search._hint.get(cache)
+    first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.mode) == hint]
+    heapq.heapify(heap)
+    best: Choice | None = None
 
-        def consider(c: Candidate, descend: bool = False) -> None:
-            nonlocal best
-            got = self.evaluate(c, n0, visit, best.objective if best is not None else math.inf, descend=descend)
-            if isinstance(got, Choice) and not descend:
-                near.append(got)
-            if got is None:
-                return
-            if not isinstance(got, Choice):
-                reasons.append(got)
-            elif best is None or _order(got) < _order(best):
-                best = got
+    near: list[Choice] = []
 
-        for c in first:
+    def consider(c: Candidate, descend: bool = False) -> None:
+        nonlocal best
+        got = search.evaluate(c, n0, visit, best.objective if best is not None else math.inf, descend=descend)
+        if isinstance(got, Choice) and not descend:
+            near.append(got)
+        if got is None:
+            return
+        if not isinstance(got, Choice):
+            reasons.append(got)
+        elif best is None or _order(got) < _order(best):
+            best = got
+
+    for c in first:
+        consider(c)
+    while heap:
+        lb, _, c = heapq.heappop(heap)
+        if best is not None and lb > best.objective * (1 + 1e-12):
+            break
+        if c not in first:
             consider(c)
-        while heap:
-            lb, _, c = heapq.heappop(heap)
-            if best is not None and lb > best.objective * (1 + 1e-12):
-                break
-            if c not in first:
-                consider(c)
-        if best is None:
-            return [str(r) for r in reasons]
-        # the descent, for the candidates whose AutoPipe split is near the best (``resplit.GIVE_UP``)
-        for ch in sorted(near, key=_order):
-            if ch.objective <= best.objective * (1 + GIVE_UP) and not enumerable(n0, self.n, ch.cand.S):
-                consider(ch.cand, True)
-        self._split_memo.clear()
-        self._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
-                             best.cand.tp, best.cand.mode)
-        return replace(best, notes=tuple(notes))
-
-    def _infeasible(self, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
-        shown = "\n  ".join(reasons[:8]) + (f"\n  (+{len(reasons) - 8} more)" if len(reasons) > 8 else "")
-        prefix = (f"\nThe frozen prefix holds {self.t.cum_param[n0] / GiB:.2f} GiB of weights (on stage 0 unless "
-                  f"cached)." if n0 else "")
-        return InfeasibleError(
-            f"no pipeline configuration fits with {f} frozen blocks on {self.c.name} "
-            f"({self.W} {self.c.device_noun_plural} x {self.c.gpu_memory_bytes / GiB:.1f} GiB, "
-            f"{self.cfg.memory_fraction:.0%} usable):\n  {shown or 'no candidate (K, M)'}{prefix}\n"
-            f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
-            f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs"
-            f"{'' if len(self.strategies) > 1 else '; or --strategies auto (tensor parallel, FSDP, recomputation)'}.")
+    if best is None:
+        return [str(r) for r in reasons]
+    # the descent, for the candidates whose AutoPipe split is near the best (``resplit.GIVE_UP``)
+    for ch in sorted(near, key=_order):
+        if ch.objective <= best.objective * (1 + GIVE_UP) and not enumerable(n0, search.n, ch.cand.S):
+            consider(ch.cand, True)
+    search._split_memo.clear()
+    search._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
+                         best.cand.tp, best.cand.mode)
+    return replace(best, notes=tuple(notes))
 
 
-def split_bound(c: Candidate, costs: Sequence[StageCost], step_overhead_s: float) -> float:
-    """A lower bound on the simulated iteration once the split is known (the same arguments as
-    ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
-    S, M, K = len(costs), c.M, c.K
-    zb = c.schedule.startswith("zb")
-    f = [x.forward_s + x.prefix_s for x in costs]
-    b = [x.backward_s for x in costs]
-    path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b
-    T = sum(f) + sum(path_b) + costs[0].setup_s + sum(x.send_forward_s + x.send_backward_s for x in costs)
-    s2r = stage_to_rank(c.schedule, K, c.V)
-    load = [0.0] * K
-    done = [0.0] * K
-    for s, x in enumerate(costs):
-        load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
-        done[s2r[s]] += x.allreduce_s + x.optimizer_s
-    if c.schedule == "2bw":  # the steady state: each rank's work (and all-reduces) once per period
-        opt, ar = [0.0] * K, [0.0] * K
-        for s, x in enumerate(costs):
-            opt[s2r[s]] += x.optimizer_s
-            ar[s2r[s]] += x.allreduce_s
-        return max(max(ld + o for ld, o in zip(load, opt)), max(ar)) + step_overhead_s
-    pipe = max(T, max(load))
-    if c.schedule == "gpipe":
-        pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))
-    elif c.schedule == "1f1b":
-        pipe = max(pipe, T + max((M - 1) * f[s] + max(0, M - S + s) * b[s] for s in range(S)))
-    if not zb:  # head and tail of every stage
-        head = tail_b = 0.0
-        for s in range(S):
-            pipe = max(pipe, costs[0].setup_s + head + M * (f[s] + b[s]) + tail_b)
-            head += f[s]
-            tail_b += b[s]
-    tail = max(ld + dn for ld, dn in zip(load, done))
-    if zb:
-        return max(pipe, tail) + step_overhead_s
-    return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + step_overhead_s
+def _infeasible(search: PhaseSearch, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
+    shown = "\n  ".join(reasons[:8]) + (f"\n  (+{len(reasons) - 8} more)" if len(reasons) > 8 else "")
+    prefix = (f"\nThe frozen prefix holds {search.t.cum_param[n0] / GiB:.2f} GiB of weights (on stage 0 unless "
+              f"cached)." if n0 else "")
+    return InfeasibleError(
+        f"no pipeline configuration fits with {f} frozen blocks on {search.c.name} "
+        f"({search.W} {search.c.device_noun_plural} x {search.c.gpu_memory_bytes / GiB:.1f} GiB, "
+        f"{search.cfg.memory_fraction:.0%} usable):\n  {shown or 'no candidate (K, M)'}{prefix}\n"
+        f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
+        f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs"
+        f"{'' if len(search.strategies) > 1 else '; or --strategies auto (tensor parallel, FSDP, recomputation)'}.")
 
 
 def _order(ch: Choice) -> tuple:

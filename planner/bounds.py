@@ -1,0 +1,132 @@
+"""Lower bounds on a candidate's simulated iteration (step 2 of ``search.py``): one that needs no split
+(``iteration_lower_bound``), and one from a split's stage costs (``split_bound``)."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+from .candidate import Candidate
+from .schedule import stage_to_rank
+from .simulate import StageCost
+from .stage import cache_setup_s
+
+if TYPE_CHECKING:
+    from .search import PhaseSearch
+
+
+def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_from: int | None = None) -> float:
+    """Seconds that the simulated iteration of any split of this candidate is at least (a fill
+    iteration's with ``fill_from``, a steady one's without). It does not read recomputation (the
+    recomputed forward is left out: still a lower bound), so ``search._branch_and_bound`` shares it between candidates
+    that differ only there.
+
+    With f_s, b_s a stage's forward and backward per micro-batch (overheads and the stage-0
+    prefix included), F = Σ f_s, B = Σ b_s, and T = F + B + the cache set-up + every link's
+    latency both ways (one micro-batch's path through the pipeline):
+
+    - pipeline: GPipe's makespan is at least T + (M-1)·max_s(f_s + b_s) >= T + (M-1)(F+B)/K; in
+      1F1B stage s runs (M-1) forwards and M-K+s backwards before its last forward, whose
+      micro-batch then takes the whole path: T + (M-1)f_s + (M-K+s)b_s, and the largest over s is
+      at least the average, T + (M-1)F/K + (M-K)B/K;
+    - head and tail (any schedule): stage s starts only after the stages before it ran micro-batch
+      0 forward and ends only before they run the last one backward, so the makespan is at least
+      H_s = Σ_{s'<s} t_s' + M·t_s (t = f + b) for every s. Weights w_s with M·w_j + Σ_{s>j} w_s
+      equal for every j make Σ w_s·H_s independent of the split: max_s H_s >= c·Σ t with
+      c = 1 / (1 - (1 - 1/M)^K) (exact for K = 1 and for M = 1);
+    - the largest layer: its stage runs it M times;
+    - the tail: every stage finishes its compute, then its all-reduce and optimizer step, and
+      the slowest of those is at least their average over the K stages;
+    - stage 0's last backward is the last compute of the iteration, so its all-reduce and
+      optimizer step (at least those of the first active layer, which it always holds) follow
+      the makespan bounds above;
+    plus the per-step overhead.
+
+    PipeDream-2BW (no flush; the iteration is the steady state's period per mini-batch): every rank
+    repeats its work — setup + M·(f_s + b_s) + optimizer step — once per period, so the period
+    is at least the ranks' total work over K, the largest layer's M forwards and backwards, and
+    stage 0's prefix and first layer with its optimizer step (``simulate``'s floor is the slowest
+    rank's work itself).
+    """
+    t = search.table_for(c)
+    tm = t.at(c.b)
+    K, M, S = c.K, c.M, c.S
+    zb = c.schedule.startswith("zb")
+    ovh = search.c.action_overhead_s if K > 1 else 0.0
+    n = search.n
+    prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
+    setup = cache_setup_s(search.t, n0, M, c.b, search.cfg.host_read_bandwidth, device_is_host=search.c.device_is_host,
+                          fill_from=fill_from) if c.cache else 0.0  # the cached prefix is whole
+    L = search.links(K, c.schedule, c.V, c.tp)
+    sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])
+    sb = float(tm.cum_bwd[n] - tm.cum_bwd[n0])
+    sw = float(tm.cum_bwd_weight[n] - tm.cum_bwd_weight[n0]) if zb else 0.0
+    F = sf + S * ovh + prefix
+    Bw = sb + S * ovh
+    # one micro-batch's path: forwards, then the backwards that pass the gradient on (not W)
+    T = F + Bw - sw + setup + 2.0 * float(L.send_lat.sum())
+    pipe = max(T, M * (F + Bw) / K + setup / K)  # the path; the ranks' total work over K
+    if c.schedule == "gpipe":
+        pipe = max(pipe, T + (M - 1) * (F + Bw) / K)
+    elif c.schedule == "1f1b":
+        pipe = max(pipe, T + (M - 1) * F / K + max(0, M - K) * Bw / K)
+    if M > 1 and not zb:  # head and tail over the S stages (a W may end a zero-bubble stage's work)
+        pipe = max(pipe, setup + (F + Bw) / -math.expm1(S * math.log1p(-1.0 / M)))
+    fb_max = float(search.fb_suffix_max(c.b, t)[n0])
+    big = M * (fb_max + 2 * ovh)
+    if c.schedule == "2bw":
+        work = M * (F + Bw) + setup + float(t.cum_opt_s[n] - t.cum_opt_s[n0])
+        first = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh) + float(t.optimizer_s[n0])
+        return max(work / K, big, first) + search.c.step_overhead_s
+    x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
+    lat = 0.0
+    # FSDP reduce-scatters in the backward instead (``strategy.py``); a stage choosing FSDP may too
+    sync = c.D > 1 and not c.fsdp and not c.fsdp_per_stage
+    if sync:
+        x_sum += float(t.cum_sync[n] - t.cum_sync[n0]) * float(L.ar_per_byte.min())
+        lat = float(L.ar_lat.min())
+    tail = max((x_sum + M * (prefix + 2 * ovh * S) + setup) / K, big) + lat
+    stage0 = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh)  # the prefix and its first layer
+    last0 = float(t.optimizer_s[n0])
+    if sync:
+        last0 += float(L.ar_lat[0] + (t.cum_sync[n0 + 1] - t.cum_sync[n0]) * L.ar_per_byte[0])
+    if zb:  # stage 0's all-reduce follows its own work (its last W), not necessarily the makespan
+        return max(pipe, big, stage0 + last0, tail) + search.c.step_overhead_s
+    return max(max(pipe, big, stage0) + last0, tail) + search.c.step_overhead_s
+
+
+def split_bound(c: Candidate, costs: Sequence[StageCost], step_overhead_s: float) -> float:
+    """A lower bound on the simulated iteration once the split is known (the same arguments as
+    ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
+    S, M, K = len(costs), c.M, c.K
+    zb = c.schedule.startswith("zb")
+    f = [x.forward_s + x.prefix_s for x in costs]
+    b = [x.backward_s for x in costs]
+    path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b
+    T = sum(f) + sum(path_b) + costs[0].setup_s + sum(x.send_forward_s + x.send_backward_s for x in costs)
+    s2r = stage_to_rank(c.schedule, K, c.V)
+    load = [0.0] * K
+    done = [0.0] * K
+    for s, x in enumerate(costs):
+        load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
+        done[s2r[s]] += x.allreduce_s + x.optimizer_s
+    if c.schedule == "2bw":  # the steady state: each rank's work (and all-reduces) once per period
+        opt, ar = [0.0] * K, [0.0] * K
+        for s, x in enumerate(costs):
+            opt[s2r[s]] += x.optimizer_s
+            ar[s2r[s]] += x.allreduce_s
+        return max(max(ld + o for ld, o in zip(load, opt)), max(ar)) + step_overhead_s
+    pipe = max(T, max(load))
+    if c.schedule == "gpipe":
+        pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))
+    elif c.schedule == "1f1b":
+        pipe = max(pipe, T + max((M - 1) * f[s] + max(0, M - S + s) * b[s] for s in range(S)))
+    if not zb:  # head and tail of every stage
+        head = tail_b = 0.0
+        for s in range(S):
+            pipe = max(pipe, costs[0].setup_s + head + M * (f[s] + b[s]) + tail_b)
+            head += f[s]
+            tail_b += b[s]
+    tail = max(ld + dn for ld, dn in zip(load, done))
+    if zb:
+        return max(pipe, tail) + step_overhead_s
+    return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + step_overhead_s

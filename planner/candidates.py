@@ -1,0 +1,107 @@
+"""The search's candidates (step 1 of ``search.py``): every (K, M, cache, schedule, strategy) the constraints
+allow. Functions of the ``PhaseSearch`` they are given, which subclasses may narrow (its ``k_options``,
+``modes``, ``schedules``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .candidate import Candidate
+from .config import INTERLEAVED_V
+from .errors import PtplanError
+from .replicate import divisors
+from .schedule import ScheduleError, check_sizes
+
+if TYPE_CHECKING:
+    from .search import PhaseSearch
+
+
+def pipeline_lengths(search: PhaseSearch, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:
+    """Pipeline lengths to try, and notes when a pinned K cannot be used here."""
+    ks = [k for k in divisors(search.W) if k <= n_active]
+    cfg = search.cfg
+    if cfg.pin_K is not None and not free:
+        if cfg.pin_K in ks:
+            return [cfg.pin_K], []
+        why = (f"only {n_active} active layers" if cfg.pin_K > n_active else
+               f"K={cfg.pin_K} does not divide the {search.W} GPUs")
+        return ks, [f"pinned K={cfg.pin_K} not possible ({why}); K chosen freely"]
+    if cfg.start_K is not None and not free:
+        if f == 0:
+            if cfg.start_K not in ks:
+                raise PtplanError(f"--start-K {cfg.start_K} must divide the {search.W} GPUs and be at most the "
+                                  f"{n_active} layers; valid: {', '.join(map(str, ks))}")
+            return [cfg.start_K], []
+        return [k for k in ks if k <= cfg.start_K], []
+    return ks, []
+
+
+def schedule_shapes(search: PhaseSearch, K: int, M: int, n_active: int) -> list[tuple[str, int]]:
+    """(schedule, V) pairs that exist for K positions and M micro-batches and leave every stage a layer."""
+    out = []
+    for name in (search.schedules if K > 1 else search.schedules[:1]):
+        for V in (INTERLEAVED_V if name in ("interleaved-1f1b", "looped-bfs") else
+                  (2,) if name == "zb-v" else (1,)):
+            if K * V > n_active:
+                continue
+            try:
+                check_sizes(name, K, M, V)
+            except ScheduleError:
+                continue
+            out.append((name, V))
+    return out
+
+
+def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = False, pin_k: bool = True,
+                         cache: bool | None = None) -> tuple[list[Candidate], list[str], list[str]]:
+    """(candidates, reasons some K or M were left out, notes for the phase). ``cache``: only
+    candidates with (True) or without (False) the AutoCache; None: as the training config says."""
+    cfg, n_active = search.cfg, search.n - n0
+    ks, notes = search.k_options(f, n_active, free=free or not pin_k)
+    lo_b, hi_b = search.t.measured_range
+    if n0 == 0:
+        caches = [False]
+    elif cache is not None:
+        caches = [cache]
+    else:
+        caches = [False] if cfg.cache == "off" else [True] if cfg.cache == "on" else [False, True]
+    out: list[Candidate] = []
+    reasons: list[str] = []
+    pin_m_used = cfg.pin_M is None
+    for (tp, fm, rm), K in ((md, K) for md in search.modes for K in ks if (search.W // md[0]) % K == 0):
+        D = search.W // (K * tp)
+        if fm and D == 1 or (fm, rm) == (0, 2) and D > 1:  # FSDP shards over replicas (none at D = 1)
+            continue
+        bp = search.pipeline_batch(D)
+        if bp is None:
+            reasons.append(f"K={K}: global batch {cfg.batch} does not split over D={D} pipelines")
+            continue
+        ms = [m for m in divisors(bp) if search.shapes(K, m, n_active)]
+        if not cfg.allow_extrapolation:
+            outside = [m for m in ms if not lo_b <= bp // m <= hi_b]
+            ms = [m for m in ms if lo_b <= bp // m <= hi_b]
+            if outside and not ms:
+                reasons.append(f"K={K}: every micro-batch size for {bp} samples per pipeline is outside the "
+                               f"profile's measured {lo_b}..{hi_b} (profile larger sizes, or allow extrapolation)")
+        if cfg.pin_M is not None and cfg.pin_M in ms:
+            ms = [cfg.pin_M]
+            pin_m_used = True
+        if not ms:
+            if not reasons or not reasons[-1].startswith(f"K={K}:"):
+                reasons.append(f"K={K}: {bp} samples per pipeline have no micro-batch count that "
+                               f"{'/'.join(search.schedules)} can run (e.g. 1F1B needs M >= K={K})")
+            continue
+        for M in ms:
+            for name, V in search.shapes(K, M, n_active):
+                if name == "2bw" and (tp > 1 or fm or rm == 2):  # what executor/runtime/twobw.py cannot run
+                    why = (f"K={K}: 2bw with tp={tp}, FSDP or layer-wise recomputation left out (the executor's "
+                           f"2BW loop runs plain stages, whole-stage recomputation at most)")
+                    if why not in reasons:
+                        reasons.append(why)
+                    continue
+                for cache in caches:
+                    out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
+                                         tp=tp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,
+                                         recompute_per_stage=rm == 2))
+    if not pin_m_used:
+        notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
+    return out, reasons, notes
