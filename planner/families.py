@@ -37,6 +37,11 @@ class FamilyFacts:
     """Config key of the model width."""
     tensor_parallel: bool = True
     """The executor splits its attention and MLP layers Megatron-style (``executor/runtime/hybrid.py``)."""
+    sequence_parallel: bool = False
+    """With tensor parallelism, the executor can also run Megatron's sequence parallelism (``Strategy.sp``): the
+    layers' pre-LN norms and residual work on sequence shards (``executor/runtime/hybrid.py``), so ``ptplan plan
+    --strategies auto`` may choose it. Off for the post-LN encoders (BERT, RoBERTa, DistilBERT, ELECTRA: their
+    norms follow the residual add inside the split layer) and ViT (197 tokens split over no even tp)."""
     token_slices: bool = False
     """The executor runs it in token slices (TeraPipe): causal attention with a key/value context."""
     default_num_labels: int | None = None
@@ -45,6 +50,7 @@ class FamilyFacts:
     def __post_init__(self) -> None:
         assert self.causal == (self.default_num_labels is None), self.name
         assert not self.token_slices or self.causal, self.name
+        assert not self.sequence_parallel or self.tensor_parallel, self.name
 
 
 
@@ -54,17 +60,17 @@ FAMILY_FACTS: dict[str, FamilyFacts] = {f.name: f for f in (
     FamilyFacts(name="vit", module="vit", causal=False, pixels=True, default_num_labels=1000,
                 heads_key="num_attention_heads", mlp_key="intermediate_size"),
     FamilyFacts(name="gpt2", module="gpt2", causal=True, heads_key="n_head", mlp_key="n_inner", mlp_default_factor=4,
-                hidden_key="n_embd", token_slices=True),
+                hidden_key="n_embd", token_slices=True, sequence_parallel=True),
     FamilyFacts(name="llama", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
-                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
+                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size", sequence_parallel=True),
     FamilyFacts(name="roberta", module="bert", causal=False, default_num_labels=2, heads_key="num_attention_heads",
                 mlp_key="intermediate_size"),
     FamilyFacts(name="distilbert", module="distilbert", causal=False, default_num_labels=2, heads_key="n_heads",
                 mlp_key="hidden_dim", hidden_key="dim"),
     FamilyFacts(name="mistral", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
-                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
+                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size", sequence_parallel=True),
     FamilyFacts(name="qwen2", module="llama", causal=True, token_slices=True, heads_key="num_attention_heads",
-                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size"),
+                kv_heads_key="num_key_value_heads", mlp_key="intermediate_size", sequence_parallel=True),
     FamilyFacts(name="electra", module="electra", causal=False, default_num_labels=2, heads_key="num_attention_heads",
                 mlp_key="intermediate_size"),
 )}
@@ -75,6 +81,7 @@ CAUSAL_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILY_FACTS.items() if f
 CLASSIFIER_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILY_FACTS.items() if not f.causal)
 TOKEN_SLICE_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILY_FACTS.items() if f.token_slices)
 TP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILY_FACTS.items() if f.tensor_parallel)
+SP_FAMILIES: tuple[str, ...] = tuple(n for n, f in FAMILY_FACTS.items() if f.sequence_parallel)
 
 
 def family_facts(family: str) -> FamilyFacts | None:

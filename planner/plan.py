@@ -23,6 +23,7 @@ from .freeze import FreezePolicy, freeze_from_json
 from .jsonio import Fields, read_json, write_json
 from .profile import PROVENANCE_SOURCES
 from .strategy import phase_label
+from .tp_split import sp_refusal
 
 SCHEMA = "ptplan.plan/2"
 EVENT_KINDS = ("F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "ALLREDUCE", "PREFIX", "CACHE", "UPDATE")
@@ -150,6 +151,9 @@ class Phase:
     tokens, summing to the profile's sequence length), which flow through the pipeline one after another;
     the actions are then ``planner.schedule.terapipe``'s and the prediction the slice-aware simulation.
     Empty: not sliced (plans written before token slicing load with it empty)."""
+    sp: bool = False
+    """Megatron's sequence parallelism with tp > 1 (``strategy.Strategy.sp``, ``executor/runtime/hybrid.py``): the
+    split layers' norms and residual stream on sequence shards; written only when true."""
 
     def __post_init__(self) -> None:
         S = self.K * self.V
@@ -222,7 +226,7 @@ class Phase:
         stages differ lists them in stage order, runs of equal stages as ``×n``: ``tp2 · stages
         fsdp·rc | fsdp | dp×2`` (``strategy.phase_label``)."""
         return phase_label(self.tp, self.stage_fsdp, self.stage_recompute,
-                           [self.recompute_layers_at(c) for c in range(self.K * self.V)])
+                           [self.recompute_layers_at(c) for c in range(self.K * self.V)], sp=self.sp)
 
     @property
     def stages(self) -> int:
@@ -383,6 +387,8 @@ class Plan:
         for ph in (*d["phases"], d["baseline"]["phase"]):  # written only where a stage recomputes part of itself
             if not ph["recompute_layers"]:
                 del ph["recompute_layers"]
+            if not ph["sp"]:
+                del ph["sp"]
         return {"schema": d.pop("schema"), **d}
 
 
@@ -540,7 +546,17 @@ def _phase(f: Fields, num_layers: int, seq_len: int | None = None, family: str |
                  V=V, actions=tuple(actions), tp=tp, fsdp=_per_stage(f, "fsdp", S=K * V, D=D),
                  recompute=_per_stage(f, "recompute", S=K * V, D=D),
                  recompute_layers=_recompute_layers(f, parts, _per_stage(f, "recompute", S=K * V, D=D)),
-                 slices=_slices(f, V=V, tp=tp, seq_len=seq_len, family=family))
+                 slices=_slices(f, V=V, tp=tp, seq_len=seq_len, family=family), sp=_sp(f, K=K, V=V, tp=tp,
+                                                                                        seq_len=seq_len, family=family))
+
+
+def _sp(f: Fields, *, K: int, V: int, tp: int, seq_len: int | None, family: str | None) -> bool:
+    """``Phase.sp``: false when absent; true only where ``tp_split.sp_refusal`` allows it."""
+    sp = f.bool("sp", False)
+    why = sp_refusal(family, seq_len, tp, K=K, V=V, sliced=bool(f.raw("slices", []))) if sp else None
+    if why:
+        raise SchemaError(f.what, f"{f.path}.sp", why, "Re-run `ptplan plan`")
+    return sp
 
 
 def _profile_ref(f: Fields) -> ProfileRef:

@@ -130,7 +130,8 @@ class Strategy:
     sp: bool = False
     """Sequence parallelism (Megatron's, with tp > 1): LayerNorm and dropout work and activations split over the
     tp ranks too, so every saved activation of a split layer divides by tp, at the same communication volume.
-    Priced by the stage model; the runtime (executor/runtime/hybrid.py) does not run it yet."""
+    Priced by the stage model; run by ``executor/runtime/hybrid.py`` for the families whose
+    ``FamilyFacts.sequence_parallel`` is on (``tp_split.sp_refusal``); ``search_modes`` offers it there."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sp, bool) or (self.sp and self.tp == 1):
@@ -175,15 +176,43 @@ class Strategy:
         return self.tp == 1 and not self.fsdp and not self.recompute
 
 
-def phase_label(tp: int, fsdp: Sequence[bool], recompute: Sequence[bool], layers: Sequence[int] = ()) -> str:
+Mode = tuple[int, int, int, bool]
+"""One family of search candidates: (tp, FSDP mode, recomputation mode, sequence parallelism); modes 0 off, 1 on
+every stage, 2 chosen per stage (``search.Candidate.mode``)."""
+
+
+def search_modes(tps: Sequence[int], auto: bool, family: str | None, seq_len: int | None) -> tuple[Mode, ...]:
+    """The candidate families ``search.PhaseSearch`` tries (its ``modes``): for every tp, every uniform strategy,
+    then recomputation chosen per stage with FSDP chosen per stage too, on every stage, or off (``search.py``
+    says why); with ``auto`` each tp > 1 family also with sequence parallelism, where ``tp_split.sp_refusal``
+    allows it (same communication time, split layers' activations / tp: never slower, smaller or equal
+    memory, so it is offered beside plain tp rather than instead of it and the search picks by its objective).
+    Without ``auto``: plain data parallel only."""
+    from .tp_split import sp_refusal
+
+    if not auto:
+        return tuple((t, 0, 0, False) for t in tps)
+    fr = ((0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (2, 2), (1, 2))
+    sps = {t: (False, True) if sp_refusal(family, seq_len, t) is None else (False,) for t in tps}
+    return tuple((t, f, r, sp) for t in tps for sp in sps[t] for f, r in fr)
+
+
+def search_strategies(modes: Sequence[Mode]) -> tuple[Strategy, ...]:
+    """The uniform strategies among ``search_modes`` (the default first): ``search.PhaseSearch.strategies``."""
+    return tuple(Strategy(tp=t, fsdp=bool(f), recompute=bool(r), sp=sp) for t, f, r, sp in modes
+                 if f < 2 and r < 2)
+
+
+def phase_label(tp: int, fsdp: Sequence[bool], recompute: Sequence[bool], layers: Sequence[int] = (), *,
+                sp: bool = False) -> str:
     """A phase's strategy as text from its stages' FSDP and recomputation flags (and recomputed layer counts,
-    0 = all): one strategy for every stage is its ``Strategy.label`` (``tp2·fsdp·rc``, ``dp``); stages that
-    differ are listed in stage order, runs of equal ones as ``×n``: ``tp2 · stages fsdp·rc2 | fsdp | dp×2``."""
+    0 = all): one strategy for every stage is its ``Strategy.label`` (``tp2·sp·fsdp·rc``, ``dp``); stages that
+    differ are listed in stage order, runs of equal ones as ``×n``: ``tp2·sp · stages fsdp·rc2 | fsdp | dp×2``."""
     layers = list(layers) or [0] * len(recompute)
     labels = [Strategy(fsdp=f, recompute=r, recompute_layers=k).label for f, r, k in zip(fsdp, recompute, layers)]
     if len(set(labels)) <= 1:
         return Strategy(tp=tp, fsdp=bool(fsdp) and fsdp[0], recompute=bool(recompute) and recompute[0],
-                        recompute_layers=layers[0] if layers else 0).label
+                        recompute_layers=layers[0] if layers else 0, sp=sp).label
     names: list[str] = []
     counts: list[int] = []
     for lb in labels:
@@ -193,7 +222,7 @@ def phase_label(tp: int, fsdp: Sequence[bool], recompute: Sequence[bool], layers
             names.append(lb)
             counts.append(1)
     body = " | ".join(lb if k == 1 else f"{lb}×{k}" for lb, k in zip(names, counts))
-    return " · ".join(([f"tp{tp}"] if tp > 1 else []) + [f"stages {body}"])
+    return " · ".join(([Strategy(tp=tp, sp=sp).label] if tp > 1 else []) + [f"stages {body}"])
 
 
 def tp_allreduce_coeffs(cluster: Cluster, tp: int) -> tuple[float, float]:

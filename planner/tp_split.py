@@ -54,3 +54,29 @@ def tp_refusal(family: str, config: Mapping[str, Any], tp: int) -> str | None:
     return (f"tensor parallelism tp={tp} does not divide this {family} model's "
             f"{' and '.join(f'{n} {what}' for what, n in bad)} ({'; '.join(reasons[w] for w, _ in bad)}; {sizes}); "
             f"{'tp must be one of ' + ', '.join(map(str, fits)) if fits else 'no tp > 1 divides them all'}")
+
+
+def sp_refusal(family: str | None, seq_len: int | None, tp: int, *, K: int = 2, V: int = 1,
+               sliced: bool = False) -> str | None:
+    """Why a phase cannot run Megatron's sequence parallelism (``Strategy.sp``) with these numbers (None when it
+    can): it needs tp > 1, a family whose executor adapter splits its norms by sequence
+    (``FamilyFacts.sequence_parallel``), a sequence length tp divides (each tp rank holds S/tp tokens), no token
+    slices (the sliced loop runs the canonical layers), and not several chunks on one position at K = 1 (the
+    runtime gathers the sequence where a run of consecutive split layers ends; two chunks of one rank would touch)."""
+    facts = family_facts(family) if family is not None else None
+    if tp <= 1:
+        return f"sequence parallelism splits the sequence over the tensor-parallel ranks: it needs tp > 1, not tp={tp}"
+    if facts is None or not facts.sequence_parallel:
+        from .families import SP_FAMILIES
+
+        return (f"sequence parallelism runs only for the pre-LN families {', '.join(SP_FAMILIES)} "
+                f"(FamilyFacts.sequence_parallel), not a {family or 'custom'} model; plan tp={tp} without sp")
+    if seq_len is not None and seq_len % tp:
+        return (f"sequence parallelism gives each of tp={tp} ranks S/tp tokens, but the sequence length {seq_len} is "
+                f"not a multiple of {tp}; profile with --seq-len a multiple of {tp}, or plan without sp")
+    if sliced:
+        return "sequence parallelism does not run with token slices (the sliced loop runs the canonical layers)"
+    if K == 1 and V > 1:
+        return (f"sequence parallelism with one pipeline position holding V={V} chunks is not run (the chunks' "
+                f"layers touch on one rank); plan V=1 at K=1")
+    return None

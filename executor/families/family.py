@@ -48,6 +48,10 @@ class Split:
     """The MLP's first linear(s) (Llama's gate and up projections), split column-wise."""
     down: str | None = None
     """The MLP's second linear, split row-wise."""
+    norms: tuple[str, ...] = ()
+    """The layer's pre-LN norms (LayerNorm/RMSNorm), which sequence parallelism runs on the rank's sequence shard
+    (``executor/runtime/hybrid.py``); empty: the family has no sequence parallelism (``FamilyFacts.sequence_parallel``
+    off: a post-LN layer normalises after the residual, outside the split region)."""
 
     @staticmethod
     def attention_of(path: str, qkv: tuple[str, ...], out: str) -> dict[str, Any]:

@@ -84,10 +84,10 @@ class LMHead(nn.Module):
 
 
 _SPLITS: dict[type[nn.Module], Split] = {  # GPT2Attention: fused c_attn, c_proj; GPT2MLP: c_fc, c_proj
-    GPT2AttentionHalf: Split(**Split.attention_of("attn.", ("c_attn",), "attn.c_proj")),
-    GPT2MLPHalf: Split(None, up=("mlp.c_fc",), down="mlp.c_proj"),
+    GPT2AttentionHalf: Split(**Split.attention_of("attn.", ("c_attn",), "attn.c_proj"), norms=("ln_1",)),
+    GPT2MLPHalf: Split(None, up=("mlp.c_fc",), down="mlp.c_proj", norms=("ln_2",)),
     GPT2BlockLayer: Split(**Split.attention_of("block.attn.", ("c_attn",), "block.attn.c_proj"),
-                          up=("block.mlp.c_fc",), down="block.mlp.c_proj"),
+                          up=("block.mlp.c_fc",), down="block.mlp.c_proj", norms=("block.ln_1", "block.ln_2")),
 }
 """The paths are split once ``conv1d_twin`` made the Conv1Ds ``nn.Linear``s."""
 

@@ -103,10 +103,12 @@ class LinearHead(nn.Module):
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _SPLITS: dict[type[nn.Module], Split] = {  # q_proj, k_proj, v_proj, o_proj; gate_proj, up_proj, down_proj
-    LlamaAttentionHalf: Split(**Split.attention_of("self_attn.", _QKV, "self_attn.o_proj")),
-    LlamaMLPHalf: Split(None, up=("mlp.gate_proj", "mlp.up_proj"), down="mlp.down_proj"),
+    LlamaAttentionHalf: Split(**Split.attention_of("self_attn.", _QKV, "self_attn.o_proj"), norms=("input_layernorm",)),
+    LlamaMLPHalf: Split(None, up=("mlp.gate_proj", "mlp.up_proj"), down="mlp.down_proj",
+                        norms=("post_attention_layernorm",)),
     LlamaBlockLayer: Split(**Split.attention_of("attn.self_attn.", _QKV, "attn.self_attn.o_proj"),
-                           up=("mlp.mlp.gate_proj", "mlp.mlp.up_proj"), down="mlp.mlp.down_proj"),
+                           up=("mlp.mlp.gate_proj", "mlp.mlp.up_proj"), down="mlp.mlp.down_proj",
+                           norms=("attn.input_layernorm", "mlp.post_attention_layernorm")),
 }
 
 

@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from ptplan.executor.families.gpt2 import conv1d_twin as _gpt2_twin  # noqa: F401 -- tests/test_hybrid_runtime.py
 from ptplan.executor.families.registry import tp_families, tp_twin  # noqa: F401 -- tp_families for validate.py
 from ptplan.executor.families.registry import tp_split as split_of
+from ptplan.planner.families import SP_FAMILIES
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 
 
@@ -81,7 +82,7 @@ class ShardedStage:
     def __init__(self, layers: nn.ModuleList, layer_params: list[list[nn.Parameter]], owned: list[int],
                  opt: torch.optim.Optimizer, *, dp: tuple | None, tp: tuple | None, device: torch.device,
                  release: Callable[[int], None], place: Callable[[int], None],
-                 fsdp_layers: set[int] | None = None, prefix: list[int] | None = None) -> None:
+                 fsdp_layers: set[int] | None = None, prefix: list[int] | None = None, sp: bool = False) -> None:
         assert dp is not None or tp is not None
         self.layers, self.layer_params, self.owned, self.opt = layers, layer_params, owned, opt
         self.prefix: list[int] = list(prefix or [])
@@ -89,6 +90,10 @@ class ShardedStage:
         layers over ``tp`` and, when ``fsdp_layers`` names them, sharded over ``dp``; they have no gradient and no
         optimizer state, so only their weights move (FSDP all-gathers them in the no-grad forward)."""
         self.dp, self.tp, self.device = dp, tp, device
+        self.sp = sp and tp is not None
+        """Sequence parallelism (``Phase.sp``): the split layers' norms and residual stream on sequence shards, the
+        row-parallel outputs reduce-scattered and the norms' outputs all-gathered (``tp_plan``); the hidden state
+        is whole again (all-gathered) after each run of consecutive split layers (``_sequence_bounds``)."""
         self.fsdp_layers: set[int] = set() if dp is None else set(owned) if fsdp_layers is None else set(fsdp_layers)
         """The owned layers FSDP shards over ``dp`` (all of them unless ``fsdp_layers`` names some: a phase whose
         stages differ shards only its FSDP stages' layers; the prefix's too when stage 0 has FSDP); FSDP reduce-scatters their gradients in the backward,
@@ -131,8 +136,11 @@ class ShardedStage:
 
         dp_mesh, tp_mesh = self._meshes()
         slots, keys = self._slots(), state_keys(self.opt)
+        split_layers: list[int] = []
         for i in [*self.prefix, *self.owned]:
-            split = tp_mesh is not None and tp_plan(self.layers[i], tp_mesh.size()) is not None
+            split = tp_mesh is not None and tp_plan(self.layers[i], tp_mesh.size(), self.sp) is not None
+            if split:
+                split_layers.append(i)
             shard = dp_mesh is not None and i in self.fsdp_layers
             if not split and not shard:
                 continue  # replicated (every tp rank runs the canonical layer whole), or a plain-DP stage's layer
@@ -145,9 +153,11 @@ class ShardedStage:
             maps: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] = {}
             if split:
                 maps = tp_twin(twin, tp_mesh.size())
-                _parallelize(twin, tp_mesh)
+                _parallelize(twin, tp_mesh, self.sp)
             if shard:
                 shard_layer(twin, dp_mesh)
+            elif split and self.sp:
+                _replicated_grads_reduced(twin)  # FSDP2 does this itself for the layers it shards
             by_name = dict(twin.named_parameters())
             for name, p in self.layers[i].named_parameters():
                 q = by_name[name]
@@ -165,6 +175,8 @@ class ShardedStage:
                 self.live[id(p)] = q
             self.copies[i] = twin
             self._release(i)
+        if self.sp:
+            _sequence_bounds(self.copies, split_layers, tp_mesh)
 
     def _frozen_twin(self, i: int, tp_mesh, dp_mesh) -> nn.Module:
         """A frozen prefix layer's split and/or sharded copy: no optimizer slot or state to move; its
@@ -172,7 +184,7 @@ class ShardedStage:
         twin = copy.deepcopy(self.layers[i])
         if tp_mesh is not None:
             maps = tp_twin(twin, tp_mesh.size())
-            _parallelize(twin, tp_mesh)
+            _parallelize(twin, tp_mesh, self.sp)
             self._frozen_back[i] = {n: back for n, (_, back) in maps.items()}
         twin.requires_grad_(False)
         if dp_mesh is not None:
@@ -261,18 +273,25 @@ def shard_layer(layer: nn.Module, dp_mesh) -> None:
     fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
 
 
-def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
+def tp_plan(layer: nn.Module, tp: int, sp: bool = False) -> dict[str, object] | None:
     """The Megatron split of one layer for ``parallelize_module`` (module path -> ColwiseParallel or
     RowwiseParallel), or None when the layer has none (embeddings, norms, heads: it runs replicated). Every
     attention and MLP half or block of every family in ``tp_families`` has one (GPT-2's Conv1D paths are
     split once ``families.registry.tp_twin`` made them ``nn.Linear``s). PtplanError when ``tp`` does not divide its heads,
-    key/value heads or intermediate width (``ptplan run`` checks the plan before: ``validate.check_strategies``)."""
+    key/value heads or intermediate width (``ptplan run`` checks the plan before: ``validate.check_strategies``).
+
+    With sequence parallelism (``sp``, Korthikanti et al. 2022; torchtitan's llama plan): the layer's norms run on
+    the rank's sequence shard with replicated weights and all-gather their output (``_gathered_norm``: Megatron's
+    g), the column-parallel linears read that whole sequence, and the row-parallel ones reduce-scatter their
+    output to sequence shards (``output_layouts=Shard(1)``) instead of all-reducing it -- the same bytes moved.
+    PtplanError for a layer without norms to split (a family with ``FamilyFacts.sequence_parallel`` off)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from ptplan.planner.errors import PtplanError
 
-    sp = split_of(layer)
-    if sp is None:
+    split = split_of(layer)
+    if split is None:
         return None
     widths = split_widths(layer)
     bad = [f"{n} {what}" for what, n in widths.items() if n % tp]
@@ -280,28 +299,102 @@ def tp_plan(layer: nn.Module, tp: int) -> dict[str, object] | None:
         raise PtplanError(f"tensor parallelism tp={tp} cannot split a {type(layer).__name__}: it does not divide its "
                           f"{' and '.join(bad)} ({', '.join(f'{w} {n}' for w, n in widths.items())}); use a tp that "
                           f"divides them all, or plan with `ptplan plan --strategies off`")
-    plan: dict[str, object] = {n: ColwiseParallel() for n in (*sp.qkv, *sp.up)}
-    plan.update({n: RowwiseParallel() for n in (sp.out, sp.down) if n is not None})
+    if sp and not split.norms:
+        raise PtplanError(f"sequence parallelism cannot run a {type(layer).__name__}: its family has no pre-LN norms "
+                          f"to split by sequence (it supports {', '.join(SP_FAMILIES)}); plan tp without sp "
+                          f"(`ptplan plan --strategies auto` never chooses sp for it)")
+    plan: dict[str, object] = {n: _gathered_norm() for n in (split.norms if sp else ())}
+    plan.update({n: ColwiseParallel() for n in (*split.qkv, *split.up)})
+    row = (lambda: RowwiseParallel(output_layouts=Shard(1), use_local_output=False)) if sp else RowwiseParallel
+    plan.update({n: row() for n in (split.out, split.down) if n is not None})
     return plan
 
 
-def _parallelize(layer: nn.Module, mesh) -> None:
+def _gathered_norm() -> object:
+    """torch's ``SequenceParallel`` style for one norm (its weights replicated DTensors, its input the sequence
+    shard, ``Shard(1)``) whose output is all-gathered over the tp ranks (a replicated DTensor): the column-parallel
+    linears after it then read one gathered copy (Llama's q, k and v projections share it) rather than each
+    gathering their own; its gradient comes back as a partial sum that the gather's backward reduce-scatters."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    class GatheredSequenceParallel(SequenceParallel):
+        @staticmethod
+        def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):  # type: ignore[override]
+            return outputs.redistribute(device_mesh, [Replicate()])
+
+    return GatheredSequenceParallel()
+
+
+def _parallelize(layer: nn.Module, mesh, sp: bool = False) -> None:
     """Split ``layer`` (a copy) over the tp mesh and give its attention the rank's own head counts."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = mesh.size()
-    plan = tp_plan(layer, tp)
+    plan = tp_plan(layer, tp, sp)
     assert plan is not None
     parallelize_module(layer, mesh, plan)
-    sp = split_of(layer)
-    assert sp is not None
-    if sp.attention is not None:  # each rank holds heads/tp heads (and key/value heads/tp)
-        att = layer.get_submodule(sp.attention)
+    split = split_of(layer)
+    assert split is not None
+    if split.attention is not None:  # each rank holds heads/tp heads (and key/value heads/tp)
+        att = layer.get_submodule(split.attention)
         for name in _LOCAL_COUNTS:
             n = getattr(att, name, None)
             if isinstance(n, int) and not isinstance(n, bool):
                 assert n % tp == 0, (name, n, tp)
                 setattr(att, name, n // tp)
+
+
+def _replicated_grads_reduced(layer: nn.Module) -> None:
+    """Under sequence parallelism a replicated parameter (a norm's weights, a row-parallel bias) sees only its
+    rank's tokens, so DTensor hands back its gradient as a partial sum over the tp ranks: all-reduce it as it
+    arrives (each micro-batch; a few KiB per norm), so the accumulated gradient is whole and equal on every tp rank,
+    as the runtime's data-parallel all-reduce, clipping and optimizer expect."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def whole(g: Tensor) -> Tensor:
+        if isinstance(g, DTensor) and any(isinstance(p, Partial) for p in g.placements):
+            return g.redistribute(g.device_mesh, [Replicate()] * g.device_mesh.ndim)
+        return g
+
+    for p in layer.parameters():
+        if p.requires_grad and isinstance(p, DTensor) and all(isinstance(q, Replicate) for q in p.placements):
+            p.register_hook(whole)
+
+
+def _sequence_bounds(copies: dict[int, nn.Module], split_layers: list[int], mesh) -> None:
+    """Where a run of consecutive split layers begins, the whole hidden state ``[B, S, H]`` (every tp rank holds
+    the same: from a replicated layer or a stage boundary) becomes this rank's sequence shard, a ``Shard(1)``
+    DTensor (its gradient all-gathered in the backward); inside the run the layers pass that DTensor on (its
+    ``shape`` is the whole sequence's, so masks and positions are unchanged); after the run's last layer it is
+    all-gathered back to a plain tensor (its gradient, equal on every tp rank, just sliced): before a replicated
+    layer (final norm, head), a stage boundary, or another chunk of this rank. A rank's chunks never touch
+    (``plan.py`` refuses sp with one position and several chunks), so consecutive indices share a chunk."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ptplan.planner.errors import PtplanError
+
+    tp = mesh.size()
+
+    def scatter(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, DTensor):
+            return args
+        if x.dim() < 2 or x.shape[1] % tp:
+            raise PtplanError(f"sequence parallelism over tp={tp} ranks cannot split a hidden state of shape "
+                              f"{tuple(x.shape)}: its sequence length must be a multiple of {tp}; profile and plan "
+                              f"with such a --seq-len, or plan without sp")
+        shard = DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)])
+        return (shard, *args[1:])
+
+    def gather(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        return out.redistribute(mesh, [Replicate()]).to_local() if isinstance(out, DTensor) else out
+
+    ids = set(split_layers)
+    for i in split_layers:
+        copies[i].register_forward_pre_hook(scatter)
+        if i + 1 not in ids:
+            copies[i].register_forward_hook(gather)
 
 
 def _same(t: Tensor) -> Tensor:
