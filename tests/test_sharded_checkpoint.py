@@ -196,3 +196,41 @@ def test_ranks_that_do_not_share_the_checkpoint_folder_are_refused_at_the_first_
     res = run_world(2, _check_shared, ([own[0]] * 2,), tmpdir=str(tmp_path), timeout_s=30, deadline_s=60)
     assert res.ok, res.explain()
     assert os.listdir(own[0]) == [] and os.listdir(own[1]) == []
+
+
+class _Ended(_Loaded):
+    """On rank 0 at the end (after the last save), the gathered weights and optimizer state."""
+
+    def on_start(self, ctx) -> None:
+        pass
+
+    def on_end(self, ctx) -> None:
+        _Loaded.on_start(self, ctx)
+
+
+@pytest.mark.multiproc
+def test_a_tp_by_fsdp_stage_saves_its_2d_shards_and_they_read_back_whole(tmp_path, one_torch_thread):
+    """tp2 x FSDP over D=2 (a 2-D mesh: FSDP's strided shards of tp's halves), AdamW: each rank passes DCP only its
+    DTensor shards, and the checkpoint read back in one process equals the run's gathered weights and state."""
+    from test_hybrid_runtime import with_strategies
+
+    model = _model()
+    data = TensorDataset(*model.make_batch(8, generator=torch.Generator().manual_seed(1)))
+    plan = with_strategies(make_plan(model, [spec(0, K=1, D=2, M=2, b=2)], samples_per_epoch=8), [(2, True, False)])
+    tmp, ck, end = str(tmp_path), str(tmp_path / "ck"), str(tmp_path / "end.pt")
+    cfg = _cfg(tmp, "run", optimizer="adamw", lr=1e-3, epochs=1, checkpoint_dir=ck)
+
+    def worker(rank, _world):
+        run_training(cfg, plan, model, data, callbacks=[_Ended(end)])
+
+    res = run_world(4, worker, tmpdir=tmp, timeout_s=30, deadline_s=120)
+    assert res.ok, res.explain()
+    meta = json.load(open(os.path.join(ck, "sharded.json")))
+    saved = _saved(os.path.join(ck, meta["folder"]))
+    got = torch.load(end)
+    flat = {**got["weights"], **{f"optim.{n}.{k}": v for n, st in got["state"].items() for k, v in st.items()}}
+    assert sorted(flat) == sorted(saved)
+    for k, v in saved.items():
+        assert torch.equal(flat[k], v), k
+    whole = sum(v.numel() * v.element_size() for v in saved.values())
+    assert max(meta["bytes"]) < 0.5 * whole, (meta["bytes"], whole)  # a gather would pass DCP the whole stage
