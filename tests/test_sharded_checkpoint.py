@@ -4,7 +4,9 @@ torch.distributed.checkpoint, resumed on another world size and plan of the same
 Pinned: after loading on the new plan every weight and optimizer-state tensor equals the saved one exactly;
 a run saved on 4 processes and resumed on 2 (and 2 -> 4, with an async save) ends where the uninterrupted
 run of the new plan ends (the runtime parity tests' SGD tolerance); each rank passes DCP exactly its own
-stage's bytes (not the model's); a new plan that cannot continue is refused with the numbers.
+stage's bytes (not the model's); a tp2 x FSDP stage passes only its DTensor shards and they read back equal to
+the run's gathered state; ranks that do not share the checkpoint folder are refused at the first save; a new plan
+that cannot continue is refused with the numbers.
 """
 from __future__ import annotations
 
