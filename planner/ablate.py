@@ -13,11 +13,12 @@ each row's phases are assembled and walked by the planner's own functions (``pla
 1. ``no-freeze``: the static K=S pipeline x D0 baseline, M by simulation: the plan's baseline.
 2. ``freeze-only``: the trajectory's frozen blocks skip their backward, gradients, all-reduce and
    optimizer step, but the static phase-0 split, K, D and M stay. The frozen layers then sit inside
-   later stages, which ``StageModel`` does not express (it puts the frozen prefix on stage 0), so
-   ``freeze_only_costs`` builds these stages here from ``costs.CostTable`` the way ``StageModel``
-   does: a frozen layer costs its no-grad forward, no backward, no gradient or optimizer state, no
-   saved activations; a stage whose inputs come from frozen layers sends no gradient back. With
-   nothing frozen it equals ``StageModel.stage_costs`` (a test checks).
+   later stages, where the search's phases never put them (they put the frozen prefix on stage 0), so
+   ``freeze_only_costs`` prices the static phase with ``StageModel`` over ``frozen_in_place_table`` (a frozen
+   layer costs its no-grad forward, no backward, no gradient, optimizer state or step, no saved activations)
+   and drops the messages and syncs that no longer exist (no gradient into a frozen layer; no all-reduce on a
+   stage that trains nothing). With nothing frozen it equals ``StageModel.stage_costs``, and with every frozen
+   layer on stage 0 it equals the stage model's phase with that frozen prefix (tests check both).
 3. ``autopipe``: AutoPipe re-splits and compresses K (any K <= S that divides W, as the planner
    allows), but D stays D0: the freed GPUs idle. Each pipeline compresses in place (it keeps the
    first K of its GPUs), modelled as a sub-cluster of K·D0 GPUs with the same nodes and links
@@ -47,14 +48,18 @@ Speedups are against row 1; each row also states its step against the row it bui
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
+import numpy as np
+
 from .baselines import BaselineRow, baselines
 from .cluster import Cluster
 from .config import TrainingConfig
+from .costs import CostTable, _cum
 from .errors import InfeasibleError, PtplanError
 from .freeze import FreezePolicy
 from .partition import greedy_param_partition
@@ -65,7 +70,7 @@ from .replicate import divisors
 from .schedule import build_schedule
 from .search import Candidate, Choice, PhaseSearch, Visit
 from .simulate import StageCost, simulate
-from .stage import OPTIMIZER_STATE_FACTOR, OPTIMIZER_TEMP_FACTOR_GPU, Links
+from .stage import Links, StageModel
 
 PAPER_SPEEDUPS: dict[str, float] = {"no-freeze": 1.0, "freeze-only": 0.95, "autopipe-autocache": 1.26,
                                     "autopipe-autodp": 2.27, "full": 2.83}
@@ -221,46 +226,57 @@ class Ablation:
 
 
 # ---- row 2: frozen layers inside a static split ------------------------------------------------
+def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
+    """``table`` with the layers [0, n0) frozen where they are (the freeze-only row's per-layer costs, as
+    ``strategy.strategy_table`` states a strategy's): a frozen layer's forward is its no-grad forward, and it has
+    no backward (nor its weight-gradient part), gradient, gradient sync, saved activations, optimizer step or
+    trained weights (so no optimizer state, temporaries or second 2BW version: ``freeze_only_costs`` adds its
+    weights back as plain bytes, as the stage model holds a frozen prefix's). Its output stays."""
+    t = copy.copy(table)
+    t._cache = {}
+    frozen = np.arange(table.n) < n0
+    t._fwd = np.where(frozen[:, None], table._nog, table._fwd)
+    t._bwd = np.where(frozen[:, None], 0.0, table._bwd)
+    t._bww = np.where(frozen[:, None], 0.0, table._bww)
+    t.grad_bytes = np.where(frozen, 0.0, table.grad_bytes)
+    t.saved_per_sample = np.where(frozen, 0.0, table.saved_per_sample)
+    t.optimizer_s = np.where(frozen, 0.0, table.optimizer_s)
+    t.param_bytes = np.where(frozen, 0.0, table.param_bytes)
+    t.cum_param = _cum(t.param_bytes)
+    t.cum_grad, t.cum_saved, t.cum_opt_s = _cum(t.grad_bytes), _cum(t.saved_per_sample), _cum(t.optimizer_s)
+    t.cum_sync = np.concatenate((np.zeros(n0), table.cum_sync[n0:] - table.cum_sync[n0]))  # no sync before n0
+    return t
+
+
+def freeze_only_model(search: PhaseSearch, cand: Candidate, n0: int) -> StageModel:
+    """The one stage model of the freeze-only phase: the static phase's (``search.model`` with nothing frozen),
+    pricing the layers from ``frozen_in_place_table``."""
+    base = search.uniform_model(cand, 0)
+    return StageModel(base.raw, base.shape, base.links, shard_table=frozen_in_place_table(base.t, n0))
+
+
 def freeze_only_costs(search: PhaseSearch, cand: Candidate, ranges: Sequence[tuple[int, int]], n0: int
                       ) -> list[StageCost]:
     """The simulator's stage costs of a static split (covering all layers) with layers [0, n0) frozen
-    wherever they sit, built from the cost table as ``StageModel.stage_costs`` builds them (its module
-    docstring's formulas), except that a frozen layer costs its no-grad forward and nothing else
-    (no backward, gradient, optimizer state or step, all-reduce, or saved activations), and a stage
-    whose inputs come from frozen layers receives no gradient and sends none back."""
-    t, cfg, cl = search.t, search.cfg, search.c
-    K, D, M, b = cand.K, cand.D, cand.M, cand.b
-    if len(ranges) != K or ranges[0][0] != 0 or ranges[-1][1] != t.n:
-        raise PtplanError(f"{list(ranges)} is not a static split of all {t.n} layers into K={K} stages")
-    tm, L, out = t.at(b), search.links(K), t.out_per_sample
-    ovh = cl.action_overhead_s if K > 1 else 0.0
-    state_f = OPTIMIZER_STATE_FACTOR[cfg.optimizer]
-    temp_f = 0.0 if cl.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[cfg.optimizer]
-    costs = []
-    for s, (lo, hi) in enumerate(ranges):
-        a = min(max(lo, n0), hi)  # the stage's first trained layer (hi: none)
-        active = a < hi
-        grad = float(t.cum_grad[hi] - t.cum_grad[a])
-        w_active = float(t.cum_param[hi] - t.cum_param[a])
-        in_b = b * float(out[lo - 1]) if s > 0 else 0.0
-        out_b = b * float(out[hi - 1])
-        send_f = float(L.send_lat[s] + out_b * L.send_inv_bw[s]) if s < K - 1 else 0.0
-        send_b = float(L.send_lat[s - 1] + in_b * L.send_inv_bw[s - 1]) if s > 0 and lo > n0 else 0.0
-        grads_in = s < K - 1 and hi > n0  # the next stage sends this one gradients
-        fixed = (float(t.cum_param[hi] - t.cum_param[lo]) + grad + state_f * w_active + M * in_b
-                 + (M * out_b if grads_in else 0.0))
-        per_mb = b * (float(t.cum_saved[hi] - t.cum_saved[a]) + float(out[hi - 1])) if active else 0.0
-        after = max(grad if D > 1 else 0.0, temp_f * w_active)
-        costs.append(StageCost(
-            forward_s=float(tm.cum_nograd[a] - tm.cum_nograd[lo]) + float(tm.cum_fwd[hi] - tm.cum_fwd[a]) + ovh,
-            backward_s=float(tm.cum_bwd[hi] - tm.cum_bwd[a]) + ovh, send_forward_s=send_f,
-            backward_weight_s=min(float(tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[a]),
-                                  float(tm.cum_bwd[hi] - tm.cum_bwd[a]) + ovh),  # zero-bubble W (issue 22)
-            send_backward_s=send_b,
-            allreduce_s=float(L.ar_lat[s] + grad * L.ar_per_byte[s]) if D > 1 and active else 0.0,
-            optimizer_s=float(t.cum_opt_s[hi] - t.cum_opt_s[a]), fixed_bytes=int(fixed),
-            activation_bytes_per_mb=int(per_mb), after_bytes=int(after)))
-    return costs
+    wherever they sit: ``freeze_only_model``'s ``stage_costs``, less what does not exist once they are frozen
+    -- no gradient is sent back into a frozen layer (a stage whose input is a frozen layer's output sends none),
+    a stage that trains nothing has no all-reduce and holds nothing for a backward -- plus the
+    frozen weights a stage holds (one version, no optimizer state, as the stage model's ``stage0_static`` holds a
+    frozen prefix's)."""
+    t = search.t
+    if len(ranges) != cand.S or ranges[0][0] != 0 or ranges[-1][1] != t.n:
+        raise PtplanError(f"{list(ranges)} is not a static split of all {t.n} layers into K*V={cand.S} stages")
+    model = freeze_only_model(search, cand, n0)
+    out = []
+    for s, ((lo, hi), c) in enumerate(zip(ranges, model.stage_costs(ranges))):
+        frozen_w = float(t.cum_param[min(hi, n0)] - t.cum_param[min(lo, n0)])
+        c = replace(c, fixed_bytes=int(c.fixed_bytes + frozen_w))
+        if lo <= n0:  # the input is a frozen layer's output (or the data): no gradient goes back
+            c = replace(c, send_backward_s=0.0, send_backward_latency_s=0.0)
+        if hi <= n0:  # trains nothing: no all-reduce, nothing held for a backward
+            c = replace(c, allreduce_s=0.0, activation_bytes_per_mb=0)
+        out.append(c)
+    return out
 
 
 # ---- restricted searches ----------------------------------------------------------------------

@@ -4,7 +4,7 @@ stage costs against the one stage model, and the CLI's table, --json and errors.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -148,7 +148,9 @@ def test_freeze_only_costs_drop_the_frozen_layers_work(vit):
         assert c[s].fixed_bytes < c0[s].fixed_bytes  # weights only: no gradients or optimizer state
     assert c[1].send_backward_s == 0 and c[2].send_backward_s == 0  # no gradient into frozen layers
     assert c[3].send_backward_s == c0[3].send_backward_s
-    assert c[2].backward_s < c0[2].backward_s and c[3] == c0[3]
+    assert c[2].backward_s < c0[2].backward_s
+    for f in fields(c[3]):  # a wholly trained stage is unchanged (up to the prefix sums' rounding)
+        assert getattr(c[3], f.name) == pytest.approx(getattr(c0[3], f.name), rel=1e-12, abs=1e-15), f.name
     with pytest.raises(PtplanError, match="not a static split"):
         freeze_only_costs(search, cand, ranges[1:], n0)
 
