@@ -587,7 +587,8 @@ def _prefix_note(search: PhaseSearch, autopipe: _Priced, freeze_only: _Priced) -
     only = {r.frozen_blocks: r for r in freeze_only.rows}
     r = max(autopipe.rows, key=lambda x: x.iteration_s - only[x.frozen_blocks].iteration_s)
     n0 = search.p.frozen_boundary(r.frozen_blocks)
-    prefix = r.M * float(search.t.at(r.micro_batch_size).cum_nograd[n0])
+    stage0 = search.uniform_model(Candidate(K=r.K, D=r.D, M=r.M, b=r.micro_batch_size, cache=False), n0)
+    prefix = r.M * stage0.prefix_s  # the stage model's recomputed prefix, per micro-batch
     return (f"slower than freeze only: AutoPipe keeps the frozen prefix on stage 0 (the one stage model's layout), "
             f"which recomputes it for every micro-batch; at {r.frozen_blocks} frozen blocks (K={r.K}, M={r.M}) stage 0 "
             f"spends {prefix:.1f} s of the {r.iteration_s:.1f} s iteration on it, against a "

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ptplan.planner.ablate import _freeze_only, freeze_only_costs, frozen_in_place_table
+from ptplan.planner.ablate import (RowPhase, _freeze_only, _prefix_note, _Priced, freeze_only_costs,
+                                   frozen_in_place_table)
 from ptplan.planner.cluster import get_preset
 from ptplan.planner.config import TrainingConfig
 from ptplan.planner.freeze import FreezePolicy
@@ -93,3 +94,19 @@ def test_the_frozen_in_place_table_keeps_only_the_frozen_layers_forward(bert):
     assert list(ft.out_per_sample) == list(t.out_per_sample)
     assert ft.cum_sync[-1] == pytest.approx(t.cum_sync[-1] - t.cum_sync[n0], rel=1e-12)
     assert t.at(8) is a  # the profile's table is left as it was
+
+
+def test_the_prefix_note_reads_the_stage_models_prefix(bert):
+    """Row 3's note (AutoPipe slower than freeze only) states stage 0's recomputed prefix per iteration: M times the
+    stage model's ``prefix_s``, at the frozen count where row 3 loses most."""
+    search = PhaseSearch(bert, get_preset("paper"), TRAIN)
+
+    def priced(its: dict[int, float]) -> _Priced:
+        return _Priced([], [], [RowPhase(frozen_blocks=f, K=4, D=4, M=8, micro_batch_size=8, cache=False,
+                                         partition=(), iteration_s=it, fill_iteration_s=0.0, peak_memory_bytes=0,
+                                         fits=True) for f, it in its.items()])
+
+    note = _prefix_note(search, priced({2: 1.0, 6: 3.0}), priced({2: 0.9, 6: 1.0}))
+    n0 = bert.frozen_boundary(6)
+    want = 8 * search.uniform_model(Candidate(K=4, D=4, M=8, b=8, cache=False), n0).prefix_s
+    assert want > 0 and f"at 6 frozen blocks (K=4, M=8) stage 0 spends {want:.1f} s of the 3.0 s" in note, note
