@@ -69,7 +69,7 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
 Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSDP, every per-layer
 cost above is first replaced by one shard's (``strategy_table``: times / tp plus the Megatron
 all-reduces and FSDP's all-gathers, weights and gradients / tp and / D, saved activations divided where
-Megatron's split divides them, all of them / tp with sequence parallelism ``PhaseShape.sp``), FSDP's per-micro-batch
+Megatron's split divides them, all but the linears' gathered input with sequence parallelism ``PhaseShape.sp``), FSDP's per-micro-batch
 reduce-scatter joins the backward and replaces the all-reduce and its flat buffer, and ``static`` gains
 FSDP's gathered-layer transient (``gather_bytes``). An uncached frozen prefix is priced from the same
 per-shard table -- stage 0 runs it split over tp and, when stage 0 has FSDP, sharded over D: its weights and
@@ -219,7 +219,7 @@ class PhaseShape:
     fsdp: bool = False
     """Sharded data parallel (ZeRO-3) over the D replicas (``strategy.py``)."""
     sp: bool = False
-    """Sequence parallelism with tp > 1 (``strategy.Strategy.sp``): every split layer's saved activations / tp."""
+    """Sequence parallelism with tp > 1 (``strategy.Strategy.sp``): split layers' saved activations per ``saved_share``."""
     tp_ar: tuple[float, float] = (0.0, 0.0)
     """(latency s, s/byte) of the tp group's all-reduce (``strategy.tp_allreduce_coeffs``)."""
     device_is_host: bool = False

@@ -31,9 +31,15 @@ s·b·h·(34 + 5·a·s/h)/tp with sequence parallelism). Per half (each owns one
     block:     both: 10·sbh not split, 24·sbh + 5·a·s²·b split
 
 so the measured saved bytes of a layer are scaled by u + (1 − u)/tp with u = unsplit / total of its kind
-(the profile measures the total; the ratio is Megatron's). With sequence parallelism (``Strategy.sp``) u = 0:
-everything divides by tp, at the same communication volume (an all-gather and a reduce-scatter instead of
-each all-reduce). Replicated layers (embedding, norm, head) keep their activations whole.
+(the profile measures the total; the ratio is Megatron's). With sequence parallelism (``Strategy.sp``) the
+LayerNorm input and the dropout mask divide by tp too; the first linear's input (the all-gathered LayerNorm
+output, 2·sbh per half) stays whole: Megatron saves only its shard and all-gathers it again in the backward,
+but the runtime's DTensor linear (``executor/runtime/hybrid.py``) keeps the gathered tensor. So under sp u =
+2·sbh per half / total (4·sbh per block) -- ``tests/test_sequence_parallel.py`` measures each rank's saved bytes
+of tiny GPT-2 and Llama halves within 0.07 of these shares, tp2 and tp2·sp alike --, at the same communication
+time: an all-gather and a reduce-scatter of the same bytes replace each all-reduce (a ring all-reduce of B bytes
+over tp ranks is a reduce-scatter then an all-gather, 2·(tp − 1) steps of B/tp each; ``strategy_table``'s term is
+unchanged). Replicated layers (embedding, norm, head) keep their activations whole.
 
 with lat_tp, per_byte_tp the ring all-reduce over tp ranks of one node (``cluster.allreduce_seconds``).
 Embedding, norm and head layers are replicated over the tp ranks (each computes them whole).
@@ -80,9 +86,10 @@ from .errors import PtplanError
 
 TP_KINDS = {"attention": 1, "mlp": 1, "block": 2}
 """Megatron all-reduces per forward (and as many per backward) of a layer of this kind."""
-MEGATRON_SAVED = {"attention": (5.0, 8.0, 1.0), "mlp": (5.0, 16.0, 0.0), "block": (10.0, 24.0, 1.0)}
+MEGATRON_SAVED = {"attention": (5.0, 8.0, 1.0, 2.0), "mlp": (5.0, 16.0, 0.0, 2.0), "block": (10.0, 24.0, 1.0, 4.0)}
 """Per kind, Megatron's saved activations in units of s·b·h (16-bit): (not split by tp, split by tp, how many
-5·a·s/h attention-score terms -- split -- it holds)."""
+5·a·s/h attention-score terms -- split -- it holds, how much of the unsplit part stays whole with sequence
+parallelism as the runtime runs it: the column-parallel linears' gathered input, module docstring)."""
 _HIDDEN_KEYS = ("n_embd", "hidden_size", "dim", "d_model")
 _HEAD_KEYS = ("n_head", "num_attention_heads", "n_heads")
 
@@ -99,7 +106,7 @@ def tp_saved_share(table: CostTable, tp: int, sp: bool = False) -> np.ndarray:
     """Per layer, the factor on its saved-for-backward bytes on one of tp ranks (module docstring): 1 for
     replicated layers; u + (1 − u)/tp for split ones, u = Megatron's unsplit share of the layer's kind, with the
     attention-score term 5·a·s/h from the profile's config (left out where the config lacks the width or the
-    heads); 1/tp for split layers under sequence parallelism."""
+    heads); under sequence parallelism u is only the column-parallel linears' gathered input (``saved_share``)."""
     p = table.profile
     h, a = _config_int(p.model.config, _HIDDEN_KEYS), _config_int(p.model.config, _HEAD_KEYS)
     x = 5.0 * a * p.model.seq_len / h if h and a else 0.0
@@ -108,10 +115,16 @@ def tp_saved_share(table: CostTable, tp: int, sp: bool = False) -> np.ndarray:
         return out
     for i, r in enumerate(p.layers):
         if r.kind in MEGATRON_SAVED:
-            unsplit, split, scores = MEGATRON_SAVED[r.kind]
-            u = 0.0 if sp else unsplit / (unsplit + split + scores * x)
-            out[i] = u + (1.0 - u) / tp
+            out[i] = saved_share(r.kind, tp, sp, x)
     return out
+
+
+def saved_share(kind: str, tp: int, sp: bool, scores: float) -> float:
+    """The factor on a split layer's saved bytes on one of tp ranks: u + (1 − u)/tp, u its unsplit share of
+    ``MEGATRON_SAVED[kind]`` (under ``sp`` only the gathered linear inputs), ``scores`` = 5·a·s/h (0 if unknown)."""
+    unsplit, split, n_scores, whole_sp = MEGATRON_SAVED[kind]
+    u = (whole_sp if sp else unsplit) / (unsplit + split + n_scores * scores)
+    return u + (1.0 - u) / tp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +142,8 @@ class Strategy:
     recomputed (one checkpoint unit), the others keep their activations; 0 = every layer of the stage."""
     sp: bool = False
     """Sequence parallelism (Megatron's, with tp > 1): LayerNorm and dropout work and activations split over the
-    tp ranks too, so every saved activation of a split layer divides by tp, at the same communication volume.
+    tp ranks too, so a split layer's saved activations divide by tp but for its linears' gathered input
+    (``saved_share``), at the same communication time.
     Priced by the stage model; run by ``executor/runtime/hybrid.py`` for the families whose
     ``FamilyFacts.sequence_parallel`` is on (``tp_split.sp_refusal``); ``search_modes`` offers it there."""
 
