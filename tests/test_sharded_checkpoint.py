@@ -236,3 +236,40 @@ def test_a_tp_by_fsdp_stage_saves_its_2d_shards_and_they_read_back_whole(tmp_pat
         assert torch.equal(flat[k], v), k
     whole = sum(v.numel() * v.element_size() for v in saved.values())
     assert max(meta["bytes"]) < 0.5 * whole, (meta["bytes"], whole)  # a gather would pass DCP the whole stage
+
+
+@pytest.mark.multiproc
+def test_a_full_disk_during_a_sharded_save_is_one_error_and_keeps_the_last_checkpoint(tmp_path, one_torch_thread):
+    """Two processes saving every step to a 9 MB tmpfs (a checkpoint is 3.4 MB; the one of step 2 fits, then the
+    disk fills up): every rank raises one PtplanError naming the full disk, the incomplete step folder is removed,
+    sharded.json still names step 2's, and after freeing space the resumed run ends with the uninterrupted weights."""
+    from test_robustness_files import _fill, small_fs
+
+    model = _model()
+    data = TensorDataset(*model.make_batch(16, generator=torch.Generator().manual_seed(1)))
+    plan, tmp, out = _plan(model, 2), str(tmp_path), str(tmp_path / "final.pt")
+
+    def run(cfg, after_step=None):
+        def worker(rank, _world):
+            def save(event, step, weights):
+                if event == "final":
+                    torch.save(weights, out)
+            run_training(cfg, plan, model, data, hooks=Hooks(snapshots=True, on_snapshot=save, after_step=after_step))
+        return run_world(2, worker, tmpdir=tmp, timeout_s=30, deadline_s=120)
+
+    assert run(_cfg(tmp, "ref", epochs=2)).ok
+    want = torch.load(out)
+    with small_fs(tmp_path / "fs", "9m") as fs:
+        folder = str(fs / "ck")
+        res = run(_cfg(tmp, "run", epochs=2, checkpoint_dir=folder, checkpoint_every=1),
+                  after_step=lambda step, rank: _fill(fs) if step == 2 and rank == 0 else None)
+        assert res.exitcodes == (1, 1), res.explain()
+        for e in res.errors:
+            assert "PtplanError: cannot write the checkpoint" in e and "(the disk is full)" in e, e
+        assert sorted(os.listdir(folder)) == [os.path.basename(sharded.step_folder(folder, 2)), "sharded.json"]
+        os.unlink(fs / "filler")  # the operator frees space, then resumes
+        res = run(_cfg(tmp, "run", epochs=2, checkpoint_dir=folder, checkpoint_every=1, resume=True))
+        assert res.ok, res.explain()
+    got = torch.load(out)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k

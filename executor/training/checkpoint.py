@@ -46,7 +46,8 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "world_size": int, "model": dict, "optim": dict, "position": dict, "rng": list}
 _POSITION = ("epoch", "step_in_epoch", "cursor", "global_step", "frozen_blocks", "decided_T", "norm_sum",
              "norm_count")
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""The errnos of a write that ran out of space."""
 
 
 def checkpoint_path(folder: str | os.PathLike) -> str:
@@ -97,9 +98,9 @@ def save_checkpoint(folder: str | os.PathLike, payload: dict[str, Any]) -> str:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        err = _os_error(e)
+        err = os_error(e)
         if err is not None:
-            full = " (the disk is full)" if err.errno in _DISK_FULL else ""
+            full = " (the disk is full)" if err.errno in DISK_FULL else ""
             raise PtplanError(f"cannot write the checkpoint {path}: {err.strerror or err}{full}; the temp file "
                               f"was removed and the previous checkpoint, if any, is kept. Free space or pass "
                               f"another --checkpoint-dir, then resume with --resume") from None
@@ -107,7 +108,7 @@ def save_checkpoint(folder: str | os.PathLike, payload: dict[str, Any]) -> str:
     return path
 
 
-def _os_error(e: BaseException | None) -> OSError | None:
+def os_error(e: BaseException | None) -> OSError | None:
     """The OSError behind ``e`` (torch's zip writer raises a RuntimeError while handling a failed write)."""
     for _ in range(6):
         if e is None or isinstance(e, OSError):

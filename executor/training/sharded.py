@@ -187,6 +187,26 @@ def check_shared(folder: str, rank: int, *, wait_s: float = 2.0) -> None:
                           f"--checkpoint-format single (global rank 0 writes the whole model on its node)")
 
 
+def write_failed(e: BaseException, folder: str, rank: int) -> PtplanError | None:
+    """The PtplanError for a DCP write that failed on some rank for want of space or another OS error (DCP raises
+    its ``CheckpointException``, with every failing rank's error, on every rank), or None for another failure
+    (re-raised as it is). Rank 0 removes the incomplete step folder; ``sharded.json`` still names the last
+    committed one."""
+    failures = getattr(e, "failures", None) or {rank: (e, None)}
+    errs = {r: ckpt.os_error(x) for r, (x, _) in sorted(failures.items())}
+    bad = {r: x for r, x in errs.items() if x is not None}
+    if not bad:
+        return None
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    first = next(iter(bad.values()))
+    full = " (the disk is full)" if first.errno in ckpt.DISK_FULL else ""
+    return PtplanError(f"cannot write the checkpoint {folder}: {first.strerror or first} on ranks {sorted(bad)}{full}; "
+                       f"the incomplete folder was removed and the previous checkpoint, if any, is kept "
+                       f"({META} still names it). Free space or pass another --checkpoint-dir, then resume with "
+                       f"--resume")
+
+
 class ShardedWriter:
     """Writes a run's sharded checkpoints (every rank holds one; ``save`` and ``wait`` are collective)."""
 
@@ -239,7 +259,13 @@ class ShardedWriter:
                 blocked = time.perf_counter() - t0
                 return CheckpointRecord(step=ctx.pos.global_step, format="sharded", async_=True, path=folder,
                                         seconds=_slowest(blocked, rt), bytes_max=max(sizes), bytes_total=sum(sizes))
-            dcp.save(state, checkpoint_id=folder)
+            try:
+                dcp.save(state, checkpoint_id=folder)
+            except BaseException as e:
+                err = write_failed(e, folder, rt.rank)
+                if err is None:
+                    raise
+                raise err from None
         seconds = _slowest(time.perf_counter() - t0, rt)
         growth: list[Any] = [None] * rt.world
         dist.all_gather_object(growth, rss.growth)
@@ -257,7 +283,13 @@ class ShardedWriter:
             return
         fut, meta, t0 = self.pending
         self.pending = None
-        fut.result()
+        try:
+            fut.result()
+        except BaseException as e:
+            err = write_failed(e, os.path.join(ctx.cfg.checkpoint_dir or "", meta["folder"]), ctx.rank)
+            if err is None:
+                raise
+            raise err from None
         meta["seconds"] = time.perf_counter() - t0
         self._commit(ctx, meta)
         ctx.log.write(CheckpointWrittenRecord(step=meta["position"]["global_step"], seconds=meta["seconds"]))
