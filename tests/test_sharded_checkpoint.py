@@ -5,7 +5,7 @@ Pinned: after loading on the new plan every weight and optimizer-state tensor eq
 a run saved on 4 processes and resumed on 2 (and 2 -> 4, with an async save) ends where the uninterrupted
 run of the new plan ends (the runtime parity tests' SGD tolerance); each rank passes DCP exactly its own
 stage's bytes (not the model's); a tp2 x FSDP stage passes only its DTensor shards and they read back equal to
-the run's gathered state; ranks that do not share the checkpoint folder are refused at the first save; a new plan
+the run's gathered state; ranks that do not share the checkpoint folder are refused before training; a new plan
 that cannot continue is refused with the numbers.
 """
 from __future__ import annotations
@@ -186,9 +186,10 @@ def _check_shared(rank, world, folders):
 
 
 @pytest.mark.multiproc
-def test_ranks_that_do_not_share_the_checkpoint_folder_are_refused_at_the_first_save(tmp_path):
+def test_ranks_that_do_not_share_the_checkpoint_folder_are_refused_before_training(tmp_path, one_torch_thread):
     """Two "nodes" (rank 1 with a folder of its own, as on a node's own disk): every rank raises the same error
-    naming rank 1 and the fix; one folder for both passes and leaves no probe file behind."""
+    naming rank 1 and the fix -- a run at its start, before any step or log line; one folder for both passes and
+    leaves no probe file behind."""
     own = [str(tmp_path / "node0"), str(tmp_path / "node1")]
     for f in own:
         os.makedirs(f)
@@ -198,6 +199,17 @@ def test_ranks_that_do_not_share_the_checkpoint_folder_are_refused_at_the_first_
     res = run_world(2, _check_shared, ([own[0]] * 2,), tmpdir=str(tmp_path), timeout_s=30, deadline_s=60)
     assert res.ok, res.explain()
     assert os.listdir(own[0]) == [] and os.listdir(own[1]) == []
+
+    model = _model()  # a run is refused at its start, before any step
+    data = TensorDataset(*model.make_batch(16, generator=torch.Generator().manual_seed(1)))
+    plan = _plan(model, 2)
+
+    def worker(rank, _world):
+        run_training(_cfg(str(tmp_path), "run", checkpoint_dir=own[rank]), plan, model, data)
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=30, deadline_s=60)
+    assert res.exitcodes == (1, 1) and all("ranks [1] of 2 do not see" in e for e in res.errors), res.explain()
+    assert not os.path.exists(tmp_path / "run.jsonl") and os.listdir(own[1]) == []
 
 
 class _Ended(_Loaded):

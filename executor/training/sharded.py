@@ -169,6 +169,7 @@ def check_shared(folder: str, rank: int, *, wait_s: float = 2.0) -> None:
     if rank == 0:
         name = f".ptplan-shared-{uuid.uuid4().hex}"
         try:
+            os.makedirs(folder, exist_ok=True)
             open(os.path.join(folder, name), "w").close()
         except OSError as e:
             problem = f"cannot write in the checkpoint folder {folder}: {e.strerror or e}"
@@ -383,7 +384,11 @@ def read_meta(folder: str | os.PathLike) -> dict[str, Any]:
 def find(cfg: RunConfig, plan: Plan, model_name: str, world: int, run: dict[str, Any]
          ) -> tuple[bool, ShardedSource | None]:
     """Whether to resume from a sharded checkpoint (collective; every rank gets the same answer or the same
-    PtplanError). (False, None): no rank sees one -- the caller looks for a single-file checkpoint."""
+    PtplanError). (False, None): no rank sees one -- the caller looks for a single-file checkpoint. First, with a
+    ``--checkpoint-dir``, every rank must see the same folder (``check_shared``: one node, or a shared file
+    system)."""
+    if cfg.checkpoint_dir:  # before any training: a folder the ranks do not share is refused now, not at a save
+        check_shared(cfg.checkpoint_dir, dist.get_rank())
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     wants = bool(cfg.resume or (restarted and cfg.checkpoint_dir))
     mine: dict[str, Any] | None = None
