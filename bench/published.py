@@ -698,7 +698,9 @@ def main(argv: list[str] | None = None) -> None:
            "fit_points": [p.key for p in points if p.fit], "summary": summ, "rows": rows,
            "count_seconds": {k[:80]: round(v, 2) for k, v in counts.seconds.items()},
            "total_seconds": round(time.perf_counter() - t0, 1), "quick": args.quick,
-           "command": "python bench/published.py" + (" --quick" if args.quick else "")}
+           "command": " ".join(["python bench/published.py", *(["--quick"] if args.quick else []),
+                                *(f"--only {o}" for o in args.only),
+                                *([f"--fitted-from {args.fitted_from}"] if args.fitted_from else [])])}
     if args.out is None and args.only:
         return
     args.out = args.out or str(ROOT / "bench" / "results" / "published.json")
