@@ -60,10 +60,14 @@ def test_sequence_parallel_matches_reference(name, granularity, optimizer, tmp_p
     plan = sp_plan(build())
     assert [ph.strategy_label for ph in plan.phases] == ["tp2·sp", "dp", "tp2·sp·rc"]
     data, snaps, log, sharded = _run(build, optimizer, plan, str(tmp_path), 2)
+    model = build()  # under sp every parameter of a split layer trains as a DTensor: its norms' too (replicated)
+    split = sum(len(list(layer.parameters())) for layer, s in zip(model.layers, model.specs)
+                if s.kind in ("attention", "mlp", "block"))
     for r in range(2):  # the sp phases train split parameters (fewer local elements than full), the K=2 one none
         for step, n, loc, full in sharded[r]:
             sp = plan.phases[trp.COUNTS[step - 1]].sp
             assert (n > 0 and loc < full) if sp else n == 0, (r, step, n, loc, full)
+            assert step > 2 or n == split, (r, step, n, split)
     monkeypatch.setattr(trp, "_build", lambda _: build())  # the reference builds the same model
     ref, ref_losses = trp.reference(build().name, optimizer, data, chunks=CHUNKS)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
@@ -71,6 +75,27 @@ def test_sequence_parallel_matches_reference(name, granularity, optimizer, tmp_p
     print(f"parity tp2·sp -> K2 -> tp2·sp·rc {name} {granularity} {optimizer}: max relative difference {worst:.1e}")
     steps = [r["loss"] for r in read_records(log) if r["type"] == "step"]
     assert steps == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_sequence_parallel_with_fsdp_matches_reference(optimizer, tmp_path, monkeypatch):
+    """llama-tiny on 4 processes: tp2·sp·fsdp on a D x tp = 2 x 2 mesh (FSDP2 reduces the norms' partial gradients
+    over tp itself) -> tp2·sp in a 2-stage pipeline (K=2, D=1: the sequence gathered at the stage boundary) ->
+    tp2·sp·fsdp·rc with the split and sharded frozen prefix: equal to the reference."""
+    build = _builder("llama-tiny", "half")
+    plan = _mixed_plan(build(), [spec(0, K=1, D=2, M=2, b=2, schedule="1f1b"),
+                                 spec(1, K=2, D=1, M=4, b=2, schedule="1f1b"),
+                                 spec(2, K=1, D=2, M=2, b=2, schedule="1f1b")],
+                       [(2, True, False), (2, False, False), (2, True, True)])
+    plan = with_sp(plan, [True, True, True])
+    assert [ph.strategy_label for ph in plan.phases] == ["tp2·sp·fsdp", "tp2·sp", "tp2·sp·fsdp·rc"]
+    data, snaps, log, _ = _run(build, optimizer, plan, str(tmp_path), 4)
+    monkeypatch.setattr(trp, "_build", lambda _: build())
+    ref, ref_losses = trp.reference(build().name, optimizer, data, chunks={0: 4, 1: 4, 2: 4})
+    worst = assert_parity(snaps, ref, (2, 4, 6), trp.TOL[optimizer])
+    print(f"parity tp2·sp·fsdp -> tp2·sp K2 -> tp2·sp·fsdp·rc llama-tiny half {optimizer}, 4 processes: {worst:.1e}")
+    assert [r["loss"] for r in read_records(log) if r["type"] == "step"] == pytest.approx(ref_losses, rel=1e-5)
 
 
 def test_sp_refused_for_families_without_it():
