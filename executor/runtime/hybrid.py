@@ -39,6 +39,21 @@ Conv1D layout. A tp that does not divide a layer's heads, key/value heads or MLP
 (``ptplan plan --strategies auto`` never chooses one and ``ptplan run`` refuses it before launch:
 ``planner/tp_split.py``, used by ``search.PhaseSearch`` and ``validate.check_model``).
 
+Sequence parallelism (``Phase.sp``, Megatron's; ``tp_plan(sp=True)``, torchtitan's llama plan): each split layer's
+pre-LN norms (``Split.norms``: GPT-2, Llama, Mistral, Qwen2; ``FamilyFacts.sequence_parallel``) run on the rank's
+S/tp tokens with replicated weights and all-gather their output for the column-parallel linears, and the
+row-parallel linears reduce-scatter their output to sequence shards (``Shard(1)``) instead of all-reducing it, so
+the residual stream between split layers is a ``Shard(1)`` DTensor (its ``shape`` still the whole sequence's, so
+the layers' masks and positions are unchanged). Where a run of consecutive split layers begins, the whole hidden
+state is cut to the rank's shard, and after its last layer -- before a replicated layer, a stage boundary or a
+send -- it is all-gathered back (``_sequence_bounds``). A replicated parameter then sees only its rank's tokens:
+its partial gradient is all-reduced as it arrives (``_replicated_grads_reduced``; FSDP2 does it for the layers it
+shards). Each rank's norms save S/tp tokens; the column-parallel linears keep their gathered input whole (Megatron
+re-gathers it in the backward instead), which ``planner/strategy.py``'s ``saved_share`` prices. Measured
+(``pytest -s tests/test_sequence_parallel.py``, against the single-process reference): 2 processes tp2·sp -> K=2 ->
+tp2·sp·rc, gpt2-tiny SGD 3.7e-07 / AdamW 2.5e-06, llama-tiny SGD 2.2e-07 / AdamW 5.1e-06; 4 processes tp2·sp·fsdp ->
+tp2·sp (K=2) -> tp2·sp·fsdp·rc, llama-tiny SGD 2.2e-07 / AdamW 5.4e-06.
+
 The frozen prefix (stage 0 of a phase that runs it rather than reading the AutoCache; ``prefix``) is treated
 like the active layers but has no gradient and no optimizer state: each prefix layer with a split gets a
 Megatron twin over the tp group, and when stage 0's strategy has FSDP (D > 1) the prefix layers are
