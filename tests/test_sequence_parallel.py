@@ -98,6 +98,24 @@ def test_sequence_parallel_with_fsdp_matches_reference(optimizer, tmp_path, monk
     assert [r["loss"] for r in read_records(log) if r["type"] == "step"] == pytest.approx(ref_losses, rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("schedule,V", [("zb-h1", 1), ("interleaved-1f1b", 2)])
+def test_sequence_parallel_with_split_backward_and_chunks_matches_reference(schedule, V, tmp_path, monkeypatch):
+    """gpt2-tiny tp2·sp in a 2-stage pipeline on 4 processes (three phases, the last recomputing) with ZB-H1 (the
+    weight gradients, the norms' partial ones included, in their own pass) and interleaved 1F1B (2 chunks per rank:
+    the sequence gathered at each chunk's end): equal to the reference with SGD."""
+    build = _builder("gpt2-tiny", "half")
+    plan = _mixed_plan(build(), [spec(f, K=2, D=1, M=4, b=2, schedule=schedule, V=V) for f in range(3)],
+                       [(2, False, False), (2, False, False), (2, False, True)])
+    plan = with_sp(plan, [True, True, True])
+    data, snaps, _, _ = _run(build, "sgd", plan, str(tmp_path), 4)
+    monkeypatch.setattr(trp, "_build", lambda _: build())
+    ref, _ = trp.reference(build().name, "sgd", data, chunks={0: 4, 1: 4, 2: 4})
+    worst = assert_parity(snaps, ref, (2, 4, 6), trp.TOL["sgd"])
+    print(f"parity tp2·sp K=2 {schedule} gpt2-tiny half sgd, 4 processes: {worst:.1e}")
+
+
 def test_sp_refused_for_families_without_it():
     """A plan asking sp of a post-LN family (BERT) is refused at load with the reason; so is sp without tp and a
     sequence length tp does not divide; ``tp_plan`` refuses it at run time too."""
