@@ -45,6 +45,9 @@ def _load() -> dict[str, Family]:
         for cls in fam.layer_classes:
             assert cls not in _by_layer, f"{cls.__name__} is registered by two families"
             _by_layer[cls] = fam
+        for cls, split in fam.tp_splits.items():  # the planner offers sp exactly where the runtime can split norms
+            assert bool(split.norms) == fam.facts.sequence_parallel, \
+                f"{fam.name}: {cls.__name__}'s Split.norms disagree with FamilyFacts.sequence_parallel"
     _families.update(found)
     return _families
 
