@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One device run (issue 26): measured bf16 profiles on the GPU, micro-benchmarks for the device model, the CUDA
+# test, and `ptplan run` on one GPU against its plan. Everything lands in OUTDIR/gpu_check.tar.gz (re-packed after
+# every step, so a run cut short still returns what it finished) and OUTDIR/gpu_check.log.
+#
+#   bash bench/gpu_check.sh OUTDIR            on the GPU machine (device tool: OUTDIR=$OUT)
+#   bash bench/gpu_check.sh OUTDIR cpu        a rehearsal on this CPU box with tiny models (same steps)
+#
+# Then, here: python bench/gpu_compare.py OUTDIR/gpu_check.tar.gz  (projection error, calibration, run error).
+set -u
+OUTDIR=${1:?usage: bench/gpu_check.sh OUTDIR [cuda|cpu]}
+DEV=${2:-cuda}
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+W=/tmp/gpu_check
+rm -rf "$W" && mkdir -p "$W/profiles" "$W/run/cache" "$OUTDIR"
+exec > >(tee -a "$OUTDIR/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+log() { echo "[$(date +%T) +${SECONDS}s] $*"; }
+pack() { tar -C "$W" -czf "$OUTDIR/gpu_check.tar.gz.tmp" . && mv "$OUTDIR/gpu_check.tar.gz.tmp" "$OUTDIR/gpu_check.tar.gz"; }
+step() {  # step SECONDS NAME CMD...: run with a time limit, log its status, re-pack
+  local limit=$1 name=$2; shift 2
+  log "start $name (limit ${limit}s)"
+  timeout -k 5 "$limit" "$@"
+  local rc=$?
+  log "end $name rc=$rc"
+  echo "$name $rc $SECONDS" >>"$W/steps.txt"
+  pack
+}
+
+# ptplan importable without installing: a package folder of links (the device has torch, transformers, click,
+# numpy; plotly travels as a wheel in .whl/ when present).
+if ! python3 -c "import ptplan.cli.main" 2>/dev/null; then
+  mkdir -p /tmp/pp/ptplan
+  for d in planner executor cli profiles; do ln -sfn "$REPO/$d" "/tmp/pp/ptplan/$d"; done
+  if ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$REPO"/.whl/*.whl
+  fi
+  export PYTHONPATH=/tmp/site:/tmp/pp${PYTHONPATH:+:$PYTHONPATH}
+fi
+PT="python3 -m ptplan.cli.main"
+cd "$REPO"
+
+{
+  date -u; uname -a; nvidia-smi 2>/dev/null || true
+  python3 -c "import torch, transformers, click, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'numpy', numpy.__version__, 'gpu', torch.cuda.is_available() and \
+torch.cuda.get_device_name(0))"
+  git -C "$REPO" rev-parse HEAD 2>/dev/null || true
+} >"$W/env.txt" 2>&1
+cat "$W/env.txt"
+
+if [ "$DEV" = cuda ]; then
+  DT=bfloat16; TAG=h100; MODELS="bert-base gpt2 vit-base bert-large llama-3.2-1b"
+  BUDGET_SMALL=0.4; BUDGET_BIG=0.7; RUN_MODEL=bert-base; BATCH=32; STEPS_PER_EPOCH=100
+  MICRO=""
+else
+  DT=bfloat16; TAG=cpu; MODELS="bert-tiny gpt2-tiny"; BUDGET_SMALL=0.1; BUDGET_BIG=0.1
+  RUN_MODEL=bert-tiny; BATCH=8; STEPS_PER_EPOCH=6; MICRO="--quick"
+fi
+
+step 120 micro python3 bench/gpu_micro.py --device "$DEV" --dtype "$DT" $MICRO --out "$W/gpu_micro.json"
+if [ "$DEV" = cuda ]; then
+  step 150 cuda_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profiler.py tests/test_cuda_run.py \
+    --timeout 140 --junitxml "$W/cuda_tests.xml"
+fi
+
+profile() {  # profile MODEL BUDGET
+  local m=$1 budget=$2
+  step 200 "profile_$m" $PT profile "$m" --device "$DEV" --dtype "$DT" --budget "$budget" --quiet \
+    --out "$W/profiles/${m}_${TAG}_bf16.json"
+}
+set -- $MODELS
+profile "$1" "$BUDGET_SMALL"
+
+# ptplan run on one device, K = 1, D = 1, freezing and AutoCache on, with the measured profile's plan
+P="$W/profiles/${RUN_MODEL}_${TAG}_bf16.json"
+if [ -f "$P" ]; then
+  python3 - "$W/run/cluster.json" "$DEV" <<'EOF'
+import json, sys
+from ptplan.planner.cluster import PRESETS
+c = PRESETS["dgx-h100"].to_json()
+c.update(name="one-device", gpus_per_node=1, nics_per_node=1,
+         notes="The lent machine: one GPU, K = 1, D = 1 (bench/gpu_check.sh).")
+if sys.argv[2] == "cpu":
+    c.update(PRESETS["cpu"].to_json(), name="one-device", gpus_per_node=1, nics_per_node=1)
+json.dump(c, open(sys.argv[1], "w"), indent=1)
+EOF
+  step 60 plan $PT plan "$P" --cluster "$W/run/cluster.json" --epochs 3 --samples-per-epoch $((BATCH * STEPS_PER_EPOCH)) \
+    --batch "$BATCH" --freeze geometric --cache on --out "$W/run/plan.json"
+  step 240 run $PT run "$W/run/plan.json" --model "$RUN_MODEL" --device "$DEV" --nproc-per-node 1 --no-progress \
+    --log "$W/run/run.jsonl" --cache auto --cache-dir "$W/run/cache" --timeout 120
+  step 60 compare $PT compare "$W/run/plan.json" "$W/run/run.jsonl" --json "$W/run/compare.json"
+fi
+
+shift
+for m in "$@"; do
+  case $m in bert-large|llama-*) profile "$m" "$BUDGET_BIG" ;; *) profile "$m" "$BUDGET_SMALL" ;; esac
+done
+log "done"
+pack
+ls -la "$OUTDIR"
