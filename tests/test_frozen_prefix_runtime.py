@@ -43,17 +43,12 @@ def _plan(kind: str):
 def _prefix_report(rank: int) -> dict | None:
     """On a rank running stage 0 with a frozen prefix: per prefix layer, whether it has a Megatron split, its
     canonical storage (numel: 0 when released), and per parameter (local numel, full numel, has a gradient)."""
-    import gc
-    import warnings
-
-    from ptplan.executor.runtime.hybrid import tp_plan
+    from parity import live_runtime
     from ptplan.executor.runtime.elastic import ElasticRuntime
+    from ptplan.executor.runtime.hybrid import tp_plan
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        rts = [o for o in gc.get_objects() if isinstance(o, ElasticRuntime)]
-    assert len(rts) == 1, len(rts)
-    rt = rts[0]
+    rt = live_runtime()
+    assert isinstance(rt, ElasticRuntime), type(rt)
     mod = rt.module
     if rt.groups.place.stage != 0 or not len(mod.prefix):
         return None

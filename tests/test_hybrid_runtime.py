@@ -70,25 +70,21 @@ def _fsdp_plan(model, schedule: str, strategies, cache: bool = False):
                                spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V, cache=cache)], strategies)
 
 
-_OPTIMIZER: list[torch.optim.Optimizer] = []
+def live_optimizer() -> torch.optim.Optimizer:
+    """This child's one optimizer: its running ``ElasticRuntime``'s (``parity.live_runtime``)."""
+    from parity import live_runtime
+
+    return live_runtime().opt
 
 
 def _optimizer_params(rank: int):
     """(sharded parameters, their local elements, their full elements) in this process's one optimizer."""
-    import gc
-    import warnings
-
     from torch.distributed.tensor import DTensor
 
-    if not _OPTIMIZER:  # found once per process (a garbage-collector scan is slow)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _OPTIMIZER.extend(o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer))
-    opts = _OPTIMIZER
-    assert len(opts) == 1, len(opts)
-    ps = [p for g in opts[0].param_groups for p in g["params"] if isinstance(p, DTensor)]
+    opt = live_optimizer()
+    ps = [p for g in opt.param_groups for p in g["params"] if isinstance(p, DTensor)]
     for p in ps:  # its state is sharded like it
-        for v in opts[0].state.get(p, {}).values():
+        for v in opt.state.get(p, {}).values():
             assert not isinstance(v, torch.Tensor) or v.ndim == 0 or isinstance(v, DTensor), type(v)
     return len(ps), sum(p.to_local().numel() for p in ps), sum(p.numel() for p in ps)
 

@@ -70,11 +70,11 @@ def _plan_v2(model):
 
 def _fsdp_params() -> int:
     """Parameters in this process's optimizer that FSDP manages (DTensors on a mesh with a ``dp`` dimension)."""
-    from tests.test_hybrid_runtime import _OPTIMIZER
+    from tests.test_hybrid_runtime import live_optimizer
     from torch.distributed.tensor import DTensor
 
     return sum(isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ())
-               for g in _OPTIMIZER[0].param_groups for p in g["params"])
+               for g in live_optimizer().param_groups for p in g["params"])
 
 
 def _run(name, optimizer, data, tmp, plan, world: int = 4):
