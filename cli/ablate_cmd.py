@@ -29,7 +29,7 @@ def baseline_lines(ab: Ablation) -> list[str]:
                 lines.append(f"{b.label:<50} not possible: {b.error}")
                 continue
             vs = f"{b.seconds / full_s:.2f}x" if full_s else "-"
-            extra = "".join(f", {w}" for w, on in (("FSDP", b.fsdp), ("recompute", b.recompute)) if on)
+            extra = "".join(f", {w}" for w, on in (("sp", b.sp), ("FSDP", b.fsdp), ("recompute", b.recompute)) if on)
             lines.append(f"{b.label:<50} {b.K:>3} {b.D:>4} {b.tp:>3} {b.M:>4} {b.seconds:>11,.1f} {vs:>8}  "
                          f"{b.peak_memory_bytes / 2**30:,.2f} GiB, {b.fit_text}{extra}"
                          + (f" ({b.note})" if b.note else ""))

@@ -32,7 +32,7 @@ from .freeze import FreezePolicy
 from .planner import phase_from_choice, walk
 from .profile import Profile
 from .search import PhaseSearch, Visit
-from .strategy import Strategy
+from .strategy import Mode, search_strategies
 
 GiB = float(1 << 30)
 UNLIMITED = 1e30
@@ -43,7 +43,7 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("fsdp", "pure FSDP (K=1, D=W, sharded)"),
     ("tensor-parallel", "tensor parallel in a node x DP (Megatron-style)"),
     ("pipeline-only", "pipeline only (K=W, D=1)"),
-    ("best-uniform", "best uniform strategy (any K, tp, FSDP, recompute)"),
+    ("best-uniform", "best uniform strategy (any K, tp, sp, FSDP, recompute)"),
 )
 
 
@@ -56,6 +56,8 @@ class BaselineRow:
     K: int = 0
     D: int = 0
     tp: int = 1
+    sp: bool = False
+    """Sequence parallelism with tp > 1 (only the best-uniform row may take it)."""
     fsdp: bool = False
     recompute: bool = False
     M: int = 0
@@ -84,21 +86,21 @@ class BaselineRow:
 
 
 class _Layout(PhaseSearch):
-    """The planner's search restricted to one pipeline length and a set of (tp, FSDP, recompute) modes."""
+    """The planner's search restricted to one pipeline length and a set of (tp, FSDP, recompute, sp) modes."""
 
     def __init__(self, profile: Profile, cluster: Cluster, cfg: TrainingConfig, *, K: int | None,
-                 modes: tuple[tuple[int, int, int], ...] | None, unlimited: bool) -> None:
-        super().__init__(profile, cluster, cfg, strategies="auto" if modes is None or modes != ((1, 0, 0),)
+                 modes: tuple[Mode, ...] | None, unlimited: bool) -> None:
+        super().__init__(profile, cluster, cfg, strategies="auto" if modes is None or modes != ((1, 0, 0, False),)
                          else "off")
         self.real_limit = self.limit
         if unlimited:
             self.limit = UNLIMITED
         self.only_K = K
         if modes is None:  # every uniform strategy: no per-stage choices
-            self.modes = tuple(m for m in self.modes if 2 not in m[1:])
+            self.modes = tuple(m for m in self.modes if 2 not in m[1:3])
         else:
             self.modes = modes
-        self.strategies = tuple(Strategy(tp=t, fsdp=bool(f), recompute=bool(r)) for t, f, r in self.modes)
+        self.strategies = search_strategies(self.modes)
 
     def k_options(self, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:
         if self.only_K is None:
@@ -121,7 +123,7 @@ def _price(key: str, label: str, search: _Layout, cfg: TrainingConfig, freeze: F
     points = walk([ph], {0: 0}, [0], cfg, FreezePolicy(policy="none", every=freeze.every))
     peak = int(max(ph.predicted.rank_peak_memory_bytes or ph.predicted.stage_peak_memory_bytes))
     c = ch.cand
-    return BaselineRow(key=key, label=label, K=c.K, D=c.D, tp=c.tp, fsdp=c.fsdp, recompute=c.recompute, M=c.M,
+    return BaselineRow(key=key, label=label, K=c.K, D=c.D, tp=c.tp, sp=c.sp, fsdp=c.fsdp, recompute=c.recompute, M=c.M,
                        micro_batch_size=c.b, schedule=c.schedule, iteration_s=ch.sim.iteration_s,
                        seconds=float(sum(p.seconds for p in points)), peak_memory_bytes=peak,
                        limit_bytes=int(search.real_limit), fits=peak <= search.real_limit * (1 + 1e-9), note=note)
@@ -135,16 +137,16 @@ def baselines(profile: Profile, cluster: Cluster, training: TrainingConfig, free
     W, n = cluster.world_size, profile.num_layers
     labels = dict(ROWS)
     rows = [_price("data-parallel", labels["data-parallel"],
-                   _Layout(profile, cluster, cfg, K=1, modes=((1, 0, 0),), unlimited=True), cfg, freeze)]
+                   _Layout(profile, cluster, cfg, K=1, modes=((1, 0, 0, False),), unlimited=True), cfg, freeze)]
     if W > 1:
-        rows.append(_price("fsdp", labels["fsdp"], _Layout(profile, cluster, cfg, K=1, modes=((1, 1, 0),),
+        rows.append(_price("fsdp", labels["fsdp"], _Layout(profile, cluster, cfg, K=1, modes=((1, 1, 0, False),),
                                                           unlimited=True), cfg, freeze))
     else:
         rows.append(BaselineRow(key="fsdp", label=labels["fsdp"], error="one GPU: nothing to shard over"))
     tp = max(tp_widths(profile, cluster, cfg))
     if tp > 1:
         rows.append(_price("tensor-parallel", labels["tensor-parallel"],
-                           _Layout(profile, cluster, cfg, K=1, modes=((tp, 0, 0),), unlimited=True), cfg, freeze,
+                           _Layout(profile, cluster, cfg, K=1, modes=((tp, 0, 0, False),), unlimited=True), cfg, freeze,
                            note=f"tp={tp} inside each node, D={W // tp} across"))
     else:
         rows.append(BaselineRow(key="tensor-parallel", label=labels["tensor-parallel"],
@@ -152,7 +154,7 @@ def baselines(profile: Profile, cluster: Cluster, training: TrainingConfig, free
                                       f"and the model's heads and MLP"))
     K = max(k for k in range(1, min(W, n) + 1) if W % k == 0)
     rows.append(_price("pipeline-only", labels["pipeline-only"],
-                       _Layout(profile, cluster, cfg, K=K, modes=((1, 0, 0),), unlimited=True), cfg, freeze,
+                       _Layout(profile, cluster, cfg, K=K, modes=((1, 0, 0, False),), unlimited=True), cfg, freeze,
                        note="" if K == W else f"K={W} exceeds the {n} layers: K={K}, D={W // K}"))
     rows.append(_price("best-uniform", labels["best-uniform"],
                        _Layout(profile, cluster, cfg, K=None, modes=None, unlimited=False), cfg, freeze))

@@ -34,6 +34,8 @@ class Candidate:
     """Stages (chunks) per pipeline position: K·V stages in all."""
     tp: int = 1
     """Tensor-parallel width of every stage (``strategy.py``): K·D·tp GPUs."""
+    sp: bool = False
+    """Sequence parallelism on every stage, with tp > 1 (``strategy.Strategy.sp``; ``strategy.search_modes``)."""
     fsdp: bool = False
     """FSDP on every stage (with ``fsdp_per_stage``: False)."""
     recompute: bool = False
@@ -49,7 +51,8 @@ class Candidate:
     @property
     def strategy(self) -> Strategy:
         """The strategy of every stage (per-stage choices: off here, see ``options``)."""
-        return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute, recompute_layers=self.recompute_layers)
+        return Strategy(tp=self.tp, fsdp=self.fsdp, recompute=self.recompute, recompute_layers=self.recompute_layers,
+                        sp=self.sp)
 
     @property
     def per_stage(self) -> bool:
@@ -58,7 +61,7 @@ class Candidate:
     @property
     def options(self) -> tuple[Strategy, ...]:
         """The strategies a stage may take, simplest first (no FSDP, no recomputation)."""
-        return tuple(Strategy(tp=self.tp, fsdp=f, recompute=r)
+        return tuple(Strategy(tp=self.tp, fsdp=f, recompute=r, sp=self.sp)
                      for f in ((False, True) if self.fsdp_per_stage else (self.fsdp,))
                      for r in ((False, True) if self.recompute_per_stage else (self.recompute,)))
 
@@ -97,7 +100,7 @@ class Choice:
         """The strategy as text (``strategy.phase_label``: per stage where the stages differ)."""
         sts = self.strategies or (self.cand.strategy,) * self.cand.S
         return phase_label(self.cand.tp, [st.fsdp for st in sts], [st.recompute for st in sts],
-                           [st.recompute_layers for st in sts])
+                           [st.recompute_layers for st in sts], sp=self.cand.sp)
     notes: tuple[str, ...] = ()
     links: Links | None = field(default=None, repr=False)
 

@@ -10,6 +10,7 @@ from .config import INTERLEAVED_V
 from .errors import PtplanError
 from .replicate import divisors
 from .schedule import ScheduleError, check_sizes
+from .tp_split import sp_refusal
 
 if TYPE_CHECKING:
     from .search import PhaseSearch
@@ -67,7 +68,7 @@ def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = F
     out: list[Candidate] = []
     reasons: list[str] = []
     pin_m_used = cfg.pin_M is None
-    for (tp, fm, rm), K in ((md, K) for md in search.modes for K in ks if (search.W // md[0]) % K == 0):
+    for (tp, fm, rm, sp), K in ((md, K) for md in search.modes for K in ks if (search.W // md[0]) % K == 0):
         D = search.W // (K * tp)
         if fm and D == 1 or (fm, rm) == (0, 2) and D > 1:  # FSDP shards over replicas (none at D = 1)
             continue
@@ -92,6 +93,8 @@ def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = F
             continue
         for M in ms:
             for name, V in search.shapes(K, M, n_active):
+                if sp and sp_refusal(search.p.model.family, search.p.model.seq_len, tp, K=K, V=V) is not None:
+                    continue  # e.g. V chunks on one position at K = 1: the plan loader would refuse it
                 if name == "2bw" and (tp > 1 or fm or rm == 2):  # what executor/runtime/twobw.py cannot run
                     why = (f"K={K}: 2bw with tp={tp}, FSDP or layer-wise recomputation left out (the executor's "
                            f"2BW loop runs plain stages, whole-stage recomputation at most)")
@@ -100,7 +103,7 @@ def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = F
                     continue
                 for cache in caches:
                     out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
-                                         tp=tp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,
+                                         tp=tp, sp=sp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,
                                          recompute_per_stage=rm == 2))
     if not pin_m_used:
         notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")

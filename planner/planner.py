@@ -235,7 +235,7 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
                  actions=tuple(" ".join(map(str, acts)) for acts in sched.actions),
                  tp=c.tp, fsdp=tuple(st.fsdp for st in ch.strategies) or c.fsdp,
                  recompute=tuple(st.recompute for st in ch.strategies) or c.recompute,  # one value if all equal
-                 recompute_layers=tuple(st.recompute_layers for st in ch.strategies))
+                 recompute_layers=tuple(st.recompute_layers for st in ch.strategies), sp=c.sp)
 
 
 GPU_MODELS = ("h200", "h100", "a100", "a10", "v100", "p100", "t4", "l40", "l4", "rtx 5000", "rtx 6000", "a6000",

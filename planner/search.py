@@ -49,7 +49,7 @@ from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, stage_to_rank
 from .simulate import StageCost, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for
-from .strategy import Strategy, min_table, strategy_table, tp_allreduce_coeffs
+from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
 from .tp_split import tp_refusal
 
 __all__ = ["Candidate", "Choice", "PhaseSearch", "Visit", "exhaustive", "iteration_bound_holds",
@@ -75,20 +75,17 @@ class PhaseSearch:
         G = cluster.gpus_per_node
         tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= G and G % t == 0  # and divides heads, kv heads, MLP
                and tp_refusal(profile.model.family, profile.model.config, t) is None] if strategies == "auto" else [1]
-        self.strategies = tuple(Strategy(tp=t, fsdp=fs, recompute=rc) for t in tps
-                                for fs in ((False, True) if strategies == "auto" else (False,))
-                                for rc in ((False, True) if strategies == "auto" else (False,)))
+        self.modes = search_modes(tps, strategies == "auto", profile.model.family, profile.model.seq_len)
+        """(tp, FSDP mode, recomputation mode, sequence parallelism) per candidate family (``strategy.search_modes``),
+        modes as ``Candidate.mode``: 0 off, 1 on every stage, 2 chosen per stage. Every uniform strategy; then
+        recomputation chosen per stage with FSDP chosen per stage too, or on every stage (where D > 1: FSDP shards
+        over the replicas), or off (only where D = 1; where D > 1 choosing both per stage covers it: a stage takes
+        FSDP only where that is faster or the only fit). Choosing FSDP per stage with recomputation fixed is left
+        out: recomputation changes only a stage's busy time and memory, so the stage's own choice of it is never
+        worse for the split. Each tp > 1 family again with sequence parallelism where the family runs it
+        (``tp_split.sp_refusal``; ``candidates.enumerate_candidates`` drops the (K, V) it refuses)."""
+        self.strategies = search_strategies(self.modes)
         """The uniform strategies searched (the default first)."""
-        per_stage = ((0, 2), (2, 2), (1, 2)) if strategies == "auto" else ()
-        self.modes = tuple((t, f, r) for t in tps for f, r in ((0, 0), (0, 1), (1, 0), (1, 1), *per_stage)
-                           if strategies == "auto" or (f, r) == (0, 0))
-        """(tp, FSDP mode, recomputation mode) per candidate family, modes as ``Candidate.mode``: 0 off, 1 on
-        every stage, 2 chosen per stage. Every uniform strategy; then recomputation chosen per stage with FSDP
-        chosen per stage too, or on every stage (where D > 1: FSDP shards over the replicas), or off (only
-        where D = 1; where D > 1 choosing both per stage covers it: a stage takes FSDP only where that is
-        faster or the only fit). Choosing FSDP per stage with recomputation fixed is left out: recomputation
-        changes only a stage's busy time and memory, so the stage's own choice of it is never worse for the
-        split."""
         self._tables: dict[tuple, CostTable] = {}
         self.t = CostTable(profile, time_scale=cluster.concurrency_slowdown)
         self.n = profile.num_layers
@@ -128,12 +125,12 @@ class PhaseSearch:
         if c.tp == 1 and not c.fsdp and not c.fsdp_per_stage:
             return self.t
         if c.fsdp_per_stage:
-            key: tuple = ("min", c.tp, c.D, c.K, c.schedule, c.V)
+            key: tuple = ("min", c.tp, c.sp, c.D, c.K, c.schedule, c.V)
             if key not in self._tables:
                 self._tables[key] = min_table(self.table_for(replace(c, fsdp_per_stage=False)),
                                               self.table_for(replace(c, fsdp_per_stage=False, fsdp=True)))
             return self._tables[key]
-        key = (c.tp, c.fsdp, c.D, c.K, c.schedule, c.V)
+        key = (c.tp, c.sp, c.fsdp, c.D, c.K, c.schedule, c.V)
         if key not in self._tables:
             L = self.links(c.K, c.schedule, c.V, c.tp)
             self._tables[key] = strategy_table(self.t, c.strategy, c.D, tp_allreduce_coeffs(self.c, c.tp),
@@ -188,7 +185,7 @@ class PhaseSearch:
                            weight_versions=2 if cand.schedule == "2bw" else 1, own_p2p=cand.schedule == "2bw",
                            action_overhead_s=self.c.action_overhead_s,
                            host_read_bandwidth=self.cfg.host_read_bandwidth,
-                           tp=cand.tp, fsdp=cand.fsdp, recompute=cand.recompute,
+                           tp=cand.tp, sp=cand.sp, fsdp=cand.fsdp, recompute=cand.recompute,
                            recompute_layers=cand.recompute_layers,
                            tp_ar=tp_allreduce_coeffs(self.c, cand.tp))
         return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from,
@@ -348,7 +345,7 @@ def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, fre
     bounds: dict[tuple, float] = {}
 
     def bound(c: Candidate) -> float:
-        key = (c.K, c.D, c.M, c.b, c.cache, c.schedule, c.V, c.tp, c.fsdp, c.fsdp_per_stage)
+        key = (c.K, c.D, c.M, c.b, c.cache, c.schedule, c.V, c.tp, c.sp, c.fsdp, c.fsdp_per_stage)
         got = bounds.get(key)
         if got is None:
             got = bounds[key] = search.objective_bound(c, n0, visit)
@@ -357,7 +354,7 @@ def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, fre
     heap = [(bound(c), i, c) for i, c in enumerate(fits)]
     # the previous phase's winner first: a good incumbent lets the bounds skip most candidates
     hint = search._hint.get(cache)
-    first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.mode) == hint]
+    first = [c for c in fits if hint is not None and (c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.sp, c.mode) == hint]
     heapq.heapify(heap)
     best: Choice | None = None
 
@@ -391,7 +388,7 @@ def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, fre
             consider(ch.cand, True)
     search._split_memo.clear()
     search._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
-                         best.cand.tp, best.cand.mode)
+                         best.cand.tp, best.cand.sp, best.cand.mode)
     return replace(best, notes=tuple(notes))
 
 
@@ -415,7 +412,7 @@ def _order(ch: Choice) -> tuple:
     c = ch.cand
     n_fsdp = sum(st.fsdp for st in ch.strategies) if ch.strategies else c.S * c.fsdp
     n_rc = sum(st.recompute for st in ch.strategies) if ch.strategies else c.S * c.recompute
-    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V, c.tp, n_fsdp, n_rc, c.mode
+    return ch.objective, c.K, c.M, c.cache, c.schedule, c.V, c.tp, c.sp, n_fsdp, n_rc, c.mode
 
 
 class _Scorer:

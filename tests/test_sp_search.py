@@ -72,17 +72,7 @@ def test_search_modes_offer_sp_beside_every_tp_where_it_runs():
     assert "tp2·sp·rc" in {s.label for s in sts}
 
 
-# ---- the search (needs planner/search.py's hook: Candidate.sp and the modes from strategy.search_modes) -----------
-
-def _hooked() -> bool:
-    from ptplan.planner.candidate import Candidate
-
-    return "sp" in {f.name for f in dataclasses.fields(Candidate)}
-
-
-needs_hook = pytest.mark.skipif(not _hooked(), reason="planner/search.py does not take strategy.search_modes yet "
-                                                      "(the hook in issue 22 item 2's report)")
-
+# ---- the search ----------------------------------------------------------------------------------------------------
 
 def _search(gib: float, batch: int, family: str | None = None):
     """Phase 0 of the shipped GPT-2 H100 profile on one DGX H100 whose GPUs have ``gib`` GiB, ``--strategies auto``
@@ -103,7 +93,6 @@ def _search(gib: float, batch: int, family: str | None = None):
     return ps, ps.search(0, Visit(samples=50000.0))
 
 
-@needs_hook
 def test_auto_chooses_sp_where_memory_binds_and_never_offers_it_without_the_runtime():
     """GPT-2 (bf16, 8 H100s limited to 1 GiB each, batch 32): the search takes tp2·sp, faster than the best it
     finds without sp (which plain tp2 then has to take on a worse split); with 2 GiB, memory does not bind and it
@@ -115,3 +104,92 @@ def test_auto_chooses_sp_where_memory_binds_and_never_offers_it_without_the_runt
     assert not without.cand.sp and without.objective > ch.objective * 1.01, (without.label, without.objective)
     assert not _search(2.0, 32)[1].cand.sp
     assert not any(m[3] for m in _search(2.0, 32, family="bert")[0].modes)
+
+
+# ---- by hand: sp taken exactly where it makes the phase fit -------------------------------------------------------
+
+def _one_node_of_two(limit: float, family: str = "gpt2"):
+    """A 4-block synthetic GPT (h 256, S 1024, 4 heads, bf16, vocab 1000) on one node of 2 H100s whose usable memory
+    (x the 0.9 memory fraction) is ``limit`` bytes, batch 1, 1F1B, ``--strategies auto``: one sample cannot split
+    over D = 2 and 1F1B needs M >= K, so every candidate is K = 1, D = 1, tp = 2, M = 1, b = 1 -- plain, with sp,
+    with recomputation (all or the first r layers), or sp and recomputation."""
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.search import PhaseSearch
+
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=1024, heads=4, dtype_bytes=2, vocab=1000)
+    if family != "gpt2":
+        prof = dataclasses.replace(prof, model=dataclasses.replace(prof.model, family=family))
+    cl = dataclasses.replace(PRESETS["dgx-h100"], nodes=1, gpus_per_node=2, gpu_memory_bytes=int(limit / 0.9) + 1)
+    return PhaseSearch(prof, cl, TrainingConfig(epochs=1, samples_per_epoch=64, batch=1, schedule="1f1b"),
+                       strategies="auto")
+
+
+def test_sp_is_chosen_exactly_where_it_makes_the_phase_fit_by_hand():
+    """The only difference sp makes to this phase's memory is the split layers' saved activations of its one
+    micro-batch in flight: per attention half Megatron's 13 units + 5·a·s/h of scores keep 5 whole with tp alone and
+    only the gathered linear input (2) with sp, per MLP half 5 of 21 and 2 -- so with b = 1 the peak falls by
+    Σ saved·((u + (1 − u)/2) − (u_sp + (1 − u_sp)/2)), by hand; the activations bind (they exceed the optimizer's
+    after-pipeline transient). With the usable memory halfway between the two peaks the search takes tp2·sp (no
+    recomputation: sp costs no time, recomputation does) and its predicted peak is the sp peak; with room for plain
+    tp2 it keeps plain tp2 (equal time: ties go to the simpler strategy). A family without sp (BERT's facts, the
+    same layers) gets no sp candidate, and halfway nothing fits it (with one micro-batch in flight recomputation
+    rebuilds the same activations: no smaller peak); with room for plain tp2 it plans that."""
+    from ptplan.planner.candidate import Candidate, Visit
+    from ptplan.planner.errors import InfeasibleError
+
+    big = _one_node_of_two(80e9)
+    prof, n = big.p, big.p.num_layers
+    x = 5.0 * 4 * 1024 / 256  # 5·a·s/h = 80
+    share = {"attention": ((5 + (8 + x) / 2) / (13 + x), (2 + (11 + x) / 2) / (13 + x)),
+             "mlp": ((5 + 16 / 2) / 21, (2 + 19 / 2) / 21)}
+    saved = {k: sum(r.saved_bytes_per_sample for r in prof.layers if r.kind == k) for k in share}
+    drop = sum(saved[k] * (share[k][0] - share[k][1]) for k in share)
+    mem = {sp: big.uniform_model(Candidate(K=1, D=1, M=1, b=1, cache=False, tp=2, sp=sp), 0).stage_memory([(0, n)])[0]
+           for sp in (False, True)}
+    assert mem[False].total - mem[True].total == pytest.approx(drop, abs=2)
+    assert all(m.activations > m.transient and m.inflight == 1 for m in mem.values())
+    assert drop > 0.03 * mem[False].total  # a window wide enough to sit in
+
+    visit = Visit(samples=64.0)
+    roomy = big.search(0, visit)
+    assert roomy.cand.tp == 2 and not roomy.cand.sp and not roomy.cand.recompute and roomy.label == "tp2"
+    mid = (mem[False].total + mem[True].total) / 2
+    tight = _one_node_of_two(mid)
+    ch = tight.search(0, visit)
+    assert ch.cand.sp and ch.label == "tp2·sp", ch.label
+    peak = max(ch.sim.rank_peak_memory_bytes)
+    assert peak == pytest.approx(mem[True].total, abs=2) and peak <= tight.limit < mem[False].total
+    assert ch.sim.iteration_s == pytest.approx(roomy.sim.iteration_s, rel=1e-12)  # sp costs no time
+
+    bert = _one_node_of_two(mid, family="bert")
+    assert {m[0] for m in bert.modes} == {1, 2} and not any(m[3] for m in bert.modes)
+    assert not any(c.sp for c in bert.candidates(0, 0)[0])
+    with pytest.raises(InfeasibleError):  # recomputation rebuilds the one micro-batch's activations: no help here
+        bert.search(0, visit)
+    assert _one_node_of_two(mem[False].total + 1, family="bert").search(0, visit).label == "tp2"
+
+
+def test_a_planned_sp_phase_survives_the_plan_file_and_old_files_load():
+    """``make_plan`` over the tight case above (no freezing policy, so a phase per frozen count) takes sp on the
+    phase with nothing frozen only -- every frozen count frees enough memory for plain tp2 --, writes
+    ``"sp": true`` there for the executor (``Phase.sp``, read by ``executor/runtime/elastic.py``) and omits it
+    elsewhere; the JSON round trip keeps it, and a phase without the field (plan files from before sp) loads as
+    sp = False."""
+    import json
+
+    from ptplan.planner.candidate import Candidate
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.plan import plan_from_json
+    from ptplan.planner.planner import make_plan
+
+    big = _one_node_of_two(80e9)
+    peak = {sp: big.uniform_model(Candidate(K=1, D=1, M=1, b=1, cache=False, tp=2, sp=sp), 0).stage_memory(
+        [(0, big.p.num_layers)])[0].total for sp in (False, True)}
+    tight = _one_node_of_two((peak[False] + peak[True]) / 2)
+    plan = make_plan(tight.p, tight.c, tight.cfg, FreezePolicy(policy="none"), strategies="auto")
+    assert [ph.strategy_label for ph in plan.phases] == ["tp2·sp"] + ["tp2"] * 4
+    obj = json.loads(json.dumps(plan.to_json()))
+    assert [ph.get("sp") for ph in obj["phases"]] == [True] + [None] * 4
+    assert [ph.sp for ph in plan_from_json(obj).phases] == [True] + [False] * 4
+    del obj["phases"][0]["sp"]
+    assert not any(ph.sp for ph in plan_from_json(obj).phases)

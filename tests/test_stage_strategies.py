@@ -212,7 +212,7 @@ def test_strategies_off_has_no_per_stage_candidates_and_auto_adds_them():
     cfg = TrainingConfig(epochs=1, samples_per_epoch=256, batch=32)
     off = PhaseSearch(prof, _toy(800), cfg)
     auto = PhaseSearch(prof, _toy(800), cfg, strategies="auto")
-    assert off.modes == ((1, 0, 0),) and all(not c.per_stage for c in off.candidates(0, 0)[0])
+    assert off.modes == ((1, 0, 0, False),) and all(not c.per_stage for c in off.candidates(0, 0)[0])
     cands = auto.candidates(0, 0)[0]
     modes = {(c.mode, c.D > 1) for c in cands}
     # every uniform strategy; per stage: both, or rc with FSDP on every stage (D > 1), or rc alone (D = 1)

@@ -189,7 +189,7 @@ def test_strategies_off_is_the_old_search_and_auto_is_never_worse():
     cfg = TrainingConfig(epochs=2, samples_per_epoch=4096, batch=64)
     old, off, auto = PhaseSearch(prof, cluster, cfg), PhaseSearch(prof, cluster, cfg, strategies="off"), \
         PhaseSearch(prof, cluster, cfg, strategies="auto")
-    assert off.strategies == (Strategy(),) and len(auto.strategies) == 12  # tp 1, 2, 4 x fsdp x rc
+    assert off.strategies == (Strategy(),) and len(auto.strategies) == 20  # tp 1, 2, 4 x fsdp x rc; tp 2, 4 with sp too
     for f in (0, 3, 6):
         v = Visit(samples=4096.0)
         a, b, c = old.search(f, v), off.search(f, v), auto.search(f, v)
