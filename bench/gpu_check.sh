@@ -7,7 +7,11 @@
 #   bash bench/gpu_check.sh OUTDIR cpu        a rehearsal on this CPU box with tiny models (same steps)
 #
 # Then, here: python bench/gpu_compare.py OUTDIR/gpu_check.tar.gz  (projection error, calibration, run error).
+# PARTS (default "micro tests profiles run") picks the parts; MODELS and BUDGET_SMALL/BUDGET_BIG (minutes per
+# profile) override the defaults, e.g. PARTS="tests run" MODELS="bert-base gpt2" BUDGET_SMALL=1 bash ... OUTDIR
 set -u
+PARTS=${PARTS:-micro tests profiles run}
+has() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUTDIR=${1:?usage: bench/gpu_check.sh OUTDIR [cuda|cpu]}
 DEV=${2:-cuda}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,16 +54,16 @@ torch.cuda.get_device_name(0))"
 cat "$W/env.txt"
 
 if [ "$DEV" = cuda ]; then
-  DT=bfloat16; TAG=h100; MODELS="bert-base gpt2 vit-base bert-large llama-3.2-1b"
-  BUDGET_SMALL=0.4; BUDGET_BIG=0.7; RUN_MODEL=bert-base; BATCH=32; STEPS_PER_EPOCH=100
+  DT=bfloat16; TAG=h100; MODELS=${MODELS:-bert-base gpt2 vit-base bert-large llama-3.2-1b}
+  BUDGET_SMALL=${BUDGET_SMALL:-0.4}; BUDGET_BIG=${BUDGET_BIG:-0.7}; RUN_MODEL=bert-base; BATCH=32; STEPS_PER_EPOCH=100
   MICRO=""
 else
-  DT=bfloat16; TAG=cpu; MODELS="bert-tiny gpt2-tiny"; BUDGET_SMALL=0.1; BUDGET_BIG=0.1
+  DT=bfloat16; TAG=cpu; MODELS=${MODELS:-bert-tiny gpt2-tiny}; BUDGET_SMALL=0.1; BUDGET_BIG=0.1
   RUN_MODEL=bert-tiny; BATCH=8; STEPS_PER_EPOCH=6; MICRO="--quick"
 fi
 
-step 120 micro python3 bench/gpu_micro.py --device "$DEV" --dtype "$DT" $MICRO --out "$W/gpu_micro.json"
-if [ "$DEV" = cuda ]; then
+has micro && step 120 micro python3 bench/gpu_micro.py --device "$DEV" --dtype "$DT" $MICRO --out "$W/gpu_micro.json"
+if [ "$DEV" = cuda ] && has tests; then
   step 150 cuda_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_profiler.py tests/test_cuda_run.py \
     --timeout 140 --junitxml "$W/cuda_tests.xml"
 fi
@@ -70,11 +74,12 @@ profile() {  # profile MODEL BUDGET
     --out "$W/profiles/${m}_${TAG}_bf16.json"
 }
 set -- $MODELS
-profile "$1" "$BUDGET_SMALL"
+has profiles && profile "$1" "$BUDGET_SMALL"
 
 # ptplan run on one device, K = 1, D = 1, freezing and AutoCache on, with the measured profile's plan
 P="$W/profiles/${RUN_MODEL}_${TAG}_bf16.json"
-if [ -f "$P" ]; then
+[ -f "$P" ] || P="$REPO/profiles/${RUN_MODEL}_${TAG}_bf16.json"   # without a fresh one: the shipped one
+if has run && [ -f "$P" ]; then
   python3 - "$W/run/cluster.json" "$DEV" <<'EOF'
 import json, sys
 from ptplan.planner.cluster import PRESETS
@@ -90,10 +95,19 @@ EOF
   step 240 run $PT run "$W/run/plan.json" --model "$RUN_MODEL" --device "$DEV" --nproc-per-node 1 --no-progress \
     --log "$W/run/run.jsonl" --cache auto --cache-dir "$W/run/cache" --timeout 120
   step 60 compare $PT compare "$W/run/plan.json" "$W/run/run.jsonl" --json "$W/run/compare.json"
+  if [ "$(awk '$1 == "run" {print $2}' "$W/steps.txt")" != 0 ]; then  # the same plan without the AutoCache
+    step 60 plan_nocache $PT plan "$P" --cluster "$W/run/cluster.json" --epochs 3 \
+      --samples-per-epoch $((BATCH * STEPS_PER_EPOCH)) --batch "$BATCH" --freeze geometric --cache off \
+      --out "$W/run/plan_nocache.json"
+    step 240 run_nocache $PT run "$W/run/plan_nocache.json" --model "$RUN_MODEL" --device "$DEV" --nproc-per-node 1 \
+      --no-progress --log "$W/run/run_nocache.jsonl" --cache off --timeout 120
+    step 60 compare_nocache $PT compare "$W/run/plan_nocache.json" "$W/run/run_nocache.jsonl" \
+      --json "$W/run/compare_nocache.json"
+  fi
 fi
 
 shift
-for m in "$@"; do
+has profiles && for m in "$@"; do
   case $m in bert-large|llama-*) profile "$m" "$BUDGET_BIG" ;; *) profile "$m" "$BUDGET_SMALL" ;; esac
 done
 log "done"

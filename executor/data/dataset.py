@@ -77,7 +77,10 @@ class SyntheticDataset:
     def _one(self, i: int) -> Batch:
         if i not in self._cache:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-            self._cache[i] = self.model.make_batch(1, generator=g)
+            # on the CPU whatever device the model is on (now or later): the runtime moves each batch to its
+            # device in one place (runtime/train_step), and samples made before and after a move must concatenate
+            x, y, m = self.model.make_batch(1, generator=g)
+            self._cache[i] = (x.cpu(), y.cpu(), None if m is None else m.cpu())
         return self._cache[i]
 
     def batch(self, ids: torch.Tensor) -> Batch:
