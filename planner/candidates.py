@@ -9,7 +9,7 @@ from .candidate import Candidate
 from .config import INTERLEAVED_V
 from .errors import PtplanError
 from .replicate import divisors
-from .schedule import ScheduleError, check_sizes
+from .schedule import ScheduleError, check_sizes, stage_to_rank
 from .tp_split import sp_refusal
 
 if TYPE_CHECKING:
@@ -50,6 +50,18 @@ def schedule_shapes(search: PhaseSearch, K: int, M: int, n_active: int) -> list[
                 continue
             out.append((name, V))
     return out
+
+
+def sp_runs(search: PhaseSearch, tp: int, name: str, K: int, V: int) -> bool:
+    """Whether the runtime runs sequence parallelism over tp ranks with this schedule, K and V: where
+    ``tp_split.sp_refusal`` allows it (the plan loader refuses the rest, e.g. V chunks on one position at K = 1),
+    and no rank holds two consecutive stages (``executor/runtime/hybrid.py`` gathers the sequence only where a
+    rank's run of split layers ends, so touching chunks, as zb-v's turn on its last position, would pass a
+    sequence shard between them)."""
+    if sp_refusal(search.p.model.family, search.p.model.seq_len, tp, K=K, V=V) is not None:
+        return False
+    ranks = stage_to_rank(name, K, V)
+    return all(a != b for a, b in zip(ranks, ranks[1:]))
 
 
 def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = False, pin_k: bool = True,
@@ -93,8 +105,8 @@ def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = F
             continue
         for M in ms:
             for name, V in search.shapes(K, M, n_active):
-                if sp and sp_refusal(search.p.model.family, search.p.model.seq_len, tp, K=K, V=V) is not None:
-                    continue  # e.g. V chunks on one position at K = 1: the plan loader would refuse it
+                if sp and not sp_runs(search, tp, name, K, V):
+                    continue
                 if name == "2bw" and (tp > 1 or fm or rm == 2):  # what executor/runtime/twobw.py cannot run
                     why = (f"K={K}: 2bw with tp={tp}, FSDP or layer-wise recomputation left out (the executor's "
                            f"2BW loop runs plain stages, whole-stage recomputation at most)")

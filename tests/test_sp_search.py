@@ -195,19 +195,27 @@ def test_a_planned_sp_phase_survives_the_plan_file_and_old_files_load():
     assert not any(ph.sp for ph in plan_from_json(obj).phases)
 
 
-def test_no_sp_candidate_where_the_runtime_refuses_it():
-    """Interleaved 1F1B on one node of 4: K = 1 with V = 2 or 4 chunks exists with and without tp, but never with sp
-    (``tp_split.sp_refusal``: one position's chunks would touch; the plan loader refuses such a phase), while
-    K = 2 with V chunks gets sp beside plain tp2."""
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "looped-bfs", "zb-v"])
+def test_no_sp_candidate_where_the_runtime_refuses_it(schedule):
+    """On one node of 4 with V chunks per position: K = 1 (V = 2 or 4 chunks on one position) exists with and
+    without tp but never with sp (``tp_split.sp_refusal``: the chunks would touch; the plan loader refuses such a
+    phase); K = 2 gets sp beside plain tp2 where no rank holds two consecutive stages (interleaved, looped-bfs),
+    never under zb-v, whose last position holds stages K - 1 and K (the runtime gathers the sequence only where
+    a rank's run of split layers ends)."""
     from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.schedule import stage_to_rank
     from ptplan.planner.search import PhaseSearch
     from ptplan.planner.tp_split import sp_refusal
 
     prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=1024, heads=4, dtype_bytes=2, vocab=1000)
     cl = dataclasses.replace(PRESETS["dgx-h100"], nodes=1, gpus_per_node=4)
-    ps = PhaseSearch(prof, cl, TrainingConfig(epochs=1, samples_per_epoch=64, batch=8, schedule="interleaved-1f1b"),
+    ps = PhaseSearch(prof, cl, TrainingConfig(epochs=1, samples_per_epoch=64, batch=8, schedule=schedule),
                      strategies="auto")
     got = {(c.K, c.V, c.tp, c.sp) for c in ps.candidates(0, 0)[0]}
-    assert {(1, 2, 2, False), (1, 4, 4, False), (2, 2, 2, True), (2, 4, 2, True)} <= got
+    assert {(1, 2, 2, False), (1, 2, 4, False), (2, 2, 2, False)} <= got
     assert not any(sp and sp_refusal("gpt2", 1024, tp, K=K, V=V) for K, V, tp, sp in got)
     assert not any(sp for K, V, tp, sp in got if K == 1)
+    if schedule == "zb-v":
+        assert stage_to_rank("zb-v", 2, 2) == (0, 1, 1, 0) and not any(sp for *_, sp in got)
+    else:
+        assert {(2, 2, 2, True), (2, 4, 2, True)} <= got
