@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
 
 from ptplan.executor.launch.local import run_world
 from ptplan.planner.plan import Plan
+
+T = TypeVar("T")
 
 
 def max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -81,6 +83,18 @@ def live_runtime() -> Any:
     rt = LIVE.get("rt")
     assert rt is not None, "live_runtime() is called inside recorded_run's training only"
     return rt
+
+
+_ONCE: dict[tuple, Any] = {}
+
+
+def once(key: tuple, compute: Callable[[], T]) -> T:
+    """``compute()``, run once per ``key`` in this process. For the single-process references: deterministic
+    functions of what the key names (model, data, freeze schedule, optimizer), and several parity cases of a file
+    compare with the same one. Callers only read the result."""
+    if key not in _ONCE:
+        _ONCE[key] = compute()
+    return _ONCE[key]
 
 
 def recorded_run(cfg: Any, plan: Plan, model: nn.Module, dataset: Any, *, world: int, tmpdir: str,

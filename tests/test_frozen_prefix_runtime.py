@@ -17,7 +17,7 @@ import torch
 
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import spec
-from parity import assert_parity
+from parity import assert_parity, once
 from tests.test_hybrid_runtime import _mixed_plan
 from tests.test_runtime_parity import COUNTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data, reference
 
@@ -86,13 +86,12 @@ def _count_collectives() -> dict[str, int]:
     return calls
 
 
-def _run(name, optimizer, data, tmp, plan):
+def _run(name, optimizer, data, tmp, plan, model):
     """The parity run (``testing.recorded_run``), recording per rank after each step its prefix (``_prefix_report``)."""
     from ptplan.executor.training.config import RunConfig
     from ptplan.executor.data.dataset import TensorDataset
     from parity import recorded_run
 
-    model = _build(name)
     o = OPT[optimizer]
     cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
@@ -184,15 +183,16 @@ PLANS = ["tp", "fsdp", "tp-fsdp"]
                                                  (("bert-tiny", "sgd"), ("bert-tiny", "adamw"),
                                                   ("gpt2-tiny", "sgd"), ("gpt2-tiny", "adamw"))])
 def test_split_and_sharded_prefix_matches_reference(kind, name, optimizer, tmp_path):
-    data = _data(_build(name))
-    plan = _plan(kind)(_build(name))
+    model = _build(name)  # the ranks train forked copies; this one stays as built
+    data = _data(model)
+    plan = _plan(kind)(model)
     assert plan.phases[1].frozen_layers > 0 and not plan.phases[1].cache
-    snaps, log, reports = _run(name, optimizer, data, str(tmp_path), plan)
+    snaps, log, reports = _run(name, optimizer, data, str(tmp_path), plan, model)
     # every step with a frozen prefix, on each of its stage-0 ranks (D pipelines x tp)
     want = sum(plan.phases[f].D * plan.phases[f].tp for f in COUNTS if plan.phases[f].frozen_layers)
     assert _check_shards(plan, reports) == want
     assert _check_prefix_bytes(name, plan, reports) == sum(plan.phases[1].D * plan.phases[1].tp for f in COUNTS if f == 1)
-    ref, ref_losses = reference(name, optimizer, data)
+    ref, ref_losses = once(("reference", name, optimizer), lambda: reference(name, optimizer, data))
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
     print(f"parity frozen prefix {kind} {name} {optimizer}: max relative difference {worst:.1e}")
