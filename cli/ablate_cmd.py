@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from ptplan.cli.plan_cmd import (DEFAULT_PROFILE, freeze_from_options, resolve_profile_path,
                                  shared_options)
-from ptplan.planner.ablate import Ablation, AblationRow
 from ptplan.planner.errors import PtplanError
+
+if TYPE_CHECKING:  # the planner's ablation is imported by the command itself, not by every `ptplan` start
+    from ptplan.planner.ablate import Ablation, AblationRow
 
 
 def _x(v: float | None) -> str:

@@ -5,9 +5,6 @@ import os
 
 import click
 
-from ptplan.planner.plan import load_plan
-from ptplan.planner.report.viz import write_report
-
 
 @click.command("show")
 @click.argument("plan", type=click.Path(dir_okay=False, path_type=str))
@@ -20,6 +17,8 @@ from ptplan.planner.report.viz import write_report
 def show(plan: str, out: str, runlog: str | None, warmup: int) -> None:
     """Write PLAN (a plan.json from `ptplan plan`) as one interactive HTML report."""
     from ptplan.cli.main import check_outputs
+    from ptplan.planner.plan import load_plan
+    from ptplan.planner.report.viz import write_report  # plotly: imported only by the command that draws
 
     check_outputs([("plan", plan), ("run log", runlog)], [("--out", out)])
     p = load_plan(plan)

