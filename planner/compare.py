@@ -11,7 +11,7 @@ from .errors import PtplanError
 from .plan import Plan
 from .runlog import RunLog, Step, read_run_log
 
-__all__ = ["Comparison", "PhaseComparison", "compare", "format_comparison", "read_run_log"]
+__all__ = ["Comparison", "PhaseComparison", "compare", "fill_fractions", "format_comparison", "read_run_log"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +44,13 @@ class PhaseComparison:
     """Exposed all-reduce the simulator predicts."""
     timed_with_memory_hooks: bool = False
     """The phase had no other step after the warm-up, so its memory-sampled step was timed (slower)."""
+    kind: str = "steady"
+    """``steady``: steps that read every row of the frozen prefix from the AutoCache (or a phase without it),
+    compared with ``predicted.iteration_s``; ``fill``: steps that computed rows of it (a cache fill or refresh,
+    or rows the budget could not keep), compared with ``predicted.fill_iteration_s`` weighted by the share of rows
+    computed (``fill_fraction``)."""
+    fill_fraction: float = 0.0
+    """Mean share of the steps' prefix rows that were computed (missed or refreshed) rather than read."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +72,9 @@ class Comparison:
     ran the re-planned plan; only the steps of the plan compared are in ``phases``."""
     other_plan_steps: int = 0
     """Steps the run took under another plan of its membership changes (left out; compare them with that plan)."""
+    fills: tuple[PhaseComparison, ...] = ()
+    """Per phase, its AutoCache fill/refresh steps (``kind == "fill"``), apart from ``phases`` (steady steps); a
+    phase's memory is compared on its steady row, on its fill row only when it has no steady step."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,24 +125,50 @@ def _stage_memory(phase, rec: Step) -> tuple[int, ...]:
     return tuple(out)
 
 
-def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
-    """Median measured step time and the sampled peak memory per phase, against the plan's prediction.
+def fill_fractions(log: RunLog) -> dict[int, float]:
+    """Per step, the share of its frozen-prefix rows the AutoCache computed (missed or refreshed) instead of read:
+    exact from the step's ``cache_hits``/``cache_refreshes``/``cache_misses`` (rank 0's rows), else (older logs,
+    or rank 0 served none) the epoch's share from its ``cache`` record (summed over ranks); steps of an epoch
+    without one are absent (no cache, or a phase that does not cache)."""
+    epoch: dict[int, float] = {}
+    for r in log.records:
+        f = r.fields
+        if r.type == "cache" and f["phase_caches"]:
+            rows = f["hits"] + f["refreshes"] + f["misses"]
+            if rows:
+                epoch[f["epoch"]] = (f["refreshes"] + f["misses"]) / rows
+    out = {}
+    for s in log.steps:
+        frac = s.fill_fraction
+        frac = epoch.get(s.epoch) if frac is None else frac
+        if frac is not None:
+            out[s.step] = frac
+    return out
 
-    Timing: the median over the phase's steps, leaving out the first ``warmup`` steps of each visit
-    to the phase (set-up: receive buffers, shape inference; a resume from a checkpoint starts a new visit)
-    and the steps that measured memory (their hooks slow them down) -- unless a phase has no other step,
-    then its memory-sampled steps are timed and the row says so. Memory: the largest sampled ``peak_memory_bytes`` of the phase.
-    """
-    if warmup < 0:
-        raise PtplanError(f"warmup must be 0 or more, got {warmup}")
-    _check_same_plan(plan, log)
-    timed: dict[int, list[Step]] = {}
-    hooked: dict[int, list[Step]] = {}
+
+def _predicted_s(phase: Any, frac: float) -> float:
+    """The plan's time for a step that computed ``frac`` of its prefix rows: ``iteration_s`` plus that share of
+    the fill's extra (``fill_iteration_s``: every row computed); ``iteration_s`` when the plan prices no fill."""
+    pr = phase.predicted
+    return pr.iteration_s + frac * (pr.fill_iteration_s - pr.iteration_s) if frac and pr.fill_iteration_s else \
+        pr.iteration_s
+
+
+_Key = tuple[int, str]  # (phase, "steady" | "fill")
+
+
+def _bucket(plan: Plan, log: RunLog, warmup: int
+            ) -> tuple[dict[_Key, list[Step]], dict[_Key, list[Step]], dict[int, list[Step]], int]:
+    """The steps compared, by (phase, kind): timed (after the warm-up of each visit, not memory-sampled) and
+    hooked (memory-sampled, after the warm-up); every memory-sampled step by phase; steps of another plan."""
+    timed: dict[_Key, list[Step]] = {}
+    hooked: dict[_Key, list[Step]] = {}
     sampled: dict[int, list[Step]] = {}
     seen_in_visit: dict[int, int] = {}
     last_phase = None
     resumed_at = {r["step"] for r in log.resumes}  # a resumed run rebuilds its stage: a new visit
     segments = _segments(plan, log)
+    fills = fill_fractions(log)
     other = 0
     for r in log.steps:
         if not [ran for at, ran in segments if at <= r.step][-1]:
@@ -154,42 +190,74 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
         seen_in_visit[ph] += 1
         if seen_in_visit[ph] <= warmup:
             continue
-        (hooked if r.memory_sampled else timed).setdefault(ph, []).append(r)
-    rows = []
-    for ph in sorted(set(timed) | set(hooked)):
-        p = plan.phases[ph]
-        recs = timed.get(ph) or hooked[ph]  # only a memory-sampled step after the warm-up: time it anyway
-        meas = statistics.median(r.seconds for r in recs)
-        samples = statistics.median(float(r.samples) for r in recs)
-        ar = [r.allreduce_seconds for r in recs if r.allreduce_seconds is not None]
-        mem_recs = sampled.get(ph, [])
-        pred_mem = p.predicted.peak_memory_bytes
-        meas_mem = max(int(r.peak_memory_bytes or 0) for r in mem_recs) if mem_recs else None
-        stage_mem: tuple[int, ...] = ()
-        for r in mem_recs:
-            got = _stage_memory(p, r)
-            stage_mem = tuple(max(a, b) for a, b in zip(stage_mem, got)) if stage_mem and got else (got or stage_mem)
-        rows.append(PhaseComparison(
-            phase=ph, frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, steps=len(recs),
-            predicted_iteration_s=p.predicted.iteration_s, measured_iteration_s=meas,
-            iteration_error=(p.predicted.iteration_s - meas) / meas if meas > 0 else float("nan"),
-            predicted_samples_per_s=p.predicted.samples_per_s,
-            measured_samples_per_s=samples / meas if meas > 0 else 0.0,
-            predicted_peak_memory_bytes=pred_mem, measured_peak_memory_bytes=meas_mem,
-            memory_error=(pred_mem - meas_mem) / meas_mem if meas_mem else None,
-            predicted_stage_memory_bytes=tuple(int(x) for x in p.predicted.device_peak_memory_bytes),
-            measured_stage_memory_bytes=stage_mem,
-            measured_allreduce_s=statistics.median(ar) if ar else None,
-            predicted_allreduce_s=p.predicted.allreduce_s, timed_with_memory_hooks=ph not in timed))
-    if not rows:
+        kind = "fill" if p.cache and fills.get(r.step, 0.0) > 0 else "steady"
+        (hooked if r.memory_sampled else timed).setdefault((ph, kind), []).append(r)
+    return timed, hooked, sampled, other
+
+
+def _row(plan: Plan, key: _Key, recs: list[Step], mem_recs: list[Step], fills: dict[int, float],
+         hooks: bool) -> PhaseComparison:
+    ph, kind = key
+    p = plan.phases[ph]
+    meas = statistics.median(r.seconds for r in recs)
+    fracs = [fills.get(r.step, 0.0) if kind == "fill" else 0.0 for r in recs]
+    pred = statistics.fmean(_predicted_s(p, f) for f in fracs)
+    samples = statistics.median(float(r.samples) for r in recs)
+    ar = [r.allreduce_seconds for r in recs if r.allreduce_seconds is not None]
+    pred_mem = p.predicted.peak_memory_bytes
+    meas_mem = max(int(r.peak_memory_bytes or 0) for r in mem_recs) if mem_recs else None
+    stage_mem: tuple[int, ...] = ()
+    for r in mem_recs:
+        got = _stage_memory(p, r)
+        stage_mem = tuple(max(a, b) for a, b in zip(stage_mem, got)) if stage_mem and got else (got or stage_mem)
+    return PhaseComparison(
+        phase=ph, frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, steps=len(recs),
+        predicted_iteration_s=pred, measured_iteration_s=meas,
+        iteration_error=(pred - meas) / meas if meas > 0 else float("nan"),
+        predicted_samples_per_s=samples / pred if kind == "fill" and pred > 0 else p.predicted.samples_per_s,
+        measured_samples_per_s=samples / meas if meas > 0 else 0.0,
+        predicted_peak_memory_bytes=pred_mem, measured_peak_memory_bytes=meas_mem,
+        memory_error=(pred_mem - meas_mem) / meas_mem if meas_mem else None,
+        predicted_stage_memory_bytes=tuple(int(x) for x in p.predicted.device_peak_memory_bytes),
+        measured_stage_memory_bytes=stage_mem,
+        measured_allreduce_s=statistics.median(ar) if ar else None,
+        predicted_allreduce_s=p.predicted.allreduce_s, timed_with_memory_hooks=hooks, kind=kind,
+        fill_fraction=statistics.fmean(fracs))
+
+
+def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
+    """Median measured step time and the sampled peak memory per phase, against the plan's prediction.
+
+    Timing: the median over the phase's steps, leaving out the first ``warmup`` steps of each visit
+    to the phase (set-up: receive buffers, shape inference; a resume from a checkpoint starts a new visit; a
+    transition's first step is a visit's first) and the steps that measured memory (their hooks slow them
+    down) -- unless a phase has no other step, then its memory-sampled steps are timed and the row says so.
+    Steps that filled or refreshed the AutoCache (``fill_fractions``) are compared apart (``Comparison.fills``)
+    with the plan's fill price. Memory: the largest sampled ``peak_memory_bytes`` of the phase.
+    """
+    if warmup < 0:
+        raise PtplanError(f"warmup must be 0 or more, got {warmup}")
+    _check_same_plan(plan, log)
+    timed, hooked, sampled, other = _bucket(plan, log, warmup)
+    fills = fill_fractions(log)
+    rows: dict[str, list[PhaseComparison]] = {"steady": [], "fill": []}
+    for key in sorted(set(timed) | set(hooked)):
+        ph, kind = key
+        has_steady = kind == "fill" and ((ph, "steady") in timed or (ph, "steady") in hooked)
+        recs = timed.get(key) or hooked[key]  # only memory-sampled steps after the warm-up: time them anyway
+        rows[kind].append(_row(plan, key, recs, [] if has_steady else sampled.get(ph, []), fills,
+                               key not in timed))
+    every = rows["steady"] + rows["fill"]
+    if not every:
         raise PtplanError(f"no phase has a step after leaving out the first {warmup} step(s) of each visit; "
                           f"run more steps per phase (e.g. --steps-per-epoch 6)")
-    mem_errs = [abs(r.memory_error) for r in rows if r.memory_error is not None]
+    mem_errs = [abs(r.memory_error) for r in every if r.memory_error is not None]
     return Comparison(
-        phases=tuple(rows), transitions=tuple(r.to_json() for r in log.transitions), warnings=log.warnings,
-        evals=tuple(r.fields for r in log.records if r.type == "eval"), resumes=log.resumes,
+        phases=tuple(rows["steady"]), fills=tuple(rows["fill"]),
+        transitions=tuple(r.to_json() for r in log.transitions),
+        warnings=log.warnings, evals=tuple(r.fields for r in log.records if r.type == "eval"), resumes=log.resumes,
         memberships=log.memberships, other_plan_steps=other,
-        median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in rows),
+        median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in every),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
 
 
@@ -205,14 +273,19 @@ def format_comparison(c: Comparison) -> str:
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>3} {'D':>3} {'M':>3} {'steps':>5} {'pred s/it':>10} {'meas s/it':>10} "
            f"{'err':>7} {'pred smp/s':>10} {'meas smp/s':>10} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}")
     lines = [hdr, "-" * len(hdr)]
-    for r in c.phases:
+    for r in sorted(c.phases + c.fills, key=lambda r: (r.phase, r.kind != "steady")):
         mm = f"{r.measured_peak_memory_bytes / 2**20:>9.1f}" if r.measured_peak_memory_bytes else f"{'-':>9}"
         me = f"{r.memory_error:>+7.1%}" if r.memory_error is not None else f"{'-':>7}"
-        lines.append(f"{r.phase:>5} {r.frozen_blocks:>6} {r.K:>3} {r.D:>3} {r.M:>3} {r.steps:>5} "
+        pm = f"{r.predicted_peak_memory_bytes / 2**20:>9.1f}" if r.kind == "steady" or mm.strip() != "-" else \
+            f"{'-':>9}"
+        notes = (["timed on the memory-sampled step"] if r.timed_with_memory_hooks else []) + (
+            [f"cache fill: {r.fill_fraction:.0%} of the prefix rows computed, priced from the plan's fill step"]
+            if r.kind == "fill" else [])
+        lines.append(f"{r.phase if r.kind == 'steady' else f'{r.phase}f':>5} {r.frozen_blocks:>6} {r.K:>3} {r.D:>3} "
+                     f"{r.M:>3} {r.steps:>5} "
                      f"{r.predicted_iteration_s:>10.4f} {r.measured_iteration_s:>10.4f} {r.iteration_error:>+7.1%} "
                      f"{r.predicted_samples_per_s:>10.1f} {r.measured_samples_per_s:>10.1f} "
-                     f"{r.predicted_peak_memory_bytes / 2**20:>9.1f} {mm} {me}"
-                     + ("  (timed on the memory-sampled step)" if r.timed_with_memory_hooks else ""))
+                     f"{pm} {mm} {me}" + (f"  ({'; '.join(notes)})" if notes else ""))
     lines.extend(f"note: {w}" for w in c.warnings)
     lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
                  f"stopped run logged from there were replaced by the resumed run's (each step counted once)"

@@ -33,7 +33,7 @@ FIELDS: dict[str, dict[str, str]] = {
     "step": {"epoch": "int", "step": "int", "phase": "int", "frozen_blocks": "int", "K": "int", "D": "int",
              "seconds": "float", "samples": "int", "loss": "float", "allreduce_seconds": "float?",
              "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?", "lr": "float?",
-             "grad_norm": "float?"},
+             "grad_norm": "float?", "cache_hits": "int?", "cache_refreshes": "int?", "cache_misses": "int?"},
     "transition": {"step": "int", "from_phase": "int?", "to_phase": "int", "seconds": "float", "parts": "obj",
                    "bytes": "obj?", "from": "obj?", "to": "obj?"},
     "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?",
@@ -57,10 +57,14 @@ FIELDS: dict[str, dict[str, str]] = {
     # file, phases), the step it went on from (after the ``resume`` record), the seconds spent re-planning
     "membership": {"step": "int", "resumed": "bool", "attempt": "int?", "from": "obj", "to": "obj",
                    "replan_seconds": "float?"},
+    # need_bytes: the cache's RAM budget (rows at one count, plus refresh_bytes for a second while an epoch
+    # refreshes); host_bytes_per_node: what the plan's plan_bytes_per_node counts (rows at one count and the frozen
+    # weights kept in host memory), from the run's model in its dtype (the plan's: plan_dtype); planner/cache_size.py
     "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
                     "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
                     "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",
-                    "allow_nondeterministic": "bool", "notes": "list"},
+                    "allow_nondeterministic": "bool", "notes": "list", "row_bytes": "int?", "refresh_bytes": "int?",
+                    "host_bytes_per_node": "int?", "plan_dtype": "str?"},
     "cache": {"epoch": "int", "step": "int", "frozen_layers": "int", "phase_caches": "bool", "hits": "int",
               "refreshes": "int", "misses": "int", "rows_written": "int", "rows_not_cached": "int",
               "slabs_evicted": "int", "bytes_evicted": "int", "slabs_promoted": "int", "disk_full": "int?",
@@ -209,6 +213,20 @@ class Step:
     """The step's learning rate (logged with a schedule or warm-up)."""
     grad_norm: float | None = None
     """The global gradient norm before clipping (logged with --clip-grad-norm)."""
+    cache_hits: int | None = None
+    """Rows rank 0 read from the AutoCache in this step (logged when it served any; older logs: None)."""
+    cache_refreshes: int | None = None
+    """Rows rank 0 refreshed from a smaller cached count (only the layers between the two counts ran)."""
+    cache_misses: int | None = None
+    """Rows rank 0 computed through the whole frozen prefix (and wrote, budget permitting)."""
+
+    @property
+    def fill_fraction(self) -> float | None:
+        """The share of the step's rows that the prefix computed (refreshed or missed), None when not logged."""
+        h, r, m = self.cache_hits, self.cache_refreshes, self.cache_misses
+        if h is None or r is None or m is None or h + r + m == 0:
+            return None
+        return (r + m) / (h + r + m)
 
 
 @dataclass(frozen=True, kw_only=True)

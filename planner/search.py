@@ -36,6 +36,7 @@ from typing import Sequence
 import numpy as np
 
 from .bounds import iteration_lower_bound, split_bound
+from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
 from .candidates import enumerate_candidates, pipeline_lengths, schedule_shapes
@@ -243,8 +244,8 @@ class PhaseSearch:
         if not c.cache:
             return 0.0
         N, out = self.cfg.samples_per_epoch, self.t.out_per_sample
-        rows = N * (out[n0 - 1] + (out[fill_from - 1] if fill_from > 0 else 0.0))
-        return float(rows + self.stage0_per_node(c.K) * self.t.cum_param[n0])
+        return float(host_bytes(N, int(out[n0 - 1]), float(self.t.cum_param[n0]), self.stage0_per_node(c.K),
+                                int(out[fill_from - 1]) if fill_from > 0 else 0))  # the runtime's slabs
 
     def stage0_per_node(self, K: int) -> int:
         """The most stage-0 ranks any node holds at pipeline length K."""

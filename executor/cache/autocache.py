@@ -352,6 +352,10 @@ class ActivationCache:
         self._stats.misses += misses
 
     # ---- reporting and lifetime ----------------------------------------------------------------
+    def row_counts(self) -> tuple[int, int, int]:
+        """(hits, refreshes, misses) this process has served so far (cheap: no file listing, unlike ``stats``)."""
+        return self._stats.hits, self._stats.refreshes, self._stats.misses
+
     def stats(self) -> CacheStats:
         """This process's counters plus the node-wide bytes and slabs on each tier now."""
         s = CacheStats(**{**self._stats.as_dict(), "notes": list(self._stats.notes)})

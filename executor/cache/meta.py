@@ -7,13 +7,12 @@ import shutil
 import uuid
 from typing import Any
 
+from ptplan.planner.cache_size import DEFAULT_SLAB_BYTES, MAX_SHARD_ROWS, shard_rows
 from ptplan.planner.errors import PtplanError
 
 from ptplan.executor.cache.store import DTYPES
 
 SCHEMA = "ptplan.cache/1"
-DEFAULT_SLAB_BYTES = 64 << 20
-MAX_SHARD_ROWS = 16384
 
 
 def create_meta(root: str, cache_dir: str, job_id: str, given: dict[str, Any]) -> dict[str, Any]:
@@ -33,7 +32,7 @@ def create_meta(root: str, cache_dir: str, job_id: str, given: dict[str, Any]) -
         row *= s
     rows = given["shard_rows"]
     if rows is None:
-        rows = max(1, min(MAX_SHARD_ROWS, DEFAULT_SLAB_BYTES // row))
+        rows = shard_rows(row, n)
     elif not 1 <= rows <= MAX_SHARD_ROWS:
         raise PtplanError(f"shard_rows must be in 1..{MAX_SHARD_ROWS}, got {rows}")
     meta = dict(schema=SCHEMA, job_id=job_id, sample_shape=shape, dtype=given["dtype"], num_samples=n,

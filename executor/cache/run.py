@@ -22,10 +22,14 @@ any rank raises the same PtplanError on every rank before the first step, unless
 ``cache_setup`` record). Dropout in the model is no reason to refuse: ptplan runs the frozen prefix
 in eval mode whether it caches it or not, so a cached row is exactly what recomputation gives.
 
-Budget (RAM tier, per node): the slab bytes of every sample at two frozen counts (after a freeze,
-an epoch refreshes the rows at the old count into the new one, and a shard's old slab goes only once
-all its rows are refreshed), capped by ``cache_budget``. The plan's prediction
-(``Phase.predicted.cache_host_bytes_per_node``) is logged beside it.
+Budget (RAM tier, per node): the slab bytes of every sample at one frozen count and, when the run caches more than
+one count, at a second (after a freeze, an epoch refreshes the rows at the old count into the new one, and a
+shard's old slab goes only once all its rows are refreshed), capped by ``cache_budget``
+(``planner/cache_size.py``: the planner prices the same slabs). Rows are stored in the model's dtype, what the
+prefix outputs (under ``--precision bf16`` autocast the blocks still output float32). The ``cache_setup`` record
+logs the plan's ``Phase.predicted.cache_host_bytes_per_node`` (rows at one count plus the frozen weights kept in host
+memory to fill, in the profile's dtype: ``plan_dtype``) beside the same sum from this run's model
+(``host_bytes_per_node``), and ``refresh_bytes``, the part of ``need_bytes`` for the second count.
 """
 from __future__ import annotations
 
@@ -39,10 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ptplan.planner.cache_size import cache_bytes, host_bytes, shard_rows
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
 
-from ptplan.executor.cache.autocache import DEFAULT_SLAB_BYTES, MAX_SHARD_ROWS, ActivationCache, prefix_sample_shape
+from ptplan.executor.cache.autocache import ActivationCache, prefix_sample_shape
 from ptplan.executor.cache.guard import check_prefix_modules, check_repeatable_layers, eval_mode
 from ptplan.executor.cache.store import SlabInfo, dtype_name
 from ptplan.executor.training.config import RunConfig
@@ -64,21 +69,31 @@ def caching_phases(plan: Plan, cfg: RunConfig) -> list[int]:
 
 
 def budget_for(num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dtype,
-               cap: int | None = None) -> tuple[int, int]:
-    """(RAM bytes for every sample's slab rows at two frozen counts, samples per slab).
+               cap: int | None = None, *, refresh: bool = True) -> tuple[int, int]:
+    """(RAM bytes for every sample's slab rows at one frozen count, and at a second one while an epoch refreshes
+    rows into a larger count (``refresh``), samples per slab): ``cache_size.cache_bytes``, the planner's model.
 
     Slabs hold about 64 MiB, fewer rows under a small ``cap`` (at least 16 slabs fit in it), so that
     a small budget still caches part of the data.
     """
     row = math.prod(sample_shape) * dtype.itemsize
-    rows = max(1, min(MAX_SHARD_ROWS, DEFAULT_SLAB_BYTES // row))
-    if cap:
-        rows = max(1, min(rows, cap // (16 * row)))
-    rows = min(rows, num_samples)
-    one = sum(SlabInfo(frozen_layers=1, shard=s, first=s * rows, rows=min(rows, num_samples - s * rows),
-                       shape=sample_shape, dtype=dtype_name(dtype), tag="").file_bytes
-              for s in range(math.ceil(num_samples / rows)))
-    return 2 * one, rows
+    rows = shard_rows(row, num_samples, cap)
+    return cache_bytes(num_samples, row, row if refresh else 0, cap), rows
+
+
+def host_need(plan: Plan, phases: Sequence[int], model: nn.Module, num_samples: int, row_bytes: int,
+              local_world: int) -> int:
+    """What the plan's ``cache_host_bytes_per_node`` counts, from this run's model: per caching phase, every
+    row at its count plus the frozen weights its stage-0 ranks on the busiest node keep in host memory to fill
+    (``cache_size.host_bytes``), the most over the phases."""
+    out = 0
+    for i in phases:
+        ph = plan.phases[i]
+        firsts = [row[0] // local_world for row in ph.ranks]
+        weights = sum(p.numel() * p.element_size() for layer in model.layers[:ph.frozen_layers]
+                      for p in layer.parameters())
+        out = max(out, host_bytes(num_samples, row_bytes, weights, max(firsts.count(n) for n in set(firsts))))
+    return out
 
 
 def _place() -> tuple[int, int]:
@@ -190,9 +205,11 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     creator = local == 0
     job = f"{_job_base()}-node{node}"
     shape = prefix_sample_shape(model)
-    dtype = next(model.parameters()).dtype
+    dtype = next(model.parameters()).dtype  # what the prefix outputs: also under --precision bf16 (autocast), where
+    # every family's residual stream leaves a block in float32 (tests/test_cache_plan_agree.py)
     N = len(dataset)
-    need, shard_rows = budget_for(N, shape, dtype, cfg.cache_budget)
+    refresh = len({plan.phases[i].frozen_layers for i in phases}) > 1  # a later phase refreshes an earlier's rows
+    need, rows_per_slab = budget_for(N, shape, dtype, cfg.cache_budget, refresh=refresh)
     budget = need if cfg.cache_budget is None else min(need, cfg.cache_budget)
     if budget < need and dist.get_rank() == 0:
         print(f"ptplan run: note: the AutoCache needs up to {need} bytes per node for {N} samples but "
@@ -204,7 +221,7 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
         try:
             if creator:
                 cache = ActivationCache(cfg.cache_dir, create=True, sample_shape=shape, dtype=dtype, num_samples=N,
-                                        budget_bytes=budget, spill_dir=cfg.cache_spill_dir, shard_rows=shard_rows,
+                                        budget_bytes=budget, spill_dir=cfg.cache_spill_dir, shard_rows=rows_per_slab,
                                         job_id=job, allow_nondeterministic=cfg.cache_allow_nondeterministic)
         except PtplanError as e:
             problem = f"activation cache on node {node}: {e}"
@@ -235,8 +252,13 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     dist.all_reduce(nodes)
     n_nodes = int(nodes.item())
     predicted = max(plan.phases[i].predicted.cache_host_bytes_per_node for i in phases)
+    row = math.prod(shape) * dtype.itemsize
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     record = CacheSetupRecord(job_id=job, nodes=n_nodes, dir=cache.dir, spill_dir=cache.spill_dir,
                               budget_bytes=cache.budget_bytes, need_bytes=need, plan_bytes_per_node=predicted,
+                              row_bytes=row, refresh_bytes=need - cache_bytes(N, row, 0, cfg.cache_budget),
+                              host_bytes_per_node=host_need(plan, phases, model, N, row, local_world),
+                              plan_dtype=plan.inputs.profile.dtype,
                               sample_shape=list(shape), dtype=dtype_name(dtype), samples=N, shard_rows=cache.shard_rows,
                               phases=phases, frozen_layers=sorted({plan.phases[i].frozen_layers for i in phases}),
                               allow_nondeterministic=cfg.cache_allow_nondeterministic,

@@ -42,11 +42,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ptplan.planner.cache_size import HEADER_BYTES, round_up as _round_up, slab_file_bytes
 from ptplan.planner.errors import PtplanError
 
 MAGIC = b"PTPLSLB1"
-PAGE = 4096
-HEADER_BYTES = PAGE
 _NAME = re.compile(r"^f(\d{4})-s(\d{6})\.slab$")
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                                   "float64": torch.float64}
@@ -62,10 +61,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def slab_name(frozen_layers: int, shard: int) -> str:
     return f"f{frozen_layers:04d}-s{shard:06d}.slab"
-
-
-def _round_up(n: int, k: int = PAGE) -> int:
-    return (n + k - 1) // k * k
 
 
 @dataclass(frozen=True)
@@ -96,7 +91,8 @@ class SlabInfo:
 
     @property
     def file_bytes(self) -> int:
-        return self.data_offset + _round_up(self.rows * self.row_bytes)
+        """``cache_size.slab_file_bytes``: what the planner prices a slab at."""
+        return slab_file_bytes(self.rows, self.row_bytes)
 
     def header(self) -> bytes:
         body = json.dumps({"frozen_layers": self.frozen_layers, "shard": self.shard, "first": self.first,

@@ -135,6 +135,7 @@ class AutoCache(Callback):
 
     def __init__(self) -> None:
         self.cache: RunCache | None = None
+        self._rows: tuple[int, int, int] = (0, 0, 0)
 
     def setup(self, ctx: RunContext, copies: Sequence[frozenset[int]]) -> None:
         """Collective; refuses a nondeterministic prefix (on the layers as built: ``copies``)."""
@@ -144,6 +145,19 @@ class AutoCache(Callback):
     def on_start(self, ctx: RunContext) -> None:
         if self.cache is not None:
             ctx.log.write(self.cache.setup_record)
+
+    def before_step(self, ctx: RunContext) -> None:
+        if self.cache is not None:
+            self._rows = self.cache.cache.row_counts()
+
+    def on_step(self, ctx: RunContext, result: StepResult) -> None:
+        """This rank's rows of the step (``cache_hits``/``cache_refreshes``/``cache_misses`` on its step record
+        when it served any: ``ptplan compare`` tells fill steps from steady ones by them)."""
+        if self.cache is None:
+            return
+        h, r, m = (b - a for a, b in zip(self._rows, self.cache.cache.row_counts()))
+        if h + r + m:
+            result.fields.update(cache_hits=h, cache_refreshes=r, cache_misses=m)
 
     def on_epoch_end(self, ctx: RunContext) -> None:
         if self.cache is not None:

@@ -128,6 +128,9 @@ class StepRecord(RunRecord):
     memory: dict[str, Any] | None = None
     lr: float | None = None
     grad_norm: float | None = None
+    cache_hits: int | None = None
+    cache_refreshes: int | None = None
+    cache_misses: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -270,6 +273,10 @@ class CacheSetupRecord(RunRecord):
     frozen_layers: list[int]
     allow_nondeterministic: bool
     notes: list[str]
+    row_bytes: int | None = None
+    refresh_bytes: int | None = None
+    host_bytes_per_node: int | None = None
+    plan_dtype: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,189 @@
+"""``ptplan compare`` prices each step as the kind of step it was: AutoCache fill/refresh steps against the plan's
+``fill_iteration_s`` (weighted by the share of rows computed), the others against ``iteration_s``; and the AutoCache's
+rows and RAM are the planner's model (``planner/cache_size.py``): a bf16 model's ``cache_setup`` record carries the
+plan's dtype and bytes. Hand-written run logs, then one real 1-process CPU run of a bf16 bert-tiny with the cache on."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ptplan.planner.cache_size import cache_bytes, rows_bytes, slab_file_bytes
+from ptplan.planner.cluster import get_preset
+from ptplan.planner.compare import compare, fill_fractions, format_comparison
+from ptplan.planner.freeze import FreezePolicy
+from ptplan.planner.planner import TrainingConfig, make_plan
+from ptplan.planner.runlog import SCHEMA as RUNLOG_SCHEMA, read_run_log
+from ptplan.planner.synthetic import synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def plan():
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512, flops_per_s=1e9)
+    return make_plan(prof, get_preset("cpu:2"), TrainingConfig(epochs=3, samples_per_epoch=64, batch=8, pin_K=2,
+                                                               cache="on"),
+                     FreezePolicy(policy="manual", manual=(0, 2, 3)))
+
+
+def _step(plan, epoch: int, step: int, ph: int, seconds: float, **kw) -> dict:
+    p = plan.phases[ph]
+    return {"type": "step", "epoch": epoch, "step": step, "phase": ph, "frozen_blocks": p.frozen_blocks, "K": p.K,
+            "D": p.D, "seconds": seconds, "samples": p.global_batch, "loss": 1.0, **kw}
+
+
+def _cache(epoch: int, step: int, caches: bool, hits: int = 0, refreshes: int = 0, misses: int = 0) -> dict:
+    zero = dict.fromkeys(("rows_not_cached", "slabs_evicted", "bytes_evicted", "slabs_promoted", "ram_bytes",
+                          "disk_bytes", "ram_slabs", "disk_slabs"), 0)
+    return {"type": "cache", "epoch": epoch, "step": step, "frozen_layers": 0, "phase_caches": caches, "hits": hits,
+            "refreshes": refreshes, "misses": misses, "rows_written": misses + refreshes, **zero, "totals": {}}
+
+
+def _log(plan, tmp_path, recs):
+    head = {"type": "header", "schema": RUNLOG_SCHEMA, "plan_fingerprint": plan.inputs.profile.fingerprint,
+            "model": plan.inputs.profile.model, "world_size": plan.world_size,
+            "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]}
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [head, *recs]))
+    return read_run_log(path)
+
+
+def test_fill_epochs_are_compared_with_the_fill_price(plan, tmp_path):
+    """The lent-H100 run's case: epochs whose ``cache`` record says every row missed (a fill) or was refreshed,
+    timed exactly as the plan prices them, compare at 0 % error; before, their steps were set against the
+    steady ``iteration_s`` (there -55..-69 % instead of the fill's own error)."""
+    p0, p2, p3 = plan.phases[0], plan.phases[2], plan.phases[3]
+    assert p2.cache and p3.cache and p2.predicted.fill_iteration_s > p2.predicted.iteration_s
+    recs = [_step(plan, 0, s, 0, p0.predicted.iteration_s) for s in range(4)] + [_cache(0, 4, False)]
+    recs += [_step(plan, 1, s, 2, p2.predicted.fill_iteration_s) for s in range(4, 8)] + [_cache(1, 8, True, misses=64)]
+    recs += [_step(plan, 2, s, 3, p3.predicted.fill_iteration_s) for s in range(8, 12)]
+    recs += [_cache(2, 12, True, refreshes=64)]
+    c = compare(plan, _log(plan, tmp_path, recs))
+    assert [r.phase for r in c.phases] == [0] and [(r.phase, r.kind) for r in c.fills] == [(2, "fill"), (3, "fill")]
+    for r, p in zip(c.fills, (p2, p3)):
+        assert r.predicted_iteration_s == pytest.approx(p.predicted.fill_iteration_s) and r.fill_fraction == 1.0
+        assert r.iteration_error == pytest.approx(0.0, abs=1e-12) and r.steps == 3
+    assert c.median_abs_iteration_error == pytest.approx(0.0, abs=1e-12)
+    text = format_comparison(c)
+    assert "\n   2f " in text and "cache fill: 100% of the prefix rows computed" in text
+    assert [f["kind"] for f in c.to_json()["fills"]] == ["fill", "fill"]
+
+
+def test_per_step_rows_split_a_phase_into_fill_and_steady_rows(plan, tmp_path):
+    """Per-step ``cache_*`` fields (what ``ptplan run`` logs now) beat the epoch's record: steps that read every row
+    are steady, a step that computed half its rows is priced halfway to the fill; memory is compared once, on the
+    steady row."""
+    p2 = plan.phases[2]
+    it, fill = p2.predicted.iteration_s, p2.predicted.fill_iteration_s
+    half = it + 0.5 * (fill - it)
+    recs = [_step(plan, 0, 0, 2, fill, cache_hits=0, cache_refreshes=0, cache_misses=4),  # warm-up: left out
+            _step(plan, 0, 1, 2, fill, cache_hits=0, cache_refreshes=0, cache_misses=4, memory_sampled=True,
+                  peak_memory_bytes=10 ** 6, memory={"per_rank": [{"total": 10 ** 6}, {"total": 10 ** 6}]}),
+            _step(plan, 0, 2, 2, fill, cache_hits=0, cache_refreshes=4, cache_misses=0),
+            _step(plan, 0, 3, 2, half, cache_hits=2, cache_refreshes=0, cache_misses=2),
+            _cache(0, 4, True, misses=64),  # the epoch says all missed: the per-step fields win
+            _step(plan, 1, 4, 2, it, cache_hits=4, cache_refreshes=0, cache_misses=0),
+            _step(plan, 1, 5, 2, it, cache_hits=4, cache_refreshes=0, cache_misses=0)]
+    log = _log(plan, tmp_path, recs)
+    assert fill_fractions(log) == {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5, 4: 0.0, 5: 0.0}
+    c = compare(plan, log)
+    (steady,), (fills,) = c.phases, c.fills
+    assert steady.steps == 2 and steady.predicted_iteration_s == pytest.approx(it) and steady.iteration_error == 0
+    assert fills.steps == 2 and fills.fill_fraction == 0.75  # the memory-sampled step 1 is not timed
+    assert fills.predicted_iteration_s == pytest.approx((fill + half) / 2)
+    assert steady.measured_peak_memory_bytes == 10 ** 6 and fills.measured_peak_memory_bytes is None
+
+
+def test_steps_of_a_non_caching_epoch_stay_steady(plan, tmp_path):
+    """A ``cache`` record of a phase that does not cache, or a log without cache records: every step is steady."""
+    p0 = plan.phases[0]
+    recs = [_step(plan, 0, s, 0, p0.predicted.iteration_s) for s in range(3)] + [_cache(0, 3, False, misses=24)]
+    log = _log(plan, tmp_path, recs)
+    assert fill_fractions(log) == {}
+    c = compare(plan, log)
+    assert c.fills == () and c.phases[0].kind == "steady" and c.phases[0].iteration_error == 0
+
+
+def test_slab_sizes_are_the_stores():
+    """``cache_size`` is what the store allocates: a slab file per shard, the refresh's second count alike."""
+    from ptplan.executor.cache.store import SlabInfo
+
+    for rows, row in ((4, 70), (170, 196608), (1, 1)):
+        info = SlabInfo(frozen_layers=1, shard=0, first=0, rows=rows, shape=(row,), dtype="bfloat16", tag="")
+        assert info.file_bytes == slab_file_bytes(rows, 2 * row)
+    # the lent H100 run: 3200 samples of 128 x 768 float32 in 19 slabs, at two counts
+    assert cache_bytes(3200, 128 * 768 * 4, 128 * 768 * 4) == 2 * rows_bytes(3200, 128 * 768 * 4) == 2_516_893_696
+
+
+# ---- a real run: bf16 bert-tiny, one process, the cache on ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    import torch
+
+    from ptplan.executor.data.dataset import SyntheticDataset
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.launch.local import run_world
+    from ptplan.executor.profiling.profiler import profile_model
+    from ptplan.executor.training.config import RunConfig
+    from ptplan.executor.training.loop import run_training
+
+    tmp = tmp_path_factory.mktemp("bf16run")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model("bert-tiny", seq_len=8, dropout=0.0, dtype=torch.bfloat16)
+        prof = profile_model(model, device="cpu", batch_sizes=[2, 4], warmup=0, repeats=1, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    plan = make_plan(prof, get_preset("cpu:1"), TrainingConfig(epochs=4, samples_per_epoch=16, batch=4, cache="on"),
+                     FreezePolicy(policy="manual", manual=(0, 1, 1, 2)))
+    cache_dir = str(tmp / "ram")
+    os.makedirs(cache_dir)
+    log = str(tmp / "run.jsonl")
+    cfg = RunConfig(plan="(test)", model="bert-tiny", epochs=4, progress=False, timeout_s=60, log=log, dropout=0.0,
+                    dtype="bfloat16", cache="auto", cache_dir=cache_dir)
+    ds = SyntheticDataset(model, 16)
+
+    def worker(rank: int, world: int) -> None:
+        run_training(cfg, plan, model, ds)
+
+    res = run_world(1, worker, tmpdir=str(tmp), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    return prof, plan, log
+
+
+@pytest.mark.multiproc
+def test_real_run_fill_steps_are_priced_as_fills(bf16_run):
+    """Epoch 1 fills phase 1 (every row missed), epoch 2 reads it (hits), epoch 3 refreshes into phase 2: the steps
+    say so, and compare sets epochs 1 and 3 against the fill price, epoch 2 against the steady one."""
+    _, plan, log_path = bf16_run
+    log = read_run_log(log_path)
+    rows = {s.epoch: (s.cache_hits, s.cache_refreshes, s.cache_misses) for s in log.steps}
+    assert rows == {0: (None, None, None), 1: (0, 0, 4), 2: (4, 0, 0), 3: (0, 4, 0)}
+    c = compare(plan, log)
+    by_phase = {p.frozen_blocks: i for i, p in enumerate(plan.phases)}
+    p1, p2 = plan.phases[by_phase[1]], plan.phases[by_phase[2]]
+    assert [(r.phase, r.steps) for r in c.phases] == [(by_phase[0], 2), (by_phase[1], 4)]  # warm-up, sampled out
+    assert c.phases[1].predicted_iteration_s == pytest.approx(p1.predicted.iteration_s)
+    assert [(r.phase, r.steps) for r in c.fills] == [(by_phase[1], 2), (by_phase[2], 2)]  # warm-up, sampled out
+    for r, p in zip(c.fills, (p1, p2)):
+        assert p.predicted.fill_iteration_s > 0
+        assert r.predicted_iteration_s == pytest.approx(p.predicted.fill_iteration_s)
+
+
+@pytest.mark.multiproc
+def test_bf16_cache_setup_equals_the_plans_numbers(bf16_run):
+    """The cache stores the bf16 rows the prefix outputs, and its bytes are the plan's: the plan's
+    ``cache_host_bytes_per_node`` (rows at one count + the frozen weights kept to fill) equals the run's same sum,
+    and ``need_bytes`` is the rows at two counts (the run caches counts 1 and 2: a refresh keeps both)."""
+    prof, plan, log_path = bf16_run
+    setup = next(r.fields for r in read_run_log(log_path).records if r.type == "cache_setup")
+    assert setup["dtype"] == setup["plan_dtype"] == prof.model.dtype == "bfloat16"
+    n0 = max(p.frozen_layers for p in plan.phases if p.cache)
+    row = prof.layers[n0 - 1].output_bytes_per_sample
+    assert setup["row_bytes"] == row == 8 * 64 * 2
+    assert setup["need_bytes"] == cache_bytes(16, row, row) == 2 * rows_bytes(16, row)
+    assert setup["refresh_bytes"] == rows_bytes(16, row)
+    assert setup["host_bytes_per_node"] == setup["plan_bytes_per_node"] == max(
+        p.predicted.cache_host_bytes_per_node for p in plan.phases if p.cache)
