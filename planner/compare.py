@@ -72,6 +72,9 @@ class Comparison:
     ran the re-planned plan; only the steps of the plan compared are in ``phases``."""
     other_plan_steps: int = 0
     """Steps the run took under another plan of its membership changes (left out; compare them with that plan)."""
+    mismatches: tuple[str, ...] = ()
+    """Where the run did not run what the plan priced (``model_mismatches``: the parameters' or the AutoCache rows'
+    dtype), said with the numbers: every row's error then includes it."""
     fills: tuple[PhaseComparison, ...] = ()
     """Per phase, its AutoCache fill/refresh steps (``kind == "fill"``), apart from ``phases`` (steady steps); a
     phase's memory is compared on its steady row, on its fill row only when it has no steady step."""
@@ -144,6 +147,42 @@ def fill_fractions(log: RunLog) -> dict[int, float]:
         if frac is not None:
             out[s.step] = frac
     return out
+
+
+def _params_ratio(plan: Plan, r: Step) -> tuple[float, int, int, int] | None:
+    """(measured / planned, measured, planned, phase) parameter bytes of the step's first pipeline, from its per-rank
+    ``params`` against the plan's per-stage ``weights`` (plain stages only: K entries, no tp or FSDP)."""
+    p = plan.phases[r.phase]
+    rows = (r.memory or {}).get("per_rank")
+    mem = p.predicted.stage_memory
+    if not isinstance(rows, list) or len(mem) != p.K or p.tp != 1 or p.fsdp or not p.ranks:
+        return None
+    got = [rows[rank].get("params") for rank in p.ranks[0] if rank < len(rows)]
+    want = sum(int(m.weights) for m in mem)
+    if len(got) != p.K or not all(isinstance(g, int) for g in got) or want <= 0:
+        return None
+    return sum(got) / want, sum(got), want, r.phase
+
+
+def model_mismatches(plan: Plan, log: RunLog) -> tuple[str, ...]:
+    """The run's model against the plan's: the AutoCache rows' dtype (``cache_setup``) against the profile's, and the
+    measured parameter bytes against the plan's weights (a float32 run of a bfloat16 profile's plan holds 2x)."""
+    want = plan.inputs.profile.dtype
+    out = []
+    setup = next((r.fields for r in log.records if r.type == "cache_setup"), None)
+    if setup and want and setup["dtype"] != want:
+        out.append(f"the AutoCache stored {setup['dtype']} rows ({setup['need_bytes']:,} bytes per node) where the "
+                   f"plan priced {want}, its profile's dtype ({setup['plan_bytes_per_node']:,} bytes with the frozen "
+                   f"weights; the run's same sum: {setup.get('host_bytes_per_node') or 'not logged'})")
+    sampled = next((r for r in log.steps if r.memory and 0 <= r.phase < len(plan.phases)), None)
+    got = _params_ratio(plan, sampled) if sampled is not None else None
+    if got is not None and not 0.8 <= got[0] <= 1.25:
+        out.append(f"the run's parameters take {got[0]:.2f}x the plan's weights (phase {got[3]}: "
+                   f"{got[1]:,} vs {got[2]:,} bytes): the run's model is not in the profile's dtype {want} (ptplan "
+                   f"run builds float32 weights; --precision bf16 autocasts the forward passes but keeps float32 "
+                   f"weights, gradients and optimizer state), so memory and time differ from the plan by that too; "
+                   f"compare a run with a plan from a profile in the dtype it trains in")
+    return tuple(out)
 
 
 def _predicted_s(phase: Any, frac: float) -> float:
@@ -256,7 +295,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
         phases=tuple(rows["steady"]), fills=tuple(rows["fill"]),
         transitions=tuple(r.to_json() for r in log.transitions),
         warnings=log.warnings, evals=tuple(r.fields for r in log.records if r.type == "eval"), resumes=log.resumes,
-        memberships=log.memberships, other_plan_steps=other,
+        memberships=log.memberships, other_plan_steps=other, mismatches=model_mismatches(plan, log),
         median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in every),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
 
@@ -286,7 +325,7 @@ def format_comparison(c: Comparison) -> str:
                      f"{r.predicted_iteration_s:>10.4f} {r.measured_iteration_s:>10.4f} {r.iteration_error:>+7.1%} "
                      f"{r.predicted_samples_per_s:>10.1f} {r.measured_samples_per_s:>10.1f} "
                      f"{pm} {mm} {me}" + (f"  ({'; '.join(notes)})" if notes else ""))
-    lines.extend(f"note: {w}" for w in c.warnings)
+    lines.extend(f"note: {w}" for w in c.warnings + c.mismatches)
     lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
                  f"stopped run logged from there were replaced by the resumed run's (each step counted once)"
                  for r in c.resumes if r["replaced_steps"])

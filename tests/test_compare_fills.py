@@ -115,6 +115,29 @@ def test_slab_sizes_are_the_stores():
     assert cache_bytes(3200, 128 * 768 * 4, 128 * 768 * 4) == 2 * rows_bytes(3200, 128 * 768 * 4) == 2_516_893_696
 
 
+def test_a_run_in_another_dtype_than_the_profile_is_named(plan, tmp_path):
+    """The lent H100 run: float32 parameters (2x the bf16 plan's weights) and float32 AutoCache rows: compare says
+    so with the bytes; parameters as planned say nothing."""
+    p2 = plan.phases[2]
+    weights = [int(m.weights) for m in p2.predicted.stage_memory]
+    setup = {"type": "cache_setup", "job_id": "j", "nodes": 1, "dir": "/x", "spill_dir": None, "budget_bytes": 8,
+             "need_bytes": 8, "plan_bytes_per_node": 4, "sample_shape": [16, 64], "dtype": "float64", "samples": 64,
+             "shard_rows": 64, "phases": [2], "frozen_layers": [p2.frozen_layers], "allow_nondeterministic": False,
+             "notes": []}
+
+    def run(scale: int, dtype: str):
+        per_rank = [{"total": 10 ** 6, "params": scale * w} for w in weights]
+        recs = [{**setup, "dtype": dtype}] + [_step(plan, 0, s, 2, 0.1, memory_sampled=s == 1, **(
+            {"peak_memory_bytes": 10 ** 6, "memory": {"per_rank": per_rank}} if s == 1 else {})) for s in range(3)]
+        return compare(plan, _log(plan, tmp_path, recs)).mismatches
+
+    assert plan.inputs.profile.dtype == "float32"
+    assert run(1, "float32") == ()
+    rows, params = run(2, "float64")
+    assert "stored float64 rows" in rows and "priced float32" in rows
+    assert params.startswith(f"the run's parameters take 2.00x the plan's weights (phase 2: {2 * sum(weights):,} vs ")
+
+
 # ---- a real run: bf16 bert-tiny, one process, the cache on ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -170,6 +193,7 @@ def test_real_run_fill_steps_are_priced_as_fills(bf16_run):
     for r, p in zip(c.fills, (p1, p2)):
         assert p.predicted.fill_iteration_s > 0
         assert r.predicted_iteration_s == pytest.approx(p.predicted.fill_iteration_s)
+    assert c.mismatches == ()  # a bf16 model against its bf16 profile's plan: the same parameter bytes and rows
 
 
 @pytest.mark.multiproc
