@@ -138,6 +138,26 @@ def test_a_run_in_another_dtype_than_the_profile_is_named(plan, tmp_path):
     assert params.startswith(f"the run's parameters take 2.00x the plan's weights (phase 2: {2 * sum(weights):,} vs ")
 
 
+@pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny", "llama-tiny"])
+def test_rows_are_stored_in_the_dtype_the_prefix_outputs(name):
+    """The cache stores rows in the model's parameter dtype (``cache.run.setup_cache``): that is what every cacheable
+    prefix outputs, for a bf16 model (bf16) and under ``--precision bf16`` autocast of a float32 model (float32: the
+    residual stream leaves each block in float32), so storing never rounds a row."""
+    import torch
+
+    from ptplan.executor.data.dataset import SyntheticDataset
+    from ptplan.executor.families.models import build_model
+
+    for dtype, amp in ((torch.bfloat16, False), (torch.float32, True)):
+        model = build_model(name, seq_len=8, dropout=0.0, dtype=dtype)
+        x, _, mask = SyntheticDataset(model, 2).batch(torch.tensor([0, 1]))
+        ends = [f for f in range(1, len(model.layers)) if model.specs[f - 1].kind in ("embedding", "block",
+                                                                                      "attention", "mlp")]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            got = {model.run_layers(x, 0, f, mask).dtype for f in ends}
+        assert got == {next(model.parameters()).dtype} == {dtype}, (name, amp, got)
+
+
 # ---- a real run: bf16 bert-tiny, one process, the cache on ---------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -206,7 +206,7 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     job = f"{_job_base()}-node{node}"
     shape = prefix_sample_shape(model)
     dtype = next(model.parameters()).dtype  # what the prefix outputs: also under --precision bf16 (autocast), where
-    # every family's residual stream leaves a block in float32 (tests/test_cache_plan_agree.py)
+    # every family's residual stream leaves a block in float32 (tests/test_compare_fills.py)
     N = len(dataset)
     refresh = len({plan.phases[i].frozen_layers for i in phases}) > 1  # a later phase refreshes an earlier's rows
     need, rows_per_slab = budget_for(N, shape, dtype, cfg.cache_budget, refresh=refresh)
