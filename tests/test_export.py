@@ -152,9 +152,20 @@ def test_export_best_and_model_only_checkpoints(tmp_path):
 # ---- done-when (issue 12): a 10-class image task and a Llama-family LM, through the CLI -------------------
 
 def _cli(*args: str, timeout: int = 300) -> str:
+    """``ptplan run`` in its own process (launcher, torchrun, workers); ``profile``, ``plan`` and ``data`` in this
+    one through click's CliRunner (same command objects and arguments, no Python start or torch import each;
+    profile's one thread is this module's ``one_torch_thread``)."""
     import subprocess
     import sys
 
+    if args[0] != "run":
+        from click.testing import CliRunner
+
+        from ptplan.cli.main import cli
+
+        res = CliRunner().invoke(cli, list(map(str, args)), catch_exceptions=False)
+        assert res.exit_code == 0, f"ptplan {args[0]} failed:\n{res.output[-3000:]}"
+        return res.output
     r = subprocess.run([sys.executable, "-m", "ptplan.cli.main", *map(str, args)], capture_output=True, text=True,
                        timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, f"ptplan {args[0]} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"

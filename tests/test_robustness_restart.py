@@ -165,7 +165,7 @@ def test_two_launchers_restart_a_killed_rank_to_the_same_weights(tmp_path):
     save_plan(_plan(model), tmp_path / "plan.json")
     x, y, m = model.make_batch(16, generator=torch.Generator().manual_seed(3))
     torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "data.pt")
-    epochs, port = 30, _free_port()
+    epochs, port = 12, _free_port()  # 48 steps: killed at step 16 (phase 1, checkpoints every 2), 32 left to resume
     args = ["--model", "bert-tiny", "--nproc-per-node", "1", "--nnodes", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "restart-test", "--max-restarts", "1",
             "--data", str(tmp_path / "data.pt"), "--epochs", str(epochs), "--freeze-every", "6", "--optimizer",
@@ -182,7 +182,7 @@ def test_two_launchers_restart_a_killed_rank_to_the_same_weights(tmp_path):
         killed = None
         while killed is None and time.monotonic() - t0 < 180:
             logs = [tmp_path / n / "run.jsonl" for n in "ab"]
-            if any(p.exists() and "\"step\": 20," in p.read_text() for p in logs):
+            if any(p.exists() and "\"step\": 16," in p.read_text() for p in logs):
                 pid = _worker_of_rank(1, {p.pid for p in nodes})
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
