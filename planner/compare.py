@@ -206,6 +206,9 @@ def _bucket(plan: Plan, log: RunLog, warmup: int
     seen_in_visit: dict[int, int] = {}
     last_phase = None
     resumed_at = {r["step"] for r in log.resumes}  # a resumed run rebuilds its stage: a new visit
+    # an evaluation, a checkpoint or an export drains the stage before step ``step`` (``ElasticRuntime.drain``:
+    # 2BW's outstanding updates run, tp/FSDP shards are gathered and rebuilt by that step): a new visit too
+    resumed_at |= {r.fields["step"] for r in log.records if r.type in ("eval", "checkpoint", "export")}
     segments = _segments(plan, log)
     fills = fill_fractions(log)
     other = 0
@@ -268,8 +271,9 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     """Median measured step time and the sampled peak memory per phase, against the plan's prediction.
 
     Timing: the median over the phase's steps, leaving out the first ``warmup`` steps of each visit
-    to the phase (set-up: receive buffers, shape inference; a resume from a checkpoint starts a new visit; a
-    transition's first step is a visit's first) and the steps that measured memory (their hooks slow them
+    to the phase (set-up: receive buffers, shape inference; a resume from a checkpoint, and the step after an
+    evaluation, checkpoint or export (a drained stage), start a new visit; a transition's first step is a visit's
+    first) and the steps that measured memory (their hooks slow them
     down) -- unless a phase has no other step, then its memory-sampled steps are timed and the row says so.
     Steps that filled or refreshed the AutoCache (``fill_fractions``) are compared apart (``Comparison.fills``)
     with the plan's fill price. Memory: the largest sampled ``peak_memory_bytes`` of the phase.

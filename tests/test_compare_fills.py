@@ -115,6 +115,17 @@ def test_slab_sizes_are_the_stores():
     assert cache_bytes(3200, 128 * 768 * 4, 128 * 768 * 4) == 2 * rows_bytes(3200, 128 * 768 * 4) == 2_516_893_696
 
 
+def test_the_step_after_an_evaluation_is_a_warm_up_step(plan, tmp_path):
+    """An evaluation (or a checkpoint, an export) drains the stage before the next step (2BW's updates, tp/FSDP's
+    shards rebuilt by that step): that step is left out like a visit's first."""
+    p0 = plan.phases[0]
+    it = p0.predicted.iteration_s
+    recs = [_step(plan, 0, s, 0, it if s != 3 else 100 * it) for s in range(6)]
+    recs.insert(3, {"type": "eval", "epoch": 0, "step": 3, "phase": 0, "loss": 1.0, "samples": 8, "seconds": 0.5})
+    (row,) = compare(plan, _log(plan, tmp_path, recs)).phases
+    assert row.steps == 4 and row.iteration_error == 0  # steps 1, 2, 4, 5: step 0 warms up, step 3 follows the eval
+
+
 def test_a_run_in_another_dtype_than_the_profile_is_named(plan, tmp_path):
     """The lent H100 run: float32 parameters (2x the bf16 plan's weights) and float32 AutoCache rows: compare says
     so with the bytes; parameters as planned say nothing."""
