@@ -352,8 +352,8 @@ def test_a_resume_replaces_the_replayed_steps_and_transitions_in_compare(job, tm
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_a_full_disk_under_the_run_log_is_one_line_and_the_log_still_reads(job, tmp_path):
-    """`ptplan run` (launcher, torchrun, 2 workers) with its log on a 64 KiB tmpfs."""
-    with small_fs(tmp_path / "fs", "64k") as fs:
+    """`ptplan run` (launcher, torchrun, 2 workers) with its log on a 32 KiB tmpfs (~130 steps' lines fit)."""
+    with small_fs(tmp_path / "fs", "32k") as fs:
         log = fs / "run.jsonl"
         d = job["dir"]
         cmd = [sys.executable, "-m", "ptplan.cli.main", "run", str(d / "plan.json"), "--model", "bert-tiny",
