@@ -17,6 +17,15 @@ the per-GPU collective rate of the paper's ZeRO-3 (DeepSpeed) on Table 2's 174.6
 held-out points are speedups, ratios of two predictions); its published wall-clock times are priced and shown
 but are ``not-comparable`` (``NOT_COMPARABLE_RULE``, ``PT_TIME_NOTE``).
 
+PipeTransformer's setting as its code (Distributed-AI/PipeTransformer) ran it: torch Pipe, i.e. GPipe
+(``PT_SCHEDULE``); the freeze trajectory ceil(L·(1-(1-alpha)^e)), alpha 1/3 (``PT_TRAJECTORY_NOTE``); and every
+re-partition (a change of K or D) costs the authors' own logged 26.6 s (``PT_TRANSITION_S``; not fitted), which
+ptplan's plan totals leave out. The freeze-only row stays over-predicted (1.37x against 0.95x): ptplan's frozen
+layers left in place skip their whole backward, while in torch Pipe (torchgpipe's fork/join dependencies join a
+grad-requiring phony tensor to each micro-batch) the activations most likely require grad, so frozen layers still
+compute their input gradients and only the weight gradients are saved; a hypothesis from the runtime's design, not
+modelled or checked here.
+
     python bench/published.py [--out FILE] [--quick] [--only KEY_PREFIX ...] [--fitted-from FILE]
 
 ``--quick`` prices only the points of the smaller models (for a smoke run); ``--only`` prices the points whose
