@@ -107,9 +107,11 @@ RUN_OUTPUT_OPTIONS: list[Callable[[Any], Any]] = [
 
 
 RUN_DEVICE_OPTIONS: list[Callable[[Any], Any]] = [
-    click.option("--precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
-                 help="bf16: forward passes under torch.autocast in bfloat16 (weights, gradients and optimizer state "
-                      "stay float32); on CUDA (a GPU with bf16) or CPU."),
+    click.option("--precision", type=click.Choice(["plan", "fp32", "bf16"]), default="plan", show_default=True,
+                 help="plan: weights, activations, gradients and optimizer state in the dtype of the plan's profile "
+                      "(what the plan priced: a bf16 profile trains bf16 weights); fp32: float32 throughout; bf16: "
+                      "float32 weights, gradients and optimizer state with the forward passes under torch.autocast in "
+                      "bfloat16, on CUDA (a GPU with bf16) or CPU."),
     click.option("--dropout", type=float, default=None, help="Set every dropout probability of the model."),
     click.option("--num-labels", type=int, default=None,
                  help="Classes of the classification head (bert, vit) [default: the plan's profile's]."),
@@ -181,6 +183,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     from ptplan.executor.launch.launcher import Rendezvous
 
     model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
+    precision, dtype = _precision(plan_path, precision)
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts, rdzv_conf=rdzv_conf)
@@ -202,6 +205,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
                     eval_data=os.path.abspath(eval_data) if eval_data else None, eval_every=eval_every,
                     eval_batch_size=eval_batch_size, export=_absolute(export_dir), export_best=export_best,
                     save_model_every=save_model_every, save_model_dir=_absolute(save_model_dir), precision=precision,
+                    dtype=dtype,
                     dropout=dropout, num_labels=num_labels, device=device, timeout_s=timeout_s,
                     progress=not no_progress, cache=cache_mode,
                     cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
@@ -252,6 +256,16 @@ def _from_plan(plan_path: str, model: str | None, weights: str | None, nproc_per
         model, recorded = model_from_plan(plan, plan_path)
         weights = weights if weights is not None else recorded
     return model, weights, nproc_per_node if nproc_per_node is not None else nproc_from_plan(plan, nnodes)
+
+
+def _precision(plan_path: str, precision: str) -> tuple[str, str]:
+    """``--precision`` -> (RunConfig.precision, RunConfig.dtype): ``plan`` trains in the plan's profile dtype with no
+    autocast (the model the plan priced), ``fp32`` in float32, ``bf16`` float32 weights under bfloat16 autocast."""
+    if precision != "plan":
+        return precision, "float32"
+    from ptplan.planner.plan import load_plan
+
+    return "fp32", load_plan(plan_path).inputs.profile.dtype
 
 
 def _finish_export(cfg) -> None:

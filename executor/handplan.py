@@ -92,7 +92,8 @@ def _phase(model: nn.Module, sp: PhaseSpec, schedule: str) -> Phase:
 
 def profile_identity(model: nn.Module) -> ProfileRef:
     return ProfileRef(model=model.name, family=model.family, num_blocks=model.num_blocks, num_layers=len(model.layers),
-                      granularity=model.granularity, seq_len=model.seq_len, dtype="float32", device="test",
+                      granularity=model.granularity, seq_len=model.seq_len,
+                      dtype=str(next(model.parameters()).dtype).removeprefix("torch."), device="test",
                       device_kind="cpu", fingerprint=model_fingerprint(model), source="synthetic")
 
 

@@ -178,10 +178,10 @@ def model_mismatches(plan: Plan, log: RunLog) -> tuple[str, ...]:
     got = _params_ratio(plan, sampled) if sampled is not None else None
     if got is not None and not 0.8 <= got[0] <= 1.25:
         out.append(f"the run's parameters take {got[0]:.2f}x the plan's weights (phase {got[3]}: "
-                   f"{got[1]:,} vs {got[2]:,} bytes): the run's model is not in the profile's dtype {want} (ptplan "
-                   f"run builds float32 weights; --precision bf16 autocasts the forward passes but keeps float32 "
-                   f"weights, gradients and optimizer state), so memory and time differ from the plan by that too; "
-                   f"compare a run with a plan from a profile in the dtype it trains in")
+                   f"{got[1]:,} vs {got[2]:,} bytes): the run's model is not in the profile's dtype {want} (`ptplan "
+                   f"run --precision fp32` trains float32 weights, and --precision bf16 autocasts the forward passes "
+                   f"but keeps float32 weights, gradients and optimizer state), so memory and time differ from the "
+                   f"plan by that too; run with --precision plan (the default) to train in the profile's dtype")
     return tuple(out)
 
 

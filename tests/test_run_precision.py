@@ -1,0 +1,59 @@
+"""``ptplan run --precision``: by default the run trains the model the plan priced, in its profile's dtype.
+
+Found on a lent H100: a plan made from a bf16 profile ran float32 weights (the old default), so the run's
+parameters, gradients and optimizer state took 2.00x the plan's bytes and ``ptplan compare`` measured another model."""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ptplan.cli.main import cli
+from ptplan.executor.families.models import build_model
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.training.runlog import read_records
+from ptplan.planner.plan import save_plan
+
+
+def _plan(tmp_path, dtype):
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0, dtype=dtype)
+    plan = make_plan(model, [spec(0, K=1, D=1, M=2, b=2)], trajectory=[0], samples_per_epoch=8)
+    path = tmp_path / f"plan-{dtype}.json".replace("torch.", "")
+    save_plan(plan, path)
+    return path
+
+
+def _config(plan, *args):
+    r = CliRunner().invoke(cli, ["run", str(plan), "--model", "bert-tiny", "--nproc-per-node", "1", "--dry-run", *args])
+    assert r.exit_code == 0, r.output
+    words = shlex.split(r.output.strip().splitlines()[-1])
+    cfg = json.loads(words[words.index("--config") + 1])
+    return cfg["dtype"], cfg["precision"]
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
+def test_the_default_trains_in_the_plans_dtype_and_the_flags_say_otherwise(tmp_path, dtype, name):
+    plan = _plan(tmp_path, dtype)
+    assert _config(plan) == (name, "fp32")  # --precision plan: the profile's dtype, no autocast
+    assert _config(plan, "--precision", "fp32") == ("float32", "fp32")
+    assert _config(plan, "--precision", "bf16") == ("float32", "bf16")  # float32 master weights, autocast
+
+
+def test_a_bf16_plan_runs_bf16_weights_and_its_memory_is_the_plans(tmp_path):
+    plan = _plan(tmp_path, torch.bfloat16)
+    log = tmp_path / "run.jsonl"
+    cmd = [sys.executable, "-m", "ptplan.cli.main", "run", str(plan), "--model", "bert-tiny", "--nproc-per-node", "1",
+           "--steps-per-epoch", "2", "--epochs", "1", "--optimizer", "sgd", "--lr", "0.05", "--device", "cpu",
+           "--log", str(log), "--timeout", "60", "--no-progress"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0, dtype=torch.bfloat16)
+    want = sum(p.numel() * 2 for p in model.parameters())  # bfloat16: 2 bytes a parameter
+    sampled = [s for s in read_records(log) if s["type"] == "step" and s.get("memory")]
+    assert sampled, "no memory-sampled step"
+    assert sampled[0]["memory"]["per_rank"][0]["params"] == want
