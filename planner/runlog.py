@@ -19,12 +19,15 @@ from typing import Any
 
 from .errors import PtplanError, SchemaError
 from .jsonio import Fields
+from .records import SCHEMA, StepRecord
 
-SCHEMA = "ptplan.runlog/1"
+Step = StepRecord
+"""A step record as read (the writer's class: ``records.StepRecord`` is the one definition)."""
+
 
 # field -> kind; a trailing "?" marks an optional field. kinds: int, float, str, bool, num (int or
 # float), obj (a JSON object), list, any. The writer builds each type with its class in
-# executor/training/records.py (a new type: its row here and one class there; tests/test_run_records.py checks both)
+# planner/records.py (a new type: its row here and one class there; tests/test_run_records.py checks both)
 FIELDS: dict[str, dict[str, str]] = {
     "header": {"schema": "str", "plan_fingerprint": "str?", "model": "str", "world_size": "int",
                "backend": "str?", "optimizer": "str?", "lr": "float?", "seed": "int?", "freeze": "str?",
@@ -192,41 +195,6 @@ class Header:
     world_size: int
     phases: tuple[dict[str, Any], ...]
     """Per plan phase: frozen_blocks, K, D, M, b, schedule (as the run read the plan)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Step:
-    epoch: int
-    step: int
-    phase: int
-    frozen_blocks: int
-    K: int
-    D: int
-    seconds: float
-    samples: int
-    loss: float
-    allreduce_seconds: float | None = None
-    memory_sampled: bool = False
-    peak_memory_bytes: int | None = None
-    memory: dict[str, Any] | None = None
-    lr: float | None = None
-    """The step's learning rate (logged with a schedule or warm-up)."""
-    grad_norm: float | None = None
-    """The global gradient norm before clipping (logged with --clip-grad-norm)."""
-    cache_hits: int | None = None
-    """Rows rank 0 read from the AutoCache in this step (logged when it served any; older logs: None)."""
-    cache_refreshes: int | None = None
-    """Rows rank 0 refreshed from a smaller cached count (only the layers between the two counts ran)."""
-    cache_misses: int | None = None
-    """Rows rank 0 computed through the whole frozen prefix (and wrote, budget permitting)."""
-
-    @property
-    def fill_fraction(self) -> float | None:
-        """The share of the step's rows that the prefix computed (refreshed or missed), None when not logged."""
-        h, r, m = self.cache_hits, self.cache_refreshes, self.cache_misses
-        if h is None or r is None or m is None or h + r + m == 0:
-            return None
-        return (r + m) / (h + r + m)
 
 
 @dataclass(frozen=True, kw_only=True)

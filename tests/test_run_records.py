@@ -1,4 +1,4 @@
-"""Typed run-log records (``executor/training/records.py``) against the reader's contract (``planner/runlog.py``):
+"""Typed run-log records (``planner/records.py``) against the reader's contract (``planner/runlog.py``):
 one class per record type of ``FIELDS`` with the same keys and the same optional ones; every class's instances
 pass ``parse_record`` and round-trip through JSON; and a real short run's log (one forked rank: two phases, the
 AutoCache, evaluations, sharded checkpoints, an export, then a resume) holds only
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from ptplan.executor.training import records as R
+from ptplan.planner import records as R
 from ptplan.planner.runlog import FIELDS, SCHEMA, parse_record
 
 KIND_VALUES: dict[str, Any] = {"int": 3, "float": 0.5, "str": "x", "bool": True, "obj": {"a": 1}, "list": [1, 2]}

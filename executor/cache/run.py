@@ -51,7 +51,7 @@ from ptplan.executor.cache.autocache import ActivationCache, prefix_sample_shape
 from ptplan.executor.cache.guard import check_prefix_modules, check_repeatable_layers, eval_mode
 from ptplan.executor.cache.store import SlabInfo, dtype_name
 from ptplan.executor.training.config import RunConfig
-from ptplan.executor.training.records import CacheRecord, CacheSetupRecord
+from ptplan.planner.records import CacheRecord, CacheSetupRecord
 from ptplan.executor.data.dataset import Dataset
 
 COUNTERS = ("hits", "refreshes", "misses", "rows_written", "rows_not_cached", "slabs_evicted", "bytes_evicted",

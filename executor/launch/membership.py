@@ -31,7 +31,7 @@ from ptplan.executor.launch.replan import ReplanSettings, replan, replanned_path
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.callbacks import Callback
 from ptplan.executor.training.config import RunConfig
-from ptplan.executor.training.records import MembershipRecord
+from ptplan.planner.records import MembershipRecord
 from ptplan.executor.training.state import RunContext
 
 

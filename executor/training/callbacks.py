@@ -36,7 +36,7 @@ from ptplan.executor.runtime.optim import lr_factor
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.evaluate import Metrics, evaluate
-from ptplan.executor.training.records import EvalRecord, ExportRecord, StepRecord
+from ptplan.planner.records import EvalRecord, ExportRecord, StepRecord
 from ptplan.executor.training.resume import rng_state
 from ptplan.executor.training.state import Position, RunContext, StepResult
 

@@ -37,7 +37,7 @@ from ptplan.executor.training.evaluate import Metrics
 from ptplan.executor.training.freezing import FreezeSchedule
 from ptplan.executor.training.resume import Source, built_copies, find_checkpoint, restore, run_id, stage_layers, \
     start_phase
-from ptplan.executor.training.records import (EpochEndRecord, FreezeDecisionRecord, HeaderRecord, ResumeRecord,
+from ptplan.planner.records import (EpochEndRecord, FreezeDecisionRecord, HeaderRecord, ResumeRecord,
                                                TransitionRecord)
 from ptplan.executor.training.runlog import RunLog
 from ptplan.executor.training.state import Position, RunContext, StepResult

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.runlog import SCHEMA, parse_record
 
-from ptplan.executor.training.records import RunRecord, StepRecord, TransitionRecord
+from ptplan.planner.records import RunRecord, StepRecord, TransitionRecord
 
 
 class RunLog:

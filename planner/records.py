@@ -1,6 +1,8 @@
 """Typed run-log records: one frozen dataclass per record ``type`` of ``planner/runlog.py``'s ``FIELDS``.
 
-Every writer of ``run.jsonl`` builds one of these and hands it to ``RunLog.write``; ``to_json`` is the JSON
+The one definition of each record, for both sides: every writer of ``run.jsonl`` (the executor) builds one of these
+and the reader (``runlog.read_run_log``) returns its steps as ``StepRecord``. Torch-free, like the rest of
+``planner/``. Every writer and hands it to ``RunLog.write``; ``to_json`` is the JSON
 boundary (the dict ``planner.runlog.parse_record`` checks). Two rules make ``to_json`` the dict the writers
 built before these classes existed:
 
@@ -22,7 +24,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
-from ptplan.planner.runlog import SCHEMA
+SCHEMA = "ptplan.runlog/1"
+"""The run log's schema tag (every header record carries it)."""
 
 KINDS: dict[str, type[RunRecord]] = {}
 """Record type -> its class (every subclass of ``RunRecord`` registers itself)."""
@@ -129,8 +132,19 @@ class StepRecord(RunRecord):
     lr: float | None = None
     grad_norm: float | None = None
     cache_hits: int | None = None
+    """Rows rank 0 read from the AutoCache in this step (logged when it served any; older logs: None)."""
     cache_refreshes: int | None = None
+    """Rows rank 0 refreshed from a smaller cached count (only the layers between the two counts ran)."""
     cache_misses: int | None = None
+    """Rows rank 0 computed through the whole frozen prefix (and wrote, budget permitting)."""
+
+    @property
+    def fill_fraction(self) -> float | None:
+        """The share of the step's rows that the prefix computed (refreshed or missed), None when not logged."""
+        h, r, m = self.cache_hits, self.cache_refreshes, self.cache_misses
+        if h is None or r is None or m is None or h + r + m == 0:
+            return None
+        return (r + m) / (h + r + m)
 
 
 @dataclass(frozen=True, kw_only=True)
