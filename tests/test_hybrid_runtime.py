@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ptplan.executor.handplan import make_plan, spec
-from parity import assert_parity, max_rel_diff
+from parity import assert_parity, max_rel_diff, once
 from ptplan.executor.training.runlog import read_records
 from ptplan.planner.plan import plan_from_json
 from tests.test_runtime_parity import (COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data,
@@ -89,16 +89,17 @@ def _optimizer_params(rank: int):
     return len(ps), sum(p.to_local().numel() for p in ps), sum(p.numel() for p in ps)
 
 
-def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cache: bool = False):
+def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cache: bool = False, model=None):
     """``tests/test_runtime_parity.py``'s run, also recording per rank after each step what its optimizer
-    holds sharded (``_optimizer_params``)."""
+    holds sharded (``_optimizer_params``). ``model``: ``_build(name)`` already built (the ranks train forked
+    copies; the parent's is left as built)."""
     import os
 
     from ptplan.executor.training.config import RunConfig
     from ptplan.executor.data.dataset import TensorDataset
     from parity import recorded_run
 
-    model = _build(name)
+    model = _build(name) if model is None else model
     o = OPT[optimizer]
     cfg = RunConfig(plan="(test)", model=name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
                     weight_decay=o["weight_decay"], adam_eps=o.get("eps", 1e-8), seed=SEED,
@@ -113,9 +114,10 @@ def elastic_run(name, optimizer, data, tmp, plan, steps: int = len(COUNTS), cach
 
 
 def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan, cache=False):
-    data = _data(_build(name))
-    plan = plan_of(_build(name), schedule, strategies)
-    snaps, log, sharded = elastic_run(name, optimizer, data, str(tmp_path), plan, cache=cache)
+    model = _build(name)
+    data = _data(model)
+    plan = plan_of(model, schedule, strategies)
+    snaps, log, sharded = elastic_run(name, optimizer, data, str(tmp_path), plan, cache=cache, model=model)
     for r in range(4):  # FSDP phases train sharded parameters (1/D of each), the others none
         assert [s[0] for s in sharded[r]] == list(range(1, 7))
         for step, n, loc, full in sharded[r]:
@@ -126,7 +128,7 @@ def _check(name, schedule, optimizer, strategies, tmp_path, label, plan_of=_plan
                     assert loc <= -(-full // ph.D) + n, (r, step, n, loc, full)
             else:
                 assert n == 0, (r, step, n)
-    ref, ref_losses = reference(name, optimizer, data)
+    ref, ref_losses = once(("reference", name, optimizer), lambda: reference(name, optimizer, data))
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
     print(f"parity {label} {name} {schedule} {optimizer}: max relative difference {worst:.1e}")

@@ -15,7 +15,7 @@ import torch
 from ptplan.executor.runtime.groups import chunks_of, fsdp_chunks, locate
 from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import spec
-from parity import assert_parity
+from parity import assert_parity, once
 from tests.test_hybrid_runtime import _mixed_plan, _optimizer_params
 from tests.test_runtime_parity import COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _build, _data, reference
 
@@ -134,7 +134,9 @@ def _check(name, optimizer, plan, tmp, world: int = 4, chunks=None) -> float:
                           if ph.recompute_layers_at(c) else list(ph.partition[c])
                           for c in chunks_of(ph, k) if ph.recompute_at(c))
             assert ran == want, (r, step, ran, want)  # checkpointed exactly where (and what) its stage recomputes
-    ref, ref_losses = reference(name, optimizer, data, **({} if chunks is None else {"chunks": chunks}))
+    key = ("reference", name, optimizer) + (() if chunks is None else (tuple(sorted(chunks.items())),))
+    kw = {} if chunks is None else {"chunks": chunks}
+    ref, ref_losses = once(key, lambda: reference(name, optimizer, data, **kw))
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
     steps = [x for x in read_records(log) if x["type"] == "step"]
