@@ -57,10 +57,11 @@ def test_sequence_parallel_matches_reference(name, granularity, optimizer, tmp_p
     """tp2·sp -> K=2 -> tp2·sp·rc on 2 processes: weights after every transition and at the end within the
     parity tolerance of the single-process reference, every step's loss within 1e-5."""
     build = _builder(name, granularity)
-    plan = sp_plan(build())
+    model = build()  # the ranks train forked copies; this one stays as built
+    plan = sp_plan(model)
     assert [ph.strategy_label for ph in plan.phases] == ["tp2·sp", "dp", "tp2·sp·rc"]
-    data, snaps, log, sharded = _run(build, optimizer, plan, str(tmp_path), 2)
-    model = build()  # under sp every parameter of a split layer trains as a DTensor: its norms' too (replicated)
+    data, snaps, log, sharded = _run(model, optimizer, plan, str(tmp_path), 2)
+    # under sp every parameter of a split layer trains as a DTensor: its norms' too (replicated)
     split = sum(len(list(layer.parameters())) for layer, s in zip(model.layers, model.specs)
                 if s.kind in ("attention", "mlp", "block"))
     for r in range(2):  # the sp phases train split parameters (fewer local elements than full), the K=2 one none
@@ -69,7 +70,7 @@ def test_sequence_parallel_matches_reference(name, granularity, optimizer, tmp_p
             assert (n > 0 and loc < full) if sp else n == 0, (r, step, n, loc, full)
             assert step > 2 or n == split, (r, step, n, split)
     monkeypatch.setattr(trp, "_build", lambda _: build())  # the reference builds the same model
-    ref, ref_losses = trp.reference(build().name, optimizer, data, chunks=CHUNKS)
+    ref, ref_losses = trp.reference(model.name, optimizer, data, chunks=CHUNKS)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), trp.TOL[optimizer])
     print(f"parity tp2·sp -> K2 -> tp2·sp·rc {name} {granularity} {optimizer}: max relative difference {worst:.1e}")
@@ -84,15 +85,16 @@ def test_sequence_parallel_with_fsdp_matches_reference(optimizer, tmp_path, monk
     over tp itself) -> tp2·sp in a 2-stage pipeline (K=2, D=1: the sequence gathered at the stage boundary) ->
     tp2·sp·fsdp·rc with the split and sharded frozen prefix: equal to the reference."""
     build = _builder("llama-tiny", "half")
-    plan = _mixed_plan(build(), [spec(0, K=1, D=2, M=2, b=2, schedule="1f1b"),
+    model = build()
+    plan = _mixed_plan(model, [spec(0, K=1, D=2, M=2, b=2, schedule="1f1b"),
                                  spec(1, K=2, D=1, M=4, b=2, schedule="1f1b"),
                                  spec(2, K=1, D=2, M=2, b=2, schedule="1f1b")],
                        [(2, True, False), (2, False, False), (2, True, True)])
     plan = with_sp(plan, [True, True, True])
     assert [ph.strategy_label for ph in plan.phases] == ["tp2·sp·fsdp", "tp2·sp", "tp2·sp·fsdp·rc"]
-    data, snaps, log, _ = _run(build, optimizer, plan, str(tmp_path), 4)
+    data, snaps, log, _ = _run(model, optimizer, plan, str(tmp_path), 4)
     monkeypatch.setattr(trp, "_build", lambda _: build())
-    ref, ref_losses = trp.reference(build().name, optimizer, data, chunks={0: 4, 1: 4, 2: 4})
+    ref, ref_losses = trp.reference(model.name, optimizer, data, chunks={0: 4, 1: 4, 2: 4})
     worst = assert_parity(snaps, ref, (2, 4, 6), trp.TOL[optimizer])
     print(f"parity tp2·sp·fsdp -> tp2·sp K2 -> tp2·sp·fsdp·rc llama-tiny half {optimizer}, 4 processes: {worst:.1e}")
     assert [r["loss"] for r in read_records(log) if r["type"] == "step"] == pytest.approx(ref_losses, rel=1e-5)
@@ -106,12 +108,13 @@ def test_sequence_parallel_with_split_backward_and_chunks_matches_reference(sche
     weight gradients, the norms' partial ones included, in their own pass) and interleaved 1F1B (2 chunks per rank:
     the sequence gathered at each chunk's end): equal to the reference with SGD."""
     build = _builder("gpt2-tiny", "half")
-    plan = _mixed_plan(build(), [spec(f, K=2, D=1, M=4, b=2, schedule=schedule, V=V) for f in range(3)],
+    model = build()
+    plan = _mixed_plan(model, [spec(f, K=2, D=1, M=4, b=2, schedule=schedule, V=V) for f in range(3)],
                        [(2, False, False), (2, False, False), (2, False, True)])
     plan = with_sp(plan, [True, True, True])
-    data, snaps, _, _ = _run(build, "sgd", plan, str(tmp_path), 4)
+    data, snaps, _, _ = _run(model, "sgd", plan, str(tmp_path), 4)
     monkeypatch.setattr(trp, "_build", lambda _: build())
-    ref, _ = trp.reference(build().name, "sgd", data, chunks={0: 4, 1: 4, 2: 4})
+    ref, _ = trp.reference(model.name, "sgd", data, chunks={0: 4, 1: 4, 2: 4})
     worst = assert_parity(snaps, ref, (2, 4, 6), trp.TOL["sgd"])
     print(f"parity tp2·sp K=2 {schedule} gpt2-tiny half sgd, 4 processes: {worst:.1e}")
 

@@ -53,14 +53,14 @@ def _builder(name: str, granularity: str):
     return build
 
 
-def _run(build, optimizer: str, plan, tmp: str, world: int):
-    """The elastic run of ``tests/test_hybrid_runtime.py`` on ``world`` processes: rank 0's snapshots after
-    every transition, per rank what its optimizer holds sharded after each step, and the run log."""
+def _run(model, optimizer: str, plan, tmp: str, world: int):
+    """The elastic run of ``tests/test_hybrid_runtime.py`` on ``world`` processes (each trains a forked copy of
+    ``model``): rank 0's snapshots after every transition, per rank what its optimizer holds sharded after each
+    step, and the run log."""
     from ptplan.executor.training.config import RunConfig
     from ptplan.executor.data.dataset import TensorDataset
     from parity import recorded_run
 
-    model = build()
     data = trp._data(model)
     o = OPT[optimizer]
     cfg = RunConfig(plan="(test)", model=model.name, optimizer=optimizer, lr=o["lr"], momentum=o.get("momentum", 0.9),
@@ -73,11 +73,11 @@ def _run(build, optimizer: str, plan, tmp: str, world: int):
     return data, snaps, cfg.log, sharded
 
 
-def _check(build, optimizer, plan, chunks, tmp_path, monkeypatch, label, world=4) -> float:
-    """Run ``plan`` and compare with the single-process reference after every transition and at the end
+def _check(build, model, optimizer, plan, chunks, tmp_path, monkeypatch, label, world=4) -> float:
+    """Run ``plan`` (``model``: ``build()`` as built) and compare with the single-process reference after every transition and at the end
     (weights within ``TOL``, every step's loss within 1e-5); the tp and FSDP phases must train sharded
     parameters (fewer local elements than full), the others none."""
-    data, snaps, log, sharded = _run(build, optimizer, plan, str(tmp_path), world)
+    data, snaps, log, sharded = _run(model, optimizer, plan, str(tmp_path), world)
     for r in range(world):
         assert [s[0] for s in sharded[r]] == list(range(1, len(COUNTS) + 1))
         for step, n, loc, full in sharded[r]:
@@ -87,7 +87,7 @@ def _check(build, optimizer, plan, chunks, tmp_path, monkeypatch, label, world=4
             else:
                 assert n == 0, (r, step, n)
     monkeypatch.setattr(trp, "_build", lambda name: build())  # the reference builds the same model
-    ref, ref_losses = trp.reference(build().name, optimizer, data, chunks=chunks)
+    ref, ref_losses = trp.reference(model.name, optimizer, data, chunks=chunks)
     assert sorted(snaps) == [0, 2, 4, 6], sorted(snaps)
     worst = assert_parity(snaps, ref, (2, 4, 6), TOL[optimizer])
     print(f"parity {label}: max relative difference {worst:.1e}")
@@ -136,7 +136,7 @@ def test_tensor_parallel_in_and_out_matches_reference(name, granularity, schedul
         halves = [getattr(layer, "attn", layer) for layer, s in zip(model.layers, model.specs) if s.kind != "mlp"]
         assert {getattr(h, "window", None) for h in halves} == {None, WINDOW}
     plan = _tp_back_plan(model, schedule)
-    _check(build, optimizer, plan, TP_BACK_CHUNKS, tmp_path, monkeypatch,
+    _check(build, model, optimizer, plan, TP_BACK_CHUNKS, tmp_path, monkeypatch,
            f"tp2 -> fsdp -> tp2-rc {name} {granularity} {schedule} {optimizer}")
 
 
@@ -150,12 +150,13 @@ def test_tensor_parallel_with_fsdp_on_eight_processes_matches_reference(optimize
     the embedding, FSDP-sharded but not tp-split, whose step-2 gradient is a near-cancellation of -8.8e-07,
     about eps = 1e-6: there AdamW turns the summation order's rounding into 5e-06 of weight; SGD: 2.0e-07.)"""
     build = _builder("llama-tiny", "half")
-    plan = _mixed_plan(build(), [spec(0, K=2, D=2, M=2, b=2, schedule="1f1b"),
+    model = build()
+    plan = _mixed_plan(model, [spec(0, K=2, D=2, M=2, b=2, schedule="1f1b"),
                                  spec(1, K=2, D=4, M=2, b=1, schedule="1f1b"),
                                  spec(2, K=1, D=4, M=2, b=1, schedule="1f1b")],
                        [(2, True, False), (1, False, False), (2, True, True)])
     assert [ph.K * ph.D * ph.tp for ph in plan.phases] == [8, 8, 8]
-    _check(build, optimizer, plan, {0: 4, 1: 8, 2: 8}, tmp_path, monkeypatch,
+    _check(build, model, optimizer, plan, {0: 4, 1: 8, 2: 8}, tmp_path, monkeypatch,
            f"tp2·fsdp (2x2x2) -> dp (2x4) -> tp2·fsdp·rc (1x4x2) llama-tiny 1f1b {optimizer}, 8 processes", world=8)
 
 
