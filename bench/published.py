@@ -20,11 +20,29 @@ but are ``not-comparable`` (``NOT_COMPARABLE_RULE``, ``PT_TIME_NOTE``).
 PipeTransformer's setting as its code (Distributed-AI/PipeTransformer) ran it: torch Pipe, i.e. GPipe
 (``PT_SCHEDULE``); the freeze trajectory ceil(L·(1-(1-alpha)^e)), alpha 1/3 (``PT_TRAJECTORY_NOTE``); and every
 re-partition (a change of K or D) costs the authors' own logged 26.6 s (``PT_TRANSITION_S``; not fitted), which
-ptplan's plan totals leave out. The freeze-only row stays over-predicted (1.37x against 0.95x): ptplan's frozen
-layers left in place skip their whole backward, while in torch Pipe (torchgpipe's fork/join dependencies join a
-grad-requiring phony tensor to each micro-batch) the activations most likely require grad, so frozen layers still
-compute their input gradients and only the weight gradients are saved; a hypothesis from the runtime's design, not
-modelled or checked here.
+ptplan's plan totals leave out.
+
+The freeze-only row stays over-predicted (1.37x against 0.95x), and the cause is not torch Pipe computing frozen
+layers' input gradients: that hypothesis (a grad-requiring "phony" joined to every micro-batch) was checked against
+the source and does not hold. torch's ``torch/distributed/pipeline/sync/dependency.py`` (pytorch/pytorch) and
+PipeTransformer's vendored copy (``pipe_transformer/pipe/dependency.py``) fork a gradient lane only when the input
+already requires grad (``if torch.is_grad_enabled() and input.requires_grad: ... else: phony =
+get_phony(input.device, requires_grad=False)``) and join only when the input or the phony requires grad, so a
+grad-free micro-batch stays grad-free; only checkpointing takes a grad-requiring phony (``checkpoint.py``), and the
+code runs ``checkpoint="never"``; the always-grad phony (``Phonies``, ``requires_grad=True``) is an early
+kakaobrain/torchgpipe revision's. Nor does the code leave frozen layers in the Pipe: ``vit_partition.py``
+``create_pipe_styled_model_vit`` moves the embedding and the frozen blocks (``requires_grad = False``) into a
+``FrozenLayer`` on the pipeline's first GPU, run under ``torch.no_grad()`` before the Pipe (``cache/auto_cache.py``
+``forward_with_cache``). With AutoPipe off (honoured only by the 2021-01-14..17 revisions' ``main.py``:
+``auto_pipe.enable(args.b_auto_pipe)``; ``pipe/auto_pipe.py`` then keeps K and re-balances the active layers over
+it) freeze-only is that serial no-grad prefix plus the Pipe of the active layers; later revisions read
+``b_auto_pipe`` nowhere. ``bench/pt_freeze_only.py`` prices that (the prefix's no-grad forward M times on stage 0
+before the pipeline, the active layers split over K = 8 by ``partition.greedy_param_partition``): 0.47x (-50 %;
+0.56x, -41 %, over the same greedy split's own baseline), about as far under as the in-place row (1.37x) is over;
+the refuted input-gradient pricing would give 1.18x. Under alpha 0.07 (the ImageNet sweep from 2021-02-09) the
+in-place row gives 1.01x (+7 %) and the moved-out prefix 0.69x / 0.82x (-13 % over its own baseline), but the
+bench's other ImageNet rows need alpha 1/3 (``PT_TRAJECTORY_NOTE``). Which run made the bar is not settled by the
+code, so the row keeps ptplan's in-place pricing (issue 22 item 6).
 
     python bench/published.py [--out FILE] [--quick] [--only KEY_PREFIX ...] [--fitted-from FILE]
 

@@ -52,7 +52,7 @@ import copy
 import json
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -248,25 +248,31 @@ def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
     return t
 
 
-def freeze_only_model(search: PhaseSearch, cand: Candidate, n0: int) -> StageModel:
+TableFn = Callable[[CostTable, int], CostTable]
+"""A per-layer cost table with the layers [0, n0) frozen, from the profile's: ``frozen_in_place_table`` unless a
+caller prices another way of running the frozen layers (``bench/pt_freeze_only.py``)."""
+
+
+def freeze_only_model(search: PhaseSearch, cand: Candidate, n0: int, table: TableFn = frozen_in_place_table
+                      ) -> StageModel:
     """The one stage model of the freeze-only phase: the static phase's (``search.model`` with nothing frozen),
-    pricing the layers from ``frozen_in_place_table``."""
+    pricing the layers from ``table`` (``frozen_in_place_table``)."""
     base = search.uniform_model(cand, 0)
-    return StageModel(base.raw, base.shape, base.links, shard_table=frozen_in_place_table(base.t, n0))
+    return StageModel(base.raw, base.shape, base.links, shard_table=table(base.t, n0))
 
 
-def freeze_only_costs(search: PhaseSearch, cand: Candidate, ranges: Sequence[tuple[int, int]], n0: int
-                      ) -> list[StageCost]:
+def freeze_only_costs(search: PhaseSearch, cand: Candidate, ranges: Sequence[tuple[int, int]], n0: int,
+                      table: TableFn = frozen_in_place_table) -> list[StageCost]:
     """The simulator's stage costs of a static split (covering all layers) with layers [0, n0) frozen
     wherever they sit: ``freeze_only_model``'s ``stage_costs``, less what does not exist once they are frozen
     -- no gradient is sent back into a frozen layer (a stage whose input is a frozen layer's output sends none),
     a stage that trains nothing has no all-reduce and holds nothing for a backward -- plus the
     frozen weights a stage holds (one version, no optimizer state, as the stage model's ``stage0_static`` holds a
-    frozen prefix's)."""
+    frozen prefix's). ``table`` prices the layers (``freeze_only_model``)."""
     t = search.t
     if len(ranges) != cand.S or ranges[0][0] != 0 or ranges[-1][1] != t.n:
         raise PtplanError(f"{list(ranges)} is not a static split of all {t.n} layers into K*V={cand.S} stages")
-    model = freeze_only_model(search, cand, n0)
+    model = freeze_only_model(search, cand, n0, table)
     out = []
     for s, ((lo, hi), c) in enumerate(zip(ranges, model.stage_costs(ranges))):
         frozen_w = float(t.cum_param[min(hi, n0)] - t.cum_param[min(lo, n0)])
