@@ -319,7 +319,10 @@ def cpu_cluster(procs: int = 2) -> Cluster:
               "(action_overhead_s 330 us); the training loop adds 0.3-1.4 ms per step over forward + backward + "
               "AdamW (step_overhead_s 0.8 ms); the slowest of 2 processes stepping together is 4-8 % slower than "
               "one alone (concurrency_slowdown 1.06; 1 for one process). This VM's speed drifts by 10-20 % over "
-              "seconds, so every figure is a median. Memory = host RAM / processes.")
+              "seconds, so every figure is a median. Memory = host RAM / processes. The executor's own step "
+              "interpreter, which has replaced torch's runtime, costs 153 us per action, 114 us per step and "
+              "x1.03 for 2 processes (bench/overhead_bench.py, 2026-11-27, load ~3); these presets keep the "
+              "figures bench/calibrate.py validated until it is run again with the interpreter.")
 
 
 PRESETS: dict[str, Cluster] = {
