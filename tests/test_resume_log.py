@@ -105,10 +105,12 @@ def test_a_resumed_run_is_counted_once_by_compare(tmp_path):
 
     c = compare(plan, read, warmup=0)
     sampled = sum(1 for s in read.steps if s.memory_sampled)
-    assert sum(p.steps for p in c.phases) == 9 - sampled  # each step once
+    assert sum(p.steps for p in c.phases + c.fills) == 9 - sampled  # each step once (cache-fill steps in their rows)
     visits = compare(plan, read, warmup=1)  # phase 1 visited at step 2 and again at the resume (step 3)
-    timed = [s.step for s in read.steps if s.phase == 1 and not s.memory_sampled and s.step not in (2, 3)]
-    assert [p.steps for p in visits.phases if p.phase == 1] == [len(timed)] and len(timed) >= 3
+    # left out: the visit's first step (2), the resume's (3) and the step after the evaluation at step 6 (a drained
+    # stage); the rest is counted once, as a steady step or as an AutoCache fill step (its own row)
+    timed = [s.step for s in read.steps if s.phase == 1 and not s.memory_sampled and s.step not in (2, 3, 6)]
+    assert sum(p.steps for p in visits.phases + visits.fills if p.phase == 1) == len(timed) and len(timed) >= 2
     assert [e["step"] for e in c.evals] == [3, 6, 9]
     assert "resumed from step 3" in format_comparison(c) and "2 step record(s)" in format_comparison(c)
     out = tmp_path / "cmp.json"
