@@ -307,22 +307,22 @@ def cpu_cluster(procs: int = 2) -> Cluster:
     return Cluster(
         name="cpu" if procs == 2 else f"cpu:{procs}", nodes=1, gpus_per_node=procs,
         gpu_memory_bytes=ram // procs, gpu_name="CPU process", intra_bandwidth=0.52e9, intra_latency_s=200e-6,
-        inter_bandwidth=0.52e9, inter_latency_s=200e-6, host_memory_bytes=ram, action_overhead_s=330e-6,
-        step_overhead_s=0.8e-3, concurrency_slowdown=1.06 if procs > 1 else 1.0, device_kind="cpu",
+        inter_bandwidth=0.52e9, inter_latency_s=200e-6, host_memory_bytes=ram, action_overhead_s=153e-6,
+        step_overhead_s=114e-6, concurrency_slowdown=1.026 if procs > 1 else 1.0, device_kind="cpu",
         notes="MEASURED on the 2-core dev box (torch 2.13 CPU, gloo over loopback TCP, 1 thread per process). "
               "Links, `python bench/comm_bench.py`: the gradient all-reduce of 2 processes as the runtime does it "
               "(flatten, all-reduce, divide, copy back) fits 1 ms + bytes / 0.52 GB/s (16 MiB in 33 ms; a bare "
               "dist.all_reduce reaches 0.9 GB/s), point-to-point 0.17-0.24 ms one way up to 256 KiB and 1.6 GB/s "
               "for large messages; one link of 0.52 GB/s (the all-reduce carries the most bytes) and 200 us per "
-              "message. Framework, `python bench/overhead_bench.py` (4 runs): a torch.distributed.pipelining 1F1B "
-              "step with no compute costs 0.29-0.38 ms of host CPU per forward or backward action "
-              "(action_overhead_s 330 us); the training loop adds 0.3-1.4 ms per step over forward + backward + "
-              "AdamW (step_overhead_s 0.8 ms); the slowest of 2 processes stepping together is 4-8 % slower than "
-              "one alone (concurrency_slowdown 1.06; 1 for one process). This VM's speed drifts by 10-20 % over "
-              "seconds, so every figure is a median. Memory = host RAM / processes. The executor's own step "
-              "interpreter, which has replaced torch's runtime, costs 153 us per action, 114 us per step and "
-              "x1.03 for 2 processes (bench/overhead_bench.py, 2026-11-27, load ~3); these presets keep the "
-              "figures bench/calibrate.py validated until it is run again with the interpreter.")
+              "message. Framework, `python bench/overhead_bench.py` (2026-11-27, load ~3), with the executor's own step "
+              "interpreter (what every training step runs): a 1F1B step with no compute costs 153 us of host CPU "
+              "per forward or backward action (action_overhead_s; torch.distributed.pipelining's runtime, which it "
+              "replaced, cost 0.29-0.38 ms); the training loop adds 114 us per step over forward + backward + AdamW "
+              "(step_overhead_s); the slowest of 2 processes stepping together is 2.6 % slower than one alone "
+              "(concurrency_slowdown 1.026; 1 for one process). `python bench/calibrate.py` with these: median "
+              "iteration-time error 4.1 % over 18 phases, against 7.3 % with the previous 330 us / 0.8 ms / 1.06 on "
+              "the same profiles. This VM's speed drifts by 10-20 % over seconds, so every figure is a median. "
+              "Memory = host RAM / processes.")
 
 
 PRESETS: dict[str, Cluster] = {

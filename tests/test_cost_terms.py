@@ -172,7 +172,7 @@ def test_the_profiler_measures_the_action_overhead_and_the_planner_charges_it():
     # a CPU profile's overhead is charged on a CPU cluster where it is larger than the cluster's own figure ...
     cpu = dataclasses.replace(get_preset("cpu:2"), action_overhead_s=0.0)
     assert charged_overheads(cpu, prof).action_overhead_s == o
-    assert charged_overheads(get_preset("cpu:2"), prof).action_overhead_s == max(o, 330e-6)
+    assert charged_overheads(get_preset("cpu:2"), prof).action_overhead_s == max(o, get_preset("cpu:2").action_overhead_s)
     # ... and never on a GPU cluster (a Python overhead on this CPU says nothing of a GPU host)
     assert charged_overheads(get_preset("dgx-h100"), prof) is get_preset("dgx-h100")
     gpu_prof = dataclasses.replace(prof, device=dataclasses.replace(prof.device, kind="cuda"))
