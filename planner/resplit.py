@@ -90,13 +90,14 @@ Bounds = Callable[[np.ndarray], np.ndarray]
 
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
                radius: int = RADIUS, max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None,
-               give_up: float = math.inf) -> tuple[tuple[int, ...], float]:
+               give_up: float = math.inf, cutoff: float = math.inf) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
     where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
     lower-bounds scores, so that splits whose bound loses are not scored: the enumeration scores splits in
-    ascending order of their bounds and stops at the first that cannot win. The descent is not started where
-    ``cuts`` scores above ``give_up``."""
+    ascending order of their bounds and stops at the first that cannot win: whose bound is not below the best
+    score so far, or is over ``cutoff`` (a score the caller already has elsewhere: a split over it is of no use
+    to the caller, one equal to it still is). The descent is not started where ``cuts`` scores above ``give_up``."""
     cur = tuple(cuts)
     best = score(cur, math.inf)
     if len(cur) <= 2:
@@ -105,8 +106,9 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     if enumerable(a, n, S, enumerate_up_to):
         X = np.array([(a, *inner, n) for inner in itertools.combinations(range(a + 1, n), S - 1)], dtype=np.int64)
         lb = bounds(X) if bounds is not None else np.zeros(len(X))
+        stop = cutoff * (1 + 1e-12)
         for i in np.argsort(lb, kind="stable").tolist():
-            if not lb[i] < best * (1 - 1e-12):
+            if not (lb[i] < best * (1 - 1e-12) and lb[i] <= stop):
                 break
             x = tuple(X[i].tolist())
             if x != cur:

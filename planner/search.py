@@ -269,12 +269,13 @@ class PhaseSearch:
                        + "); use fewer samples per epoch, a node with more memory, or --cache off")
 
     # ---- 3. evaluation and search --------------------------------------------------------------
-    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf, *, descend: bool = True
-                 ) -> "Choice | str | _Reason | None":
+    def evaluate(self, c: Candidate, n0: int, visit: Visit, cutoff: float = math.inf, *, descend: bool = True,
+                 give_up: float | None = None) -> "Choice | str | _Reason | None":
         """Split and simulate one candidate; a reason when it does not fit; None when its split's bound
         per sample is no better than ``cutoff`` (it cannot win). The split: the best by simulated time
         (``resplit.best_split``: every split where there are few, else the descent from AutoPipe's split, which
-        ``descend=False`` leaves out)."""
+        ``descend=False`` leaves out, and which is not started from a split over ``give_up``, default
+        ``cutoff`` x (1 + ``GIVE_UP``))."""
         self.evaluated += 1
         fill_from = visit.fill_from if c.cache else 0
         ok, why = self.host_fits(c, n0, fill_from)
@@ -292,7 +293,8 @@ class PhaseSearch:
         sched = self.schedule(c)
         cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)],
                                  sc := _Scorer(self, c, model, sched, visit, cutoff), bounds=sc.bounds,
-                                 give_up=cutoff * (1 + GIVE_UP) if descend else -math.inf)
+                                 give_up=(cutoff * (1 + GIVE_UP) if give_up is None else give_up) if descend
+                                 else -math.inf, cutoff=cutoff)
         if score > cutoff * (1 + 1e-12):
             return None
         ranges = tuple(zip(cuts[:-1], cuts[1:]))
@@ -500,12 +502,15 @@ class _Reason:
 
 
 def exhaustive(search: PhaseSearch, f: int, visit: Visit, *, cache: bool | None = None) -> Choice | None:
-    """Every candidate split and simulated, the best kept: the reference the tests hold ``search`` to."""
+    """Every candidate split and simulated, the best kept: the reference the tests hold ``search`` to. Unlike
+    ``search`` it bounds no candidate (each is split and simulated, in the order ``candidates`` gives) and every
+    candidate's descent runs; only splits whose lower bound (``_Scorer.bounds``, ``split_bound``) is over the
+    best objective so far are not simulated, as they cannot win."""
     n0 = search.p.frozen_boundary(f)
     cands, _, _ = search.candidates(f, n0, cache=cache)
     best: Choice | None = None
     for c in cands:
-        got = search.evaluate(c, n0, visit)
+        got = search.evaluate(c, n0, visit, best.objective if best is not None else math.inf, give_up=math.inf)
         if isinstance(got, Choice) and (best is None or _order(got) < _order(best)):
             best = got
     return best
