@@ -7,8 +7,9 @@
 #   bash bench/gpu_check.sh OUTDIR cpu        a rehearsal on this CPU box with tiny models (same steps)
 #
 # Then, here: python bench/gpu_compare.py OUTDIR/gpu_check.tar.gz  (projection error, calibration, run error).
-# PARTS (default "micro tests profiles run") picks the parts; MODELS and BUDGET_SMALL/BUDGET_BIG (minutes per
-# profile) override the defaults, e.g. PARTS="tests run" MODELS="bert-base gpt2" BUDGET_SMALL=1 bash ... OUTDIR
+# PARTS (default "micro tests profiles run") picks the parts; MODELS, BUDGET_SMALL/BUDGET_BIG (minutes per profile)
+# and RUN_MODELS (the models run against their plan) override the defaults, e.g.
+#   PARTS="tests run" RUN_MODELS="bert-base gpt2" bash bench/gpu_check.sh OUTDIR
 set -u
 PARTS=${PARTS:-micro tests profiles run}
 has() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -55,11 +56,11 @@ cat "$W/env.txt"
 
 if [ "$DEV" = cuda ]; then
   DT=bfloat16; TAG=h100; MODELS=${MODELS:-bert-base gpt2 vit-base bert-large llama-3.2-1b}
-  BUDGET_SMALL=${BUDGET_SMALL:-0.4}; BUDGET_BIG=${BUDGET_BIG:-0.7}; RUN_MODEL=bert-base; BATCH=32; STEPS_PER_EPOCH=100
+  BUDGET_SMALL=${BUDGET_SMALL:-0.4}; BUDGET_BIG=${BUDGET_BIG:-0.7}; RUN_MODELS=${RUN_MODELS:-bert-base}; BATCH=32; STEPS_PER_EPOCH=100
   MICRO=""
 else
   DT=bfloat16; TAG=cpu; MODELS=${MODELS:-bert-tiny gpt2-tiny}; BUDGET_SMALL=0.1; BUDGET_BIG=0.1
-  RUN_MODEL=bert-tiny; BATCH=8; STEPS_PER_EPOCH=6; MICRO="--quick"
+  RUN_MODELS=${RUN_MODELS:-bert-tiny}; BATCH=8; STEPS_PER_EPOCH=6; MICRO="--quick"
 fi
 
 has micro && step 120 micro python3 bench/gpu_micro.py --device "$DEV" --dtype "$DT" $MICRO --out "$W/gpu_micro.json"
@@ -76,10 +77,9 @@ profile() {  # profile MODEL BUDGET
 set -- $MODELS
 has profiles && profile "$1" "$BUDGET_SMALL"
 
-# ptplan run on one device, K = 1, D = 1, freezing and AutoCache on, with the measured profile's plan
-P="$W/profiles/${RUN_MODEL}_${TAG}_bf16.json"
-[ -f "$P" ] || P="$REPO/profiles/${RUN_MODEL}_${TAG}_bf16.json"   # without a fresh one: the shipped one
-if has run && [ -f "$P" ]; then
+# ptplan run on one device, K = 1, D = 1, freezing and AutoCache on, against the plan of the model's profile: the
+# one measured in this call, else the shipped measured one (MODEL_cuda_bf16), else the shipped projected one
+if has run; then
   python3 - "$W/run/cluster.json" "$DEV" <<'EOF'
 import json, sys
 from ptplan.planner.cluster import PRESETS
@@ -90,21 +90,32 @@ if sys.argv[2] == "cpu":
     c.update(PRESETS["cpu"].to_json(), name="one-device", gpus_per_node=1, nics_per_node=1)
 json.dump(c, open(sys.argv[1], "w"), indent=1)
 EOF
-  step 60 plan $PT plan "$P" --cluster "$W/run/cluster.json" --epochs 3 --samples-per-epoch $((BATCH * STEPS_PER_EPOCH)) \
-    --batch "$BATCH" --freeze geometric --cache on --out "$W/run/plan.json"
-  step 240 run $PT run "$W/run/plan.json" --model "$RUN_MODEL" --device "$DEV" --nproc-per-node 1 --no-progress \
-    --log "$W/run/run.jsonl" --cache auto --cache-dir "$W/run/cache" --timeout 120
-  step 60 compare $PT compare "$W/run/plan.json" "$W/run/run.jsonl" --json "$W/run/compare.json"
-  if [ "$(awk '$1 == "run" {print $2}' "$W/steps.txt")" != 0 ]; then  # the same plan without the AutoCache
-    step 60 plan_nocache $PT plan "$P" --cluster "$W/run/cluster.json" --epochs 3 \
-      --samples-per-epoch $((BATCH * STEPS_PER_EPOCH)) --batch "$BATCH" --freeze geometric --cache off \
-      --out "$W/run/plan_nocache.json"
-    step 240 run_nocache $PT run "$W/run/plan_nocache.json" --model "$RUN_MODEL" --device "$DEV" --nproc-per-node 1 \
-      --no-progress --log "$W/run/run_nocache.jsonl" --cache off --timeout 120
-    step 60 compare_nocache $PT compare "$W/run/plan_nocache.json" "$W/run/run_nocache.jsonl" \
-      --json "$W/run/compare_nocache.json"
-  fi
 fi
+run_model() {  # run_model MODEL: plan, run and compare in $W/run/MODEL (and without the AutoCache if the run failed)
+  local m=$1 P R="$W/run/$1"
+  mkdir -p "$R/cache"
+  for P in "$W/profiles/${m}_${TAG}_bf16.json" "$REPO/profiles/${m}_${DEV}_bf16.json" "$REPO/profiles/${m}_${TAG}_bf16.json"; do
+    [ -f "$P" ] && break
+  done
+  [ -f "$P" ] || { log "no profile for $m"; return; }
+  echo "$m $P" >>"$W/run/profiles_used.txt"
+  step 60 "plan_$m" $PT plan "$P" --cluster "$W/run/cluster.json" --epochs 3 \
+    --samples-per-epoch $((BATCH * STEPS_PER_EPOCH)) --batch "$BATCH" --freeze geometric --cache on --out "$R/plan.json"
+  step 240 "run_$m" $PT run "$R/plan.json" --model "$m" --device "$DEV" --nproc-per-node 1 --no-progress \
+    --log "$R/run.jsonl" --cache auto --cache-dir "$R/cache" --timeout 120
+  step 60 "compare_$m" $PT compare "$R/plan.json" "$R/run.jsonl" --json "$R/compare.json"
+  rm -rf "$R/cache"
+  if [ "$(awk -v n="run_$m" '$1 == n {print $2}' "$W/steps.txt")" != 0 ]; then  # the same plan without the AutoCache
+    step 60 "plan_nocache_$m" $PT plan "$P" --cluster "$W/run/cluster.json" --epochs 3 \
+      --samples-per-epoch $((BATCH * STEPS_PER_EPOCH)) --batch "$BATCH" --freeze geometric --cache off \
+      --out "$R/plan_nocache.json"
+    step 240 "run_nocache_$m" $PT run "$R/plan_nocache.json" --model "$m" --device "$DEV" --nproc-per-node 1 \
+      --no-progress --log "$R/run_nocache.jsonl" --cache off --timeout 120
+    step 60 "compare_nocache_$m" $PT compare "$R/plan_nocache.json" "$R/run_nocache.jsonl" \
+      --json "$R/compare_nocache.json"
+  fi
+}
+if has run; then for m in $RUN_MODELS; do run_model "$m"; done; fi
 
 shift
 has profiles && for m in "$@"; do
