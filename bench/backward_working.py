@@ -1,0 +1,161 @@
+"""Bytes a layer's backward allocates on top of what its forward left alive (the backward working set), per layer.
+
+The lent H100 (``bench/results/gpu_check/run3``) ran gpt2 (bf16, batch 32, K = 1) 0.98-1.14 GiB above its plan's peak
+while bert-base and vit-base were within 2.6-8.6 %: the plan's peak is static + in-flight saved activations + the
+largest post-drain buffer, and nothing for the temporaries a backward makes (the incoming gradient, the
+input-gradient, a weight-gradient accumulated into ``.grad``, and inside a layer whatever its kernels need: GPT-2's
+head upcasts 32 x 128 x 50,257 logits to float32 for the loss, and their log-softmax backward makes two more
+tensors of that size). This measures that term for each layer, two ways:
+
+- **live bytes**: a ``TorchDispatchMode`` that adds the storage bytes of every new tensor an operation returns (not
+  a view or an in-place result of an input) and subtracts them when the storage dies (a weakref on the storage);
+  the backward working set is the count's peak during the layer's backward minus the count when the backward
+  starts. This works on any device and on fake tensors (what ``--project`` would need);
+- **CUDA allocator** (on a GPU): ``max_memory_allocated`` during the backward minus ``memory_allocated`` when it
+  starts (``reset_peak_memory_stats`` first), the ground truth the run's peak is measured with.
+
+Parameter gradients exist before the backward (zeros, as after a previous micro-batch's accumulation), so a weight
+gradient counts as the temporary it is when accumulated, and the ``.grad`` buffers (the plan's gradients) do not.
+The layer's forward runs under the same count, so saved tensors freed during the backward lower it.
+
+    python bench/backward_working.py [--device cuda] [--dtype bfloat16] [--models bert-base gpt2 vit-base]
+        [--batch-sizes 8 32] [--out bench/results/backward_working.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """Storage bytes of the tensors made under the mode that are still alive, and the peak of that count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, Any] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self._refs or key in inputs:  # a view, an in-place result, or counted already
+                continue
+            n = st.nbytes()
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            self._refs[key] = weakref.ref(st, lambda _r, k=key, n=n: self._free(k, n))
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live -= n
+
+
+def measure(model: Any, b: int, dev: torch.device) -> list[dict[str, Any]]:
+    """Per layer at micro-batch b: output, saved-for-backward and backward-working bytes (live count; CUDA)."""
+    x, labels, mask = model.make_batch(b)
+    x, labels = x.to(dev), labels.to(dev)
+    mask = None if mask is None else mask.to(dev)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    cuda = dev.type == "cuda"
+    rows, h = [], x
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        xin = h if i == 0 else h.detach().requires_grad_(True)
+        saved: set[int] = set()
+        saved_bytes = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st._cdata not in saved and not isinstance(t, torch.nn.Parameter):
+                saved.add(st._cdata)
+                saved_bytes[0] += st.nbytes()
+            return t
+
+        with LiveBytes() as live:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(xin, attention_mask=mask)
+                loss = model.loss(y, labels) if i == n - 1 else None
+            if cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+                base_alloc = torch.cuda.memory_allocated(dev)
+            base = live.live
+            live.peak = base
+            if loss is not None:
+                loss.backward()
+            else:
+                y.backward(torch.ones_like(y))
+            if cuda:
+                torch.cuda.synchronize(dev)
+                cuda_working = torch.cuda.max_memory_allocated(dev) - base_alloc
+        rows.append(dict(index=i, name=model.specs[i].name, kind=model.specs[i].kind,
+                         output_bytes=y.numel() * y.element_size(), saved_bytes=saved_bytes[0],
+                         working_bytes=live.peak - base, cuda_working_bytes=cuda_working if cuda else None))
+        h = y.detach()
+        del y, loss, xin
+    for p in model.parameters():
+        p.grad = None
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--models", nargs="+", default=["bert-base", "gpt2", "vit-base"])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, default=[8, 32])
+    ap.add_argument("--out", default="bench/results/backward_working.json")
+    a = ap.parse_args()
+    from ptplan.executor.families import build_model
+
+    dev = torch.device(a.device)
+    res: dict[str, Any] = dict(device=a.device, dtype=a.dtype, torch=torch.__version__, host=platform.node(),
+                               gpu=torch.cuda.get_device_name(0) if dev.type == "cuda" else None,
+                               command="python bench/backward_working.py " + " ".join(
+                                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                   for k, v in vars(a).items()), models={})
+    for name in a.models:
+        t0 = time.perf_counter()
+        model = build_model(name, dtype=getattr(torch, a.dtype)).to(dev)
+        model.train()
+        res["models"][name] = {str(b): measure(model, b, dev) for b in a.batch_sizes}
+        print(f"{name} ({time.perf_counter() - t0:.1f} s):")
+        print(f"  {'layer':<16}{'kind':<10}" + "".join(f"{'b=' + str(b) + ' out/saved/work MiB':>34}"
+                                                     + (f"{'cuda MiB':>10}" if dev.type == "cuda" else "")
+                                                     for b in a.batch_sizes))
+        per_b = [res["models"][name][str(b)] for b in a.batch_sizes]
+        for rows in zip(*per_b):
+            line = f"  {rows[0]['name'][:15]:<16}{rows[0]['kind'][:9]:<10}"
+            for r in rows:
+                line += f"{r['output_bytes'] / 2**20:>14.2f}{r['saved_bytes'] / 2**20:>10.2f}" \
+                        f"{r['working_bytes'] / 2**20:>10.2f}"
+                if dev.type == "cuda":
+                    line += f"{r['cuda_working_bytes'] / 2**20:>10.2f}"
+            print(line)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
