@@ -7,10 +7,10 @@ input-gradient, a weight-gradient accumulated into ``.grad``, and inside a layer
 head upcasts 32 x 128 x 50,257 logits to float32 for the loss, and their log-softmax backward makes two more
 tensors of that size). This measures that term for each layer, two ways:
 
-- **live bytes**: a ``TorchDispatchMode`` that adds the storage bytes of every new tensor an operation returns (not
-  a view or an in-place result of an input) and subtracts them when the storage dies (a weakref on the storage);
-  the backward working set is the count's peak during the layer's backward minus the count when the backward
-  starts. This works on any device and on fake tensors (what ``--project`` would need);
+- **live bytes**: ``executor/profiling/live_bytes.py``'s count (a dispatch mode that adds the storage bytes of every
+  new tensor an operation returns, not a view or an in-place result of an input, and subtracts them when the storage
+  dies); the backward working set is the count's peak during the layer's backward minus the count when the backward
+  starts. The profiler, the projection (on fake tensors) and the CPU run's memory count use the same;
 - **CUDA allocator** (on a GPU): ``max_memory_allocated`` during the backward minus ``memory_allocated`` when it
   starts (``reset_peak_memory_stats`` first), the ground truth the run's peak is measured with.
 
@@ -27,42 +27,12 @@ import argparse
 import json
 import platform
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-
-class LiveBytes(TorchDispatchMode):
-    """Storage bytes of the tensors made under the mode that are still alive, and the peak of that count."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._refs: dict[int, Any] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st._cdata
-            if key in self._refs or key in inputs:  # a view, an in-place result, or counted already
-                continue
-            n = st.nbytes()
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            self._refs[key] = weakref.ref(st, lambda _r, k=key, n=n: self._free(k, n))
-        return out
-
-    def _free(self, key: int, n: int) -> None:
-        if self._refs.pop(key, None) is not None:
-            self.live -= n
+from ptplan.executor.profiling.live_bytes import LiveCount, NewStorages
 
 
 def measure(model: Any, b: int, dev: torch.device) -> list[dict[str, Any]]:
@@ -83,12 +53,13 @@ def measure(model: Any, b: int, dev: torch.device) -> list[dict[str, Any]]:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             st = t.untyped_storage()
-            if st._cdata not in saved and not isinstance(t, torch.nn.Parameter):
-                saved.add(st._cdata)
+            if id(st) not in saved and not isinstance(t, torch.nn.Parameter):
+                saved.add(id(st))  # saved tensors stay alive until the backward: ids are not reused
                 saved_bytes[0] += st.nbytes()
             return t
 
-        with LiveBytes() as live:
+        count = LiveCount()
+        with NewStorages(count, "working", ignore=list(model.parameters())):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 y = layer(xin, attention_mask=mask)
                 loss = model.loss(y, labels) if i == n - 1 else None
@@ -96,8 +67,7 @@ def measure(model: Any, b: int, dev: torch.device) -> list[dict[str, Any]]:
                 torch.cuda.synchronize(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
                 base_alloc = torch.cuda.memory_allocated(dev)
-            base = live.live
-            live.peak = base
+            since = count.mark()
             if loss is not None:
                 loss.backward()
             else:
@@ -105,9 +75,10 @@ def measure(model: Any, b: int, dev: torch.device) -> list[dict[str, Any]]:
             if cuda:
                 torch.cuda.synchronize(dev)
                 cuda_working = torch.cuda.max_memory_allocated(dev) - base_alloc
+        rise, _ = count.peaks(since=since)
         rows.append(dict(index=i, name=model.specs[i].name, kind=model.specs[i].kind,
                          output_bytes=y.numel() * y.element_size(), saved_bytes=saved_bytes[0],
-                         working_bytes=live.peak - base, cuda_working_bytes=cuda_working if cuda else None))
+                         working_bytes=rise, cuda_working_bytes=cuda_working if cuda else None))
         h = y.detach()
         del y, loss, xin
     for p in model.parameters():

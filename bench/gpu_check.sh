@@ -7,7 +7,7 @@
 #   bash bench/gpu_check.sh OUTDIR cpu        a rehearsal on this CPU box with tiny models (same steps)
 #
 # Then, here: python bench/gpu_compare.py OUTDIR/gpu_check.tar.gz  (projection error, calibration, run error).
-# PARTS (default "micro tests profiles run") picks the parts; MODELS, BUDGET_SMALL/BUDGET_BIG (minutes per profile)
+# PARTS (default "micro tests profiles run"; also "working") picks the parts; MODELS, BUDGET_SMALL/BUDGET_BIG (minutes per profile)
 # and RUN_MODELS (the models run against their plan) override the defaults, e.g.
 #   PARTS="tests run" RUN_MODELS="bert-base gpt2" bash bench/gpu_check.sh OUTDIR
 set -u
@@ -69,6 +69,15 @@ if [ "$DEV" = cuda ] && has tests; then
     --timeout 140 --junitxml "$W/cuda_tests.xml"
 fi
 
+# the backward's working set: the shipped measured profiles filled on this device (bench/profile_working.py, into
+# $W/profiles, where run_model takes them from), and the live count against the CUDA allocator per layer
+if [ "$DEV" = cuda ] && has working; then
+  step 240 working_profiles python3 bench/profile_working.py --device cuda --out-dir "$W/profiles" \
+    $(for m in ${WORKING_MODELS:-bert-base gpt2 vit-base bert-large llama-3.2-1b}; do echo "profiles/${m}_cuda_bf16.json"; done)
+  step 150 working_layers python3 bench/backward_working.py --device cuda --dtype bfloat16 \
+    --models ${WORKING_MODELS:-bert-base gpt2 vit-base bert-large llama-3.2-1b} --batch-sizes 8 32 --out "$W/backward_working.json"
+fi
+
 profile() {  # profile MODEL BUDGET
   local m=$1 budget=$2
   step 200 "profile_$m" $PT profile "$m" --device "$DEV" --dtype "$DT" --budget "$budget" --quiet \
@@ -78,7 +87,7 @@ set -- $MODELS
 has profiles && profile "$1" "$BUDGET_SMALL"
 
 # ptplan run on one device, K = 1, D = 1, freezing and AutoCache on, against the plan of the model's profile: the
-# one measured in this call, else the shipped measured one (MODEL_cuda_bf16), else the shipped projected one
+# one measured or filled in this call, else the shipped measured one (MODEL_cuda_bf16), else the shipped projected one
 if has run; then
   python3 - "$W/run/cluster.json" "$DEV" <<'EOF'
 import json, sys
@@ -94,7 +103,8 @@ fi
 run_model() {  # run_model MODEL: plan, run and compare in $W/run/MODEL (and without the AutoCache if the run failed)
   local m=$1 P R="$W/run/$1"
   mkdir -p "$R/cache"
-  for P in "$W/profiles/${m}_${TAG}_bf16.json" "$REPO/profiles/${m}_${DEV}_bf16.json" "$REPO/profiles/${m}_${TAG}_bf16.json"; do
+  for P in "$W/profiles/${m}_${TAG}_bf16.json" "$W/profiles/${m}_${DEV}_bf16.json" "$REPO/profiles/${m}_${DEV}_bf16.json" \
+           "$REPO/profiles/${m}_${TAG}_bf16.json"; do
     [ -f "$P" ] && break
   done
   [ -f "$P" ] || { log "no profile for $m"; return; }

@@ -240,10 +240,12 @@ def _out_path(out: str | None, weights: str | None, default: Path | None = None)
 def check_sizes_fit(model, dev, sizes: list[int]) -> None:
     """Refuse --batch-sizes whose largest would not fit the device's memory (CPU: the available RAM), before
     allocating it: the profiler's own estimate (parameters, gradients, optimizer state, and the bytes saved for
-    backward per sample measured in one forward of a single sample, times b, with its margin)."""
+    backward plus the largest backward working set per sample, measured in one step of a single sample, times b,
+    with its margin)."""
     import torch
 
-    from ptplan.executor.profiling.profiler import (MEMORY_MARGIN, _memory_pass, estimate_peak_bytes, memory_limit,
+    from ptplan.executor.profiling.live_bytes import memory_pass
+    from ptplan.executor.profiling.profiler import (MEMORY_MARGIN, estimate_peak_bytes, memory_limit,
                                                     static_bytes)
 
     limit, limit_name = memory_limit(dev, model)
@@ -252,7 +254,8 @@ def check_sizes_fit(model, dev, sizes: list[int]) -> None:
     model.to(dev)
     x, labels, mask = model.make_batch(1, torch.Generator().manual_seed(0))
     to = (lambda t: None if t is None else t.to(dev))
-    saved = sum(_memory_pass(model, to(x), to(labels), to(mask), 1)[1])
+    mem = memory_pass(model, to(x), to(labels), to(mask), 1)
+    saved = sum(mem.saved) + max(mem.working)  # every layer's stash, and the largest backward's working set
     for p in model.parameters():
         p.grad = None
     static = static_bytes(model)

@@ -229,7 +229,7 @@ class Ablation:
 def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
     """``table`` with the layers [0, n0) frozen where they are (the freeze-only row's per-layer costs, as
     ``strategy.strategy_table`` states a strategy's): a frozen layer's forward is its no-grad forward, and it has
-    no backward (nor its weight-gradient part), gradient, gradient sync, saved activations, optimizer step or
+    no backward (nor its weight-gradient part or working set), gradient, gradient sync, saved activations, optimizer step or
     trained weights (so no optimizer state, temporaries or second 2BW version: ``freeze_only_costs`` adds its
     weights back as plain bytes, as the stage model holds a frozen prefix's). Its output stays."""
     t = copy.copy(table)
@@ -240,6 +240,8 @@ def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
     t._bww = np.where(frozen[:, None], 0.0, table._bww)
     t.grad_bytes = np.where(frozen, 0.0, table.grad_bytes)
     t.saved_per_sample = np.where(frozen, 0.0, table.saved_per_sample)
+    t.working_per_sample = np.where(frozen, 0.0, table.working_per_sample)
+    t.accumulate_bytes = np.where(frozen, 0.0, table.accumulate_bytes)
     t.optimizer_s = np.where(frozen, 0.0, table.optimizer_s)
     t.param_bytes = np.where(frozen, 0.0, table.param_bytes)
     t.cum_param = _cum(t.param_bytes)

@@ -7,6 +7,7 @@ stage's total is two lookups whatever its length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,38 @@ def optimizer_state_bytes(params, dtype: str, optimizer: str = "adamw"):
 
 def _cum(a: np.ndarray) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(a)))
+
+
+class RangeMax:
+    """``max(a[i:j])`` for arrays of stages [i, j) at once, for per-layer values with few distinct levels (a
+    Transformer's layers repeat): per level v, the first layer at or after each i whose value reaches v; a stage
+    holds v when that layer is before j. Over ``LEVELS`` distinct positive values are rounded up to ``LEVELS`` of
+    them (the answer is then an upper bound)."""
+
+    LEVELS = 24
+
+    def __init__(self, a: np.ndarray) -> None:
+        a = np.asarray(a, dtype=float)
+        n = len(a)
+        u = np.unique(a[a > 0])
+        if len(u) > self.LEVELS:
+            u = u[np.linspace(0, len(u) - 1, self.LEVELS).round().astype(int)]  # keeps the largest
+        self.levels: list[tuple[float, np.ndarray]] = []
+        below = 0.0
+        for v in u:  # v is reported where some layer exceeds the level below it
+            hit = np.append(np.where(a > below, np.arange(n), n), n)
+            self.levels.append((float(v), np.minimum.accumulate(hit[::-1])[::-1]))
+            below = float(v)
+
+    def __bool__(self) -> bool:
+        return bool(self.levels)
+
+    def query(self, at_I: Any, J: np.ndarray) -> np.ndarray:
+        """The max over each stage [I, J); ``at_I(arr)`` is ``arr[I]`` (the partitioner passes a strided take)."""
+        res = np.zeros(np.shape(J))
+        for v, first in self.levels:
+            res = np.where(at_I(first) < J, v, res)
+        return res
 
 
 @dataclass(frozen=True)
@@ -86,6 +119,10 @@ class CostTable:
         """Bytes per element of the profile's dtype (its weights, gradients and activations)."""
         self.grad_bytes = np.array([r.grad_bytes for r in p.layers], dtype=float)
         self.saved_per_sample = np.array([r.saved_bytes_per_sample for r in p.layers], dtype=float)
+        self.working_per_sample = np.array([r.backward_working_bytes_per_sample for r in p.layers], dtype=float)
+        """Per layer, its backward's working set per sample (``LayerRecord.backward_working_bytes_per_sample``)."""
+        self.accumulate_bytes = np.array([r.accumulate_bytes for r in p.layers], dtype=float)
+        """Per layer, what its backward makes more when adding into existing ``.grad`` (``LayerRecord``)."""
         self.out_per_sample = np.array([r.output_bytes_per_sample for r in p.layers], dtype=float)
         self.optimizer_measured = all(r.optimizer_s is not None for r in p.layers)
         """Whether the profile measured every layer's optimizer step (older profiles did not)."""

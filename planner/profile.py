@@ -87,6 +87,15 @@ class LayerRecord:
     """Seconds of one optimizer (AdamW) step over this layer's parameters; independent of the
     micro-batch size. None in profiles written before the profiler measured it (the planner then
     charges 0 and the plan carries a warning)."""
+    backward_working_bytes_per_sample: int = 0
+    """Bytes per sample this layer's backward allocates at its peak on top of what is alive when it starts (the
+    gradient it receives, its input's gradient, its kernels' temporaries; saved tensors it frees count down; the
+    parameter gradients it leaves do not count): ``executor/profiling/live_bytes.py``. 0 in profiles written
+    before the profiler measured it."""
+    accumulate_bytes: int = 0
+    """Bytes more the same backward allocates when its gradients are added into existing ``.grad`` (a later
+    micro-batch's: each weight gradient is made apart first), for the layer (not per sample). 0 where not
+    measured."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,6 +295,10 @@ class Profile:
         d = json.loads(json.dumps(asdict(self)))
         if d["token_slices"] is None:  # optional: absent, as in files written before it existed
             del d["token_slices"]
+        for layer in d["layers"]:  # likewise a working set not measured
+            for key in ("backward_working_bytes_per_sample", "accumulate_bytes"):
+                if not layer[key]:
+                    del layer[key]
         return {"schema": d.pop("schema"), **d}
 
 
@@ -315,6 +328,10 @@ def _layer_records(top: Fields, source: str, n: int, num_blocks: int) -> list[La
                 lf.floats("backward_weight_s", length=n, max=MAX_SECONDS)),
             optimizer_s=None if lf.raw("optimizer_s", None) is None else lf.float("optimizer_s", min=0.0,
                                                                                    max=MAX_SECONDS),
+            backward_working_bytes_per_sample=0 if lf.raw("backward_working_bytes_per_sample", None) is None else
+            lf.int("backward_working_bytes_per_sample", min=0, max=MAX_BYTES),
+            accumulate_bytes=0 if lf.raw("accumulate_bytes", None) is None else
+            lf.int("accumulate_bytes", min=0, max=MAX_BYTES),
         ))
     if not layers:
         raise SchemaError(source, "layers", "is empty")

@@ -40,9 +40,16 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               synthetic profiles also call: adamw 2, sgd 1 parameter-sized tensors in the parameters' dtype);
               v = the schedule's weight versions of the active layers: 1, or 2 for PipeDream-2BW
               (the version in use and the next one; one gradient buffer, one optimizer state)
-    (with recomputation, the backward in progress also holds one micro-batch's working set,
-    w = b · (Σ saved[lo:hi] + out[hi-1]), rebuilt from the stashed input: peak = static + max(inflight
-    · per_mb + w, after))
+    w       = what the backward in progress holds on top: peak = static + max(inflight · per_mb + w, after).
+              The backward's working set: max over the stage's layers of b · working[i] (the bytes layer i's
+              backward makes at its peak, per sample: ``LayerRecord.backward_working_bytes_per_sample``,
+              measured by ``executor/profiling/live_bytes.py``); on the stage holding the model's last layer,
+              less b · out[n-1] (the runtime keeps the loss, not the head's output, so that output is gone
+              before any backward runs); with M > 1, plus accumulate[i] (what a later micro-batch's backward
+              makes more, each weight gradient being made apart before it is added into ``.grad``; the
+              first micro-batch's gradients become ``.grad`` without a copy). With recomputation,
+              also one micro-batch's working set b · (Σ saved[lo:hi] + out[hi-1]), rebuilt from the stashed
+              input.
             + receive buffers, K > 1: torch.distributed.pipelining keeps one activation buffer
               per micro-batch on every stage but the first and one gradient buffer per
               micro-batch on every stage but the last: M·b·(out[lo-1] if s > 0) + M·b·(out[hi-1] if s < K-1);
@@ -110,7 +117,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .cluster import Cluster
-from .costs import OPTIMIZER_SLOTS, CostTable, optimizer_state_bytes
+from .costs import OPTIMIZER_SLOTS, CostTable, RangeMax, optimizer_state_bytes
 from .errors import PtplanError
 from .plan import MemoryBreakdown
 from .replicate import layout
@@ -264,7 +271,8 @@ class Band:
     out_bytes: np.ndarray
     """b · output bytes of layer J-1 (what the stage sends)."""
     working: np.ndarray | float = 0.0
-    """With recomputation: one micro-batch's activations, rebuilt for its backward (0 without)."""
+    """What a backward in progress holds on top of the micro-batches in flight: with recomputation one micro-batch's
+    activations, rebuilt for its backward; and the backward's working set (module docstring)."""
 
 
 class StageModel:
@@ -324,6 +332,10 @@ class StageModel:
         self._inflight = np.asarray(sh.inflight, dtype=float)
         self._out_before = np.concatenate(([0.0], table.out_per_sample))
         """``_out_before[i]``: output bytes per sample of layer i - 1 (what a stage starting at i receives)."""
+        self._working = RangeMax(b * table.working_per_sample + (table.accumulate_bytes if M > 1 else 0.0))
+        """Per layer, its backward's working set for one micro-batch (adding into ``.grad`` when M > 1); max over a
+        stage's layers (``band``)."""
+        self._has_working = sh.recompute or bool(self._working)
         if sh.cache:
             shard = M * b * out[n0 - 1]
             self.stage0_static = float(shard)
@@ -376,6 +388,10 @@ class StageModel:
         out_J = t.out_per_sample[J - 1]
         in_bytes = b * at_I(self._out_before)
         full = b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J)
+        bwd: np.ndarray | float = 0.0  # the backward's working set; the last stage's output dies with the loss
+        if self._working:
+            bwd = self._working.query(at_I, J)
+            bwd = np.where(J == self.n, np.maximum(bwd - b * out_J, 0.0), bwd)
         r = self.shape.recompute_layers
         if self.shape.recompute and r:  # the first r layers: their input stashed, the rest's activations kept
             R = np.minimum(at_I(self._index) + r, J)
@@ -386,14 +402,14 @@ class StageModel:
             return Band(I=I, J=J, fb=tm.cum_fb[J] - at_I(tm.cum_fb) + tm.cum_fwd[R] - at_I(tm.cum_fwd),
                         state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
                         per_mb=np.where(whole, in_bytes, part_mb), in_bytes=in_bytes, out_bytes=b * out_J,
-                        working=np.where(whole, full, part_w))
+                        working=np.where(whole, full, part_w) + bwd)
         if self.shape.recompute:  # the stashed input per micro-batch; one working set rebuilt at a time
             return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb),
                         state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                        per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full)
+                        per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd)
         return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb),
                     state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                    per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J)
+                    per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd)
 
     def prepare(self, I: np.ndarray, J: np.ndarray) -> tuple[np.ndarray, ...]:
         """The stage-index-free parts of stages [I, J), for ``evaluate`` (the partitioner computes them
@@ -413,7 +429,7 @@ class StageModel:
         every split search.) Recomputation's working set w joins ``static`` and leaves ``after``
         (max(after - w, 0)), so that ``peak_bytes`` gives static + max(inflight · per_mb + w, after)."""
         t, static, per_mb, after, infl = self._combine_raw(terms[:6], s)
-        if self.shape.recompute:
+        if self._has_working:
             w = terms[6]
             static, after = static + w, np.maximum(after - w, 0.0)
         return t, static, per_mb, after, infl
@@ -472,7 +488,7 @@ class StageModel:
         static = static + self.extra_static
         if self.stage0_after:
             after = np.maximum(after, self.stage0_after)
-        if sh.recompute:
+        if self._has_working:
             static, after = static + w, np.maximum(after - w, 0.0)
         return peak_bytes(static, per, float(self._inflight.max()), after)
 
@@ -506,7 +522,7 @@ class StageModel:
         w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
         g = t.cum_grad[hi] - t.cum_grad[lo]
         o = self.optimizer_bytes(weights)
-        rc = terms[6] if sh.recompute else np.zeros(sh.S)  # recomputation's working set
+        rc = terms[6] if self._has_working else np.zeros(sh.S)  # recomputation's and the backward's working sets
         total = peak_bytes(static, per_mb, infl, after)
         raw_after = self._combine_raw(terms[:6], np.arange(sh.S))[3]
         return tuple(MemoryBreakdown(weights=int(w[s]), gradients=int(g[s]), optimizer=int(o[s]),

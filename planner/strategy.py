@@ -281,8 +281,10 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     fwd, bwd, nog = table._fwd / div[:, None] + comm, table._bwd / div[:, None] + comm, table._nog / div[:, None] + comm
     bww = table._bww / div[:, None]
     W, G = table.param_bytes / div, table.grad_bytes / div
-    if st.tp > 1:
-        t.saved_per_sample = table.saved_per_sample * tp_saved_share(table, st.tp, st.sp)
+    t.accumulate_bytes = table.accumulate_bytes / div  # a split layer's weight gradients are split
+    if st.tp > 1:  # a backward's working set divides as the activations it works on
+        share = tp_saved_share(table, st.tp, st.sp)
+        t.saved_per_sample, t.working_per_sample = table.saved_per_sample * share, table.working_per_sample * share
         t.cum_saved = _cum(t.saved_per_sample)
     sync = G
     if st.fsdp and D > 1:

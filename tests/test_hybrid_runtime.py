@@ -267,7 +267,7 @@ def test_recompute_keeps_only_the_stage_input_and_reruns_its_forward(name):
     measured per layer (``planner/stage.py``'s per_mb = b * sum saved[lo:hi]); with it only the stage's input
     (per_mb = b * out[lo-1]; and the attention mask), and each backward reruns the stage's
     forward once; the gradients are the same."""
-    from ptplan.executor.profiling.profiler import _memory_pass
+    from ptplan.executor.profiling.live_bytes import memory_pass
     from ptplan.executor.runtime.stage import StageModule
 
     torch.manual_seed(0)
@@ -275,7 +275,8 @@ def test_recompute_keeps_only_the_stage_input_and_reruns_its_forward(name):
     model.train()
     b, M, lo, hi = 2, 3, 1, len(model.layers) - 1
     x, y, mask = model.make_batch(b * M, generator=torch.Generator().manual_seed(5))
-    out, saved = _memory_pass(model, x[:b], y[:b], None if mask is None else mask[:b], b)
+    mem = memory_pass(model, x[:b], y[:b], None if mask is None else mask[:b], b)
+    out, saved = mem.output, mem.saved
     with torch.no_grad():
         h = model.layers[0](x, attention_mask=mask)
     xs = [t.detach().requires_grad_(True) for t in h.chunk(M)]

@@ -253,8 +253,10 @@ def test_default_sizes_keep_what_was_measured():
 # ---- default sizes, provenance and heads on the real profiler ----------------------------------------
 
 def _saved_per_sample(model, b):
+    """What the default-size estimate charges per sample: every layer's stash and the largest backward working set."""
     prof = _profile(model, batch_sizes=[b], warmup=0, repeats=1)
-    return sum(r.saved_bytes_per_sample for r in prof.layers)
+    return sum(r.saved_bytes_per_sample for r in prof.layers) + max(r.backward_working_bytes_per_sample
+                                                                    for r in prof.layers)
 
 
 def test_profiler_default_sizes_stop_at_the_limit_given():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ptplan.executor.profiling import profiler
+from ptplan.executor.profiling.live_bytes import memory_pass
 from ptplan.executor.families.models import build_model
 from ptplan.executor.profiling.project import Op, op_seconds, project_profile, record_layers
 from ptplan.planner.cluster import get_preset
@@ -32,9 +32,10 @@ def test_projected_profile_is_valid_marked_and_has_the_measured_memory(tmp_path)
     # memory fields are the measuring profiler's, not projected
     m = build_model("bert-tiny", seq_len=16)
     x, labels, mask = m.make_batch(4)
-    out_b, saved_b = profiler._memory_pass(m, x, labels, mask, 4)
-    assert [r.output_bytes_per_sample for r in prof.layers] == out_b
-    assert [r.saved_bytes_per_sample for r in prof.layers] == saved_b
+    mem = memory_pass(m, x, labels, mask, 4)
+    assert [r.output_bytes_per_sample for r in prof.layers] == mem.output
+    assert [r.saved_bytes_per_sample for r in prof.layers] == mem.saved
+    assert [r.backward_working_bytes_per_sample for r in prof.layers] == mem.working
     assert [r.param_bytes for r in prof.layers] == [sum(p.numel() * 4 for p in layer.parameters())
                                                    for layer in m.layers]
     for r in prof.layers:  # times grow with the micro-batch size and are positive

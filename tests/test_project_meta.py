@@ -38,12 +38,11 @@ def test_a_meta_model_projects_exactly_as_the_real_one_and_the_real_one_is_left_
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
 def test_the_fake_memory_pass_equals_the_measuring_profilers(name):
-    from ptplan.executor.profiling import profiler
+    from ptplan.executor.profiling.live_bytes import memory_pass
 
     real = build_model(name, seq_len=16)
     x, labels, mask = real.make_batch(4)
-    assert fake_memory_pass(build_model(name, seq_len=16, layers=[]), 4) == profiler._memory_pass(
-        real, x, labels, mask, 4)
+    assert fake_memory_pass(build_model(name, seq_len=16, layers=[]), 4) == memory_pass(real, x, labels, mask, 4)
 
 
 def test_counting_allocates_no_parameter_storage():

@@ -158,7 +158,8 @@ def test_rank_0_frees_what_a_gather_brought_it(run):
 def test_measured_memory_matches_the_stage_model(run):
     """The sampled step of each phase (its 2nd) against ``StageModel.stage_memory`` for the same phase shape:
     weights, gradients, optimizer state (plus AdamW's 4-byte step counter per tensor, which stage.py leaves
-    out), receive buffers (and the cached stage 0's shard input) and the all-reduce transient, exactly."""
+    out), receive buffers (and the cached stage 0's shard input) and the all-reduce transient, exactly; the peak
+    within the backward's working set's accumulate term below the prediction."""
     model, plan, _, records = run
     prof = profile_model(_build(), device="cpu", batch_sizes=(1, 2), warmup=0, repeats=1, progress=False)
     table = CostTable(prof)
@@ -183,6 +184,11 @@ def test_measured_memory_matches_the_stage_model(run):
             assert got["buffers"] == want.buffers, where
             assert got["transient"] == want.transient, where
             assert got["total"] >= got["params"] + got["grads"] + got["optimizer"] + got["buffers"] + got["transient"]
+            # the peak, the backward's working set included, at most the prediction and at least the prediction
+            # less the accumulate term where the peak was not at an accumulating backward (issue 22's GPU runs:
+            # the working set was the whole gap between the plan and the H100's peak)
+            slack = float(table.accumulate_bytes[lo:hi].max()) if ph.M > 1 else 0.0
+            assert want.total - slack <= got["total"] - counters <= want.total, (where, got["total"], want.total)
 
 
 def test_pretrained_weights_reach_their_stages(minilm_dir, tmp_path):

@@ -322,3 +322,34 @@ def test_two_bw_split_agrees_with_the_simulator():
 def test_weight_versions_are_checked():
     with pytest.raises(PtplanError, match=r"weight_versions=3; a stage keeps 1 weight version, or 2 with PipeDream-2BW"):
         PhaseShape(K=1, M=1, b=1, D=1, frozen=0, cache=False, inflight=(1,), weight_versions=3)
+
+
+# ---- the backward's working set (issue 22's GPU runs) ------------------------------------------------
+@pytest.mark.parametrize("recompute", [False, True])
+def test_backward_working_set_by_hand(recompute):
+    """A stage holds, while a backward runs, b x the largest per-sample working set of its layers (+ that layer's
+    accumulate bytes with M > 1) on top of its micro-batches in flight; the stage with the head less b x the
+    head's output (the runtime keeps the loss, not the output). Checked against a profile without the terms."""
+    prof = synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512)
+    n = prof.num_layers
+    wk = [(7 if r.kind == "mlp" else 3) * 1000 + 10 * i for i, r in enumerate(prof.layers)]
+    wk[-1] = 40 * prof.layers[-1].output_bytes_per_sample  # a language-model head: far over its output
+    acc = [r.grad_bytes // 2 for r in prof.layers]
+    worked = replace(prof, layers=tuple(replace(r, backward_working_bytes_per_sample=w, accumulate_bytes=a)
+                                        for r, w, a in zip(prof.layers, wk, acc)))
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=2)
+    ranges = [(0, 5), (5, n)]
+    b = 2
+    for M in (1, 4):
+        sched = "1f1b" if M >= 2 else "gpipe"
+        base = model_for(prof, gpu, K=2, M=M, b=b, f=0, schedule=sched, recompute=recompute).stage_memory(ranges)
+        mem = model_for(worked, gpu, K=2, M=M, b=b, f=0, schedule=sched, recompute=recompute).stage_memory(ranges)
+        for (lo, hi), x, x0 in zip(ranges, mem, base):
+            w = max(b * wk[i] + (acc[i] if M > 1 else 0) for i in range(lo, hi))
+            if hi == n:
+                w = max(w - b * prof.layers[-1].output_bytes_per_sample, 0)
+            assert w > 0
+            assert x.activations == x0.activations + w, (M, lo)
+            assert (x.weights, x.gradients, x.optimizer, x.buffers, x.transient) == \
+                (x0.weights, x0.gradients, x0.optimizer, x0.buffers, x0.transient)
+            assert x.total == x.weights + x.gradients + x.optimizer + x.buffers + max(x.activations, x.transient)

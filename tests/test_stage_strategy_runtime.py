@@ -182,7 +182,7 @@ def test_recomputing_the_first_layers_keeps_their_input_and_the_others_activatio
     with M=3 micro-batches in flight that recomputes its first r=2 layers saves their input and the other
     layers' activations as the profiler measured them -- ``planner/stage.py``'s per_mb = b * (out[lo-1] +
     sum saved[lo+r:hi]) --, reruns only those r layers in each backward, and gives the same gradients."""
-    from ptplan.executor.profiling.profiler import _memory_pass
+    from ptplan.executor.profiling.live_bytes import memory_pass
     from ptplan.executor.runtime.stage import recompute_first
     from ptplan.executor.runtime.stage import StageModule
     from tests.test_hybrid_runtime import _saved_bytes_in_flight
@@ -192,7 +192,8 @@ def test_recomputing_the_first_layers_keeps_their_input_and_the_others_activatio
     model.train()
     b, M, lo, hi, r = 2, 3, 1, len(model.layers) - 1, 2
     x, y, mask = model.make_batch(b * M, generator=torch.Generator().manual_seed(5))
-    out, saved = _memory_pass(model, x[:b], y[:b], None if mask is None else mask[:b], b)
+    mem = memory_pass(model, x[:b], y[:b], None if mask is None else mask[:b], b)
+    out, saved = mem.output, mem.saved
     with torch.no_grad():
         h = model.layers[0](x, attention_mask=mask)
     xs = [t.detach().requires_grad_(True) for t in h.chunk(M)]

@@ -65,6 +65,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ptplan.executor.profiling.live_bytes import memory_pass
 from ptplan.executor.profiling.overhead import measure_action_overhead
 from ptplan.planner.costs import optimizer_state_bytes
 from ptplan.planner.errors import PtplanError
@@ -247,44 +248,6 @@ def _nograd_pass(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor, 
             marks.append((a, clock.stamp()))
     clock.sync()
     return [clock.seconds(a, b) for a, b in marks]
-
-
-def _storage_key(t: Tensor) -> tuple[int, int]:
-    try:
-        st = t.untyped_storage()
-        return st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-        return id(t), t.numel() * t.element_size()
-
-
-def _memory_pass(model: LayeredModel, x: Tensor, labels: Tensor, mask: Tensor | None, b: int
-                 ) -> tuple[list[int], list[int]]:
-    """Per-layer (output bytes per sample, saved-for-backward bytes per sample) from one forward."""
-    param_ptrs = {_storage_key(p)[0] for p in model.parameters()}
-    n = len(model.layers)
-    out_bytes, saved_bytes = [], []
-    h = x
-    for i, layer in enumerate(model.layers):
-        xin = h if i == 0 else h.detach().requires_grad_(True)
-        seen: set[int] = set()
-        total = [0]
-
-        def pack(t: Tensor) -> Tensor:
-            if isinstance(t, Tensor):
-                ptr, nbytes = _storage_key(t)
-                if ptr not in param_ptrs and ptr not in seen:
-                    seen.add(ptr)
-                    total[0] += nbytes
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = layer(xin, attention_mask=mask)
-            if i == n - 1:
-                model.loss(y, labels)
-        out_bytes.append(-(-y.numel() * y.element_size() // b))
-        saved_bytes.append(-(-total[0] // b))
-        h = y.detach()
-    return out_bytes, saved_bytes
 
 
 def _optimizer_steps(model: LayeredModel, clock: _Clock, warmup: int, repeats: int) -> list[float]:
@@ -553,6 +516,10 @@ class _SizeResult:
     peak: int | None
     out_bytes: list[int]
     saved_bytes: list[int]
+    working_bytes: list[int]
+    """Per layer, the backward's working set per sample (``live_bytes.memory_pass``)."""
+    accumulate_bytes: list[int]
+    """Per layer, what its backward makes more when adding into existing ``.grad``."""
 
 
 def budget_rounds(budget_s: float, round_s: float, warmup: int, repeats: int, *, first: bool) -> tuple[int, int]:
@@ -608,7 +575,7 @@ def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int,
             ln.append(t)
         bar.update(1)
     model.train()
-    out_bytes, saved_bytes = _memory_pass(model, x, labels, mask, b)
+    mem = memory_pass(model, x, labels, mask, b)
     _clear_grads(model)
     return _SizeResult(forward=[statistics.median(s[i] for s in lf) for i in range(n)],
                        backward=[statistics.median(s[i] for s in lb) for i in range(n)],
@@ -616,7 +583,8 @@ def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int,
                        backward_weight=[statistics.median(s[i] for s in sw) for i in range(n)],
                        nograd=[statistics.median(s[i] for s in ln) for i in range(n)],
                        whole_forward=statistics.median(wf), whole_forward_backward=statistics.median(wfb),
-                       peak=peak, out_bytes=out_bytes, saved_bytes=saved_bytes), (warmup, repeats)
+                       peak=peak, out_bytes=mem.output, saved_bytes=mem.saved, working_bytes=mem.working, accumulate_bytes=mem.accumulate), \
+        (warmup, repeats)
 
 
 def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int] | None = None, warmup: int,
@@ -665,7 +633,9 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
                 rounds.append(run)
                 measured.append(b)
                 if auto:
-                    choice = default_batch_sizes(static=static, saved_per_sample=sum(results[-1].saved_bytes),
+                    last = results[-1]  # every layer's stash and the largest backward working set, per sample
+                    choice = default_batch_sizes(static=static,
+                                                 saved_per_sample=sum(last.saved_bytes) + max(last.working_bytes),
                                                  memory_limit_bytes=limit, measured=b, limit_name=limit_name,
                                                  max_batch=max_batch)
                     todo = [c for c in choice.sizes if c > b]
@@ -749,6 +719,7 @@ def _layer_records(model: LayeredModel, results: list[_SizeResult], opt_s: list[
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
             grad_bytes=nbytes, optimizer_bytes=sum(optimizer_state_bytes(p.numel(), DTYPE_NAMES[p.dtype]) for p in ps),
             output_bytes_per_sample=last.out_bytes[i], saved_bytes_per_sample=last.saved_bytes[i],
+            backward_working_bytes_per_sample=last.working_bytes[i], accumulate_bytes=last.accumulate_bytes[i],
             forward_s=tuple(r.forward[i] for r in results), backward_s=tuple(r.backward[i] for r in results),
             nograd_forward_s=tuple(r.nograd[i] for r in results),
             backward_weight_s=tuple(weight_share(r.backward_input[i], r.backward_weight[i]) * r.backward[i]

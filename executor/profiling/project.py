@@ -49,6 +49,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
 from ptplan.executor.families import LayeredModel, config_summary
+from ptplan.executor.profiling.live_bytes import LayerBytes, memory_pass
 
 # aten operations that only change a tensor's view of its storage: no kernel moves data
 _VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "squeeze", "unsqueeze",
@@ -170,10 +171,11 @@ def swapped(model: nn.Module, convert: Callable[[Tensor], Tensor]) -> Iterator[N
             table[key] = t
 
 
-def fake_memory_pass(model: LayeredModel, b: int) -> tuple[list[int], list[int]]:
-    """Per layer (output bytes per sample, saved-for-backward bytes per sample) of one forward of b samples, as the
-    measuring profiler's memory pass (``profiler._memory_pass``) counts them on a real CPU, but on fake CPU tensors:
-    the same kernels are chosen, no storage is allocated (the model may be on meta; it is left as found)."""
+def fake_memory_pass(model: LayeredModel, b: int) -> LayerBytes:
+    """Per layer output, saved-for-backward and backward-working bytes per sample of one forward and backward of b
+    samples, as the measuring profiler's memory pass (``live_bytes.memory_pass``) counts them on a real CPU, but on
+    fake CPU tensors: the same kernels are chosen, no storage is allocated (the model may be on meta; it is left as
+    found)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     cpu = torch.device("cpu")
 
@@ -182,21 +184,7 @@ def fake_memory_pass(model: LayeredModel, b: int) -> tuple[list[int], list[int]]
 
     x, labels, mask = model.make_batch(b)
     with swapped(model, fake), torch.random.fork_rng(devices=[]), mode:
-        own = {_storage(p)[0] for p in model.parameters()}
-        h = fake(x)
-        labels_f, mask_f = fake(labels), None if mask is None else fake(mask)
-        out_bytes, saved_bytes = [], []
-        for i, layer in enumerate(model.layers):
-            xin = h if i == 0 else h.detach().requires_grad_(True)
-            saved = _SavedBytes(own)
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                y = layer(xin, attention_mask=mask_f)
-                if i == len(model.layers) - 1:
-                    model.loss(y, labels_f)
-            out_bytes.append(-(-y.numel() * y.element_size() // b))
-            saved_bytes.append(-(-saved.total // b))
-            h = y.detach()
-    return out_bytes, saved_bytes
+        return memory_pass(model, fake(x), fake(labels), None if mask is None else fake(mask), b)
 
 
 class _SavedBytes:
@@ -322,6 +310,10 @@ class Counted:
     """Per layer (parameters, parameter bytes)."""
     out_bytes: tuple[int, ...]
     saved_bytes: tuple[int, ...]
+    working_bytes: tuple[int, ...]
+    """Per layer, the backward's working set per sample (``live_bytes``)."""
+    accumulate_bytes: tuple[int, ...]
+    """Per layer, what its backward makes more when adding into existing ``.grad``."""
     batch_sizes: tuple[int, ...]
     ops: tuple[tuple[LayerOps, ...], ...]
     """Per batch size, per layer, the recorded operations."""
@@ -344,7 +336,7 @@ def count_model(model: LayeredModel, batch_sizes: Sequence[int]) -> Counted:
     sizes = tuple((sum(p.numel() for p in layer.parameters()),
                    sum(p.numel() * p.element_size() for p in layer.parameters())) for layer in model.layers)
     mb = max(b for b in bs if b <= MEMORY_BATCH) if bs[0] <= MEMORY_BATCH else bs[0]
-    out_bytes, saved_bytes = fake_memory_pass(model, mb)  # the measuring profiler's memory pass, on fake tensors
+    mem = fake_memory_pass(model, mb)  # the measuring profiler's memory pass, on fake tensors
     modes = [(m, m.training) for m in model.modules()]
     with swapped(model, lambda t: t.to("meta")):
         per_b = tuple(tuple(record_layers(model, b)) for b in bs)
@@ -352,8 +344,10 @@ def count_model(model: LayeredModel, batch_sizes: Sequence[int]) -> Counted:
         m.training = training
     info = ModelInfo(name=model.name, family=model.family, num_blocks=model.num_blocks, seq_len=model.seq_len,
                      dtype=dtype, granularity=model.granularity, config=config_summary(model))
-    return Counted(info=info, specs=tuple(model.specs), sizes=sizes, out_bytes=tuple(out_bytes),
-                   saved_bytes=tuple(saved_bytes), batch_sizes=tuple(bs), ops=per_b, memory_batch=mb)
+    return Counted(info=info, specs=tuple(model.specs), sizes=sizes, out_bytes=tuple(mem.output),
+                   saved_bytes=tuple(mem.saved), working_bytes=tuple(mem.working),
+                   accumulate_bytes=tuple(mem.accumulate), batch_sizes=tuple(bs), ops=per_b,
+                   memory_batch=mb)
 
 
 def project_profile(model: LayeredModel, device: DeviceModel, *, batch_sizes: Sequence[int],
@@ -386,7 +380,8 @@ def time_counted(counted: Counted, device: DeviceModel, *, command: str = "", da
             index=i, name=spec.name, kind=spec.kind, block=spec.block, params=count, param_bytes=nbytes,
             grad_bytes=nbytes, optimizer_bytes=int(optimizer_state_bytes(count, dtype)),
             output_bytes_per_sample=c.out_bytes[i],
-            saved_bytes_per_sample=c.saved_bytes[i],
+            saved_bytes_per_sample=c.saved_bytes[i], backward_working_bytes_per_sample=c.working_bytes[i],
+            accumulate_bytes=c.accumulate_bytes[i],
             forward_s=tuple(secs(p[i].forward) for p in per_b), backward_s=tuple(secs(p[i].backward) for p in per_b),
             backward_weight_s=tuple(max(0.0, secs(p[i].backward) - secs(p[i].input_grad)) for p in per_b),
             nograd_forward_s=tuple(secs(p[i].nograd) for p in per_b), optimizer_s=opt))

@@ -22,7 +22,10 @@ stage.py's term in brackets:
   alive, tracked with ``torch.autograd.graph.saved_tensors_hooks``: every packed tensor's storage is
   counted once while at least one saved reference to it is alive (a weakref finalizer on the packed
   holder releases it when autograd frees it after its backward), plus the stage module's outputs
-  while they are alive (held by the schedule until their backward). Storages that are parameters,
+  while they are alive (held by the schedule until their backward), plus every storage a backward
+  action makes while it lives (the backward's working set, stage.py's w: ``live_bytes.NewStorages``
+  around each of the step interpreter's backward actions; a first weight gradient that becomes the
+  parameter's ``.grad`` is left out: it is the gradients' term). Storages that are parameters,
   optimizer state or buffers are not counted twice.
 - **transient** [transient]: the flat gradient all-reduce buffer (``ElasticRuntime._allreduce_grads``,
   D > 1: the stage's gradients in one tensor), tracked in the same live-bytes count as the
@@ -31,10 +34,9 @@ stage.py's term in brackets:
   host memory (stage.py leaves them out of the device's memory).
 
 ``total = params + grads + optimizer + buffers + peak(activations + transient alive together)``.
-Framework allocations outside tensors (the Python heap, gloo's send copies, the allocator's slack)
-and transient tensors that autograd does not keep (temporaries inside one layer, the AutoCache
-fill's per-micro-batch layer outputs) are not counted, on purpose: the plan does not model them
-either.
+Framework allocations outside tensors (the Python heap, gloo's send copies, the allocator's slack),
+a forward's temporaries that autograd does not keep and the AutoCache fill's per-micro-batch layer
+outputs are not counted, on purpose: the plan does not model them either.
 
 On CUDA the allocator's peak (``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``) is ``total``, directly: the rank holds nothing but its stage. The
@@ -43,6 +45,7 @@ peak leaves after the static terms and the gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -50,8 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ptplan.executor.profiling.live_bytes import LiveCount, NewStorages
+
 FIELDS = ("total", "params", "grads", "optimizer", "buffers", "activations", "transient", "host_params")
-METHOD_CPU = "cpu: stage tensors + live saved-for-backward storages (saved_tensors_hooks) + all-reduce buffer"
+METHOD_CPU = ("cpu: stage tensors + live saved-for-backward storages (saved_tensors_hooks) + the backward's working "
+              "set (storages made by backward actions) + all-reduce buffer")
 METHOD_CUDA = "cuda: max_memory_allocated (the rank holds only its stage)"
 
 
@@ -89,16 +95,13 @@ class _Holder:
 
 
 class _LiveBytes:
-    """Bytes of storages alive now, each counted once however many references point at it, per kind
-    (``activations`` or ``transient``), with the peak of each kind and of all of them together."""
+    """Storages kept for backward (packed by autograd) or held by the schedule, each counted once however many
+    references point at it, by kind (``activations`` or ``transient``), as births and deaths in ``count``'s log."""
 
-    def __init__(self, exclude: set[int]) -> None:
+    def __init__(self, exclude: set[int], count: LiveCount) -> None:
         self.exclude = exclude
+        self.count = count
         self.refs: dict[int, tuple[int, str]] = {}
-        self.live = {"activations": 0, "transient": 0}
-        self.peak_of = dict(self.live)
-        self.peak = 0
-        """Peak of all kinds alive together."""
 
     def add(self, t: Tensor, kind: str = "activations") -> int | None:
         ptr, nbytes = _key(t)
@@ -107,9 +110,7 @@ class _LiveBytes:
         n, kind = self.refs.get(ptr, (0, kind))
         self.refs[ptr] = (n + 1, kind)
         if n == 0:
-            self.live[kind] += nbytes
-            self.peak_of[kind] = max(self.peak_of[kind], self.live[kind])
-            self.peak = max(self.peak, sum(self.live.values()))
+            self.count.born(("ptr", ptr), nbytes, kind)
         return ptr
 
     def release(self, ptr: int, nbytes: int) -> None:
@@ -119,7 +120,7 @@ class _LiveBytes:
             return
         if n == 1:
             del self.refs[ptr]
-            self.live[kind] -= nbytes
+            self.count.died(("ptr", ptr), nbytes, kind)
 
 
 class StepMemory:
@@ -151,6 +152,8 @@ class StepMemory:
         if not isinstance(t, Tensor):
             return t
         h = _Holder(t)
+        if self._working.key_of(t) is not None:  # made by a backward (recomputation): counted there
+            return h
         ptr = self._live.add(t)
         if ptr is not None:
             weakref.finalize(h, self._live.release, ptr, _key(t)[1])
@@ -197,7 +200,12 @@ class StepMemory:
             torch.cuda.reset_peak_memory_stats(self.rt.device)
             return self
         self._static_bytes, exclude = self._static()
-        self._live = _LiveBytes(exclude)
+        self._count = LiveCount()
+        self._live = _LiveBytes(exclude, self._count)
+        opt = [v for p in self.params for v in self.rt.opt.state.get(p, {}).values() if isinstance(v, Tensor)]
+        self._working = NewStorages(self._count, "working", ignore=self.params + opt)
+        if self.rt.schedule is not None:
+            self.rt.schedule.backward_scope = lambda: self._working
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self._handle = self.module.register_forward_hook(self._on_output)
@@ -219,12 +227,17 @@ class StepMemory:
             return
         self._hooks.__exit__(None, None, None)
         self._handle.remove()
+        if self.rt.schedule is not None:
+            self.rt.schedule.backward_scope = contextlib.nullcontext
         static = dict(self._static_bytes)
         static["buffers"] += self._shard_input
-        live = self._live
-        self.result = {"total": sum(static.values()) + grads + live.peak, **static, "grads": grads,
-                       "activations": live.peak_of["activations"], "transient": live.peak_of["transient"],
-                       "host_params": host}
+        # a first weight gradient that AccumulateGrad kept as .grad is the gradients' term, not working memory
+        kept = {self._working.key_of(p.grad) for p in self.params if p.grad is not None} - {None}
+        peak, _ = self._count.peaks(skip=kept)
+        acts, _ = self._count.peaks(skip=kept, kinds={"activations", "working"})
+        _, of = self._count.peaks(skip=kept, kinds={"transient"})
+        self.result = {"total": sum(static.values()) + grads + peak, **static, "grads": grads,
+                       "activations": acts, "transient": of.get("transient", 0), "host_params": host}
 
     def record(self) -> dict[str, Any]:
         """Every rank's numbers (an all-gather; every rank must call it) as run-log fields."""

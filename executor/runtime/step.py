@@ -26,7 +26,8 @@ rest). The compute entry points are ``_forward``, ``_backward`` and ``_backward_
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Hashable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -270,6 +271,8 @@ class StepInterpreter:
         """(chunk, micro-batch, slice) -> its output, until sent or taken by the next chunk here."""
         self._grads: dict[tuple[int, int, int], Tensor | None] = {}
         """(chunk, micro-batch, slice) -> its input's gradient, until sent or used by the previous chunk here."""
+        self.backward_scope: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+        """Entered around every backward action (``memory.StepMemory`` counts the backward's working set in it)."""
 
     # ---- the protocol ---------------------------------------------------------------------------
     def run(self, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor]) -> list[Tensor]:
@@ -351,10 +354,12 @@ class StepInterpreter:
             grad = self._grads.pop((c + 1, m, sl))
         else:
             grad = self._got.pop(("B", c, self.policy.mb_key(m), sl))
-        g_in = self.compute.backward(c, m, sl, grad, full=full)
+        with self.backward_scope():
+            g_in = self.compute.backward(c, m, sl, grad, full=full)
         if c > 0:
             self._grads[(c, m, sl)] = g_in
         self.policy.after_backward(c, m)
 
     def _backward_weight(self, c: int, m: int, sl: int = 0) -> None:
-        self.compute.backward_weight(c, m, sl)
+        with self.backward_scope():
+            self.compute.backward_weight(c, m, sl)
