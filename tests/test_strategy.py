@@ -67,6 +67,31 @@ def test_tensor_parallel_terms_by_hand():
         assert mb.total < mb0.total
 
 
+def test_tensor_parallel_divides_the_backward_working_set_as_the_activations():
+    """Under tp = 2 a layer's backward working set divides as its saved activations (``tp_saved_share``) and its
+    accumulate bytes as its gradients (split layers / 2): the stage holds b x the largest of (working · share +
+    accumulate / div) over its layers, the head's stage less b x the head's output -- by hand, on top of the
+    activations of the same shape without the fields."""
+    prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
+    wk = [1000 * (i % 3 + 1) for i in range(prof.num_layers)]
+    wk[-1] = 50 * prof.layers[-1].output_bytes_per_sample
+    acc = [r.grad_bytes for r in prof.layers]
+    worked = replace(prof, layers=tuple(replace(r, backward_working_bytes_per_sample=w, accumulate_bytes=a)
+                                        for r, w, a in zip(prof.layers, wk, acc)))
+    ranges = [(0, 5), (5, prof.num_layers)]
+    t = CostTable(prof)
+    share = tp_saved_share(t, 2)
+    div = np.where(splittable(t) > 0, 2.0, 1.0)
+    m0, _ = model(prof, tp=2)  # M = 4 > 1, b = 2
+    m1, _ = model(worked, tp=2)
+    for (lo, hi), x0, x1 in zip(ranges, m0.stage_memory(ranges), m1.stage_memory(ranges)):
+        w = max(2 * wk[i] * share[i] + acc[i] / div[i] for i in range(lo, hi))
+        if hi == prof.num_layers:
+            w = max(w - 2 * t.out_per_sample[-1], 0.0)
+        assert w > 0
+        assert abs(x1.activations - (x0.activations + w)) <= 1, (lo, hi)  # each rounded down to whole bytes
+
+
 def test_fsdp_shards_state_and_reduce_scatters():
     prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
     ranges = [(0, 5), (5, prof.num_layers)]
