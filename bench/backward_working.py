@@ -17,6 +17,10 @@ tensors of that size). This measures that term for each layer, two ways:
 Parameter gradients exist before the backward (zeros, as after a previous micro-batch's accumulation), so a weight
 gradient counts as the temporary it is when accumulated, and the ``.grad`` buffers (the plan's gradients) do not.
 The layer's forward runs under the same count, so saved tensors freed during the backward lower it.
+Each layer runs through ``live_bytes.layer_step``, the profiler's own step, with the allocator read around its
+backward; its saved bytes are the profiler's (a view of a parameter is the parameter: not saved). The file in
+``bench/results/`` was written before that, by this script's own copy of the step, whose saved column also counted
+parameter views (GPT-2's head: its tied weight); its working and CUDA columns are the same either way.
 
     python bench/backward_working.py [--device cuda] [--dtype bfloat16] [--models bert-base gpt2 vit-base]
         [--batch-sizes 8 32] [--out bench/results/backward_working.json]
@@ -24,64 +28,52 @@ The layer's forward runs under the same count, so saved tensors freed during the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from ptplan.executor.profiling.live_bytes import LiveCount, NewStorages
+from ptplan.executor.profiling.live_bytes import layer_step
 
 
 def measure(model: Any, b: int, dev: torch.device) -> list[dict[str, Any]]:
-    """Per layer at micro-batch b: output, saved-for-backward and backward-working bytes (live count; CUDA)."""
+    """Per layer at micro-batch b: output, saved-for-backward and backward-working bytes (live count; CUDA), with
+    every parameter's ``.grad`` made beforehand (zeros), so weight gradients count as the temporaries they are."""
     x, labels, mask = model.make_batch(b)
     x, labels = x.to(dev), labels.to(dev)
     mask = None if mask is None else mask.to(dev)
-    for p in model.parameters():
+    params = list(model.parameters())
+    for p in params:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+    own = {id(p.untyped_storage()) for p in params}
     cuda = dev.type == "cuda"
+    rises: list[int] = []
+
+    @contextlib.contextmanager
+    def allocator_rise() -> Iterator[None]:  # max_memory_allocated's rise over the backward and its seed
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        yield
+        torch.cuda.synchronize(dev)
+        rises.append(torch.cuda.max_memory_allocated(dev) - base)
+
     rows, h = [], x
-    n = len(model.layers)
-    for i, layer in enumerate(model.layers):
+    for i in range(len(model.layers)):
         xin = h if i == 0 else h.detach().requires_grad_(True)
-        saved: set[int] = set()
-        saved_bytes = [0]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if id(st) not in saved and not isinstance(t, torch.nn.Parameter):
-                saved.add(id(st))  # saved tensors stay alive until the backward: ids are not reused
-                saved_bytes[0] += st.nbytes()
-            return t
-
-        count = LiveCount()
-        with NewStorages(count, "working", ignore=list(model.parameters())):
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = layer(xin, attention_mask=mask)
-                loss = model.loss(y, labels) if i == n - 1 else None
-            if cuda:
-                torch.cuda.synchronize(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-                base_alloc = torch.cuda.memory_allocated(dev)
-            since = count.mark()
-            if loss is not None:
-                loss.backward()
-            else:
-                y.backward(torch.ones_like(y))
-            if cuda:
-                torch.cuda.synchronize(dev)
-                cuda_working = torch.cuda.max_memory_allocated(dev) - base_alloc
-        rise, _ = count.peaks(since=since)
+        y, saved, rise = layer_step(model, i, xin, labels, mask, own, params,
+                                    probe=allocator_rise if cuda else contextlib.nullcontext)
         rows.append(dict(index=i, name=model.specs[i].name, kind=model.specs[i].kind,
-                         output_bytes=y.numel() * y.element_size(), saved_bytes=saved_bytes[0],
-                         working_bytes=rise, cuda_working_bytes=cuda_working if cuda else None))
+                         output_bytes=y.numel() * y.element_size(), saved_bytes=saved,
+                         working_bytes=rise, cuda_working_bytes=rises[-1] if cuda else None))
         h = y.detach()
-        del y, loss, xin
-    for p in model.parameters():
+        del y, xin
+    for p in params:
         p.grad = None
     return rows
 

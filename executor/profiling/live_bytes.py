@@ -23,11 +23,12 @@ and Llama heads, which decide the peak.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import Tensor
@@ -97,9 +98,6 @@ class NewStorages(TorchDispatchMode):
         self._ignore: weakref.WeakSet[Any] = weakref.WeakSet(st for st in map(_storage, ignore) if st is not None)
         self._serial = itertools.count()
 
-    def ignore(self, tensors: Iterable[Tensor]) -> None:
-        self._ignore.update(st for st in map(_storage, tensors) if st is not None)
-
     def key_of(self, t: Tensor) -> int | None:
         """The log key of ``t``'s storage while it is alive and tracked, else None."""
         st = _storage(t)
@@ -139,10 +137,13 @@ class LayerBytes:
     made apart first), per layer (not per sample)."""
 
 
-def _layer_step(model: Any, i: int, xin: Tensor, labels: Tensor, mask: Tensor | None, own: set[int],
-                params: list[Tensor]) -> tuple[Tensor, int, int]:
+def layer_step(model: Any, i: int, xin: Tensor, labels: Tensor, mask: Tensor | None, own: set[int],
+               params: list[Tensor], probe: Callable[[], ContextManager[Any]] = contextlib.nullcontext
+               ) -> tuple[Tensor, int, int]:
     """Layer i's forward (the loss too on the last) and backward under a live count: (its output, the bytes it saves
-    for backward, its backward's peak rise with the gradients it leaves as ``.grad`` not counted)."""
+    for backward, its backward's peak rise with the gradients it leaves as ``.grad`` not counted). ``own``: the ids
+    of the parameters' storages (not counted as saved); ``probe``: entered around the backward and its seed
+    (``bench/backward_working.py`` reads the CUDA allocator there)."""
     layer = model.layers[i]
     count = LiveCount()
     packed: set[int] = set()
@@ -160,11 +161,12 @@ def _layer_step(model: Any, i: int, xin: Tensor, labels: Tensor, mask: Tensor | 
             y = layer(xin, attention_mask=mask)
             loss = model.loss(y, labels) if i == len(model.layers) - 1 else None
         since = count.mark()
-        grad = None if loss is not None else torch.ones_like(y)
-        root = loss if loss is not None else y
-        if root.requires_grad:
-            torch.autograd.backward(root, grad)
-        del grad, root, loss
+        with probe():
+            grad = None if loss is not None else torch.ones_like(y)
+            root = loss if loss is not None else y
+            if root.requires_grad:
+                torch.autograd.backward(root, grad)
+            del grad, root, loss
         kept = {mode.key_of(p.grad) for p in layer.parameters() if p.grad is not None}
     rise, _ = count.peaks(since=since, skip=kept)
     return y, saved[0], rise
@@ -183,9 +185,9 @@ def memory_pass(model: Any, x: Tensor, labels: Tensor, mask: Tensor | None, b: i
         p.grad = None
     for i, layer in enumerate(model.layers):
         xin = h if i == 0 else h.detach().requires_grad_(True)
-        y, saved, first = _layer_step(model, i, xin, labels, mask, own, params)
+        y, saved, first = layer_step(model, i, xin, labels, mask, own, params)
         xin = h if i == 0 else h.detach().requires_grad_(True)
-        _, _, again = _layer_step(model, i, xin, labels, mask, own, params)
+        _, _, again = layer_step(model, i, xin, labels, mask, own, params)
         res.output.append(-(-y.numel() * y.element_size() // b))
         res.saved.append(-(-saved // b))
         res.working.append(math.ceil(first / b))

@@ -139,12 +139,6 @@ def op_seconds(op: Op, device: DeviceModel, dtype: str) -> float:
     return device.op_seconds(op.flops, op.bytes, dtype, matmul=op.name in _MATMUL)
 
 
-def _storage(t: Tensor) -> tuple[int, int]:
-    """(identity, bytes) of a tensor's storage; meta storages have no address, so the C object identifies them."""
-    st = t.untyped_storage()
-    return st._cdata, st.nbytes()
-
-
 @contextlib.contextmanager
 def swapped(model: nn.Module, convert: Callable[[Tensor], Tensor]) -> Iterator[None]:
     """Every parameter and buffer of ``model`` replaced by ``convert`` of it for the duration (a tensor that several
@@ -187,25 +181,9 @@ def fake_memory_pass(model: LayeredModel, b: int) -> LayerBytes:
         return memory_pass(model, fake(x), fake(labels), None if mask is None else fake(mask), b)
 
 
-class _SavedBytes:
-    """A ``saved_tensors_hooks`` pack hook that adds up the bytes of each saved storage once, parameters not (as
-    the measuring profiler counts them)."""
-
-    def __init__(self, own: set[int]) -> None:
-        self.own, self.seen, self.total = own, set[int](), 0
-
-    def pack(self, t: Tensor) -> Tensor:
-        if isinstance(t, Tensor):
-            key, nbytes = _storage(t)
-            if key not in self.own and key not in self.seen:
-                self.seen.add(key)
-                self.total += nbytes
-        return t
-
-
 @dataclass(frozen=True)
 class LayerOps:
-    """A layer's recorded operations for one micro-batch size, and its exact memory per sample."""
+    """A layer's recorded operations for one micro-batch size (its memory comes from ``fake_memory_pass``)."""
 
     forward: tuple[Op, ...]
     backward: tuple[Op, ...]
@@ -213,13 +191,10 @@ class LayerOps:
     input_grad: tuple[Op, ...]
     """The input gradient alone (empty for the first layer, whose input is data)."""
     nograd: tuple[Op, ...]
-    output_bytes: int
-    saved_bytes: int
 
 
 def record_layers(model: LayeredModel, b: int) -> list[LayerOps]:
-    """Every layer of ``model`` (already on the meta device) run on a meta micro-batch of b samples;
-    ``output_bytes`` and ``saved_bytes`` are as the meta pass saw them (the profile takes the CPU's)."""
+    """Every layer of ``model`` (already on the meta device) run on a meta micro-batch of b samples."""
     return _record(model, b)
 
 
@@ -268,13 +243,11 @@ def _record_layer(model: LayeredModel, i: int, h: Tensor, mask: Tensor | None, l
     """Layer i's forward, backward (whole and input gradient alone) and no-grad forward on input h, recorded; and
     its output (detached), the next layer's input."""
     layer, n = model.layers[i], len(model.layers)
-    b = h.shape[0]
     layer.train()
     xin = h if i == 0 else h.detach().requires_grad_(True)
     params = [p for p in layer.parameters() if p.requires_grad]
-    saved = _SavedBytes({_storage(p)[0] for p in layer.parameters()})
     fwd = _Recorder()
-    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), FusedAttention(), fwd:
+    with FusedAttention(), fwd:
         y = layer(xin, attention_mask=mask)
         loss = model.loss(y, labels) if i == n - 1 else None
     # the whole backward, and the input gradient alone (B); the weight gradient (W, which zero-bubble
@@ -293,8 +266,7 @@ def _record_layer(model: LayeredModel, i: int, h: Tensor, mask: Tensor | None, l
         yn = layer(h.detach(), attention_mask=mask)
         if i == n - 1:
             model.loss(yn, labels)
-    ops = LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops), nograd=tuple(nog.ops),
-                   output_bytes=-(-y.numel() * y.element_size() // b), saved_bytes=-(-saved.total // b))
+    ops = LayerOps(forward=tuple(fwd.ops), backward=tuple(bwd.ops), input_grad=tuple(inp.ops), nograd=tuple(nog.ops))
     return ops, y.detach()
 
 

@@ -139,12 +139,13 @@ class StepMemory:
         self.result: dict[str, int] = {}
 
     # -- CPU bookkeeping ------------------------------------------------------------------------
+    def _opt_tensors(self) -> list[Tensor]:
+        return [v for p in self.params for v in self.rt.opt.state.get(p, {}).values() if isinstance(v, Tensor)]
+
     def _static(self) -> tuple[dict[str, int], set[int]]:
         seen: set[int] = set()
         params = _sum_unique(self.params, seen)
-        opt_tensors = [v for p in self.params for v in self.rt.opt.state.get(p, {}).values()
-                       if isinstance(v, Tensor)]
-        optimizer = _sum_unique(opt_tensors, seen)
+        optimizer = _sum_unique(self._opt_tensors(), seen)
         buffers = _sum_unique(self.rt.schedule.recv_buffers(), seen) if self.rt.schedule is not None else 0
         return {"params": params, "optimizer": optimizer, "buffers": buffers}, seen
 
@@ -202,8 +203,7 @@ class StepMemory:
         self._static_bytes, exclude = self._static()
         self._count = LiveCount()
         self._live = _LiveBytes(exclude, self._count)
-        opt = [v for p in self.params for v in self.rt.opt.state.get(p, {}).values() if isinstance(v, Tensor)]
-        self._working = NewStorages(self._count, "working", ignore=self.params + opt)
+        self._working = NewStorages(self._count, "working", ignore=self.params + self._opt_tensors())
         if self.rt.schedule is not None:
             self.rt.schedule.backward_scope = lambda: self._working
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
