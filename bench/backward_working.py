@@ -20,7 +20,10 @@ The layer's forward runs under the same count, so saved tensors freed during the
 Each layer runs through ``live_bytes.layer_step``, the profiler's own step, with the allocator read around its
 backward; its saved bytes are the profiler's (a view of a parameter is the parameter: not saved). The file in
 ``bench/results/`` was written before that, by this script's own copy of the step, whose saved column also counted
-parameter views (GPT-2's head: its tied weight); its working and CUDA columns are the same either way.
+parameter views (GPT-2's head: its tied weight); its working and CUDA columns are the same either way. Each model
+is built with the classifier ``ptplan profile`` gives it (``head_num_labels``: ViT ImageNet's 1000 classes); the
+committed file's vit-base rows had the 2-class default of ``build_model`` (its largest layer is a block's MLP half
+either way).
 
     python bench/backward_working.py [--device cuda] [--dtype bfloat16] [--models bert-base gpt2 vit-base]
         [--batch-sizes 8 32] [--out bench/results/backward_working.json]
@@ -87,6 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/backward_working.json")
     a = ap.parse_args()
     from ptplan.executor.families import build_model
+    from ptplan.executor.profiling.profiler import head_num_labels
 
     dev = torch.device(a.device)
     res: dict[str, Any] = dict(device=a.device, dtype=a.dtype, torch=torch.__version__, host=platform.node(),
@@ -96,7 +100,9 @@ def main() -> None:
                                    for k, v in vars(a).items()), models={})
     for name in a.models:
         t0 = time.perf_counter()
-        model = build_model(name, dtype=getattr(torch, a.dtype)).to(dev)
+        labels = head_num_labels(name, None)  # the head `ptplan profile` gives it (ViT: ImageNet's 1000 classes)
+        model = build_model(name, dtype=getattr(torch, a.dtype),
+                            **({} if labels is None else {"num_labels": labels})).to(dev)
         model.train()
         res["models"][name] = {str(b): measure(model, b, dev) for b in a.batch_sizes}
         print(f"{name} ({time.perf_counter() - t0:.1f} s):")

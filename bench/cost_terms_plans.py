@@ -5,7 +5,7 @@ schedule, slices, predicted iteration and peak memory, for the README's usual se
     python bench/cost_terms_plans.py --compare /tmp/old.json /tmp/new.json
 
 The --compare table lists every phase whose prediction changed (bench/results/cost_terms_plans.json keeps the
-last comparison)."""
+comparison of the backward's working set; ``--result FILE`` writes another comparison elsewhere)."""
 from __future__ import annotations
 
 import argparse
@@ -52,7 +52,7 @@ def run(out: str) -> None:
     Path(out).write_text(json.dumps(rows, indent=1))
 
 
-def compare(old: str, new: str) -> None:
+def compare(old: str, new: str, result: Path | None = None) -> None:
     a, b = json.loads(Path(old).read_text()), json.loads(Path(new).read_text())
     key = lambda r: (r["case"], r["frozen"])  # noqa: E731
     old_by = {key(r): r for r in a}
@@ -72,17 +72,19 @@ def compare(old: str, new: str) -> None:
     for c in changed:
         print(f"{c['case']} f={c['frozen']}: {c['old']} {c['old_iteration_s']:.4g} s {c['old_peak_GiB']:.2f} GiB -> "
               f"{c['new']} {c['new_iteration_s']:.4g} s {c['new_peak_GiB']:.2f} GiB")
-    res = ROOT / "bench" / "results"
-    res.mkdir(exist_ok=True)
-    (res / "cost_terms_plans.json").write_text(json.dumps({"phases": len(b), "changed": changed}, indent=1))
+    result = result or ROOT / "bench" / "results" / "cost_terms_plans.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.write_text(json.dumps({"phases": len(b), "changed": changed, "old": old, "new": new}, indent=1))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
-    ap.add_argument("--compare", nargs=2)
+    ap.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"))
+    ap.add_argument("--result", type=Path, help="where --compare writes its table (default "
+                                                  "bench/results/cost_terms_plans.json)")
     args = ap.parse_args()
     if args.compare:
-        compare(*args.compare)
+        compare(*args.compare, result=args.result)
     else:
         run(args.out or "/tmp/cost_terms_plans.json")

@@ -132,22 +132,13 @@ def main() -> None:
     res: dict[str, Any] = {"device": micro["device"], "torch": micro["torch"],
                            "efficiency_before": vars(base.efficiency), "efficiency_after": vars(eff), "fit": fit,
                            "models": {}}
-    import torch
-
-    from ptplan.executor.families import build_model
-
+    from ptplan.executor.profiling.profiler import model_for_profile
     from ptplan.executor.profiling.project import count_model, time_counted
 
     measured, counted = {}, {}
     for name, run in PROFILES.items():
         meas = measured[name] = load_profile(a.results / run / "profiles" / f"{name}_h100_bf16.json")
-        mi = meas.model
-        image = 224 if mi.family == "vit" else None
-        head = next(r for r in meas.layers if r.kind == "head")
-        labels = None if mi.family in ("gpt2", "llama") else _num_labels(head, mi)
-        model = build_model(name, granularity=mi.granularity, seq_len=None if image else mi.seq_len,
-                            image_size=image, dtype=getattr(torch, mi.dtype), layers=[],
-                            **({} if labels is None else {"num_labels": labels}))
+        model = model_for_profile(meas, layers=[])  # the measured model, its head and image size included
         counted[name] = count_model(model, meas.batch_sizes)
     host = fit_host_launch(counted[FIT_MODEL], measured[FIT_MODEL], calibrated, time_counted)
     hosted = dataclasses.replace(calibrated, efficiency=dataclasses.replace(eff, launch_s=host))
@@ -176,12 +167,6 @@ def main() -> None:
     res["command"] = "python bench/gpu_compare.py"
     a.out.write_text(json.dumps(res, indent=1))
     print(f"wrote {a.out} ({res['seconds']:.0f} s)")
-
-
-def _num_labels(head: Any, mi: Any) -> int:
-    """The classification head's classes from its parameter count (weight hidden x n + bias n)."""
-    hidden = int(mi.config.get("hidden_size", 0)) if isinstance(mi.config, dict) else 0
-    return head.params // (hidden + 1) if hidden else 2
 
 
 if __name__ == "__main__":

@@ -21,16 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ptplan.executor.families import build_model
 from ptplan.executor.profiling.live_bytes import memory_pass
+from ptplan.executor.profiling.profiler import model_for_profile
 from ptplan.executor.profiling.project import fake_memory_pass
 from ptplan.planner.profile import load_profile
-
-
-def _model(prof, *, meta: bool):  # the profile's model, as ``ptplan profile`` built it
-    m = prof.model
-    return build_model(m.name, granularity=m.granularity, dtype=getattr(torch, m.dtype),
-                       seq_len=None if m.family == "vit" else m.seq_len, layers=[] if meta else None)
 
 
 def fill(path: Path, out: Path, device: str, projected: bool) -> bool:
@@ -38,10 +32,10 @@ def fill(path: Path, out: Path, device: str, projected: bool) -> bool:
     b = int(prof.measurement.get("memory_batch_size") or max(prof.batch_sizes))
     t0 = time.perf_counter()
     if projected:
-        mem = fake_memory_pass(_model(prof, meta=True), b)
+        mem = fake_memory_pass(model_for_profile(prof, layers=[]), b)
         how = "live_bytes.memory_pass on fake CPU tensors (as --project counts)"
     else:
-        model = _model(prof, meta=False).to(device)
+        model = model_for_profile(prof).to(device)
         model.train()
         x, labels, mask = model.make_batch(b, torch.Generator().manual_seed(0))
         mem = memory_pass(model, x.to(device), labels.to(device), None if mask is None else mask.to(device), b)

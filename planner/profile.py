@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -140,6 +140,15 @@ class DeviceInfo:
 
 
 PROVENANCE_SOURCES = ("measured", "projected", "synthetic")
+
+
+def structure_fingerprint(layers: Iterable[tuple[str, str, int | None, int]]) -> str:
+    """The short hash a profile records of its model's layer structure: each layer's name, kind, block and
+    parameter count, in order (``Profile.fingerprint``; the executor hashes a built model with the same)."""
+    h = hashlib.sha256()
+    for name, kind, block, params in layers:
+        h.update(f"{name}|{kind}|{block}|{params};".encode())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,10 +294,7 @@ class Profile:
 
     def fingerprint(self) -> str:
         """A short hash of the layer structure (names, kinds, parameter counts), not the timings."""
-        h = hashlib.sha256()
-        for r in self.layers:
-            h.update(f"{r.name}|{r.kind}|{r.block}|{r.params};".encode())
-        return h.hexdigest()[:16]
+        return structure_fingerprint((r.name, r.kind, r.block, r.params) for r in self.layers)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON types (lists, not tuples), ready for json.dumps or the validator."""

@@ -392,6 +392,43 @@ def profile_num_labels(profile: Profile) -> int | None:
     return heads[0].params // (hidden + 1) or None
 
 
+def model_for_profile(profile: Profile, *, model: str | os.PathLike | None = None,
+                      layers: Sequence[int] | None = None) -> LayeredModel:
+    """The model ``profile`` was measured on, built again: the one way a tool re-measures a profile's model.
+
+    Name (or ``model``: the folder of a profile made from a local folder), granularity, dtype, sequence length
+    (ViT: the config's image size), classifier size (``profile_num_labels``) and dropout (the profile's config,
+    where all of the family's dropout fields agree) come from the file; ``layers`` as ``build_model``'s (``[]``:
+    every weight on the meta device). The built model's layer structure must give the profile's fingerprint
+    (names, kinds, blocks, parameter counts), else a PtplanError says what differs: a tool that measures a
+    model other than the profile's must not write its numbers into the profile.
+    """
+    from ptplan.executor.families import build_model, get
+    from ptplan.executor.training.validate import model_fingerprint
+
+    m = profile.model
+    cfg = m.config
+    pixels = FAMILY_FACTS[m.family].pixels if m.family in FAMILY_FACTS else False
+    drop = {cfg[f] for f in get(m.family).dropout_fields if isinstance(cfg.get(f), (int, float))}
+    labels = profile_num_labels(profile)
+    built = build_model(model if model is not None else m.name, granularity=m.granularity,
+                        dtype=getattr(torch, m.dtype), layers=layers,
+                        dropout=float(drop.pop()) if len(drop) == 1 else None,
+                        **({"image_size": cfg.get("image_size")} if pixels else {"seq_len": m.seq_len}),
+                        **({} if labels is None else {"num_labels": labels}))
+    if model_fingerprint(built) != profile.fingerprint():
+        have = {r.name: r.params for r in profile.layers}
+        counts = [(s.name, sum(p.numel() for p in layer.parameters())) for layer, s in zip(built.layers, built.specs)]
+        bad = [f"{n}: {c:,} parameters, the profile's {have[n]:,}" if n in have else f"{n}: not in the profile"
+               for n, c in counts if have.get(n) != c][:3]
+        raise PtplanError(f"{built.name} built from the profile's settings ({len(built.layers)} layers, "
+                          f"{m.granularity} granularity, {labels} labels) does not match the profile "
+                          f"({profile.num_layers} layers): {'; '.join(bad) or 'layer names or kinds differ'}; "
+                          f"the profile was made from another model or config (pass its folder as the model, "
+                          f"or profile again with `ptplan profile`)")
+    return built
+
+
 # ---- default micro-batch sizes -----------------------------------------------------------------
 
 DEFAULT_MAX_BATCH = 64

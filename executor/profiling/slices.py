@@ -32,8 +32,8 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import Profile, SliceFit, SlicePoint, SliceProfile, load_profile, save_profile
 from ptplan.planner.terapipe import fit_slice_cost
 
-from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel, build_model
-from ptplan.executor.profiling.profiler import _Clock, _cpu_name, _preserved, resolve_device
+from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel
+from ptplan.executor.profiling.profiler import _Clock, _cpu_name, _preserved, model_for_profile, resolve_device
 from ptplan.executor.profiling.project import FusedAttention, Op, _Recorder, op_seconds, swapped
 from ptplan.executor.runtime.sliced import is_attention, slice_forward
 
@@ -215,7 +215,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Add measured token-slice costs (TeraPipe) to a causal LM's profile.")
-    ap.add_argument("model")
+    ap.add_argument("model", help="the base profile's model: its preset name, or the folder it was profiled from")
     ap.add_argument("--base", required=True, help="the profile to add token_slices to (its layers stay as they are)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch-sizes", default="1,2")
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         save_profile(with_slices(base, sp), args.out)
         _report(sp, args.out)
         return
-    model = build_model(args.model, granularity=base.model.granularity, dropout=0.0)
+    model = model_for_profile(base, model=args.model)  # the base profile's model, checked against it
     sp = profile_slices(model, batch_sizes=_ints(args.batch_sizes), slice_lengths=_ints(args.slice_lengths),
                         contexts=_ints(args.contexts), warmup=args.warmup, repeats=args.repeats, timer=args.timer,
                         command=cmd)

@@ -4,23 +4,20 @@ Every failure is a PtplanError with the numbers and the fix (the CLI prints it a
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from torch import nn
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
+from ptplan.planner.profile import structure_fingerprint
 from ptplan.planner.tp_split import tp_refusal
 
 
 def model_fingerprint(model: nn.Module) -> str:
     """The structure hash a profile of this model records (names, kinds, blocks, parameter counts)."""
-    h = hashlib.sha256()
-    for layer, spec in zip(model.layers, model.specs):
-        params = sum(p.numel() for p in layer.parameters())
-        h.update(f"{spec.name}|{spec.kind}|{spec.block}|{params};".encode())
-    return h.hexdigest()[:16]
+    return structure_fingerprint((spec.name, spec.kind, spec.block, sum(p.numel() for p in layer.parameters()))
+                                 for layer, spec in zip(model.layers, model.specs))
 
 
 def _config(model: nn.Module) -> dict[str, Any]:
