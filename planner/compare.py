@@ -14,6 +14,10 @@ from .runlog import RunLog, Step, read_run_log
 __all__ = ["Comparison", "PhaseComparison", "compare", "fill_fractions", "format_comparison", "read_run_log"]
 
 
+INPUT_NOTE_SHARE = 0.05
+"""A phase's row notes its input time (``measured_data_s``) when it is at least this share of the measured step."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PhaseComparison:
     phase: int
@@ -51,6 +55,9 @@ class PhaseComparison:
     computed (``fill_fraction``)."""
     fill_fraction: float = 0.0
     """Mean share of the steps' prefix rows that were computed (missed or refreshed) rather than read."""
+    measured_data_s: float | None = None
+    """Median seconds rank 0 spent producing its batch (``data_seconds``: the input pipeline, inside the measured
+    step and in no prediction); None for logs that do not record it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +253,7 @@ def _row(plan: Plan, key: _Key, recs: list[Step], mem_recs: list[Step], fills: d
     pred = statistics.fmean(_predicted_s(p, f) for f in fracs)
     samples = statistics.median(float(r.samples) for r in recs)
     ar = [r.allreduce_seconds for r in recs if r.allreduce_seconds is not None]
+    data = [r.data_seconds for r in recs if r.data_seconds is not None]
     pred_mem = p.predicted.peak_memory_bytes
     meas_mem = max(int(r.peak_memory_bytes or 0) for r in mem_recs) if mem_recs else None
     stage_mem: tuple[int, ...] = ()
@@ -264,7 +272,7 @@ def _row(plan: Plan, key: _Key, recs: list[Step], mem_recs: list[Step], fills: d
         measured_stage_memory_bytes=stage_mem,
         measured_allreduce_s=statistics.median(ar) if ar else None,
         predicted_allreduce_s=p.predicted.allreduce_s, timed_with_memory_hooks=hooks, kind=kind,
-        fill_fraction=statistics.fmean(fracs))
+        fill_fraction=statistics.fmean(fracs), measured_data_s=statistics.median(data) if data else None)
 
 
 def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
@@ -322,6 +330,9 @@ def format_comparison(c: Comparison) -> str:
         pm = f"{r.predicted_peak_memory_bytes / 2**20:>9.1f}" if r.kind == "steady" or mm.strip() != "-" else \
             f"{'-':>9}"
         notes = (["timed on the memory-sampled step"] if r.timed_with_memory_hooks else []) + (
+            [f"input: {r.measured_data_s * 1e3:.1f} ms of the step made the batch, which no plan prices"]
+            if r.measured_data_s is not None and r.measured_data_s >= INPUT_NOTE_SHARE * r.measured_iteration_s
+            else []) + (
             [f"cache fill: {r.fill_fraction:.0%} of the prefix rows computed, priced from the plan's fill step"]
             if r.kind == "fill" else [])
         lines.append(f"{r.phase if r.kind == 'steady' else f'{r.phase}f':>5} {r.frozen_blocks:>6} {r.K:>3} {r.D:>3} "

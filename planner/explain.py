@@ -43,14 +43,21 @@ def predicted_terms(plan: Plan, phase: int) -> Terms:
 def differing_term(plan: Plan, row: PhaseComparison) -> tuple[str, str]:
     """(term, words): the term of the prediction that differs most from the run, and the numbers that say so.
 
-    A run logs each step's time and the all-reduce's, so communication is compared directly; the rest of the
-    gap belongs to compute, bubble or overhead, and is put on the largest of them in the prediction (a
-    uniform error in the profile's times moves the largest term most)."""
+    A run logs each step's time, the all-reduce's and the time it took to make the batch (the input pipeline,
+    which no prediction holds), so communication and input are compared directly; the rest of the gap belongs
+    to compute, bubble or overhead, and is put on the largest of them in the prediction (a uniform error in the
+    profile's times moves the largest term most)."""
     t = predicted_terms(plan, row.phase)
     comm_meas = row.measured_allreduce_s
     comm_gap = (comm_meas - t.communication) if comm_meas is not None else 0.0
+    data = row.measured_data_s or 0.0
     rest_pred = t.compute + t.bubble + t.overhead
-    rest_gap = (row.measured_iteration_s - (comm_meas or t.communication)) - rest_pred
+    rest_gap = (row.measured_iteration_s - data - (comm_meas or t.communication)) - rest_pred
+    if data > max(abs(comm_gap), abs(rest_gap)):
+        return "input", (f"making the batch took {data * 1e3:.1f} ms of the {row.measured_iteration_s * 1e3:.1f} ms "
+                         f"step ({data / row.measured_iteration_s:.0%}), and no plan prices the input pipeline (the "
+                         f"data set's reading, collating or synthetic samples); the rest of the step is within "
+                         f"{(rest_gap + comm_gap) * 1e3:+.1f} ms of its prediction")
     if comm_meas is not None and abs(comm_gap) > abs(rest_gap):
         return "communication", (f"the data-parallel all-reduce took {comm_meas * 1e3:.1f} ms against "
                                  f"{t.communication * 1e3:.1f} ms predicted; the rest of the step is within "
@@ -59,7 +66,8 @@ def differing_term(plan: Plan, row: PhaseComparison) -> tuple[str, str]:
     term = max(parts, key=lambda k: parts[k])
     share = parts[term] / rest_pred if rest_pred > 0 else 0.0
     ratio = (rest_pred + rest_gap) / rest_pred if rest_pred > 0 else float("inf")
-    return term, (f"outside the all-reduce the step took {(rest_pred + rest_gap) * 1e3:.1f} ms against "
+    return term, (f"outside the all-reduce{' and the input' if data else ''} the step took "
+                  f"{(rest_pred + rest_gap) * 1e3:.1f} ms against "
                   f"{rest_pred * 1e3:.1f} ms predicted ({ratio:.2f}x), and {term} is {share:.0%} of that "
                   f"prediction (compute {t.compute * 1e3:.1f}, bubble {t.bubble * 1e3:.1f}, overhead "
                   f"{t.overhead * 1e3:.1f} ms)")

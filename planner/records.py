@@ -137,6 +137,9 @@ class StepRecord(RunRecord):
     """Rows rank 0 refreshed from a smaller cached count (only the layers between the two counts ran)."""
     cache_misses: int | None = None
     """Rows rank 0 computed through the whole frozen prefix (and wrote, budget permitting)."""
+    data_seconds: float | None = None
+    """Seconds rank 0 spent producing its share of the batch (the data set's ``batch``: reading, collating, making
+    synthetic samples), part of ``seconds``; no plan prices it (older logs: None)."""
 
     @property
     def fill_fraction(self) -> float | None:

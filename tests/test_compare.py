@@ -92,6 +92,21 @@ def test_a_phase_with_only_the_memory_sampled_step_is_timed_on_it(plan, tmp_path
     assert not compare(plan, again).phases[0].timed_with_memory_hooks
 
 
+def test_the_input_time_is_the_median_of_the_timed_steps_and_noted_when_large(plan, tmp_path):
+    recs = _records(plan, {0: [9.0, 1.0, 1.0, 1.0]})
+    steps = [r for r in recs if r["type"] == "step"]
+    for r, d in zip(steps, (8.0, 0.5, 0.01, 0.2)):
+        r["data_seconds"] = d
+    c = compare(plan, _log(tmp_path, recs), warmup=1)
+    assert c.phases[0].measured_data_s == pytest.approx(0.2)  # the warm-up step's 8 s left out with it
+    assert "input: 200.0 ms of the step made the batch" in format_comparison(c)
+    steps[3]["data_seconds"] = 0.04
+    c = compare(plan, _log(tmp_path, recs), warmup=1)
+    assert c.phases[0].measured_data_s == pytest.approx(0.04) and "input:" not in format_comparison(c)  # < 5 %
+    old = [{k: v for k, v in r.items() if k != "data_seconds"} for r in recs]
+    assert compare(plan, _log(tmp_path, old)).phases[0].measured_data_s is None  # a log from before the field
+
+
 def test_warmup_zero_and_missing_memory(plan, tmp_path):
     c = compare(plan, _log(tmp_path, _records(plan, {0: [1.0, 3.0]})), warmup=0)
     assert c.phases[0].steps == 2 and c.phases[0].measured_iteration_s == 2.0
@@ -200,8 +215,10 @@ def test_real_run_logs_peak_memory_and_compares(tmp_path):
             assert x["params"] > 0 and x["grads"] > 0 and x["optimizer"] == pytest.approx(2 * x["grads"], rel=0.01)
             assert x["activations"] > 0 and x["buffers"] > 0  # K=2: both stages hold receive buffers
             assert x["total"] == x["params"] + x["grads"] + x["optimizer"] + x["buffers"] + x["activations"]
+    assert all(0 <= r["data_seconds"] <= r["seconds"] for r in steps)  # the batch is made inside the step
     c = compare(plan, read_run_log(log))
     assert [r.phase for r in c.phases] == [0, 2] and all(r.steps == 1 for r in c.phases)
+    assert all(r.measured_data_s is not None for r in c.phases)
     assert all(r.measured_peak_memory_bytes for r in c.phases)
     assert c.median_abs_memory_error < 0.25  # the plan's memory model matches what the stage holds
     assert os.path.getsize(log) > 0

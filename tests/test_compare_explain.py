@@ -24,14 +24,15 @@ def plan():
                      TrainingConfig(epochs=2, samples_per_epoch=256, batch=32, pin_K=2), FreezePolicy(alpha=1 / 3))
 
 
-def _row(plan, phase: int, measured_s: float, allreduce_s: float | None) -> PhaseComparison:
+def _row(plan, phase: int, measured_s: float, allreduce_s: float | None, data_s: float | None = None
+         ) -> PhaseComparison:
     p = plan.phases[phase]
     return PhaseComparison(phase=phase, frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, steps=4,
                            predicted_iteration_s=p.predicted.iteration_s, measured_iteration_s=measured_s,
                            iteration_error=(p.predicted.iteration_s - measured_s) / measured_s,
                            predicted_samples_per_s=1.0, measured_samples_per_s=1.0, predicted_peak_memory_bytes=1,
                            measured_peak_memory_bytes=None, memory_error=None, measured_allreduce_s=allreduce_s,
-                           predicted_allreduce_s=p.predicted.allreduce_s)
+                           predicted_allreduce_s=p.predicted.allreduce_s, measured_data_s=data_s)
 
 
 def _comparison(*rows: PhaseComparison) -> Comparison:
@@ -56,6 +57,18 @@ def test_the_differing_term_is_the_one_the_run_log_shows(plan):
     term, words = differing_term(plan, slow_compute)
     assert term == "compute" and "predicted" in words and "x)" in words
     assert differing_term(plan, _row(plan, 0, 2 * pred, None))[0] == "compute"  # no all-reduce measured
+
+
+def test_a_step_slowed_by_its_input_pipeline_is_put_on_the_input(plan):
+    """The run's step = the prediction + the time the data set took to make the batch: the input is named, with
+    the rest of the step within 0.0 ms of its prediction; a slower compute beside a smaller input stays compute."""
+    t = predicted_terms(plan, 0)
+    pred = plan.phases[0].predicted.iteration_s
+    term, words = differing_term(plan, _row(plan, 0, pred + 0.25, t.communication, data_s=0.25))
+    assert term == "input" and "making the batch took 250.0 ms" in words and "within +0.0 ms" in words
+    term, words = differing_term(plan, _row(plan, 0, 2 * pred + 0.01, t.communication, data_s=0.01))
+    assert term == "compute" and "outside the all-reduce and the input the step took" in words
+    assert f"{(2 * pred - t.communication) * 1e3:.1f} ms against {(pred - t.communication) * 1e3:.1f} ms" in words
 
 
 def test_explain_names_the_phase_and_the_profiles_making(plan):

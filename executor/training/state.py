@@ -42,6 +42,8 @@ class StepResult:
 
     seconds: float
     loss: float
+    data_seconds: float | None = None
+    """Of ``seconds``, the time making this rank's batch took (the data set's ``batch``)."""
     fields: dict[str, Any] = field(default_factory=dict)
     """Extra fields of the step's run-log record (memory, lr, grad_norm...)."""
 
