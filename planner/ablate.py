@@ -242,10 +242,10 @@ def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
     t.saved_per_sample = np.where(frozen, 0.0, table.saved_per_sample)
     t.working_per_sample = np.where(frozen, 0.0, table.working_per_sample)
     t.accumulate_bytes = np.where(frozen, 0.0, table.accumulate_bytes)
-    t.optimizer_s = np.where(frozen, 0.0, table.optimizer_s)
+    t.set_optimizer(np.where(frozen, 0.0, table.optimizer_s), table.optimizer_call_s)
     t.param_bytes = np.where(frozen, 0.0, table.param_bytes)
     t.cum_param = _cum(t.param_bytes)
-    t.cum_grad, t.cum_saved, t.cum_opt_s = _cum(t.grad_bytes), _cum(t.saved_per_sample), _cum(t.optimizer_s)
+    t.cum_grad, t.cum_saved = _cum(t.grad_bytes), _cum(t.saved_per_sample)
     t.cum_sync = np.concatenate((np.zeros(n0), table.cum_sync[n0:] - table.cum_sync[n0]))  # no sync before n0
     return t
 

@@ -74,10 +74,10 @@ def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_fr
     fb_max = float(search.fb_suffix_max(c.b, t)[n0])
     big = M * (fb_max + 2 * ovh)
     if c.schedule == "2bw":
-        work = M * (F + Bw) + setup + float(t.cum_opt_s[n] - t.cum_opt_s[n0])
+        work = M * (F + Bw) + setup + float(t.optimizer_range_s(n0, n))  # one call: no more than K stages pay
         first = setup + M * (prefix + float(tm.fwd[n0] + tm.bwd[n0]) + 2 * ovh) + float(t.optimizer_s[n0])
         return max(work / K, big, first) + search.c.step_overhead_s
-    x_sum = M * (sf + sb) + float(t.cum_opt_s[n] - t.cum_opt_s[n0])  # per layer; overheads are per stage
+    x_sum = M * (sf + sb) + float(t.optimizer_range_s(n0, n))  # per layer (one call); overheads are per stage
     lat = 0.0
     # FSDP reduce-scatters in the backward instead (``strategy.py``); a stage choosing FSDP may too
     sync = c.D > 1 and not c.fsdp and not c.fsdp_per_stage

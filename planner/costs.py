@@ -91,6 +91,27 @@ class TimesAt:
     """Prefix sums of the backward's weight-gradient part (0 where the profile did not split it)."""
 
 
+def optimizer_call_s(params: np.ndarray, seconds: np.ndarray) -> float:
+    """The fixed cost of one optimizer call, from per-layer step times each measured with its own optimizer.
+
+    A step costs a fixed part per call (the optimizer's Python work and kernel launches, whatever the size) and
+    a part proportional to the parameters it updates; the profiler steps one optimizer per layer, so every layer's
+    time holds the fixed part once, while the runtime pays it once per stage. Estimated as the intercept of the
+    least-squares line of the layers' times against their parameter counts, held within [0, the smallest layer's
+    time] (no layer costs less than a call); 0 with fewer than three layers that step. On a GPU that waits for
+    the host the part is large: the lent H100's bert-base profile has 27 layers of 0.32-0.67 ms, an intercept of
+    0.40 ms held to the head's 0.315 ms, so one call over the model is priced 3.7 ms against the per-layer sum's
+    11.9 ms (``bench/gpu_replan.py``: the measured steady step moved from +21.7 % to +1.9 %). On this project's CPU
+    it is 0.08 ms for bert-tiny (one AdamW call over the model measured 1.96 ms, priced 1.72, the per-layer sum
+    2.52) and 0 for the larger models, whose intercept is negative."""
+    steps = seconds > 0
+    if int(steps.sum()) < 3 or float(np.ptp(params[steps])) == 0.0:
+        return 0.0
+    A = np.stack([np.ones(int(steps.sum())), params[steps]], axis=1)
+    (intercept, _), *_ = np.linalg.lstsq(A, seconds[steps], rcond=None)
+    return float(min(max(intercept, 0.0), seconds[steps].min()))
+
+
 @dataclass
 class CostTable:
     """Per-layer costs of one profile, with per-micro-batch-size results memoised."""
@@ -126,17 +147,36 @@ class CostTable:
         self.out_per_sample = np.array([r.output_bytes_per_sample for r in p.layers], dtype=float)
         self.optimizer_measured = all(r.optimizer_s is not None for r in p.layers)
         """Whether the profile measured every layer's optimizer step (older profiles did not)."""
-        self.optimizer_s = k * np.array([r.optimizer_s or 0.0 for r in p.layers], dtype=float)
-        """Seconds of one AdamW step over each layer's parameters (independent of b; 0 where not measured)."""
+        steps = k * np.array([r.optimizer_s or 0.0 for r in p.layers], dtype=float)
+        self.set_optimizer(steps, optimizer_call_s(self.params, steps))
         self.cum_param = _cum(self.param_bytes)
         self.cum_grad = _cum(self.grad_bytes)
         self.cum_saved = _cum(self.saved_per_sample)
-        self.cum_opt_s = _cum(self.optimizer_s)
         self.cum_sync = self.cum_grad
         """Prefix sums of the bytes a stage's data-parallel gradient sync all-reduces (``strategy.py``
         halves them for FSDP's reduce-scatter)."""
         self.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(self.param_bytes)))
         """``max_param_upto[j]``: the largest single layer's weights among layers ``[0, j)``."""
+
+    def set_optimizer(self, per_layer: np.ndarray, call_s: float) -> None:
+        """Per layer, seconds of one optimizer step over its parameters alone (0: nothing to step), of which
+        ``call_s`` is the fixed cost of a call (the prefix sums that ``optimizer_range_s`` reads follow)."""
+        self.optimizer_s = per_layer
+        """Seconds of one AdamW step over each layer's parameters alone (independent of b; 0 where not measured
+        or nothing steps), as the profiler times it: one optimizer per layer."""
+        self.optimizer_call_s = float(call_s)
+        """Of each layer's ``optimizer_s``, the fixed cost of an optimizer call (``optimizer_call_s``)."""
+        steps = per_layer > 0
+        self._cum_opt_calls = _cum(steps.astype(float))
+        self._cum_opt_var = _cum(np.where(steps, per_layer - self.optimizer_call_s, 0.0))
+
+    def optimizer_range_s(self, lo: Any, hi: Any) -> Any:
+        """Seconds of one optimizer step over the layers [lo, hi) (arrays of bounds: elementwise): the runtime
+        steps one optimizer over a rank's parameters (``executor/runtime/optim.py``), so a stage pays the call's
+        fixed cost once and each layer its own part: ``optimizer_call_s`` + Σ (``optimizer_s`` - it), 0 where
+        no layer steps."""
+        calls = self._cum_opt_calls[hi] - self._cum_opt_calls[lo]
+        return (calls > 0) * self.optimizer_call_s + self._cum_opt_var[hi] - self._cum_opt_var[lo]
 
     @property
     def measured_range(self) -> tuple[int, int]:

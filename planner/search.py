@@ -467,7 +467,7 @@ class _Scorer:
         L[:, 0] += min(m.prefix_s for m in ms)
         flush = c.schedule != "2bw"
         done = np.min([(m.links.ar_lat + (m.t.cum_sync[hi] - m.t.cum_sync[lo]) * m.links.ar_per_byte
-                        if m.sync and flush else 0.0) + m.t.cum_opt_s[hi] - m.t.cum_opt_s[lo] for m in ms], axis=0)
+                        if m.sync and flush else 0.0) + m.t.optimizer_range_s(lo, hi) for m in ms], axis=0)
         work = c.M * L + done
         head = np.max(np.cumsum(L, axis=1) - L + c.M * L, axis=1) + done[:, 0] \
             if flush and not c.schedule.startswith("zb") else -np.inf

@@ -549,7 +549,7 @@ class StageModel:
             upto = np.minimum(lo + sh.recompute_layers, hi) if sh.recompute_layers else hi
             bwd = bwd + (tm.cum_fwd[upto] - tm.cum_fwd[lo])
         bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
-        opt = t.cum_opt_s[hi] - t.cum_opt_s[lo]
+        opt = t.optimizer_range_s(lo, hi)
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
         tp_lat = self._cum_tp_lat[hi] - self._cum_tp_lat[lo]
         tp_comm = tp_lat + sh.b * (self._cum_tp_per_sample[hi] - self._cum_tp_per_sample[lo])

@@ -295,14 +295,15 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
         fwd, bwd, nog = fwd + ag[:, None], bwd + (ag + rs)[:, None], nog + ag[:, None]  # frozen: no rs
         sync = np.zeros_like(G)
         W, G = W / D, G / D
-        t.optimizer_s = table.optimizer_s / div / D
+        opt_div = div * D
     else:
-        t.optimizer_s = table.optimizer_s / div
+        opt_div = div
+    c = table.optimizer_call_s  # a call's fixed cost is paid whole; each layer's own part divides
+    t.set_optimizer(np.where(table.optimizer_s > 0, c + (table.optimizer_s - c) / opt_div, 0.0), c)
     t._fwd, t._bwd, t._nog, t._bww = fwd, bwd, nog, bww
     t.param_bytes, t.grad_bytes = W, G
     t.cum_param, t.cum_grad = _cum(W), _cum(G)
     t.cum_sync = _cum(sync)
-    t.cum_opt_s = _cum(t.optimizer_s)
     t.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(W)))
     return t
 
@@ -314,9 +315,10 @@ def min_table(a: CostTable, b: CostTable) -> CostTable:
     choose their strategy."""
     t = copy.copy(a)
     t._cache = {}
-    for name in ("_fwd", "_bwd", "_nog", "_bww", "param_bytes", "grad_bytes", "optimizer_s"):
+    for name in ("_fwd", "_bwd", "_nog", "_bww", "param_bytes", "grad_bytes"):
         setattr(t, name, np.minimum(getattr(a, name), getattr(b, name)))
-    t.cum_param, t.cum_grad, t.cum_opt_s = _cum(t.param_bytes), _cum(t.grad_bytes), _cum(t.optimizer_s)
+    t.set_optimizer(np.minimum(a.optimizer_s, b.optimizer_s), min(a.optimizer_call_s, b.optimizer_call_s))
+    t.cum_param, t.cum_grad = _cum(t.param_bytes), _cum(t.grad_bytes)
     t.cum_sync = _cum(np.minimum(np.diff(a.cum_sync), np.diff(b.cum_sync)))
     t.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(t.param_bytes)))
     return t

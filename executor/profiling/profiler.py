@@ -411,11 +411,13 @@ def model_for_profile(profile: Profile, *, model: str | os.PathLike | None = Non
     pixels = FAMILY_FACTS[m.family].pixels if m.family in FAMILY_FACTS else False
     drop = {cfg[f] for f in get(m.family).dropout_fields if isinstance(cfg.get(f), (int, float))}
     labels = profile_num_labels(profile)
+    side = cfg.get("image_size")
     built = build_model(model if model is not None else m.name, granularity=m.granularity,
                         dtype=getattr(torch, m.dtype), layers=layers,
                         dropout=float(drop.pop()) if len(drop) == 1 else None,
-                        **({"image_size": cfg.get("image_size")} if pixels else {"seq_len": m.seq_len}),
-                        **({} if labels is None else {"num_labels": labels}))
+                        seq_len=None if pixels else m.seq_len,
+                        image_size=side if pixels and isinstance(side, int) else None,
+                        num_labels=2 if labels is None else labels)  # (a causal LM's head ignores it)
     if model_fingerprint(built) != profile.fingerprint():
         have = {r.name: r.params for r in profile.layers}
         counts = [(s.name, sum(p.numel() for p in layer.parameters())) for layer, s in zip(built.layers, built.specs)]
