@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "optimizer_call.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    res = {"command": "python bench/optimizer_call.py " + " ".join(f"--models {m}" for m in a.models),
+    res = {"command": "python bench/optimizer_call.py --models " + " ".join(a.models),
            "machine": platform.processor() or platform.machine(), "torch": torch.__version__, "models": {}}
     print(f"{'model':<11} {'layers':>6} {'per-layer sum ms':>16} {'fixed ms':>9} {'priced ms':>10} "
           f"{'one call ms':>12} {'sum err':>8} {'priced err':>10}")

@@ -102,8 +102,8 @@ def optimizer_call_s(params: np.ndarray, seconds: np.ndarray) -> float:
     the host the part is large: the lent H100's bert-base profile has 27 layers of 0.32-0.67 ms, an intercept of
     0.40 ms held to the head's 0.315 ms, so one call over the model is priced 3.7 ms against the per-layer sum's
     11.9 ms (``bench/gpu_replan.py``: the measured steady step moved from +21.7 % to +1.9 %). On this project's CPU
-    it is 0.08 ms for bert-tiny (one AdamW call over the model measured 1.96 ms, priced 1.72, the per-layer sum
-    2.52) and 0 for the larger models, whose intercept is negative."""
+    it is 0.08 ms for bert-tiny (one AdamW call over the model measured 1.90 ms, priced 1.67, the per-layer sum
+    2.46: ``bench/optimizer_call.py``) and 0 for the larger models, whose intercept is negative."""
     steps = seconds > 0
     if int(steps.sum()) < 3 or float(np.ptp(params[steps])) == 0.0:
         return 0.0
