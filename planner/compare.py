@@ -58,6 +58,12 @@ class PhaseComparison:
     measured_data_s: float | None = None
     """Median seconds rank 0 spent producing its batch (``data_seconds``: the input pipeline, inside the measured
     step and in no prediction); None for logs that do not record it."""
+    measured_cache_s: float | None = None
+    """Median seconds rank 0 spent serving the frozen prefix's output from the AutoCache (``cache_seconds``); None
+    where the phase does not cache or the log does not record it."""
+    predicted_cache_s: float = 0.0
+    """The plan's seconds for that (``cache_setup_s``, or for fill rows ``fill_cache_setup_s`` weighted by the share
+    of rows computed, as the step's prediction is)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +260,9 @@ def _row(plan: Plan, key: _Key, recs: list[Step], mem_recs: list[Step], fills: d
     samples = statistics.median(float(r.samples) for r in recs)
     ar = [r.allreduce_seconds for r in recs if r.allreduce_seconds is not None]
     data = [r.data_seconds for r in recs if r.data_seconds is not None]
+    cache = [r.cache_seconds for r in recs if r.cache_seconds is not None]
+    pr = p.predicted
+    pred_cache = statistics.fmean(pr.cache_setup_s + f * (pr.fill_cache_setup_s - pr.cache_setup_s) for f in fracs)
     pred_mem = p.predicted.peak_memory_bytes
     meas_mem = max(int(r.peak_memory_bytes or 0) for r in mem_recs) if mem_recs else None
     stage_mem: tuple[int, ...] = ()
@@ -272,7 +281,8 @@ def _row(plan: Plan, key: _Key, recs: list[Step], mem_recs: list[Step], fills: d
         measured_stage_memory_bytes=stage_mem,
         measured_allreduce_s=statistics.median(ar) if ar else None,
         predicted_allreduce_s=p.predicted.allreduce_s, timed_with_memory_hooks=hooks, kind=kind,
-        fill_fraction=statistics.fmean(fracs), measured_data_s=statistics.median(data) if data else None)
+        fill_fraction=statistics.fmean(fracs), measured_data_s=statistics.median(data) if data else None,
+        measured_cache_s=statistics.median(cache) if cache else None, predicted_cache_s=pred_cache)
 
 
 def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
@@ -333,6 +343,8 @@ def format_comparison(c: Comparison) -> str:
             [f"input: {r.measured_data_s * 1e3:.1f} ms of the step made the batch, which no plan prices"]
             if r.measured_data_s is not None and r.measured_data_s >= INPUT_NOTE_SHARE * r.measured_iteration_s
             else []) + (
+            [f"AutoCache: {r.measured_cache_s * 1e3:.1f} ms serving the prefix, {r.predicted_cache_s * 1e3:.1f} ms "
+             f"predicted"] if r.measured_cache_s is not None else []) + (
             [f"cache fill: {r.fill_fraction:.0%} of the prefix rows computed, priced from the plan's fill step"]
             if r.kind == "fill" else [])
         lines.append(f"{r.phase if r.kind == 'steady' else f'{r.phase}f':>5} {r.frozen_blocks:>6} {r.K:>3} {r.D:>3} "

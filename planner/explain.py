@@ -43,25 +43,31 @@ def predicted_terms(plan: Plan, phase: int) -> Terms:
 def differing_term(plan: Plan, row: PhaseComparison) -> tuple[str, str]:
     """(term, words): the term of the prediction that differs most from the run, and the numbers that say so.
 
-    A run logs each step's time, the all-reduce's and the time it took to make the batch (the input pipeline,
-    which no prediction holds), so communication and input are compared directly; the rest of the gap belongs
-    to compute, bubble or overhead, and is put on the largest of them in the prediction (a uniform error in the
-    profile's times moves the largest term most)."""
+    A run logs each step's time, the all-reduce's, the time it took to make the batch (the input pipeline, which no
+    prediction holds) and the time stage 0 spent serving the frozen prefix from the AutoCache, so communication,
+    input and cache are compared directly; the rest of the gap belongs to compute, bubble or overhead, and is put
+    on the largest of them in the prediction (a uniform error in the profile's times moves the largest term most)."""
     t = predicted_terms(plan, row.phase)
     comm_meas = row.measured_allreduce_s
     comm_gap = (comm_meas - t.communication) if comm_meas is not None else 0.0
     data = row.measured_data_s or 0.0
+    cache_meas = row.measured_cache_s
+    cache_gap = (cache_meas - row.predicted_cache_s) if cache_meas is not None else 0.0
     rest_pred = t.compute + t.bubble + t.overhead
-    rest_gap = (row.measured_iteration_s - data - (comm_meas or t.communication)) - rest_pred
-    if data > max(abs(comm_gap), abs(rest_gap)):
+    rest_gap = (row.measured_iteration_s - data - (comm_meas or t.communication)) - rest_pred - cache_gap
+    within = f"the rest of the step is within {round(rest_gap * 1e3, 1) + 0.0:+.1f} ms of its prediction"  # no -0.0
+    biggest = max(("input", data), ("communication", abs(comm_gap)), ("cache", abs(cache_gap)),
+                  ("rest", abs(rest_gap)), key=lambda kv: kv[1])[0]
+    if biggest == "input":
         return "input", (f"making the batch took {data * 1e3:.1f} ms of the {row.measured_iteration_s * 1e3:.1f} ms "
                          f"step ({data / row.measured_iteration_s:.0%}), and no plan prices the input pipeline (the "
-                         f"data set's reading, collating or synthetic samples); the rest of the step is within "
-                         f"{(rest_gap + comm_gap) * 1e3:+.1f} ms of its prediction")
-    if comm_meas is not None and abs(comm_gap) > abs(rest_gap):
+                         f"data set's reading, collating or synthetic samples); {within}")
+    if biggest == "communication" and comm_meas is not None:
         return "communication", (f"the data-parallel all-reduce took {comm_meas * 1e3:.1f} ms against "
-                                 f"{t.communication * 1e3:.1f} ms predicted; the rest of the step is within "
-                                 f"{rest_gap * 1e3:+.1f} ms")
+                                 f"{t.communication * 1e3:.1f} ms predicted; {within}")
+    if biggest == "cache" and cache_meas is not None:
+        return "cache", (f"serving the frozen prefix from the AutoCache took {cache_meas * 1e3:.1f} ms against "
+                         f"{row.predicted_cache_s * 1e3:.1f} ms predicted (reading its rows to the device); {within}")
     parts = {"compute": t.compute, "bubble": t.bubble, "overhead": t.overhead}
     term = max(parts, key=lambda k: parts[k])
     share = parts[term] / rest_pred if rest_pred > 0 else 0.0

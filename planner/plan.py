@@ -90,6 +90,12 @@ class Prediction:
     phase's first pass over the data); 0 when the phase does not cache."""
     cache_host_bytes_per_node: int = 0
     """Host memory per node the AutoCache needs in this phase (0 when it does not cache)."""
+    cache_setup_s: float = 0.0
+    """With the AutoCache: stage 0's seconds per steady iteration serving its shard's prefix output (reading the
+    rows; ``stage.cache_setup_s``), inside ``iteration_s``; 0 when the phase does not cache."""
+    fill_cache_setup_s: float = 0.0
+    """With the AutoCache: the same in a fill iteration (the prefix computed, its rows written, its weights
+    streamed), inside ``fill_iteration_s``; 0 when the phase does not cache."""
 
     @property
     def device_peak_memory_bytes(self) -> tuple[int, ...]:
@@ -409,7 +415,9 @@ def _prediction(f: Fields) -> Prediction:
         rank_peak_memory_bytes=tuple(f.ints("rank_peak_memory_bytes", min=0)) if "rank_peak_memory_bytes" in f.obj
         else (),
         fill_iteration_s=f.float("fill_iteration_s", 0.0, min=0),
-        cache_host_bytes_per_node=f.int("cache_host_bytes_per_node", 0, min=0))
+        cache_host_bytes_per_node=f.int("cache_host_bytes_per_node", 0, min=0),
+        cache_setup_s=f.float("cache_setup_s", 0.0, min=0),
+        fill_cache_setup_s=f.float("fill_cache_setup_s", 0.0, min=0))
 
 
 CAUSAL_SLICE_FAMILIES = TOKEN_SLICE_FAMILIES

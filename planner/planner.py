@@ -225,7 +225,9 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
         stage_peak_memory_bytes=totals, stage_memory=ch.memory,
         rank_peak_memory_bytes=tuple(np.asarray(sim.rank_peak_memory_bytes, dtype=np.int64).tolist()),
         fill_iteration_s=ch.fill_sim.iteration_s if ch.fill_sim is not None else 0.0,
-        cache_host_bytes_per_node=int(search.host_bytes_per_node(c, n0, 0)) if c.cache else 0)
+        cache_host_bytes_per_node=int(search.host_bytes_per_node(c, n0, 0)) if c.cache else 0,
+        cache_setup_s=ch.costs[0].setup_s if c.cache else 0.0,
+        fill_cache_setup_s=ch.fill_costs[0].setup_s if c.cache and ch.fill_costs else 0.0)
     assert ch.links is not None
     sched = search.schedule(c)
     return Phase(frozen_blocks=f, frozen_layers=n0, K=c.K, D=c.D, M=c.M, micro_batch_size=c.b,

@@ -140,6 +140,10 @@ class StepRecord(RunRecord):
     data_seconds: float | None = None
     """Seconds rank 0 spent producing its share of the batch (the data set's ``batch``: reading, collating, making
     synthetic samples), part of ``seconds``; no plan prices it (older logs: None)."""
+    cache_seconds: float | None = None
+    """Seconds rank 0 spent serving its shard's frozen-prefix output from the AutoCache (reads, refreshes, fills
+    and writes), part of ``seconds``: the plan's ``cache_setup_s`` / ``fill_cache_setup_s`` (None where rank 0 did
+    not: a phase that does not cache; older logs)."""
 
     @property
     def fill_fraction(self) -> float | None:

@@ -37,7 +37,7 @@ FIELDS: dict[str, dict[str, str]] = {
              "seconds": "float", "samples": "int", "loss": "float", "allreduce_seconds": "float?",
              "memory_sampled": "bool?", "peak_memory_bytes": "int?", "memory": "obj?", "lr": "float?",
              "grad_norm": "float?", "cache_hits": "int?", "cache_refreshes": "int?", "cache_misses": "int?",
-             "data_seconds": "float?"},
+             "data_seconds": "float?", "cache_seconds": "float?"},
     "transition": {"step": "int", "from_phase": "int?", "to_phase": "int", "seconds": "float", "parts": "obj",
                    "bytes": "obj?", "from": "obj?", "to": "obj?"},
     "resume": {"step": "int", "epoch": "int", "phase": "int?", "seconds": "float", "parts": "obj?",

@@ -24,15 +24,16 @@ def plan():
                      TrainingConfig(epochs=2, samples_per_epoch=256, batch=32, pin_K=2), FreezePolicy(alpha=1 / 3))
 
 
-def _row(plan, phase: int, measured_s: float, allreduce_s: float | None, data_s: float | None = None
-         ) -> PhaseComparison:
+def _row(plan, phase: int, measured_s: float, allreduce_s: float | None, data_s: float | None = None,
+         cache_s: float | None = None, cache_pred_s: float = 0.0) -> PhaseComparison:
     p = plan.phases[phase]
     return PhaseComparison(phase=phase, frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, steps=4,
                            predicted_iteration_s=p.predicted.iteration_s, measured_iteration_s=measured_s,
                            iteration_error=(p.predicted.iteration_s - measured_s) / measured_s,
                            predicted_samples_per_s=1.0, measured_samples_per_s=1.0, predicted_peak_memory_bytes=1,
                            measured_peak_memory_bytes=None, memory_error=None, measured_allreduce_s=allreduce_s,
-                           predicted_allreduce_s=p.predicted.allreduce_s, measured_data_s=data_s)
+                           predicted_allreduce_s=p.predicted.allreduce_s, measured_data_s=data_s,
+                           measured_cache_s=cache_s, predicted_cache_s=cache_pred_s)
 
 
 def _comparison(*rows: PhaseComparison) -> Comparison:
@@ -69,6 +70,17 @@ def test_a_step_slowed_by_its_input_pipeline_is_put_on_the_input(plan):
     term, words = differing_term(plan, _row(plan, 0, 2 * pred + 0.01, t.communication, data_s=0.01))
     assert term == "compute" and "outside the all-reduce and the input the step took" in words
     assert f"{(2 * pred - t.communication) * 1e3:.1f} ms against {(pred - t.communication) * 1e3:.1f} ms" in words
+
+
+def test_a_step_slowed_by_the_autocache_is_put_on_the_cache(plan):
+    """Stage 0 served its prefix in 60 ms against 2 ms predicted, and the step is that much slower: the cache is
+    named with both numbers; the same cache time inside a step twice as slow elsewhere stays compute."""
+    t = predicted_terms(plan, 0)
+    pred = plan.phases[0].predicted.iteration_s
+    term, words = differing_term(plan, _row(plan, 0, pred + 0.058, t.communication, cache_s=0.06, cache_pred_s=0.002))
+    assert term == "cache" and "took 60.0 ms against 2.0 ms predicted" in words and "within +0.0 ms" in words
+    term, _ = differing_term(plan, _row(plan, 0, 3 * pred, t.communication, cache_s=0.06, cache_pred_s=0.002))
+    assert term == "compute"
 
 
 def test_explain_names_the_phase_and_the_profiles_making(plan):

@@ -225,6 +225,15 @@ def test_real_run_fill_steps_are_priced_as_fills(bf16_run):
         assert p.predicted.fill_iteration_s > 0
         assert r.predicted_iteration_s == pytest.approx(p.predicted.fill_iteration_s)
     assert c.mismatches == ()  # a bf16 model against its bf16 profile's plan: the same parameter bytes and rows
+    caches = {s.epoch: s.cache_seconds for s in log.steps}  # stage 0's AutoCache time, where the phase caches
+    assert caches[0] is None and all(0 < caches[e] <= s.seconds for e in (1, 2, 3) for s in log.steps if s.epoch == e)
+    for p in (p1, p2):
+        assert 0 < p.predicted.cache_setup_s < p.predicted.fill_cache_setup_s
+    assert c.phases[1].measured_cache_s is not None and c.phases[1].predicted_cache_s == pytest.approx(
+        p1.predicted.cache_setup_s)  # epoch 2: every row a hit
+    for r, p in zip(c.fills, (p1, p2)):
+        assert r.predicted_cache_s == pytest.approx(p.predicted.fill_cache_setup_s)  # every row computed
+    assert "AutoCache:" in format_comparison(c) and c.phases[0].measured_cache_s is None
 
 
 @pytest.mark.multiproc

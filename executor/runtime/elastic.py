@@ -148,6 +148,9 @@ class ElasticRuntime(PhaseState):
         """The layers this rank holds in the current phase and where (``transition.holdings``)."""
         self.last_allreduce_s = 0.0
         """Seconds of the last step's data-parallel gradient all-reduce on this rank."""
+        self.last_cache_s: float | None = None
+        """Seconds the last step spent serving stage 0's frozen-prefix output from the AutoCache on this rank (None
+        where it did not: another stage, or a phase that does not cache)."""
         self.current: list[frozenset[int]] = [frozenset()] * self.n
         """Per layer, the ranks holding a current copy (in a phase: the ranks that need it; ``transition``)."""
         self.cache: ActivationCache | None = None

@@ -37,10 +37,13 @@ def train_step(rt: ElasticRuntime, batch: Batch, *, want_norms: bool, ids: Tenso
     ph, place = rt.phase, rt.groups.place
     first, last = 0 in rt.chunks, ph.stages - 1 in rt.chunks
     x, y, mask = (None if t is None else t.to(rt.device) for t in batch)
+    rt.last_cache_s = None
     if first and rt._caches(ph):  # the shard's prefix output, micro-batch by micro-batch
         assert ids is not None, "a caching phase needs the shard's sample ids"
+        t0 = time.perf_counter()
         x = prefix_forward(rt.model, x, mask, ids, ph.frozen_layers, rt.cache,
                            micro_batch_size=ph.micro_batch_size)
+        rt.last_cache_s = time.perf_counter() - t0
         if rt.memory_hook is not None:
             rt.memory_hook("buffers", x)
     kw = {} if mask is None else {"attention_mask": mask}

@@ -213,7 +213,8 @@ class StepLog(Callback):
         ctx.log.write(StepRecord(epoch=ctx.pos.epoch, step=ctx.pos.global_step, phase=rt.phase_index,
                                  frozen_blocks=ph.frozen_blocks, K=ph.K, D=ph.D, seconds=result.seconds,
                                  samples=ph.global_batch, loss=result.loss, allreduce_seconds=rt.last_allreduce_s,
-                                 grad_norm=rt.last_grad_norm, data_seconds=result.data_seconds, **result.fields))
+                                 grad_norm=rt.last_grad_norm, data_seconds=result.data_seconds,
+                                 cache_seconds=rt.last_cache_s, **result.fields))
 
     def on_finish(self, ctx: RunContext, ok: bool) -> None:
         ctx.log.close()
