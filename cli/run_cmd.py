@@ -43,7 +43,9 @@ RUN_LAUNCH_OPTIONS: list[Callable[[Any], Any]] = [
 RUN_TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--epochs", type=int, default=None, help="Epochs (default: the plan's)."),
     click.option("--steps-per-epoch", type=int, default=None, help="Optimizer steps per epoch (default: the data's)."),
-    click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="adamw", show_default=True),
+    click.option("--optimizer", type=click.Choice(["plan", "sgd", "adamw"]), default="plan", show_default=True,
+                 help="plan: the optimizer the plan priced the optimizer state of (its --optimizer); another one is "
+                      "run with a note that the plan's memory is not its memory."),
     click.option("--lr", type=float, default=None,
                  help="Peak learning rate [default: 5e-5 with AdamW (fine-tuning), 0.01 with SGD]."),
     click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]), default="constant",
@@ -184,6 +186,8 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
 
     model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
     precision, dtype = _precision(plan_path, precision)
+    optimizer, optimizer_note = _optimizer(plan_path, optimizer)
+    click.get_current_context().params["optimizer"] = optimizer  # what RUN_RULES check the flags against
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
                       max_restarts=max_restarts, rdzv_conf=rdzv_conf)
@@ -215,6 +219,8 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
 
     refuse_inapplicable(click.get_current_context(), RUN_RULES)  # after each value's own check (RunConfig)
+    if optimizer_note:
+        click.echo(f"note: {optimizer_note}", err=True)
     _check_and_launch(cfg, rdzv, dry_run)
 
 
@@ -266,6 +272,20 @@ def _precision(plan_path: str, precision: str) -> tuple[str, str]:
     from ptplan.planner.plan import load_plan
 
     return "fp32", load_plan(plan_path).inputs.profile.dtype
+
+
+def _optimizer(plan_path: str, optimizer: str) -> tuple[str, str | None]:
+    """``--optimizer`` -> (the optimizer to run, a note or None): ``plan`` is the one the plan priced; another comes
+    with a note (the plan's optimizer-state bytes are not the run's)."""
+    from ptplan.planner.costs import OPTIMIZER_SLOTS
+    from ptplan.planner.plan import load_plan
+
+    planned = load_plan(plan_path).inputs.training.optimizer
+    if optimizer == "plan" or optimizer == planned:
+        return planned, None
+    return optimizer, (f"the plan priced {planned}'s optimizer state ({OPTIMIZER_SLOTS[planned]} value(s) per "
+                       f"parameter) and this run uses {optimizer} ({OPTIMIZER_SLOTS[optimizer]}): its memory differs "
+                       f"from the plan's; make the plan with `ptplan plan ... --optimizer {optimizer}` to price it")
 
 
 def _finish_export(cfg) -> None:

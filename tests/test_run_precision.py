@@ -57,3 +57,30 @@ def test_a_bf16_plan_runs_bf16_weights_and_its_memory_is_the_plans(tmp_path):
     sampled = [s for s in read_records(log) if s["type"] == "step" and s.get("memory")]
     assert sampled, "no memory-sampled step"
     assert sampled[0]["memory"]["per_rank"][0]["params"] == want
+
+
+def _optimizer_config(plan, *args):
+    r = CliRunner().invoke(cli, ["run", str(plan), "--model", "bert-tiny", "--nproc-per-node", "1", "--dry-run", *args])
+    assert r.exit_code == 0, r.output
+    words = shlex.split(r.output.strip().splitlines()[-1])
+    cfg = json.loads(words[words.index("--config") + 1])
+    return cfg["optimizer"], cfg["lr"], r.output
+
+
+def test_the_default_optimizer_is_the_one_the_plan_priced(tmp_path):
+    """A plan priced with SGD's optimizer state (one value per parameter) runs SGD unless told otherwise, and a run
+    told otherwise says the plan's memory is not its memory (before, --optimizer defaulted to adamw whatever the plan
+    priced: 2x the plan's optimizer-state bytes)."""
+    from dataclasses import replace
+
+    from ptplan.planner.plan import load_plan
+
+    plan = load_plan(_plan(tmp_path, torch.float32))
+    sgd = tmp_path / "plan-sgd.json"
+    save_plan(replace(plan, inputs=replace(plan.inputs, training=replace(plan.inputs.training, optimizer="sgd"))), sgd)
+    opt, lr, out = _optimizer_config(sgd)
+    assert (opt, lr) == ("sgd", 0.01) and "note:" not in out
+    assert _optimizer_config(sgd, "--momentum", "0.5")[0] == "sgd"  # SGD's flag applies to the plan's SGD
+    opt, lr, out = _optimizer_config(sgd, "--optimizer", "adamw")
+    assert (opt, lr) == ("adamw", 5e-5) and "the plan priced sgd's optimizer state (1 value(s)" in out
+    assert _optimizer_config(_plan(tmp_path, torch.float32))[:2] == ("adamw", 5e-5)

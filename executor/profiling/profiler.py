@@ -67,6 +67,7 @@ from torch import Tensor
 
 from ptplan.executor.profiling.live_bytes import memory_pass
 from ptplan.executor.profiling.overhead import measure_action_overhead
+from ptplan.executor.runtime.optim import make_optimizer
 from ptplan.planner.costs import optimizer_state_bytes
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
@@ -253,8 +254,10 @@ def _nograd_pass(model: LayeredModel, clock: _Clock, x: Tensor, labels: Tensor, 
 def _optimizer_steps(model: LayeredModel, clock: _Clock, warmup: int, repeats: int) -> list[float]:
     """Per layer: median seconds of one AdamW step over its parameters (values restored afterwards).
 
-    One optimizer per layer, stepped layer after layer in one pass per repeat, so each layer's
-    parameters, gradients and moments are as cold in the caches as in a whole-model step.
+    One optimizer per layer (``runtime.optim.make_optimizer``'s AdamW with its defaults, as ``ptplan run`` builds
+    it), stepped layer after layer in one pass per repeat, so each layer's parameters, gradients and moments are as
+    cold in the caches as in a whole-model step. The runtime steps one optimizer over a rank's layers, which the
+    planner prices from these times (``planner.costs.optimizer_call_s``).
     """
     layers = [list(layer.parameters()) for layer in model.layers]
     with torch.no_grad():
@@ -262,7 +265,7 @@ def _optimizer_steps(model: LayeredModel, clock: _Clock, warmup: int, repeats: i
         for ps in layers:
             for p in ps:
                 p.grad = torch.full_like(p, 1e-3)
-    opts = [torch.optim.AdamW(ps, lr=1e-3) if ps else None for ps in layers]
+    opts = [make_optimizer(ps, "adamw", lr=1e-3) if ps else None for ps in layers]  # the runtime's (no weight decay)
     times: list[list[float]] = [[] for _ in layers]
     try:
         for r in range(warmup + repeats):
@@ -788,7 +791,8 @@ def _measurement(dev: torch.device, timer: str, warmup: int, repeats: int, measu
                   "whole-model steps alternate with layered steps",
         "head_includes_loss": True, "whole_model_forward": "train mode, grad enabled, loss included",
         "grads_set_to_none_each_step": True,
-        "memory_batch_size": measured[-1], "optimizer": "AdamW (2 fp32 moments per parameter)",
+        "memory_batch_size": measured[-1],
+        "optimizer": "AdamW (2 moments per parameter in its dtype; weight decay 0, ptplan run's default)",
         "optimizer_step": "AdamW step over each layer's parameters alone, timed per layer",
         "backward_weight": "backward_s x W / (B + W), B and W timed per layer in a split-backward step (torch's "
                            "stage_backward_input, stage_backward_weight)",
