@@ -312,7 +312,7 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
     from ptplan.cli.main import check_outputs
     from ptplan.executor.data.dataset import check_data, load_dataset
     from ptplan.executor.training.freezing import FreezeSchedule
-    from ptplan.executor.training.job import build_for_plan, samples_needed
+    from ptplan.executor.training.job import build_for_plan, epoch_samples, epoch_samples_note, samples_needed
     from ptplan.executor.training.validate import batch_policy_of, check_model, check_phase, check_trajectory, global_batch_of
     from ptplan.planner.plan import load_plan
 
@@ -357,10 +357,12 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
     model = build_for_plan(plan, cfg, layers=[])  # the module tree only: no weights in the launcher (issue 10)
     check_model(plan, model)
     FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
+    note = None
     if data_file is not None:
         ds = load_dataset(data_file)
         check_data(ds, model, what=f"--data {cfg.data}")
-        n = len(ds)
+        note = epoch_samples_note(plan, cfg, len(ds), f"--data {cfg.data}")
+        n = epoch_samples(plan, cfg, len(ds))
         smallest = min(ph.global_batch for ph in plan.phases)
         if n < max(ph.global_batch for ph in plan.phases):
             raise PtplanError(f"--data {cfg.data} has {n} samples, fewer than one global batch of "
@@ -380,6 +382,8 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
         del ev
     if cfg.resume and rdzv.max_nodes == 1:
         _check_resumable(cfg, plan, model.name, world, n)
+    if note:
+        click.echo(f"note: {note}", err=True)
     return replan
 
 

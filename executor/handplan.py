@@ -99,10 +99,12 @@ def profile_identity(model: nn.Module) -> ProfileRef:
 
 def make_plan(model: nn.Module, phases: Sequence[PhaseSpec], *, trajectory: Sequence[int] | None = None,
               schedule: str = "gpipe", batch_policy: str = "constant-global", epochs: int | None = None,
-              samples_per_epoch: int = 1024, freeze: FreezePolicy | None = None, check: bool = True) -> Plan:
+              samples_per_epoch: int = 1024, freeze: FreezePolicy | None = None, check: bool = True,
+              optimizer: str = "adamw") -> Plan:
     """A valid Plan for ``model`` (round-tripped through the JSON validator). ``trajectory``: the
     frozen count per freeze step (default: each phase once, in order). ``check=False`` skips the validator,
-    for tests of what a later check (the executor's) refuses in a plan the reader would already refuse."""
+    for tests of what a later check (the executor's) refuses in a plan the reader would already refuse.
+    ``optimizer``: the one the plan says it priced (``ptplan run``'s default)."""
     built = [_phase(model, sp, schedule) for sp in phases]
     index = {p.frozen_blocks: i for i, p in enumerate(built)}
     traj = list(trajectory) if trajectory is not None else [p.frozen_blocks for p in built]
@@ -117,7 +119,7 @@ def make_plan(model: nn.Module, phases: Sequence[PhaseSpec], *, trajectory: Sequ
     inputs = PlanInputs(
         profile=profile_identity(model), cluster=cpu_cluster(world),
         training=TrainingConfig(epochs=epochs or len(traj), samples_per_epoch=samples_per_epoch, batch=batch,
-                                batch_policy=batch_policy, schedule=schedule, cache="off"),
+                                batch_policy=batch_policy, schedule=schedule, cache="off", optimizer=optimizer),
         freeze=freeze or FreezePolicy(policy="manual", manual=tuple(traj)))
     base = built[index.get(0, 0)]
     plan = Plan(inputs=inputs, phases=tuple(built), freeze_steps=tuple(traj), trajectory=tuple(points),

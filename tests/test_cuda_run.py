@@ -21,7 +21,7 @@ from ptplan.planner.plan import save_plan
 def plan_file(d: Path) -> Path:
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
     plan = make_plan(model, [spec(0, K=1, D=1, M=2, b=2), spec(1, K=1, D=1, M=2, b=2)], trajectory=[0, 1],
-                     samples_per_epoch=8)
+                     samples_per_epoch=8, optimizer="sgd")  # the runs' --optimizer
     path = d / "plan.json"
     save_plan(plan, path)
     return path

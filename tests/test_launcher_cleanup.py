@@ -55,7 +55,7 @@ def _files_of(pid: int) -> list[str]:
 def test_kill_9_of_the_launcher_leaves_no_file_in_shm_or_the_temp_folder(tmp_path):
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
     plan = make_plan(model, [spec(0, K=1, D=2, M=1, b=2), spec(1, K=1, D=2, M=1, b=2, cache=True)],
-                     trajectory=[0, 1], samples_per_epoch=16)
+                     trajectory=[0, 1], samples_per_epoch=16, optimizer="sgd")  # the runs' --optimizer
     save_plan(plan, tmp_path / "plan.json")
     x, y, m = model.make_batch(16, generator=torch.Generator().manual_seed(0))
     torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "data.pt")

@@ -155,10 +155,10 @@ def test_another_plans_or_another_runs_checkpoint_is_refused(job, tmp_path):
              job["dir"] / "data.pt", "--checkpoint-dir", job["ckpt"], "--resume", "--dry-run")
     assert r.exit_code == 2, r.output
     assert "it was written for another plan (phase 0 is frozen=0 K=2 D=1 M=2 b=2 there, frozen=0 K=1 D=2" in r.output
-    x, y, m = model.make_batch(2 * N)
-    torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "more.pt")
-    r = _cli(*_run_args(job, "--checkpoint-dir", job["ckpt"], "--resume", "--data", tmp_path / "more.pt", "--seed", "3"))
-    assert r.exit_code == 2 and "its samples is 16, this run's is 32" in r.output and "its seed is 0" in r.output
+    x, y, m = model.make_batch(N // 2)  # fewer samples than the plan's epoch (a longer file trains the plan's N)
+    torch.save({"inputs": x, "labels": y, "attention_mask": m}, tmp_path / "fewer.pt")
+    r = _cli(*_run_args(job, "--checkpoint-dir", job["ckpt"], "--resume", "--data", tmp_path / "fewer.pt", "--seed", "3"))
+    assert r.exit_code == 2 and "its samples is 16, this run's is 8" in r.output and "its seed is 0" in r.output
 
 
 def test_resume_checks_the_checkpoint_in_the_workers_too(job, tmp_path):

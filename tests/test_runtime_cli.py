@@ -27,7 +27,7 @@ def plan_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("plan")
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
     plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1],
-                     samples_per_epoch=16)
+                     samples_per_epoch=16, optimizer="sgd")  # the runs' --optimizer
     path = d / "plan.json"
     save_plan(plan, path)
     return path

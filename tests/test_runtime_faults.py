@@ -57,7 +57,7 @@ def test_world_size_mismatch_refused_before_any_collective(tmp_path):
     for err in res.errors:
         assert "PtplanError: the plan needs K*D = 4*1 = 4 processes but this job has 2" in err
     assert not os.path.exists(cfg.log)  # nothing trained, nothing logged
-    assert res.seconds < 20
+    assert res.seconds < 30  # before the 30 s collective timeout: no rank waited on a collective
 
 
 def test_model_mismatch_refused_before_any_collective(tmp_path):

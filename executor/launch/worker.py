@@ -88,11 +88,11 @@ def run_job(cfg: Any, device: Any) -> tuple[Any, Any]:
     from ptplan.executor.families import model_source
     from ptplan.executor.launch.membership import plan_for_world
     from ptplan.executor.launch.replan import ReplanSettings
-    from ptplan.executor.training.job import build_for_plan, make_dataset, samples_needed
+    from ptplan.executor.training.job import build_for_plan, file_dataset, make_dataset, samples_needed
     from ptplan.executor.training.loop import run_training, stage_layers, start_phase
 
     cfg, plan, change = plan_for_world(cfg, load_plan(cfg.plan), ReplanSettings.from_env())
-    loaded = None if cfg.data == "synthetic" else load_dataset(cfg.data)
+    loaded = None if cfg.data == "synthetic" else file_dataset(plan, cfg)  # the plan's epoch of the file
     # this rank builds only its stage of the phase it starts in (phase 0's, or the checkpoint's)
     first = start_phase(cfg, plan, model_name=model_source(cfg.model, cfg.weights).label,
                         samples=samples_needed(plan, cfg) if loaded is None else len(loaded))

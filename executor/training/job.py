@@ -15,7 +15,7 @@ from ptplan.planner.families import family_facts
 from ptplan.planner.plan import Plan, load_plan
 
 from ptplan.executor.training.config import RunConfig
-from ptplan.executor.data.dataset import Dataset, SyntheticDataset, load_dataset
+from ptplan.executor.data.dataset import Dataset, SyntheticDataset, TensorDataset, load_dataset
 
 
 def _profile_file(plan: Plan, plan_path: str | None) -> Path | None:
@@ -100,11 +100,43 @@ def samples_needed(plan: Plan, cfg: RunConfig) -> int:
     return n
 
 
+def epoch_samples(plan: Plan, cfg: RunConfig, available: int) -> int:
+    """The samples an epoch trains from a data file of ``available``: the plan's samples per epoch where the file
+    holds more (its epochs, steps and AutoCache rows are what the plan priced), else the file's; with
+    ``--steps-per-epoch`` the whole file (the steps set the epoch)."""
+    n = plan.inputs.training.samples_per_epoch
+    if cfg.steps_per_epoch or n < max(ph.global_batch for ph in plan.phases):
+        return available
+    return min(available, n)
+
+
+def epoch_samples_note(plan: Plan, cfg: RunConfig, available: int, what: str) -> str | None:
+    """What ``epoch_samples`` does to a data file whose length is not the plan's, in words (None when it is)."""
+    n, used = plan.inputs.training.samples_per_epoch, epoch_samples(plan, cfg, available)
+    if used < available:
+        return (f"{what} has {available:,} samples and the plan priced {n:,} per epoch: each epoch trains the first "
+                f"{used:,} (the plan's epoch length and AutoCache rows); make the plan with `ptplan plan ... --data` "
+                f"to train on all of them")
+    if not cfg.steps_per_epoch and available < n:
+        return (f"{what} has {available:,} samples and the plan priced {n:,} per epoch: epochs are shorter than "
+                f"planned (the plan's times per epoch and its AutoCache memory are upper bounds)")
+    return None
+
+
+def file_dataset(plan: Plan, cfg: RunConfig) -> TensorDataset:
+    """The ``--data`` file's samples the run trains on: its first ``epoch_samples``."""
+    ds = load_dataset(cfg.data)
+    n = epoch_samples(plan, cfg, len(ds))
+    if n == len(ds):
+        return ds
+    return TensorDataset(ds.inputs[:n], ds.labels[:n], None if ds.attention_mask is None else ds.attention_mask[:n])
+
+
 def make_dataset(plan: Plan, cfg: RunConfig, model) -> Dataset:
-    """``--data synthetic`` (deterministic per sample id) or a .pt/.npz file."""
+    """``--data synthetic`` (deterministic per sample id) or a .pt/.npz file (``file_dataset``)."""
     if cfg.data == "synthetic":
         return SyntheticDataset(model, samples_needed(plan, cfg), seed=cfg.seed)
-    return load_dataset(cfg.data)
+    return file_dataset(plan, cfg)
 
 
 def pick_device(cfg: RunConfig) -> tuple[torch.device, str]:
