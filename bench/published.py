@@ -634,16 +634,18 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 for g, e in groups.items()}
     tera = next((r for r in rows if r["key"] == "terapipe-gpt3-175b"), None)
     nc = [r for r in rows if r["role"] == "not-comparable"]
+    unpriced = [r["key"] for r in rows if r["role"] == "held-out" and r["error"] is None]
+    whole = bool(errs) and not unpriced  # a held-out point that failed to price fails the targets, not leaves them
     out = {"points": len(rows), "fitted": sum(r["role"] == "fit" for r in rows),
            "held_out_priced": len(held),
-           "held_out_unpriced": [r["key"] for r in rows if r["role"] == "held-out" and r["error"] is None],
+           "held_out_unpriced": unpriced,
            "median_abs_error": statistics.median(errs) if errs else None, "max_abs_error": max(errs) if errs else None,
            "by_source": by_src, "by_group": by_group,
            "targets": {r["key"]: {"published": r["published"], "predicted": r["predicted"], "error": r["error"]}
                        for r in rows if r["role"] == "target"},
            "not_comparable": {r["key"]: r["error"] for r in nc}, "not_comparable_rule": NOT_COMPARABLE_RULE,
-           "target_median_le_15pct": bool(errs) and statistics.median(errs) <= 0.15,
-           "target_max_le_35pct": bool(errs) and max(errs) <= 0.35,
+           "target_median_le_15pct": whole and statistics.median(errs) <= 0.15,
+           "target_max_le_35pct": whole and max(errs) <= 0.35,
            "terapipe_within_25pct": tera is not None and tera["error"] is not None and abs(tera["error"]) <= 0.25}
     return out
 
@@ -666,7 +668,9 @@ def print_table(rows: list[dict[str, Any]], summ: dict[str, Any], eff: dict[str,
     print(f"held-out: {summ['held_out_priced']} priced ({len(summ['held_out_unpriced'])} not), median |error| "
           f"{'—' if m is None else f'{100 * m:.1f} %'}, max {'—' if x is None else f'{100 * x:.1f} %'}; targets: "
           f"median <= 15 % {summ['target_median_le_15pct']}, max <= 35 % {summ['target_max_le_35pct']}, "
-          f"TeraPipe within 25 % of 5.0x {summ['terapipe_within_25pct']}")
+          f"TeraPipe within 25 % of 5.0x {summ['terapipe_within_25pct']}"
+          + (f" (not met while {len(summ['held_out_unpriced'])} held-out points failed to price: "
+             f"{', '.join(summ['held_out_unpriced'][:3])}...)" if summ["held_out_unpriced"] else ""))
     for src, v in {**summ["by_source"], **summ["by_group"]}.items():
         print(f"  {src}: {v['points']} points, median |error| {100 * v['median_abs_error']:.1f} %, max "
               f"{100 * v['max_abs_error']:.1f} %")

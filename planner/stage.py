@@ -66,7 +66,8 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
     So PipeDream-2BW with recomputation on stage 0 of K uniform stages holds 2|W|/K + K·|A_input| plus
     the gradient, the optimizer state, the buffers and one micro-batch's working set (the paper's
     memory model, 2|W|/d + d·|A_input(b)|, counts the first two).
-    after   = the largest transient once the pipeline has drained: the flat gradient all-reduce
+    after   = (PipeDream-2BW, which never drains: added to static, not maxed) the largest transient once the
+              pipeline has drained: the flat gradient all-reduce
               buffer (Σ grad[lo:hi] when D > 1), on GPUs AdamW's foreach temporaries (one
               weight-sized buffer), and on stage 0 with the AutoCache the fill's transient (one
               streamed frozen layer's weights on a GPU plus one micro-batch's layer output: the
@@ -429,6 +430,10 @@ class StageModel:
         every split search.) Recomputation's working set w joins ``static`` and leaves ``after``
         (max(after - w, 0)), so that ``peak_bytes`` gives static + max(inflight · per_mb + w, after)."""
         t, static, per_mb, after, infl = self._combine_raw(terms[:6], s)
+        if self.shape.own_p2p:  # PipeDream-2BW never drains: its update's all-reduce buffer lives under the next
+            # mini-batch's work (executor/runtime/twobw.py), and its optimizer's temporaries beside micro-batches in
+            # flight, so the transient adds to the peak (an upper bound: the temporaries meet no backward)
+            static, after = static + after, np.zeros_like(after)
         if self._has_working:
             w = terms[6]
             static, after = static + w, np.maximum(after - w, 0.0)
@@ -488,6 +493,8 @@ class StageModel:
         static = static + self.extra_static
         if self.stage0_after:
             after = np.maximum(after, self.stage0_after)
+        if sh.own_p2p:  # as ``_combine``: 2BW's transient adds
+            static, after = static + after, np.zeros_like(after)
         if self._has_working:
             static, after = static + w, np.maximum(after - w, 0.0)
         return peak_bytes(static, per, float(self._inflight.max()), after)
@@ -525,8 +532,9 @@ class StageModel:
         rc = terms[6] if self._has_working else np.zeros(sh.S)  # recomputation's and the backward's working sets
         total = peak_bytes(static, per_mb, infl, after)
         raw_after = self._combine_raw(terms[:6], np.arange(sh.S))[3]
+        added = raw_after if sh.own_p2p else np.zeros(sh.S)  # 2BW's transient is in ``static`` (``_combine``)
         return tuple(MemoryBreakdown(weights=int(w[s]), gradients=int(g[s]), optimizer=int(o[s]),
-                                     buffers=int(static[s] - w[s] - g[s] - o[s] - rc[s]),
+                                     buffers=int(static[s] - w[s] - g[s] - o[s] - rc[s] - added[s]),
                                      activations=int(infl[s] * per_mb[s] + rc[s]),
                                      transient=int(raw_after[s]), inflight=int(infl[s]), total=int(total[s]))
                      for s in range(sh.S))

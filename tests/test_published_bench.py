@@ -78,6 +78,10 @@ def test_summary_keeps_not_comparable_rows_out(pub):
     assert s["max_abs_error"] == pytest.approx(0.3) and s["target_max_le_35pct"]
     assert s["not_comparable"] == {"pipetransformer-squad-baseline-time": -0.9}
     assert s["targets"]["terapipe-gpt3-175b"]["error"] == 0.17 and s["terapipe_within_25pct"]
+    # a held-out point that failed to price (an exception in its pricing) fails the targets: it is not left out
+    s = pub.summary(rows + [row("pipetransformer-imagenet-full", "held-out", None, "pipetransformer")])
+    assert s["held_out_unpriced"] == ["pipetransformer-imagenet-full"] and s["held_out_priced"] == 2
+    assert not s["target_max_le_35pct"] and not s["target_median_le_15pct"]
 
 
 def test_golden_section_finds_the_minimum(pub):

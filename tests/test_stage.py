@@ -255,14 +255,14 @@ def test_two_bw_memory_by_hand():
             full = b * (saved[s] + out[s])
             acts = held * b * a_in[s] + full if recompute else held * (full + (b * a_in[s] if s > 0 else 0))
             static = 2 * W[s] + G[s] + 2 * W[s] + buffers[s] + (prefix if s == 0 else 0)  # 2 versions + grad + AdamW
-            want = static + max(acts, gpu_temp[s]) if not recompute else \
-                static + full + max(held * b * a_in[s], gpu_temp[s] - full)
+            # 2BW never drains: its update's temporaries live beside the micro-batches in flight (they add)
+            want = static + acts + gpu_temp[s] if not recompute else static + full + held * b * a_in[s] + gpu_temp[s]
             x = two[s]
             assert (x.weights, x.gradients, x.optimizer, x.buffers) == (2 * W[s] + (prefix if s == 0 else 0), G[s],
                                                                           2 * W[s], buffers[s]), (recompute, s)
             assert (x.activations, x.inflight, x.transient) == (acts, held, gpu_temp[s]), (recompute, s)
             assert x.total == want, (recompute, s)
-            assert x.total == x.weights + x.gradients + x.optimizer + x.buffers + max(x.activations, x.transient)
+            assert x.total == x.weights + x.gradients + x.optimizer + x.buffers + x.activations + x.transient
             # only the active layers' weights count twice: 2BW holds one more copy of them (frozen: one)
             assert x.weights - one[s].weights == W[s]
             assert one[s].buffers == M * b * out[0]  # torch's runtime: M receive buffers each way
@@ -272,7 +272,8 @@ def test_two_bw_with_recomputation_is_the_papers_formula():
     """PipeDream-2BW's memory model, 2|W|/d + d·|A_input(b)| (Narayanan et al. 2021), for stage 0 of d = K
     uniform stages (no frozen layers, one block per stage): weights twice, and the stage's input for
     each of the K micro-batches in flight; the stage model adds what the paper leaves out (gradient,
-    optimizer state, receive buffers, one micro-batch rebuilt for its backward) — checked term by term."""
+    optimizer state, receive buffers, one micro-batch rebuilt for its backward, the update's temporaries, which
+    2BW's steady state never drains before) — checked term by term."""
     prof = synthetic_profile(num_blocks=8, hidden=64, seq_len=16)
     t = CostTable(prof)
     gpu = Cluster.uniform(nodes=1, gpus_per_node=4)
@@ -291,7 +292,7 @@ def test_two_bw_with_recomputation_is_the_papers_formula():
         paper = 2 * W_d + (K - s) * A_in
         assert x.inflight == K - s
         assert x.weights + x.activations - full == pytest.approx(paper)
-        assert x.total == pytest.approx(paper + x.gradients + x.optimizer + x.buffers + full)
+        assert x.total == pytest.approx(paper + x.gradients + x.optimizer + x.buffers + full + x.transient)
         assert costs[s].activation_bytes_per_mb == int(A_in)
     # recomputation trades the backward's time for memory: the stage's forward runs again before it
     plain = model_for(prof, gpu, K=K, M=M, b=b, f=0, schedule="2bw").stage_costs(ranges)

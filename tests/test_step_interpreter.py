@@ -115,11 +115,14 @@ def _twobw_worker(rank: int, world: int, tmp: str) -> None:
     updates: list[dict[str, torch.Tensor]] = []
     names = {id(p): k for k, p in mod.named_parameters()}
 
-    def update(pairs):
+    def update(pairs):  # begun after the mini-batch's last backward, applied when the policy says (``TwoBW._finish``)
         updates.append({names[id(p)]: g.clone() for p, g in pairs})
-        with torch.no_grad():
-            for p, g in pairs:
-                p.sub_(0.1 * g)
+
+        def finish():
+            with torch.no_grad():
+                for p, g in pairs:
+                    p.sub_(0.1 * g)
+        return finish
 
     policy = TwoBW(mod, sched, rank, update)
     compute = ChunkCompute({rank: mod}, nn.functional.mse_loss, M=2, last=world - 1, call=policy.call)

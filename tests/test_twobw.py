@@ -158,17 +158,26 @@ def test_two_bw_run_matches_single_process_reference(name, optimizer, tmp_path):
     if optimizer == "sgd":
         assert max_rel_diff(snaps[3], _flushed(name, optimizer, data))[0] > 100 * TOL[optimizer]
     # the order is the planner's continuous 1F1B: mini-batch 1's forwards start before mini-batch 0's
-    # backwards end on stage 0 (no flush), and each update comes right after its mini-batch's last backward
+    # backwards end on stage 0 (no flush); each update's all-reduce is launched right after its mini-batch's last
+    # backward (A) and the update applied (U) before mini-batch t+2's first forward, as the simulator places it
     order = {r: torch.load(tmp_path / f"order-{r}.pt") for r in range(4)}
     plan_lists = two_bw(4, 4, minibatches=STEPS).actions
     for r in range(4):
         ran = [a for K, s, a in order[r] if K == 4]
         want = [f"{a.kind.value}{a.mb}" for a in plan_lists[r] if a.kind.value in ("F", "B")]
-        assert [a for a in ran if a[0] != "U"] == want, r
+        assert [a for a in ran if a[0] not in "AU"] == want, r
         for t in range(STEPS):
-            assert ran.index(f"U{t}") == ran.index(f"B{t * 4 + 3}") + 1
+            # (the previous update first, when the next mini-batch but one has not needed it yet)
+            assert ran[ran.index(f"B{t * 4 + 3}") + 1:ran.index(f"A{t}")] in ([], [f"U{t - 1}"]), ran
+            assert ran.index(f"A{t}") < ran.index(f"U{t}")
+            if f"F{(t + 2) * 4}" in ran:
+                assert ran.index(f"U{t}") < ran.index(f"F{(t + 2) * 4}")
     stage0 = [a for K, s, a in order[0] if K == 4]
     assert stage0.index("F4") < stage0.index("B3")
+    # with D = 2 (phase 1, K = 2) the all-reduce is in flight under mini-batch 1's work on stage 0
+    stage0 = [a for K, s, a in order[0] if K == 2]
+    between = stage0[stage0.index("A0") + 1:stage0.index("U0")]
+    assert any(a[0] in "FB" and int(a[1:]) // 2 == 1 for a in between), stage0
 
 
 def _flushed(name: str, optimizer: str, data) -> dict[str, torch.Tensor]:

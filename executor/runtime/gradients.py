@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -54,25 +54,39 @@ def allreduce_grads(rt: ElasticRuntime) -> None:
     """Average the gradients over the data-parallel group with one flat all-reduce (per dtype), leaving
     out the FSDP layers' (reduce-scattered in the backward). Every rank of the group holds the same
     chunks, so all of them leave out the same layers."""
+    start_allreduce_grads(rt)()
+
+
+def start_allreduce_grads(rt: ElasticRuntime) -> Callable[[], None]:
+    """``allreduce_grads`` begun: the flat all-reduces are launched (asynchronous) and the returned call waits
+    for them and writes the averages back into the gradients, which must not change in between (PipeDream-2BW
+    overlaps it with the next mini-batch's work: ``twobw_update``)."""
     ph = rt.phase
     if ph.D == 1:
-        return
+        return lambda: None
     # tensor parallel: each rank its shards
     grads = [local(g) for i, g in owned_grads(rt) if not fsdp_layer(rt, i)]
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
+    launched = []
     for _, gs in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
         flat = torch.cat([g.reshape(-1) for g in gs])  # the stage's one transient (planner/stage.py's "after")
         if rt.memory_hook is not None:
             rt.memory_hook("transient", flat)
-        dist.all_reduce(flat, group=rt.groups.dp_group)
-        flat.div_(ph.D)
-        off = 0
-        for g in gs:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-        del flat
+        launched.append((gs, flat, dist.all_reduce(flat, group=rt.groups.dp_group, async_op=True)))
+
+    def finish() -> None:
+        for gs, flat, work in launched:
+            work.wait()
+            flat.div_(ph.D)
+            off = 0
+            for g in gs:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+        launched.clear()
+
+    return finish
 
 
 def clip(rt: ElasticRuntime) -> None:
@@ -105,20 +119,30 @@ def add_block_norms(rt: ElasticRuntime, vec: Tensor) -> None:
                 vec[1 + b] += grad_sq(rt, p.grad, i)
 
 
-def twobw_update(rt: ElasticRuntime, pairs: list[tuple[torch.nn.Parameter, Tensor | None]]) -> None:
-    """2BW's update of one stage: the mini-batch's gradient averaged over the data-parallel group, the
-    optimizer step, and (for adaptive freezing) its per-block norms (into ``rt._norms`` while a step asks)."""
+def twobw_update(rt: ElasticRuntime, pairs: list[tuple[torch.nn.Parameter, Tensor | None]]) -> Callable[[], None]:
+    """2BW's update of one stage, begun: the mini-batch's gradients set and their data-parallel all-reduce
+    launched. The returned call finishes it -- waits for the average, adds (for adaptive freezing) the per-block
+    norms into ``rt._norms`` while a step asks, steps the optimizer and clears the gradients -- and the policy
+    makes it no later than the next mini-batch but one needs the new weights (``twobw.TwoBW``), so the all-reduce
+    runs under the next mini-batch's work, as the planner prices it (``planner/simulate.py``)."""
     for p, g in pairs:
         p.grad = g
     t0 = time.perf_counter()
-    allreduce_grads(rt)
+    averaged = start_allreduce_grads(rt)
     rt.last_allreduce_s += time.perf_counter() - t0
-    norms = rt._norms
-    if norms is not None and rt.groups.place.pipeline == 0:
+
+    def finish() -> None:
+        t1 = time.perf_counter()
+        averaged()
+        rt.last_allreduce_s += time.perf_counter() - t1
+        norms = rt._norms
+        if norms is not None and rt.groups.place.pipeline == 0:
+            for p, _ in pairs:
+                b = rt.block_of[rt.layer_of[id(p)]]
+                if b is not None and p.grad is not None:
+                    norms[b] += p.grad.double().pow(2).sum().item()
+        rt.opt.step()
         for p, _ in pairs:
-            b = rt.block_of[rt.layer_of[id(p)]]
-            if b is not None and p.grad is not None:
-                norms[b] += p.grad.double().pow(2).sum().item()
-    rt.opt.step()
-    for p, _ in pairs:
-        p.grad = None
+            p.grad = None
+
+    return finish

@@ -19,8 +19,10 @@ stretch t may have been sent in stretch t-1 (sends are asynchronous; ``drain`` w
 Weights (``Schedule.version``): micro-batch g runs forward and backward with version t = g // M.
 The canonical parameter ``p`` (what the optimizer steps, the transitions move and checkpoints save)
 always holds the newest version; a version is a set of leaf tensors aliasing a version's storage.
-When mini-batch t's last backward ends, its gradient (the mean over its M micro-batches, averaged
-over the D replicas) updates the newest version, W(t+1), into W(t+2):
+When mini-batch t's last backward ends, its gradient (the mean over its M micro-batches) starts its average
+over the D replicas (an asynchronous all-reduce), and before mini-batch t+2's first forward (or the next
+update, or the drain) the average updates the newest version, W(t+1), into W(t+2) -- the all-reduce runs
+under mini-batch t+1's work, as the planner's simulator prices it:
 W(t+2) = W(t+1) - lr · grad f(W(t)), i.e. W(t+1) = W(t) - lr · grad f(W(t-1)). The update writes
 into version t's storage (free now: mini-batch t is done; at t = 0, whose version shares the initial
 weights with version 1, into a new buffer), so a stage holds two copies of its active weights, as
@@ -48,7 +50,7 @@ from ptplan.planner.schedule import Action, ActionKind, Schedule
 
 RECORD: list[tuple[int, int, str]] | None = None
 """Tests: set to a list to have every 2BW position append (K, stage, action) as it runs it — ``F<g>``, ``B<g>``,
-``U<t>`` (the update with mini-batch t's gradient)."""
+``A<t>`` (the all-reduce of mini-batch t's gradient launched), ``U<t>`` (the update with it applied)."""
 
 _FORWARD_SIDE = (ActionKind.RECV_F, ActionKind.F, ActionKind.SEND_F)
 
@@ -83,7 +85,7 @@ class TwoBW:
     stale = True
 
     def __init__(self, module: torch.nn.Module, schedule: Schedule, position: int,
-                 update: Callable[[list[tuple[torch.nn.Parameter, Tensor | None]]], None]) -> None:
+                 update: Callable[[list[tuple[torch.nn.Parameter, Tensor | None]]], Callable[[], None]]) -> None:
         K, M, N = schedule.K, schedule.M, schedule.minibatches
         if schedule.stage_to_rank != tuple(range(K)):
             raise PtplanError(f"2BW runs one stage per position, but the schedule places its stages "
@@ -111,10 +113,13 @@ class TwoBW:
         """Mini-batches whose stretch has run (the next step is mini-batch ``steps``)."""
         self.done_b: dict[int, int] = {}
         """Mini-batch -> backwards done."""
+        self.pending: tuple[int, Callable[[], None]] | None = None
+        """(t, finish): mini-batch t's update, begun (its all-reduce in flight) and not yet applied."""
         self.restart()
 
     def restart(self) -> None:
         """Start from the canonical weights: W(0) = W(1) = them."""
+        assert getattr(self, "pending", None) is None, "2BW: restarted with an update in flight"
         self.steps = 0
         self.done_b = {}
         self.versions = {0: {n: self._leaf(p) for n, p in self.active}, 1: {n: self._leaf(p) for n, p in self.active}}
@@ -143,7 +148,9 @@ class TwoBW:
 
     # ---- the weight versions ---------------------------------------------------------------------
     def call(self, c: int, g: int, inp: Tensor, kw: dict[str, Tensor]) -> Tensor:
-        """Micro-batch g's forward on weight version g // M."""
+        """Micro-batch g's forward on weight version g // M (finishing the update that makes it, if in flight)."""
+        if g // self.M not in self.versions:
+            self._finish()
         params = self.versions[g // self.M]
         if self.recompute:
             return checkpoint(functional_call, self.module, params, (inp,), kw, use_reentrant=False)
@@ -163,11 +170,17 @@ class TwoBW:
             self._update(t)
 
     def reduce(self, compute: Any, c: int) -> None:
-        """The list's end-of-gradients: every mini-batch's update already ran (after its last backward)."""
+        """The list's end-of-gradients (the drain): every mini-batch's update has begun (after its last backward);
+        the last one is applied."""
         assert not self.done_b, f"2BW: mini-batches {sorted(self.done_b)} still have backwards to run"
+        self._finish()
 
     def _update(self, t: int) -> None:
-        """Mini-batch t's gradient (mean over its micro-batches) makes version t+2 from version t+1."""
+        """Mini-batch t's gradient (mean over its micro-batches) begins making version t+2 from version t+1: its
+        data-parallel all-reduce is launched, and ``_finish`` applies it (the optimizer step) when mini-batch t+2's
+        first forward needs version t+2, before the next update begins, or at the drain -- so the all-reduce runs
+        under mini-batch t+1's work, where the planner's simulator puts it (``planner/simulate.py``)."""
+        self._finish()  # the previous update first: this one copies the newest weights
         old = self.versions.pop(t)
         pairs = []
         for n, p in self.active:
@@ -182,7 +195,18 @@ class TwoBW:
                 p.data = p.data.clone()
             pairs.append((p, g))
         del old
-        self.update_fn(pairs)  # sets p.grad, averages it over the replicas, steps the optimizer, clears it
+        self.pending = (t, self.update_fn(pairs))  # sets p.grad and launches its average over the replicas
+        if RECORD is not None:
+            RECORD.append((self.K, self.s, f"A{t}"))
+
+    def _finish(self) -> None:
+        """Apply the update in flight, if any: wait for its average, step the optimizer (``twobw_update``); the
+        newest weights are then version t+2."""
+        if self.pending is None:
+            return
+        t, finish = self.pending
+        self.pending = None
+        finish()
         self.versions[t + 2] = {n: self._leaf(p) for n, p in self.active}
         if RECORD is not None:
             RECORD.append((self.K, self.s, f"U{t}"))
