@@ -188,7 +188,8 @@ class PhaseSearch:
                            host_read_bandwidth=self.cfg.host_read_bandwidth,
                            tp=cand.tp, sp=cand.sp, fsdp=cand.fsdp, recompute=cand.recompute,
                            recompute_layers=cand.recompute_layers,
-                           tp_ar=tp_allreduce_coeffs(self.c, cand.tp))
+                           tp_ar=tp_allreduce_coeffs(self.c, cand.tp),
+                           stage_ranks=stage_to_rank(cand.schedule, cand.K, cand.V))
         return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from,
                           shard_table=self.table_for(cand))
 

@@ -234,6 +234,9 @@ class PhaseShape:
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
     action_overhead_s: float = 0.0
     host_read_bandwidth: float = 10e9
+    stage_ranks: tuple[int, ...] = ()
+    """Per stage, the rank that holds it (``schedule.stage_to_rank``): consecutive stages on one rank pass their
+    activations and gradients in place, with no receive buffer. Empty: one rank per stage (V = 1's placement)."""
 
     @property
     def S(self) -> int:
@@ -243,6 +246,10 @@ class PhaseShape:
     def __post_init__(self) -> None:
         if len(self.inflight) != self.S:
             raise PtplanError(f"PhaseShape: {len(self.inflight)} in-flight counts for K*V={self.S} stages")
+        if self.stage_ranks and len(self.stage_ranks) != self.S:
+            raise PtplanError(f"PhaseShape: {len(self.stage_ranks)} stage ranks for K*V={self.S} stages")
+        if not self.stage_ranks and self.V > 1:
+            raise PtplanError("PhaseShape: V > 1 chunks per rank need stage_ranks (schedule.stage_to_rank)")
         if self.optimizer not in OPTIMIZER_STATE_FACTOR:
             raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZER_STATE_FACTOR)}")
         if self.weight_versions not in (1, 2):
@@ -331,6 +338,11 @@ class StageModel:
         self._lat_out = np.concatenate((L.send_lat, [0.0]))
         self._inv_out = np.concatenate((L.send_inv_bw, [0.0]))
         self._inflight = np.asarray(sh.inflight, dtype=float)
+        ranks = np.asarray(sh.stage_ranks or range(sh.S))
+        self._remote_in = np.concatenate(([False], ranks[1:] != ranks[:-1]))
+        """Per stage, whether its input comes from another rank (a receive buffer for the activations)."""
+        self._remote_out = np.concatenate((ranks[:-1] != ranks[1:], [False]))
+        """Per stage, whether its output goes to another rank (a receive buffer for the returning gradient)."""
         self._out_before = np.concatenate(([0.0], table.out_per_sample))
         """``_out_before[i]``: output bytes per sample of layer i - 1 (what a stage starting at i receives)."""
         self._working = RangeMax(b * table.working_per_sample + (table.accumulate_bytes if M > 1 else 0.0))
@@ -449,11 +461,12 @@ class StageModel:
                 t = t + (self._lat_in[s] + inb * self._inv_in[s])
                 if sh.own_p2p:
                     per_mb = per_mb if sh.recompute else per_mb + inb
-                else:
+                elif self._remote_in[s]:
                     static = static + sh.M * inb
             if s < sh.S - 1:
                 t = t + (self._lat_out[s] + outb * self._inv_out[s])
-                static = static + (1 if sh.own_p2p else sh.M) * outb
+                if self._remote_out[s]:
+                    static = static + (1 if sh.own_p2p else sh.M) * outb
             if self.extra_static:
                 static = static + self.extra_static
             if s == 0:
@@ -467,12 +480,13 @@ class StageModel:
         t = base + has_in * (self._lat_in[si] + inb * self._inv_in[si]) \
             + has_out * (self._lat_out[si] + outb * self._inv_out[si]) \
             + is0 * (self.prefix_s + self.read_setup_s / sh.M)
+        rin, rout = self._remote_in[si], self._remote_out[si]
         if sh.own_p2p:
-            static = state + has_out * outb + is0 * self.stage0_static
+            static = state + rout * outb + is0 * self.stage0_static
             if not sh.recompute:
                 per_mb = per_mb + has_in * inb
         else:
-            static = state + sh.M * (has_in * inb + has_out * outb) + is0 * self.stage0_static
+            static = state + sh.M * (rin * inb + rout * outb) + is0 * self.stage0_static
         if self.extra_static:
             static = static + self.extra_static
         if self.stage0_after:
@@ -558,6 +572,21 @@ class StageModel:
             bwd = bwd + (tm.cum_fwd[upto] - tm.cum_fwd[lo])
         bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
         opt = t.optimizer_range_s(lo, hi)
+        if sh.V > 1:  # a rank steps one optimizer and all-reduces one flat buffer over all its chunks: the call's
+            # fixed cost and the all-reduce's latency once per rank (on its first chunk that has them)
+            opt, ar = opt.copy(), ar.copy()
+            steps = t.optimizer_range_s(lo, hi) > 0
+            paid_opt: set[int] = set()
+            paid_ar: set[int] = set()
+            for i, r in enumerate(sh.stage_ranks):
+                if steps[i]:
+                    if r in paid_opt:
+                        opt[i] = max(opt[i] - t.optimizer_call_s, 0.0)
+                    paid_opt.add(r)
+                if self.sync and ar[i] > 0:
+                    if r in paid_ar:
+                        ar[i] = max(ar[i] - L.ar_lat[i], 0.0)
+                    paid_ar.add(r)
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
         tp_lat = self._cum_tp_lat[hi] - self._cum_tp_lat[lo]
         tp_comm = tp_lat + sh.b * (self._cum_tp_per_sample[hi] - self._cum_tp_per_sample[lo])

@@ -81,3 +81,27 @@ def test_each_stage_is_priced_one_call():
     ranges = [(n0, 5), (5, t.n)]
     costs = model_for(prof, gpu, K=2, M=2, b=1, f=f).stage_costs(ranges)
     assert costs[0].optimizer_s == pytest.approx(C + V * p[n0:5].sum(), rel=1e-9)
+
+
+def test_a_rank_with_several_chunks_pays_one_call_and_one_all_reduce_latency():
+    """Interleaved K = 2, V = 2, D = 2: each rank holds two chunks and steps one optimizer and one flat all-reduce
+    over both (``executor/runtime/train_step.py``), so its second chunk pays neither the call's fixed part nor the
+    all-reduce's latency again (found by an audit: both were charged per chunk)."""
+    from ptplan.planner.candidate import Candidate
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.search import PhaseSearch
+
+    prof = _profile()
+    t = CostTable(prof)
+    p = np.array([r.params for r in prof.layers], dtype=float)
+    search = PhaseSearch(prof, Cluster.uniform(nodes=1, gpus_per_node=4),
+                         TrainingConfig(epochs=1, samples_per_epoch=8, batch=8, schedule="interleaved-1f1b"))
+    model = search.uniform_model(Candidate(K=2, D=2, M=2, b=2, cache=False, schedule="interleaved-1f1b", V=2), 0)
+    ranges = [(0, 2), (2, 4), (4, 6), (6, t.n)]  # chunks 0, 1 on ranks 0, 1; chunks 2, 3 on ranks 0, 1 again
+    costs = model.stage_costs(ranges)
+    lat = model.links.ar_lat
+    for i, (lo, hi) in enumerate(ranges):
+        first = i < 2
+        assert costs[i].optimizer_s == pytest.approx((C if first else 0.0) + V * p[lo:hi].sum(), rel=1e-9)
+        own = float(t.cum_sync[hi] - t.cum_sync[lo]) * model.links.ar_per_byte[i]
+        assert costs[i].allreduce_s == pytest.approx((lat[i] if first else 0.0) + own, rel=1e-9)
