@@ -184,6 +184,12 @@ class Phase:
         """Ranks the phase uses: K·D·tp."""
         return self.K * self.D * self.tp
 
+    @property
+    def stage0_ranks(self) -> tuple[int, ...]:
+        """Every rank that runs stage 0 (each pipeline's, its whole tensor-parallel group): the ranks that hold the
+        frozen prefix (``executor/runtime/transition.holdings``) and, with the AutoCache, keep it in host memory."""
+        return tuple(r for row in self.ranks for r in range(row[0], row[0] + self.tp))
+
     def fsdp_at(self, stage: int) -> bool:
         """Whether stage (chunk) ``stage`` shards its active layers with FSDP (``fsdp``)."""
         return self.fsdp if isinstance(self.fsdp, bool) else self.fsdp[stage]

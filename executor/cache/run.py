@@ -89,7 +89,7 @@ def host_need(plan: Plan, phases: Sequence[int], model: nn.Module, num_samples: 
     out = 0
     for i in phases:
         ph = plan.phases[i]
-        firsts = [row[0] // local_world for row in ph.ranks]
+        firsts = [r // local_world for r in ph.stage0_ranks]  # each keeps the frozen weights in host memory
         weights = sum(p.numel() * p.element_size() for layer in model.layers[:ph.frozen_layers]
                       for p in layer.parameters())
         out = max(out, host_bytes(num_samples, row_bytes, weights, max(firsts.count(n) for n in set(firsts))))

@@ -70,7 +70,7 @@ def holdings(phase: Phase, rank: int, num_layers: int, *, cached_prefix: bool) -
     only its shard (``hybrid.ShardedStage``), which is gathered back before the next switch.
     """
     held = {i: DEVICE for i in owned_layers(phase, rank, num_layers)}
-    if any(row[0] <= rank < row[0] + phase.tp for row in phase.ranks):
+    if rank in phase.stage0_ranks:
         held.update({i: HOST if cached_prefix else DEVICE for i in range(phase.frozen_layers)})
     return held
 
