@@ -258,6 +258,18 @@ def test_the_cluster_for_the_new_world_keeps_the_device_kind():
     assert paper.inter_bandwidth == PRESETS["paper"].inter_bandwidth
     with pytest.raises(PtplanError, match="not a whole number of nodes"):
         cluster_for(PRESETS["paper"], 12, 8)
+    # a CPU cluster keeps its links and overheads (an audit found them replaced by this machine's cpu:N preset);
+    # its node's RAM is shared by the node's processes
+    from dataclasses import replace
+
+    own = replace(cpu_cluster(4), name="two-boxes", nodes=2, gpus_per_node=2, intra_bandwidth=5e9,
+                  inter_bandwidth=5e9, action_overhead_s=40e-6, step_overhead_s=50e-6, host_memory_bytes=64 << 30,
+                  gpu_memory_bytes=32 << 30)
+    half = cluster_for(own, 2, 2)  # one of the two boxes lost
+    assert (half.nodes, half.gpus_per_node, half.gpu_memory_bytes) == (1, 2, 32 << 30)
+    assert (half.intra_bandwidth, half.action_overhead_s, half.step_overhead_s) == (5e9, 40e-6, 50e-6)
+    alone = cluster_for(own, 2, 1)
+    assert (alone.nodes, alone.gpu_memory_bytes, alone.concurrency_slowdown) == (2, 64 << 30, 1.0)
 
 
 def _hand_plans() -> tuple[Any, Any]:

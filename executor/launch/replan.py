@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from ptplan.planner.cluster import Cluster, cpu_cluster
+from ptplan.planner.cluster import Cluster
 from ptplan.planner.errors import PtplanError
 
 if TYPE_CHECKING:
@@ -105,20 +105,24 @@ def check_elastic(cfg: "RunConfig", rdzv: "Rendezvous", plan: "Plan") -> ReplanS
     if need:
         raise PtplanError(f"--nnodes {lo}:{hi}: when the node count changes the job re-plans for the new world size "
                           f"and resumes from its last checkpoint, so it needs " + "; ".join(need)
-                          + f"; or pass a fixed --nnodes")
+                          + "; or pass a fixed --nnodes")
     return settings_for(cfg, plan)
 
 
 def cluster_for(cluster: Cluster, world: int, per_node: int) -> Cluster:
-    """The plan's cluster with ``world`` processes, ``per_node`` on each node: ``cpu:<world>`` for a CPU cluster,
-    else the same device and links with ``world / per_node`` nodes."""
-    if cluster.device_kind == "cpu":
-        return cpu_cluster(world)
+    """The plan's cluster with ``world`` processes, ``per_node`` on each node: the same device, links and overheads
+    with ``world / per_node`` nodes. On a CPU cluster the processes of a node share its RAM, so each gets the node's
+    host memory over ``per_node`` (or, without it, the plan's per-node total over ``per_node``)."""
     if per_node < 1 or world % per_node:
         raise PtplanError(f"cannot re-plan for {world} processes with {per_node} per node (not a whole number of "
                           f"nodes)")
     nodes = world // per_node
-    return replace(cluster, name=f"{cluster.name}-{nodes}x{per_node}", nodes=nodes, gpus_per_node=per_node)
+    out = replace(cluster, name=f"{cluster.name}-{nodes}x{per_node}", nodes=nodes, gpus_per_node=per_node)
+    if cluster.device_kind == "cpu":
+        node_ram = cluster.host_memory_bytes or cluster.gpu_memory_bytes * cluster.gpus_per_node
+        out = replace(out, gpu_memory_bytes=node_ram // per_node,
+                      concurrency_slowdown=cluster.concurrency_slowdown if per_node > 1 else 1.0)
+    return out
 
 
 def replan(plan: "Plan", settings: ReplanSettings, world: int, per_node: int) -> "Plan":
