@@ -313,7 +313,8 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
     from ptplan.executor.data.dataset import check_data, load_dataset
     from ptplan.executor.training.freezing import FreezeSchedule
     from ptplan.executor.training.job import build_for_plan, epoch_samples, epoch_samples_note, samples_needed
-    from ptplan.executor.training.validate import batch_policy_of, check_model, check_phase, check_trajectory, global_batch_of
+    from ptplan.executor.training.validate import (batch_policy_of, check_epoch_data, check_model, check_phase,
+                                                   check_trajectory, global_batch_of)
     from ptplan.planner.plan import load_plan
 
     plan = load_plan(cfg.plan)
@@ -363,14 +364,7 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
         check_data(ds, model, what=f"--data {cfg.data}")
         note = epoch_samples_note(plan, cfg, len(ds), f"--data {cfg.data}")
         n = epoch_samples(plan, cfg, len(ds))
-        smallest = min(ph.global_batch for ph in plan.phases)
-        if n < max(ph.global_batch for ph in plan.phases):
-            raise PtplanError(f"--data {cfg.data} has {n} samples, fewer than one global batch of "
-                              f"{max(ph.global_batch for ph in plan.phases)}")
-        if cfg.steps_per_epoch and cfg.steps_per_epoch * smallest > n:
-            raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs at least {cfg.steps_per_epoch}*"
-                              f"{smallest} = {cfg.steps_per_epoch * smallest} samples per epoch but --data "
-                              f"{cfg.data} has {n}; lower --steps-per-epoch or use more data")
+        check_epoch_data(plan, cfg, n, f"--data {cfg.data}")
         del ds
     else:
         n = samples_needed(plan, cfg)

@@ -529,8 +529,9 @@ def fill_sources(phases: Sequence[Phase]) -> list[int]:
 
 def reprice(search: PhaseSearch, ph: Phase, ranges: Sequence[tuple[int, int]], fill_from: int
             ) -> tuple[float, float, int]:
-    """(iteration seconds, fill iteration seconds or 0, fullest stage's peak bytes) of a phase's K, D, M
-    and cache with another split, through the one stage model and the simulator."""
+    """(iteration seconds, fill iteration seconds or 0, fullest device's peak bytes: all its chunks together, as
+    ``Prediction.peak_memory_bytes``) of a phase's K, D, M and cache with another split, through the one stage model
+    and the simulator."""
     cand = Candidate(K=ph.K, D=ph.D, M=ph.M, b=ph.micro_batch_size, cache=ph.cache, schedule=ph.schedule, V=ph.V)
     model = search.model(cand, ph.frozen_layers, fill_from)
     sched = build_schedule(ph.schedule, ph.K, ph.M, ph.V)
@@ -539,7 +540,7 @@ def reprice(search: PhaseSearch, ph: Phase, ranges: Sequence[tuple[int, int]], f
     if ph.cache:
         fill = simulate(sched, model.stage_costs(ranges, fill=True), step_overhead_s=search.c.step_overhead_s
                         ).iteration_s
-    return sim.iteration_s, fill, max(m.total for m in model.stage_memory(ranges))
+    return sim.iteration_s, fill, int(max(sim.rank_peak_memory_bytes))
 
 
 def _greedy(search: PhaseSearch, full: _Priced, table: list[int], training: TrainingConfig,
@@ -549,7 +550,7 @@ def _greedy(search: PhaseSearch, full: _Priced, table: list[int], training: Trai
         n0 = ph.frozen_layers
         notes: list[str] = []
         try:
-            g = greedy_param_partition(search.t.params[n0:].tolist(), ph.K)
+            g = greedy_param_partition(search.t.params[n0:].tolist(), ph.K * ph.V)  # every stage (chunk)
             ranges = tuple((lo + n0, hi + n0) for lo, hi in g.ranges)
         except InfeasibleError as e:
             ranges = ph.partition

@@ -20,10 +20,12 @@ Time, per micro-batch on stage s (seconds; ``StageModel.stage_costs`` hands them
                 streaming their weights from host memory when the device is not the host
     allreduce = D > 1 without FSDP: ring all-reduce of Σ grad bytes[lo:hi] over the stage's data-parallel
                 group (FSDP reduce-scatters inside every backward instead: ``strategy.py``), one flat buffer
-                after the stage's last backward, exactly as the runtime does it (``executor/runtime/elastic.py``
-                ``_allreduce_grads`` after the schedule's step: no bucketed overlap with the stage's own backward;
-                the simulator overlaps it only with the other stages' remaining work)
-    optimizer = Σ optimizer step seconds[lo:hi] (measured per layer for AdamW)
+                after the stage's last backward, exactly as the runtime does it (``executor/runtime/gradients.py``
+                ``allreduce_grads`` after the schedule's step: no bucketed overlap with the stage's own backward;
+                the simulator overlaps it only with the other stages' remaining work; PipeDream-2BW's with the
+                next mini-batch's work); its latency once per rank when a rank holds several chunks
+    optimizer = one optimizer call over the stage's layers: the call's fixed part + each layer's own part of its
+                measured per-layer AdamW step (``CostTable.optimizer_range_s``); the fixed part once per rank
 
 o is the cluster's ``action_overhead_s``, or the profiler's measured one where larger
 (``cluster.charged_overheads``); ``StageCost.overhead_s`` and ``tp_comm_s`` / ``tp_comm_latency_s`` (the

@@ -262,3 +262,22 @@ def test_cli_writes_the_ablation_report(tmp_path):
 
     assert '<script src="http' not in html and "<script src='http" not in html  # works offline
     assert html.count(plotly.offline.get_plotlyjs()[:200]) == 1  # plotly.js embedded exactly once
+
+
+def test_the_greedy_split_row_splits_every_chunk_of_an_interleaved_plan(vit):
+    """With V = 2 chunks per position the greedy row splits the active layers over K·V stages (it split over K and
+    was refused: "not a split ... into K*V"), and ``reprice`` gives a device's memory, all its chunks together, as
+    every other row's (``Prediction.peak_memory_bytes``); found by an audit."""
+    train = replace(TRAIN, schedule="interleaved-1f1b")
+    paper = get_preset("paper")
+    ab = ablate(vit, paper, train, FREEZE)
+    greedy = ab.row("greedy-split")
+    assert greedy.seconds is not None and greedy.error is None, greedy.error
+    assert any(len(p.partition) == 2 * p.K for p in greedy.phases), "no phase of the plan interleaves"
+    cfg = replace(train, start_K=start_K_for(paper, train), cache="auto")  # the ablation's full plan
+    search = PhaseSearch(vit, paper, cfg)
+    chunked = [ph for ph in make_plan(vit, paper, cfg, FREEZE).phases if ph.V > 1 and not ph.cache]
+    assert chunked
+    for ph in chunked:
+        _, _, peak = reprice(search, ph, ph.partition, 0)
+        assert abs(peak - ph.predicted.peak_memory_bytes) <= 8, (ph.frozen_blocks, peak)

@@ -41,7 +41,7 @@ from ptplan.planner.records import (EpochEndRecord, FreezeDecisionRecord, Header
                                                TransitionRecord)
 from ptplan.executor.training.runlog import RunLog
 from ptplan.executor.training.state import Position, RunContext, StepResult
-from ptplan.executor.training.validate import check_plan
+from ptplan.executor.training.validate import check_epoch_data, check_plan
 
 __all__ = ["Hooks", "Position", "RunSummary", "autocast", "model_checkpoint_path", "run_training", "stage_layers",
            "start_phase"]
@@ -109,14 +109,7 @@ def _check_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
     """The plan, the data and the flags against the job: the same PtplanError on every rank, before any
     collective."""
     check_plan(plan, model, world)
-    N = len(dataset)
-    smallest = min(ph.global_batch for ph in plan.phases)
-    if cfg.steps_per_epoch and cfg.steps_per_epoch * smallest > N:
-        raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs at least {cfg.steps_per_epoch}*{smallest} = "
-                          f"{cfg.steps_per_epoch * smallest} samples per epoch but the data has {N}; lower "
-                          f"--steps-per-epoch or use more data")
-    if N < smallest:
-        raise PtplanError(f"the data has {N} samples, fewer than one global batch of {smallest}")
+    check_epoch_data(plan, cfg, len(dataset), "the data")
     check_data(dataset, model)
     if cfg.export and not (cfg.export_best and cfg.resume):  # before any training: the same refusal on every
         from ptplan.executor.training.export import check_export_dir  # rank (rank 0 writes the export)

@@ -173,3 +173,16 @@ def check_plan(plan: Plan, model: nn.Module, world_size: int) -> None:
         if len(sizes) > 1:
             raise PtplanError(f"constant-global-batch plan whose phases use different global batches {sorted(sizes)}; "
                               f"re-plan with `ptplan plan`")
+
+
+def check_epoch_data(plan: Plan, cfg: Any, n: int, what: str) -> None:
+    """Refuse data too small for the run: fewer samples than the largest global batch (that phase's step), or fewer
+    than ``--steps-per-epoch`` steps of the smallest. The launcher and every worker check the same."""
+    biggest = max(ph.global_batch for ph in plan.phases)
+    smallest = min(ph.global_batch for ph in plan.phases)
+    if n < biggest:
+        raise PtplanError(f"{what} has {n} samples, fewer than one global batch of {biggest}")
+    if cfg.steps_per_epoch and cfg.steps_per_epoch * smallest > n:
+        raise PtplanError(f"--steps-per-epoch {cfg.steps_per_epoch} needs at least {cfg.steps_per_epoch}*{smallest} "
+                          f"= {cfg.steps_per_epoch * smallest} samples per epoch but {what} has {n}; lower "
+                          f"--steps-per-epoch or use more data")
