@@ -42,7 +42,9 @@ RUN_LAUNCH_OPTIONS: list[Callable[[Any], Any]] = [
 
 RUN_TRAINING_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--epochs", type=int, default=None, help="Epochs (default: the plan's)."),
-    click.option("--steps-per-epoch", type=int, default=None, help="Optimizer steps per epoch (default: the data's)."),
+    click.option("--steps-per-epoch", type=int, default=None,
+                 help="Optimizer steps per epoch (default: the plan's samples per epoch over the global batch; a "
+                      "shorter --data file, its own)."),
     click.option("--optimizer", type=click.Choice(["plan", "sgd", "adamw"]), default="plan", show_default=True,
                  help="plan: the optimizer the plan priced the optimizer state of (its --optimizer); another one is "
                       "run with a note that the plan's memory is not its memory."),
@@ -83,7 +85,8 @@ RUN_OUTPUT_OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--log", "log_path", default="run.jsonl", show_default=True,
                  help="Run log (JSON lines) for `ptplan compare`."),
     click.option("--data", default="synthetic", show_default=True,
-                 help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask."),
+                 help="'synthetic' or a .pt/.npz file with inputs, labels and optional attention_mask; a file longer "
+                      "than the plan's samples per epoch trains its first N each epoch (the plan's epoch)."),
     click.option("--no-shuffle", is_flag=True, help="Visit samples in id order."),
     click.option("--eval-data", type=click.Path(dir_okay=False), default=None,
                  help="Held-out .pt/.npz file (the --data format): evaluated at each epoch end (accuracy and loss "

@@ -8,6 +8,7 @@
 # it runs (c10d does not tie it to a node); on a restart (--max-restarts) every rank looks in its own
 # CKPT and all resume from the newest checkpoint any node holds, so CKPT may be node-local or shared.
 # The run log is written where global rank 0 runs; the workers' output goes to run.<host>-<pid>.workers.log.
+# The optimizer is the one the plan priced (ptplan plan --optimizer), at its default rate; LR=1e-4 sets another.
 set -euo pipefail
 PLAN=${PLAN:-plan.json}
 MODEL=${MODEL:-bert-base}
@@ -17,5 +18,5 @@ JOB=${JOB:-ptplan-$(date +%Y%m%d)}
 CKPT=${CKPT:-runs/$JOB/ckpt}
 exec ptplan run "$PLAN" --model "$MODEL" --nnodes 2 --nproc-per-node "$NPROC" \
   --rdzv-backend c10d --rdzv-endpoint "$RDZV" --rdzv-id "$JOB" --max-restarts 3 \
-  --optimizer adamw --lr 1e-4 --weight-decay 0.01 \
+  ${LR:+--lr "$LR"} --weight-decay 0.01 \
   --checkpoint-dir "$CKPT" --checkpoint-every 500 --log "runs/$JOB/run.jsonl" "$@"

@@ -69,7 +69,8 @@ class LayerRecord:
     grad_bytes: int
     """Bytes of the parameter gradients."""
     optimizer_bytes: int
-    """Bytes of optimizer state (AdamW: two fp32 moments per parameter)."""
+    """Bytes of optimizer state (AdamW: two moments per parameter in the parameters' dtype,
+    ``costs.optimizer_state_bytes``)."""
     output_bytes_per_sample: int
     """Bytes of this layer's output (the tensor sent to the next stage) for one sample."""
     saved_bytes_per_sample: int

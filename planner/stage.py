@@ -52,9 +52,10 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               first micro-batch's gradients become ``.grad`` without a copy). With recomputation,
               also one micro-batch's working set b · (Σ saved[lo:hi] + out[hi-1]), rebuilt from the stashed
               input.
-            + receive buffers, K > 1: torch.distributed.pipelining keeps one activation buffer
-              per micro-batch on every stage but the first and one gradient buffer per
-              micro-batch on every stage but the last: M·b·(out[lo-1] if s > 0) + M·b·(out[hi-1] if s < K-1);
+            + receive buffers, where a neighbouring stage is on another rank (``PhaseShape.stage_ranks``;
+              consecutive chunks of one rank pass tensors in place): one activation buffer per micro-batch
+              for the stage before and one gradient buffer per micro-batch for the stage after,
+              M·b·(out[lo-1] if stage s-1 is remote) + M·b·(out[hi-1] if stage s+1 is remote);
               PipeDream-2BW's own loop (``own_p2p``) one gradient buffer, b·(out[hi-1] if s < K-1),
               and each micro-batch in flight holds its received input, b·out[lo-1] more in per_mb
             + stage 0 recomputing the prefix: the frozen weights Σ param[0:n0] (one version: frozen

@@ -28,8 +28,8 @@ How it measures (per micro-batch size b, after ``warmup`` untimed repeats, media
   over each layer's parameters, with gradients present, timed per layer, the layers stepped one
   after another in each repeat (as warm or cold in the caches as in a whole-model step; median of
   ``repeats`` after ``warmup``); the parameter values are restored afterwards.
-- **Memory**: parameter and gradient bytes (the model dtype), optimizer bytes (AdamW: two fp32
-  moments per parameter; no fp32 master copy counted), output bytes per sample, and bytes saved for
+- **Memory**: parameter and gradient bytes (the model dtype), optimizer bytes (AdamW: two
+  moments per parameter in its dtype, as torch allocates them: ``costs.optimizer_state_bytes``; no fp32 master copy), output bytes per sample, and bytes saved for
   backward per sample, measured with ``torch.autograd.graph.saved_tensors_hooks`` during one forward
   at each b (storages counted once, parameters excluded, divided by b); the profile records the
   largest b's.

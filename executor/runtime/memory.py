@@ -27,9 +27,10 @@ stage.py's term in brackets:
   around each of the step interpreter's backward actions; a first weight gradient that becomes the
   parameter's ``.grad`` is left out: it is the gradients' term). Storages that are parameters,
   optimizer state or buffers are not counted twice.
-- **transient** [transient]: the flat gradient all-reduce buffer (``ElasticRuntime._allreduce_grads``,
+- **transient** [transient]: the flat gradient all-reduce buffer (``gradients.start_allreduce_grads``,
   D > 1: the stage's gradients in one tensor), tracked in the same live-bytes count as the
-  activations while it exists; it is made after the activations are freed.
+  activations while it exists; it is made after the activations are freed, except under PipeDream-2BW,
+  whose all-reduce runs under the next mini-batch's work (stage.py then adds it to the peak).
 - **host_params** (not in ``total``): the frozen prefix's weights a cached phase's stage 0 keeps in
   host memory (stage.py leaves them out of the device's memory).
 

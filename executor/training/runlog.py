@@ -5,13 +5,15 @@ Every record is a typed class of ``records.py`` (one per ``type``); ``RunLog.wri
 
     {"type": "header", "schema": "ptplan.runlog/1", "plan_fingerprint", "model", "world_size", ...}
     {"type": "step", "epoch", "step", "phase", "frozen_blocks", "K", "D", "seconds", "samples", "loss",
-     "allreduce_seconds"}
+     "allreduce_seconds", "data_seconds", "cache_seconds"}
     {"type": "transition", "step", "from_phase", "to_phase", "seconds",
      "parts": {"weights", "optimizer_state", "groups", "rebuild"}, "bytes": {...}, ...}
 
 ``step`` counts optimizer steps from 0 over the whole run; ``phase`` indexes ``plan.phases``;
 ``seconds`` is rank 0's wall time of the step (it waits for the step's last collective);
-``allreduce_seconds`` the part of it rank 0 spent averaging gradients over its data-parallel group.
+``allreduce_seconds`` the part of it rank 0 spent averaging gradients over its data-parallel group,
+``data_seconds`` making its batch and ``cache_seconds`` (caching phases) serving the frozen prefix from the
+AutoCache.
 On the sampled step of each phase visit (the 2nd) the record also holds ``memory_sampled: true``,
 ``peak_memory_bytes`` (the largest rank's stage working set) and ``memory`` (the method and every
 rank's break-down); see ``executor/runtime/memory.py``. That step's ``seconds`` include the measuring hooks.
