@@ -69,7 +69,9 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
     So PipeDream-2BW with recomputation on stage 0 of K uniform stages holds 2|W|/K + K·|A_input| plus
     the gradient, the optimizer state, the buffers and one micro-batch's working set (the paper's
     memory model, 2|W|/d + d·|A_input(b)|, counts the first two).
-    after   = (PipeDream-2BW, which never drains: added to static, not maxed) the largest transient once the
+    after   = (PipeDream-2BW, which never drains: added to static, not maxed: its update's all-reduce buffer
+              lives under the next mini-batch's work, its optimizer's temporaries beside micro-batches in flight;
+              an upper bound, as the temporaries meet no backward) the largest transient once the
               pipeline has drained: the flat gradient all-reduce
               buffer (Σ grad[lo:hi] when D > 1), on GPUs AdamW's foreach temporaries (one
               weight-sized buffer), and on stage 0 with the AutoCache the fill's transient (one
@@ -193,6 +195,33 @@ def cache_setup_s(table: CostTable, n0: int, M: int, b: int, bandwidth: float, *
     stream = 0.0 if device_is_host else float(table.cum_param[n0] - table.cum_param[c]) / bandwidth
     tm = table.at(b)
     return M * float(tm.cum_nograd[n0] - tm.cum_nograd[c]) + read_c + rows + stream
+
+
+def remote_neighbours(ranks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (chunk), whether the stage before it and the stage after it are on another rank (``ranks``: each
+    stage's): where a receive buffer holds the activation coming in, and the gradient coming back."""
+    r = np.asarray(ranks)
+    return np.concatenate(([False], r[1:] != r[:-1])), np.concatenate((r[:-1] != r[1:], [False]))
+
+
+def once_per_rank(ranks: Sequence[int], opt: np.ndarray, call_s: float, ar: np.ndarray, ar_lat: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Per stage (chunk), its optimizer and all-reduce seconds (``opt``, ``ar``) with the optimizer call's fixed
+    part (``call_s``) and the all-reduce's latency (``ar_lat``) paid once per rank, on its first chunk that has them:
+    a rank steps one optimizer and all-reduces one flat buffer over all its chunks (``ranks``: each chunk's)."""
+    opt, ar = opt.copy(), ar.copy()
+    paid_opt: set[int] = set()
+    paid_ar: set[int] = set()
+    for i, r in enumerate(ranks):
+        if opt[i] > 0:
+            if r in paid_opt:
+                opt[i] = max(opt[i] - call_s, 0.0)
+            paid_opt.add(r)
+        if ar[i] > 0:
+            if r in paid_ar:
+                ar[i] = max(ar[i] - ar_lat[i], 0.0)
+            paid_ar.add(r)
+    return opt, ar
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,11 +370,7 @@ class StageModel:
         self._lat_out = np.concatenate((L.send_lat, [0.0]))
         self._inv_out = np.concatenate((L.send_inv_bw, [0.0]))
         self._inflight = np.asarray(sh.inflight, dtype=float)
-        ranks = np.asarray(sh.stage_ranks or range(sh.S))
-        self._remote_in = np.concatenate(([False], ranks[1:] != ranks[:-1]))
-        """Per stage, whether its input comes from another rank (a receive buffer for the activations)."""
-        self._remote_out = np.concatenate((ranks[:-1] != ranks[1:], [False]))
-        """Per stage, whether its output goes to another rank (a receive buffer for the returning gradient)."""
+        self._remote_in, self._remote_out = remote_neighbours(sh.stage_ranks or tuple(range(sh.S)))
         self._out_before = np.concatenate(([0.0], table.out_per_sample))
         """``_out_before[i]``: output bytes per sample of layer i - 1 (what a stage starting at i receives)."""
         self._working = RangeMax(b * table.working_per_sample + (table.accumulate_bytes if M > 1 else 0.0))
@@ -445,9 +470,7 @@ class StageModel:
         every split search.) Recomputation's working set w joins ``static`` and leaves ``after``
         (max(after - w, 0)), so that ``peak_bytes`` gives static + max(inflight · per_mb + w, after)."""
         t, static, per_mb, after, infl = self._combine_raw(terms[:6], s)
-        if self.shape.own_p2p:  # PipeDream-2BW never drains: its update's all-reduce buffer lives under the next
-            # mini-batch's work (executor/runtime/twobw.py), and its optimizer's temporaries beside micro-batches in
-            # flight, so the transient adds to the peak (an upper bound: the temporaries meet no backward)
+        if self.shape.own_p2p:  # 2BW never drains: its update's transient adds (module docstring: after)
             static, after = static + after, np.zeros_like(after)
         if self._has_working:
             w = terms[6]
@@ -575,21 +598,8 @@ class StageModel:
             bwd = bwd + (tm.cum_fwd[upto] - tm.cum_fwd[lo])
         bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
         opt = t.optimizer_range_s(lo, hi)
-        if sh.V > 1:  # a rank steps one optimizer and all-reduces one flat buffer over all its chunks: the call's
-            # fixed cost and the all-reduce's latency once per rank (on its first chunk that has them)
-            opt, ar = opt.copy(), ar.copy()
-            steps = t.optimizer_range_s(lo, hi) > 0
-            paid_opt: set[int] = set()
-            paid_ar: set[int] = set()
-            for i, r in enumerate(sh.stage_ranks):
-                if steps[i]:
-                    if r in paid_opt:
-                        opt[i] = max(opt[i] - t.optimizer_call_s, 0.0)
-                    paid_opt.add(r)
-                if self.sync and ar[i] > 0:
-                    if r in paid_ar:
-                        ar[i] = max(ar[i] - L.ar_lat[i], 0.0)
-                    paid_ar.add(r)
+        if sh.V > 1:
+            opt, ar = once_per_rank(sh.stage_ranks, opt, t.optimizer_call_s, ar, L.ar_lat)
         setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
         tp_lat = self._cum_tp_lat[hi] - self._cum_tp_lat[lo]
         tp_comm = tp_lat + sh.b * (self._cum_tp_per_sample[hi] - self._cum_tp_per_sample[lo])

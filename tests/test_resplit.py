@@ -79,12 +79,14 @@ def test_chosen_phase_is_the_best_simulated_one(seed):
 def test_descent_alone_is_near_the_best(seed, monkeypatch):
     """With the exact enumeration off (as on large models: the descent from AutoPipe's split, only for candidates
     whose AutoPipe split is within ``resplit.GIVE_UP`` of the best): the brute force's best on most phases.
-    Measured (seeds 100-101, 41 phases): 1 phase off, by 1.18x (2BW at K=1 chosen, where K=2's AutoPipe split
-    was more than 5 % behind but its best split 1.18x ahead)."""
+    Measured (seeds 100-101, 37 phases, with a stage's optimizer priced as one call: ``costs.optimizer_range_s``):
+    4 phases off -- by 1.143x (K=4 chosen where K=8's best split is ahead), 1.040x and 1.001x on seed 100, 1.145x
+    on seed 101; with the per-layer optimizer sum the same cases gave 2 (1.145x at most). A local descent, so
+    the bound is on how far and how often, not zero."""
     monkeypatch.setattr(resplit, "ENUMERATE_UP_TO", 0)
     ratios = _compare(100 + seed, 8)
     assert max(ratios) <= 1.25, ratios
-    assert sum(r > 1 + 1e-9 for r in ratios) <= len(ratios) // 10, ratios
+    assert sum(r > 1 + 1e-9 for r in ratios) <= len(ratios) // 5, ratios
 
 
 def test_neighbours_keep_every_stage():

@@ -206,12 +206,13 @@ def set_trainable(model: nn.Module, frozen_layers: int) -> None:
 def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Schedule, device: torch.device,
                    pp_group: Any, loss_fn: Callable[[Tensor, Tensor], Tensor], *, position: int,
                    model: nn.Module | None = None, cached_prefix: bool = False,
-                   update: Callable[[list[tuple[nn.Parameter, Tensor | None]]], None] | None = None
+                   update: Callable[[list[tuple[nn.Parameter, Tensor | None]]], Callable[[], None]] | None = None
                    ) -> StepInterpreter:
     """The phase's step on this rank: the one interpreter (``step.StepInterpreter``) over ``schedule``'s lists
     (``actions.phase_schedule``) at pipeline position ``position``, with the compute and step policy the
     phase's data asks for -- token slices (``Phase.slices``: ``sliced.SliceCompute`` on ``model``'s layers),
-    PipeDream-2BW (schedule ``2bw``: ``twobw.TwoBW``, whose updates call ``update``), else whole micro-batches
+    PipeDream-2BW (schedule ``2bw``: ``twobw.TwoBW``, whose updates call ``update``, which begins an update and
+    returns the call that applies it), else whole micro-batches
     on ``chunks`` (chunk index -> module) with a flushed step. At K = 1 there are no messages (``pp_group`` None).
 
     The loss is a mean per micro-batch and each stage's ``ALLREDUCE`` divides its accumulated gradients by M,
