@@ -187,9 +187,12 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     from ptplan.executor.training.config import RunConfig
     from ptplan.executor.launch.launcher import Rendezvous
 
-    model, weights, nproc_per_node = _from_plan(plan_path, model, weights, nproc_per_node, nnodes)
-    precision, dtype = _precision(plan_path, precision)
-    optimizer, optimizer_note = _optimizer(plan_path, optimizer)
+    from ptplan.planner.plan import load_plan
+
+    plan = load_plan(plan_path)  # once, for the defaults the plan sets
+    model, weights, nproc_per_node = _from_plan(plan, plan_path, model, weights, nproc_per_node, nnodes)
+    precision, dtype = _precision(plan, precision)
+    optimizer, optimizer_note = _optimizer(plan, optimizer)
     click.get_current_context().params["optimizer"] = optimizer  # what RUN_RULES check the flags against
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
@@ -252,38 +255,33 @@ def _check_and_launch(cfg: Any, rdzv: Any, dry_run: bool) -> None:
     _finish_export(cfg)
 
 
-def _from_plan(plan_path: str, model: str | None, weights: str | None, nproc_per_node: int | None,
+def _from_plan(plan: Any, plan_path: str, model: str | None, weights: str | None, nproc_per_node: int | None,
                nnodes: str) -> tuple[str, str | None, int]:
     """--model/--weights and --nproc-per-node from the plan where not given (cli/run_defaults.py)."""
     if model is not None and nproc_per_node is not None:
         return model, weights, nproc_per_node
     from ptplan.cli.run_defaults import model_from_plan, nproc_from_plan
-    from ptplan.planner.plan import load_plan
 
-    plan = load_plan(plan_path)
     if model is None:
         model, recorded = model_from_plan(plan, plan_path)
         weights = weights if weights is not None else recorded
     return model, weights, nproc_per_node if nproc_per_node is not None else nproc_from_plan(plan, nnodes)
 
 
-def _precision(plan_path: str, precision: str) -> tuple[str, str]:
+def _precision(plan: Any, precision: str) -> tuple[str, str]:
     """``--precision`` -> (RunConfig.precision, RunConfig.dtype): ``plan`` trains in the plan's profile dtype with no
     autocast (the model the plan priced), ``fp32`` in float32, ``bf16`` float32 weights under bfloat16 autocast."""
     if precision != "plan":
         return precision, "float32"
-    from ptplan.planner.plan import load_plan
-
-    return "fp32", load_plan(plan_path).inputs.profile.dtype
+    return "fp32", plan.inputs.profile.dtype
 
 
-def _optimizer(plan_path: str, optimizer: str) -> tuple[str, str | None]:
+def _optimizer(plan: Any, optimizer: str) -> tuple[str, str | None]:
     """``--optimizer`` -> (the optimizer to run, a note or None): ``plan`` is the one the plan priced; another comes
     with a note (the plan's optimizer-state bytes are not the run's)."""
     from ptplan.planner.costs import OPTIMIZER_SLOTS
-    from ptplan.planner.plan import load_plan
 
-    planned = load_plan(plan_path).inputs.training.optimizer
+    planned = plan.inputs.training.optimizer
     if optimizer == "plan" or optimizer == planned:
         return planned, None
     return optimizer, (f"the plan priced {planned}'s optimizer state ({OPTIMIZER_SLOTS[planned]} value(s) per "

@@ -28,11 +28,16 @@ def _plan(tmp_path, dtype):
     return path
 
 
-def _config(plan, *args):
+def _dry_run(plan, *args):
+    """(the workers' config, the output) of ``ptplan run PLAN --dry-run``."""
     r = CliRunner().invoke(cli, ["run", str(plan), "--model", "bert-tiny", "--nproc-per-node", "1", "--dry-run", *args])
     assert r.exit_code == 0, r.output
     words = shlex.split(r.output.strip().splitlines()[-1])
-    cfg = json.loads(words[words.index("--config") + 1])
+    return json.loads(words[words.index("--config") + 1]), r.output
+
+
+def _config(plan, *args):
+    cfg, _ = _dry_run(plan, *args)
     return cfg["dtype"], cfg["precision"]
 
 
@@ -60,11 +65,8 @@ def test_a_bf16_plan_runs_bf16_weights_and_its_memory_is_the_plans(tmp_path):
 
 
 def _optimizer_config(plan, *args):
-    r = CliRunner().invoke(cli, ["run", str(plan), "--model", "bert-tiny", "--nproc-per-node", "1", "--dry-run", *args])
-    assert r.exit_code == 0, r.output
-    words = shlex.split(r.output.strip().splitlines()[-1])
-    cfg = json.loads(words[words.index("--config") + 1])
-    return cfg["optimizer"], cfg["lr"], r.output
+    cfg, out = _dry_run(plan, *args)
+    return cfg["optimizer"], cfg["lr"], out
 
 
 def test_the_default_optimizer_is_the_one_the_plan_priced(tmp_path):

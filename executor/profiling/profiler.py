@@ -73,7 +73,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import DeviceInfo, LayerRecord, ModelInfo, Profile, Provenance, WholeModel
 
 from ptplan.executor.families import CAUSAL_FAMILIES, LayeredModel, config_summary, family_of
-from ptplan.planner.families import FAMILY_FACTS
+from ptplan.planner.families import FAMILY_FACTS, family_facts
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -411,7 +411,7 @@ def model_for_profile(profile: Profile, *, model: str | os.PathLike | None = Non
 
     m = profile.model
     cfg = m.config
-    pixels = FAMILY_FACTS[m.family].pixels if m.family in FAMILY_FACTS else False
+    pixels = getattr(family_facts(m.family), "pixels", False)
     drop = {cfg[f] for f in get(m.family).dropout_fields if isinstance(cfg.get(f), (int, float))}
     labels = profile_num_labels(profile)
     side = cfg.get("image_size")
