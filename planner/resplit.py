@@ -15,10 +15,13 @@ K=2: (35,36)|(36,51) 1.25x slower than (35,41)|(41,51)).
 starts from the proxy's optimum and descends on the simulated objective: every move of one
 cut by up to ``RADIUS`` layers, every shift of two neighbouring cuts together by one, every move of
 one layer across a stage (a cut moved one way, the next the other way), and every shift by one of all the
-cuts before, or all the cuts after, a stage (moving weight towards the pipeline's ends, where all-reduces
-land at different times), each split scored by ``score``
-(the simulator; infinite where a stage does not fit); the best move is taken while it improves, from
-the best split so far. Scores are memoised by cuts, and ``score`` may return infinity early for a split
+cuts before, or all the cuts after, a stage, or of every cut (moving weight towards the pipeline's ends,
+where all-reduces land at different times). Where none of those improves, the same moves by 2, 4, 8, ...
+layers (``far``); where still none improves but one ties (a plateau: with one micro-batch the stages run one
+after another, and a layer moved between two middle stages changes nothing), a sideways move to it, at most
+``MAX_FLAT`` in a row, never back to a split already scored. Each split is scored by ``score``
+(the simulator; infinite where a stage does not fit); the best move is taken while one improves, and the best
+split reached is returned. Scores are memoised by cuts, and ``score`` may return infinity early for a split
 whose lower bound already loses (``PhaseSearch.split_bound``), so most moves cost a bound, not a
 simulation. Randomised brute force (``tests/test_resplit.py``: every split x K x M x cache scored by the
 simulator) holds the search's chosen phase to the best simulated one.
@@ -39,6 +42,10 @@ issue's audit found the proxy's split at most 1.55x the best split's simulated t
 the best is not refined)."""
 MAX_ROUNDS = 64
 """Descent steps at most per split (each takes the best improving move)."""
+TIE = 1e-9
+"""Relative difference under which two splits' scores tie (a sideways move)."""
+MAX_FLAT = 4
+"""Sideways moves in a row at most, across a plateau of tied scores, before the descent stops."""
 ENUMERATE_UP_TO = 1024
 """Where a candidate has at most this many splits, every one is scored (exact) instead of the descent ..."""
 ENUMERATE_LAYERS = 16
@@ -71,7 +78,7 @@ def neighbours(cuts: Sequence[int], radius: int = RADIUS) -> list[tuple[int, ...
             y[i] += sgn
             y[i + 1] -= sgn
             add(y)
-    for i in range(2, S):  # every cut from the i-th on, or up to the (i-1)-th, shifted by one layer
+    for i in range(1, S):  # every cut from the i-th on, or up to the (i-1)-th, shifted by one layer
         for sgn in (-1, 1):
             add(c[:i] + [x + sgn for x in c[i:S]] + c[S:])
             add(c[:1] + [x + sgn for x in c[1:i]] + c[i:])
@@ -90,7 +97,8 @@ Bounds = Callable[[np.ndarray], np.ndarray]
 
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
                radius: int = RADIUS, max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None,
-               give_up: float = math.inf, cutoff: float = math.inf) -> tuple[tuple[int, ...], float]:
+               give_up: float = math.inf, cutoff: float = math.inf,
+               max_flat: int = MAX_FLAT) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
     where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
@@ -119,15 +127,51 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     seen: dict[tuple[int, ...], float] = {cur: best}
     if not best <= give_up:
         return cur, best
-    for _ in range(max_rounds):
-        step, step_score = cur, best
-        nb = [x for x in neighbours(cur, radius) if x not in seen]
+
+    def best_of(nb: list[tuple[int, ...]], base: float) -> tuple[tuple[int, ...] | None, float, tuple | None]:
+        """The best unseen split of ``nb`` under ``base`` (None if none), and one that ties ``base``."""
+        nb = [x for x in nb if x not in seen]
         lbs = bounds(np.array(nb, dtype=np.int64)).tolist() if bounds is not None and nb else [0.0] * len(nb)
+        step, step_score, tie = None, base, None
         for x, lo in zip(nb, lbs):
-            v = seen[x] = lo if not lo < step_score * (1 - 1e-12) else score(x, step_score)
+            bar = (base if step is None else step_score) * (1 + TIE)
+            v = seen[x] = lo if lo > bar else score(x, bar)
             if v < step_score * (1 - 1e-12):
                 step, step_score = x, v
-        if step == cur:
-            break
+            elif tie is None and v <= base * (1 + TIE):
+                tie = x
+        return step, step_score, tie
+
+    flat = 0
+    home, home_score = cur, best  # the best split reached; a sideways move may leave it
+    for _ in range(max_rounds):
+        step, step_score, tie = best_of(neighbours(cur, radius), best)
+        d = 2 * radius
+        while step is None and d < n - a:  # no move of one layer improves: moves of 2, 4, 8, ... layers
+            step, step_score, t = best_of(far(cur, d), best)
+            tie = tie or t
+            d *= 2
+        if step is None:  # none improves: across the plateau, if there is one
+            if tie is None or flat >= max_flat:
+                break
+            flat += 1
+            cur = tie
+            continue
+        flat = 0
         cur, best = step, step_score
-    return cur, best
+        if best < home_score * (1 - 1e-12):
+            home, home_score = cur, best
+    return home, home_score
+
+
+def far(cuts: Sequence[int], d: int) -> list[tuple[int, ...]]:
+    """Splits d layers away: one cut moved by d, or all the cuts after (before) a stage shifted by d."""
+    c = list(cuts)
+    S = len(c) - 1
+    out = []
+    for i in range(1, S):
+        for sgn in (-d, d):
+            out.append(c[:i] + [c[i] + sgn] + c[i + 1:])
+            out.append(c[:i] + [v + sgn for v in c[i:S]] + c[S:])
+            out.append(c[:1] + [v + sgn for v in c[1:i + 1]] + c[i + 1:])
+    return list(dict.fromkeys(tuple(x) for x in out if all(p < q for p, q in zip(x, x[1:]))))

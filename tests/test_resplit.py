@@ -79,14 +79,17 @@ def test_chosen_phase_is_the_best_simulated_one(seed):
 def test_descent_alone_is_near_the_best(seed, monkeypatch):
     """With the exact enumeration off (as on large models: the descent from AutoPipe's split, only for candidates
     whose AutoPipe split is within ``resplit.GIVE_UP`` of the best): the brute force's best on most phases.
-    Measured (seeds 100-101, 37 phases, with a stage's optimizer priced as one call: ``costs.optimizer_range_s``):
-    4 phases off -- by 1.143x (K=4 chosen where K=8's best split is ahead), 1.040x and 1.001x on seed 100, 1.145x
-    on seed 101; with the per-layer optimizer sum the same cases gave 2 (1.145x at most). A local descent, so
-    the bound is on how far and how often, not zero."""
+    Measured (seeds 100-101, 37 phases): 1 phase off, by 1.142x on seed 100, where K=4 is chosen and K=8's best
+    split is ahead but K=8's AutoPipe split is too far behind to be descended from (``GIVE_UP``: the descent
+    itself is not at fault there). Before the descent took moves of 2, 4, 8, ... layers and sideways moves across
+    a plateau, 4 phases were off (1.143x, 1.040x, 1.001x; 1.024x). Over seeds 100-111 (237 phases):
+    23 off, at most 1.176x, before; 14 off, at most 1.176x, now (of the 6 over 1.05x, 5 are a K or M that is not
+    descended from, one an interleaved split the descent does not reach, 1.074x). A local descent, so the bound
+    is on how far and how often, not zero."""
     monkeypatch.setattr(resplit, "ENUMERATE_UP_TO", 0)
     ratios = _compare(100 + seed, 8)
     assert max(ratios) <= 1.25, ratios
-    assert sum(r > 1 + 1e-9 for r in ratios) <= len(ratios) // 5, ratios
+    assert sum(r > 1 + 1e-9 for r in ratios) <= len(ratios) // 10, ratios
 
 
 def test_neighbours_keep_every_stage():
@@ -107,6 +110,39 @@ def test_descent_takes_the_best_split_of_a_convex_score():
     for up_to in (0, 10**6):
         cuts, v = resplit.best_split((0, 1, 2, 3, 30), score, enumerate_up_to=up_to)
         assert cuts == target and v == 0.0
+
+
+def test_descent_crosses_a_plateau():
+    """A score flat around the start, with its minimum 3 layers away (no move of 1, 2, 4 or 8 layers from the
+    start reaches it): a sideways move onto the plateau, then a move of 2, reach it; with ``max_flat=0`` the
+    descent stops where it started. The score returned is the returned split's."""
+    def score(c, best):
+        return 1.0 if c[1] == 6 else 2.0
+
+    cuts, v = resplit.best_split((0, 9, 20), score, enumerate_up_to=0)
+    assert cuts == (0, 6, 20) and v == 1.0, (cuts, v)
+    stuck, v0 = resplit.best_split((0, 9, 20), score, enumerate_up_to=0, max_flat=0)
+    assert stuck == (0, 9, 20) and v0 == 2.0
+
+
+def test_descent_jumps_a_wall():
+    """A score whose moves of one layer all lose (a wall either side) and whose minimum is 4 layers away: the
+    moves by 2, then 4 layers find it; 3 layers away, no move reaches it and the descent stays."""
+    def score(c, best, low=5):
+        return {9: 2.0, low: 1.0}.get(c[1], 3.0)
+
+    cuts, v = resplit.best_split((0, 9, 20), score, enumerate_up_to=0)
+    assert cuts == (0, 5, 20) and v == 1.0, (cuts, v)
+    cuts, v = resplit.best_split((0, 9, 20), lambda c, b: score(c, b, low=6), enumerate_up_to=0)
+    assert cuts == (0, 9, 20) and v == 2.0, (cuts, v)
+
+
+def test_far_moves_keep_every_stage():
+    got = resplit.far((0, 3, 6, 9), 2)
+    assert {(0, 1, 6, 9), (0, 5, 6, 9), (0, 3, 4, 9), (0, 5, 8, 9), (0, 1, 4, 9), (0, 3, 8, 9)} <= set(got)
+    assert not {(0, 6, 6, 9), (0, 3, 9, 9)} & set(resplit.far((0, 3, 6, 9), 3))
+    for x in got:
+        assert x[0] == 0 and x[-1] == 9 and all(a < b for a, b in zip(x, x[1:]))
 
 
 def test_infeasible_start_is_left_where_it_is():
