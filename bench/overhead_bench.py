@@ -107,8 +107,8 @@ def _step_overhead(repeats: int, tmp: str) -> dict[str, float]:
     time_direct()
     plan = make_plan(model, [spec(0, K=1, D=1, M=1, b=b)])
     log = os.path.join(tmp, "step.jsonl")
-    cfg = RunConfig(plan="(bench)", model=model.name, steps_per_epoch=repeats + 3, epochs=1, progress=False,
-                    timeout_s=60, log=log, dropout=0.0)
+    cfg = RunConfig(plan="(bench)", model=model.name, optimizer="adamw", lr=1e-3, steps_per_epoch=repeats + 3,
+                    epochs=1, progress=False, timeout_s=60, log=log, dropout=0.0)  # the direct loop's AdamW
     ds = SyntheticDataset(model, (repeats + 3) * b)
 
     def worker(rank: int, world: int) -> None:

@@ -192,7 +192,9 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     plan = load_plan(plan_path)  # once, for the defaults the plan sets
     model, weights, nproc_per_node = _from_plan(plan, plan_path, model, weights, nproc_per_node, nnodes)
     precision, dtype = _precision(plan, precision)
-    optimizer, optimizer_note = _optimizer(plan, optimizer)
+    from ptplan.executor.training.config import optimizer_for
+
+    optimizer, optimizer_note = optimizer_for(plan, optimizer)
     click.get_current_context().params["optimizer"] = optimizer  # what RUN_RULES check the flags against
     rdzv = Rendezvous(nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                       rdzv_id=rdzv_id, rdzv_backend=rdzv_backend, master_addr=master_addr, master_port=master_port,
@@ -204,7 +206,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
     cfg = RunConfig(plan=os.path.abspath(plan_path), model=os.path.abspath(model) if os.path.isdir(model) else model,
                     weights=_absolute(weights), epochs=epochs,
                     steps_per_epoch=steps_per_epoch, optimizer=optimizer,
-                    lr=lr if lr is not None else (5e-5 if optimizer == "adamw" else 0.01), lr_schedule=lr_schedule,
+                    lr=lr, lr_schedule=lr_schedule,
                     warmup_steps=warmup_steps, clip_grad_norm=clip_grad_norm, decay_all=decay_all, momentum=momentum,
                     weight_decay=weight_decay, adam_eps=adam_eps, seed=seed, freeze=freeze, freeze_every=freeze_every,
                     alpha=alpha, checkpoint_dir=os.path.abspath(checkpoint_dir) if checkpoint_dir else None,
@@ -221,7 +223,7 @@ def run(plan_path: str, model: str | None, weights: str | None, nproc_per_node: 
                     cache_dir=os.path.abspath(cache_dir) if cache_dir else None,
                     cache_budget=None if cache_budget is None else parse_size(cache_budget, "--cache-budget"),
                     cache_spill_dir=os.path.abspath(cache_spill_dir) if cache_spill_dir else None,
-                    cache_allow_nondeterministic=cache_allow_nondeterministic)
+                    cache_allow_nondeterministic=cache_allow_nondeterministic).resolved(plan)
     from ptplan.cli.flags import RUN_RULES, refuse_inapplicable
 
     refuse_inapplicable(click.get_current_context(), RUN_RULES)  # after each value's own check (RunConfig)
@@ -274,19 +276,6 @@ def _precision(plan: Any, precision: str) -> tuple[str, str]:
     if precision != "plan":
         return precision, "float32"
     return "fp32", plan.inputs.profile.dtype
-
-
-def _optimizer(plan: Any, optimizer: str) -> tuple[str, str | None]:
-    """``--optimizer`` -> (the optimizer to run, a note or None): ``plan`` is the one the plan priced; another comes
-    with a note (the plan's optimizer-state bytes are not the run's)."""
-    from ptplan.planner.costs import OPTIMIZER_SLOTS
-
-    planned = plan.inputs.training.optimizer
-    if optimizer == "plan" or optimizer == planned:
-        return planned, None
-    return optimizer, (f"the plan priced {planned}'s optimizer state ({OPTIMIZER_SLOTS[planned]} value(s) per "
-                       f"parameter) and this run uses {optimizer} ({OPTIMIZER_SLOTS[optimizer]}): its memory differs "
-                       f"from the plan's; make the plan with `ptplan plan ... --optimizer {optimizer}` to price it")
 
 
 def _finish_export(cfg) -> None:

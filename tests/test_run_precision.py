@@ -86,3 +86,53 @@ def test_the_default_optimizer_is_the_one_the_plan_priced(tmp_path):
     opt, lr, out = _optimizer_config(sgd, "--optimizer", "adamw")
     assert (opt, lr) == ("adamw", 5e-5) and "the plan priced sgd's optimizer state (1 value(s)" in out
     assert _optimizer_config(_plan(tmp_path, torch.float32))[:2] == ("adamw", 5e-5)
+
+
+def test_the_in_process_api_takes_the_same_defaults_as_ptplan_run(tmp_path):
+    """``RunConfig`` left the optimizer to ``adamw`` and the learning rate to 1e-3 while ``ptplan run`` took the
+    plan's optimizer and 5e-5 / 0.01: two homes for one default. Now both go through ``RunConfig.resolved``; for each
+    plan and flag set the dry run's config equals the API's resolved one, and ``run_training`` logs the same rate."""
+    from dataclasses import replace
+
+    from ptplan.executor.training.config import DEFAULT_LR, RunConfig
+    from ptplan.planner.plan import load_plan
+
+    adamw = _plan(tmp_path, torch.float32)
+    plan = load_plan(adamw)
+    sgd = tmp_path / "plan-sgd.json"
+    save_plan(replace(plan, inputs=replace(plan.inputs, training=replace(plan.inputs.training, optimizer="sgd"))), sgd)
+    for path, flags, api in [(adamw, (), {}), (sgd, (), {}), (sgd, ("--optimizer", "adamw"), {"optimizer": "adamw"}),
+                             (sgd, ("--lr", "0.3"), {"lr": 0.3}), (adamw, ("--optimizer", "sgd"), {"optimizer": "sgd"})]:
+        got = RunConfig(plan=str(path), model="bert-tiny", **api).resolved(load_plan(path))
+        assert _optimizer_config(path, *flags)[:2] == (got.optimizer, got.lr), (path.name, flags)
+        assert got.resolved(load_plan(path)) is got  # resolved once is resolved
+    assert RunConfig(plan="p", model="m").resolved(load_plan(sgd)).lr == DEFAULT_LR["sgd"] == 0.01
+    import re
+
+    help_text = next(p.help for p in cli.commands["run"].params if p.name == "lr")
+    said = re.search(r"default: ([0-9.e-]+) with AdamW.*, ([0-9.e-]+) with SGD", help_text)
+    assert said and (float(said[1]), float(said[2])) == (DEFAULT_LR["adamw"], DEFAULT_LR["sgd"]), help_text
+
+
+def test_run_training_resolves_the_config_it_is_given(tmp_path):
+    """A real one-process run of a config that names neither optimizer nor rate: the run log's header records the
+    plan's optimizer and its default rate."""
+    from ptplan.executor.data.dataset import SyntheticDataset
+    from ptplan.executor.launch.local import run_world
+    from ptplan.executor.training.config import DEFAULT_LR, RunConfig
+    from ptplan.executor.training.loop import run_training
+    from ptplan.planner.plan import load_plan
+
+    path = _plan(tmp_path, torch.float32)
+    log = tmp_path / "run.jsonl"
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    cfg = RunConfig(plan=str(path), model="bert-tiny", epochs=1, steps_per_epoch=1, progress=False, timeout_s=60,
+                    log=str(log))
+
+    def worker(rank: int, world: int) -> None:
+        run_training(cfg, load_plan(path), model, SyntheticDataset(model, 8))
+
+    res = run_world(1, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=120)
+    assert res.ok, res.explain()
+    head = next(r for r in read_records(log) if r["type"] == "header")
+    assert (head["optimizer"], head["lr"]) == ("adamw", DEFAULT_LR["adamw"])

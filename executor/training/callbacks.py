@@ -195,7 +195,7 @@ class LRSchedule(Callback):
 
     def before_step(self, ctx: RunContext) -> None:
         cfg = ctx.cfg
-        self.lr = cfg.lr * lr_factor(ctx.pos.global_step, warmup=cfg.warmup_steps, total=ctx.total,
+        self.lr = cfg.peak_lr * lr_factor(ctx.pos.global_step, warmup=cfg.warmup_steps, total=ctx.total,
                                      kind=cfg.lr_schedule)
         for g in ctx.rt.opt.param_groups:
             g["lr"] = self.lr

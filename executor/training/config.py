@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from ptplan.planner.errors import PtplanError
@@ -11,6 +11,8 @@ from ptplan.planner.errors import PtplanError
 from ptplan.executor.runtime.optim import OPTIMIZERS
 
 FREEZE_MODES = ("planned", "adaptive")
+DEFAULT_LR = {"adamw": 5e-5, "sgd": 0.01}
+"""The learning rate a run takes where none is given: fine-tuning's usual AdamW rate, and SGD's."""
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_MODES = ("auto", "off")
 PRECISIONS = ("fp32", "bf16")
@@ -30,9 +32,10 @@ class RunConfig:
     """Epochs to run (None: the plan's)."""
     steps_per_epoch: int | None = None
     """Optimizer steps per epoch (None: as many full global batches as the epoch's samples hold)."""
-    optimizer: str = "adamw"
-    """``sgd`` (with momentum) or ``adamw``."""
-    lr: float = 1e-3
+    optimizer: str = "plan"
+    """``plan`` (the optimizer the plan priced the state of: ``resolved``), ``sgd`` (with momentum) or ``adamw``."""
+    lr: float | None = None
+    """Peak learning rate (None: ``DEFAULT_LR`` of the optimizer, set by ``resolved``)."""
     momentum: float = 0.9
     """SGD momentum (ignored by AdamW)."""
     weight_decay: float = 0.0
@@ -123,8 +126,8 @@ class RunConfig:
     eval-mode random layer): every later epoch then replays the first output computed."""
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer not in ("plan", *OPTIMIZERS):
+            raise PtplanError(f"unknown optimizer {self.optimizer!r}; use one of plan, {', '.join(OPTIMIZERS)}")
         if self.freeze not in FREEZE_MODES:
             raise PtplanError(f"unknown freeze mode {self.freeze!r}; use one of {', '.join(FREEZE_MODES)}")
         if self.dtype not in DTYPES:
@@ -154,7 +157,8 @@ class RunConfig:
             raise PtplanError("--eval-every needs --eval-data (the held-out file to evaluate)")
         if self.eval_batch_size < 1:
             raise PtplanError(f"--eval-batch-size must be at least 1, got {self.eval_batch_size}")
-        _number("--lr", self.lr, low=0.0, low_open=True, hint="e.g. --lr 1e-4")
+        if self.lr is not None:
+            _number("--lr", self.lr, low=0.0, low_open=True, hint="e.g. --lr 1e-4")
         _number("--momentum", self.momentum, low=0.0, high=1.0, high_open=True, hint="e.g. --momentum 0.9")
         _number("--weight-decay", self.weight_decay, low=0.0, hint="e.g. --weight-decay 0.01")
         _number("--adam-eps", self.adam_eps, low=0.0, low_open=True, hint="e.g. --adam-eps 1e-8")
@@ -184,6 +188,21 @@ class RunConfig:
         if self.cache_budget is not None and self.cache_budget < 0:
             raise PtplanError(f"--cache-budget must be >= 0 bytes, got {self.cache_budget}")
 
+    def resolved(self, plan: Any) -> "RunConfig":
+        """This config with what it leaves to the plan made concrete: the optimizer (``plan``: the one the plan
+        priced) and the learning rate (None: ``DEFAULT_LR`` of that optimizer). The one place these defaults
+        are set, for ``ptplan run`` and for ``run_training`` alike; a resolved config is returned unchanged."""
+        optimizer = optimizer_for(plan, self.optimizer)[0]
+        lr = self.lr if self.lr is not None else DEFAULT_LR[optimizer]
+        return self if (optimizer, lr) == (self.optimizer, self.lr) else replace(self, optimizer=optimizer, lr=lr)
+
+    @property
+    def peak_lr(self) -> float:
+        """The learning rate of a resolved config (``resolved``)."""
+        if self.lr is None:
+            raise PtplanError("this run config leaves the learning rate to the plan; use RunConfig.resolved(plan)")
+        return self.lr
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
@@ -195,6 +214,19 @@ class RunConfig:
         if unknown:
             raise PtplanError(f"run config: unknown keys {unknown}")
         return cls(**d)
+
+
+def optimizer_for(plan: Any, optimizer: str) -> tuple[str, str | None]:
+    """``--optimizer`` -> (the optimizer to run, a note or None): ``plan`` is the one the plan priced; another comes
+    with a note (the plan's optimizer-state bytes are not the run's)."""
+    from ptplan.planner.costs import OPTIMIZER_SLOTS
+
+    planned = plan.inputs.training.optimizer
+    if optimizer == "plan" or optimizer == planned:
+        return planned, None
+    return optimizer, (f"the plan priced {planned}'s optimizer state ({OPTIMIZER_SLOTS[planned]} value(s) per "
+                       f"parameter) and this run uses {optimizer} ({OPTIMIZER_SLOTS[optimizer]}): its memory differs "
+                       f"from the plan's; make the plan with `ptplan plan ... --optimizer {optimizer}` to price it")
 
 
 def _number(option: str, value: float, *, low: float | None = None, high: float | None = None,

@@ -84,6 +84,7 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     ``model`` holds only this rank's last stage.
     """
     hooks = hooks or Hooks()
+    cfg = cfg.resolved(plan)  # the optimizer and learning rate the plan sets, where cfg leaves them to it
     ctx, source = _prepare(cfg, plan, model, dataset, device or torch.device("cpu"), eval_dataset)
     t_start = time.perf_counter()
     cbs = Callbacks([*default_callbacks(hooks, eval_dataset), *callbacks])
@@ -149,7 +150,7 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
     epochs, N = cfg.epochs or plan.inputs.training.epochs, len(dataset)
     fs = FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
     total = _total_steps(cfg, plan, fs, epochs, N)
-    opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.lr, momentum=cfg.momentum,
+    opt = make_optimizer(list(model.parameters()), cfg.optimizer, lr=cfg.peak_lr, momentum=cfg.momentum,
                          weight_decay=cfg.weight_decay, eps=cfg.adam_eps, decay_all=cfg.decay_all)
     rt = ElasticRuntime(plan, model, opt, device=device, timeout_s=cfg.timeout_s, backend=dist.get_backend())
     rt.clip_grad_norm = cfg.clip_grad_norm
@@ -168,7 +169,7 @@ def _header(ctx: RunContext) -> None:
     cfg, plan = ctx.cfg, ctx.plan
     ctx.log.write(HeaderRecord(
         plan_fingerprint=plan.inputs.profile.fingerprint, model=ctx.rt.model.name, world_size=ctx.rt.world,
-        backend=ctx.rt.backend, optimizer=cfg.optimizer, lr=cfg.lr, seed=cfg.seed, freeze=cfg.freeze,
+        backend=ctx.rt.backend, optimizer=cfg.optimizer, lr=cfg.peak_lr, seed=cfg.seed, freeze=cfg.freeze,
         freeze_every=ctx.fs.every, batch_policy=plan.inputs.training.batch_policy, epochs=ctx.epochs,
         steps_per_epoch=cfg.steps_per_epoch, data=cfg.data, samples=len(ctx.dataset), plan=cfg.plan,
         precision=cfg.precision if cfg.precision != "fp32" else None,
