@@ -138,7 +138,7 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
             v = seen[x] = lo if lo > bar else score(x, bar)
             if v < step_score * (1 - 1e-12):
                 step, step_score = x, v
-            elif tie is None and v <= base * (1 + TIE):
+            elif tie is None and v <= base * (1 + TIE) and v < math.inf:
                 tie = x
         return step, step_score, tie
 
