@@ -117,20 +117,27 @@ BUCKET_BYTES = 1 << 20
 """Tensors at least this big travel as they are (no copy); smaller ones are packed per dtype."""
 
 
-def _messages(tensors: list[torch.Tensor], device: torch.device) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
-    """Split one transfer's tensors into wire messages: (tensor to send/receive in place, or None for a
-    packed buffer, the tensors it carries). Same order on both sides."""
+def _messages(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor | None, list[torch.Tensor]]]:
+    """Split one transfer's tensors into wire messages: (a big tensor travelling alone, or None for a packed
+    buffer, the tensors it carries). The layout is a function of the tensors' sizes and dtypes alone, which both
+    sides share; where and how each side keeps a tensor (its device, its strides) must not change it: a receiver
+    holding host storage (``gather``'s rank 0) and a sender holding the layer on its GPU post the same messages.
+    Whether a big tensor is sent or received in place is each side's own choice (``_in_place``)."""
     out: list[tuple[torch.Tensor | None, list[torch.Tensor]]] = []
     small: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
-        direct = (t.numel() * t.element_size() >= BUCKET_BYTES and t.is_contiguous() and t.device == device)
-        if direct:
+        if t.numel() * t.element_size() >= BUCKET_BYTES:
             out.append((t, [t]))
         else:
             small.setdefault(t.dtype, []).append(t)
     for _, group in sorted(small.items(), key=lambda kv: str(kv[0])):
         out.append((None, group))
     return out
+
+
+def _in_place(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether this side can hand ``t`` itself to the backend (on the wire device, contiguous)."""
+    return t.device == device and t.is_contiguous()
 
 
 def exchange(transfers: Sequence[Transfer], rank: int, tensors_of: Callable[[tuple[int, ...]], list[torch.Tensor]],
@@ -148,15 +155,17 @@ def exchange(transfers: Sequence[Transfer], rank: int, tensors_of: Callable[[tup
     for t in transfers:
         if rank not in (t.src, t.dst):
             continue
-        for tag, (whole, group) in enumerate(_messages(tensors_of(t.layers), device)):
+        for tag, (whole, group) in enumerate(_messages(tensors_of(t.layers))):
             if t.src == rank:
-                buf = whole.detach() if whole is not None else torch.cat([x.detach().reshape(-1).to(device)
-                                                                          for x in group])
+                if whole is not None:
+                    buf = whole.detach() if _in_place(whole, device) else whole.detach().to(device).contiguous()
+                else:
+                    buf = torch.cat([x.detach().reshape(-1).to(device) for x in group])
                 ops.append(("send", buf, t.dst, tag))
                 sent += buf.numel() * buf.element_size()
-            elif whole is not None:
+            elif whole is not None and _in_place(whole, device):
                 ops.append(("recv", whole.detach(), t.src, tag))
-            else:
+            else:  # packed, or a big tensor this side keeps elsewhere: land in a buffer, copy after
                 buf = torch.empty(sum(x.numel() for x in group), dtype=group[0].dtype, device=device)
                 ops.append(("recv", buf, t.src, tag))
                 landing.append((buf, group))
