@@ -27,7 +27,8 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Plan
 
 from ptplan.executor.data.dataset import Dataset, check_data, epoch_order, global_batch_ids, shard
-from ptplan.executor.runtime.elastic import ElasticRuntime, broadcast_int, phase_index
+from ptplan.executor.cache.run import agree
+from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
 from ptplan.executor.runtime.optim import make_optimizer
 from ptplan.executor.runtime.transition import needs
 from ptplan.executor.training.callbacks import (AutoCache, Callback, Callbacks, Evaluation, Hooks, default_callbacks,
@@ -120,6 +121,41 @@ def _check_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
         raise PtplanError("--export-best needs --eval-data (the held-out set that says which model is best)")
 
 
+def _agree_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Dataset,
+                  eval_dataset: Dataset | None, world: int) -> None:
+    """``_check_inputs`` on every rank, then one collective: the lowest failing rank's PtplanError is raised on every
+    rank, and the ranks' data must hold as many samples (each node loads its own ``--data`` and ``--eval-data``; a
+    shorter copy on one node would end its epochs early and leave the others waiting in a collective)."""
+    problem = None
+    try:
+        _check_inputs(cfg, plan, model, dataset, eval_dataset, world)
+        if eval_dataset is not None:
+            check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
+    except PtplanError as e:
+        problem = str(e)
+    sizes = agree(problem, (len(dataset), None if eval_dataset is None else len(eval_dataset)))
+    for i, (what, flag) in enumerate((("training data", "--data"), ("evaluation data", "--eval-data"))):
+        by_size: dict[int | None, list[int]] = {}
+        for r, got in enumerate(sizes):
+            by_size.setdefault(got[i], []).append(r)
+        if len(by_size) > 1:
+            said = "; ".join(f"ranks {_ranges(rs)}: {'no' if n is None else n} samples" for n, rs in by_size.items())
+            path = (cfg.data if i == 0 else cfg.eval_data) or ""
+            raise PtplanError(f"the ranks' {what} differ in length ({said}): each node reads its own {flag} {path}; "
+                              f"give every node the same file (a shared file system, or copy it) and start again")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
 def _total_steps(cfg: RunConfig, plan: Plan, fs: FreezeSchedule, epochs: int, N: int) -> int | None:
     """The run's optimizer steps when known in advance; refuses a decaying LR schedule without it."""
     total = None
@@ -137,12 +173,10 @@ def _total_steps(cfg: RunConfig, plan: Plan, fs: FreezeSchedule, epochs: int, N:
 def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Dataset, device: torch.device,
              eval_dataset: Dataset | None) -> tuple[RunContext, Source | None]:
     """Check everything, build the optimizer and the runtime, agree on a checkpoint to resume from, open the
-    run log (its header unless resuming). Collective only in ``find_checkpoint``."""
+    run log (its header unless resuming). Collective in ``_agree_inputs`` and ``find_checkpoint``."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    _check_inputs(cfg, plan, model, dataset, eval_dataset, world)
+    _agree_inputs(cfg, plan, model, dataset, eval_dataset, world)
     amp = autocast(cfg, device)
-    if eval_dataset is not None:
-        check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
     torch.manual_seed(cfg.seed * 1009 + rank)  # dropout streams differ per rank, as in plain data parallelism
     if cfg.clip_grad_norm is not None and any(ph.schedule == "2bw" for ph in plan.phases):
         raise PtplanError("--clip-grad-norm needs one global gradient norm per step, but PipeDream-2BW updates its "
@@ -250,7 +284,7 @@ def _step(ctx: RunContext, cbs: Callbacks, order: torch.Tensor) -> None:
 
 def _follow_freeze(ctx: RunContext, cbs: Callbacks) -> None:
     """Decide the next step's frozen count and change phase when it differs (logged, then ``on_transition``)."""
-    want, decision = _decide(ctx.cfg, ctx.fs, ctx.pos, ctx.device)
+    want, decision = _decide(ctx.cfg, ctx.fs, ctx.pos)
     if decision is not None:
         ctx.log.write(decision)
     if want != ctx.rt.phase.frozen_blocks:
@@ -261,8 +295,7 @@ def _follow_freeze(ctx: RunContext, cbs: Callbacks) -> None:
         cbs.call("on_transition", ctx, info)
 
 
-def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position, device: torch.device
-            ) -> tuple[int, FreezeDecisionRecord | None]:
+def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position) -> tuple[int, FreezeDecisionRecord | None]:
     """The frozen count for the next step (identical on every rank), and the adaptive decision record."""
     if cfg.freeze == "planned":
         return fs.planned(pos.epoch, pos.global_step), None
@@ -270,8 +303,12 @@ def _decide(cfg: RunConfig, fs: FreezeSchedule, pos: Position, device: torch.dev
     if T <= pos.decided_T:
         return pos.frozen_blocks, None
     norms = [s / pos.norm_count for s in pos.norm_sum] if pos.norm_count else None
-    want = fs.adaptive(pos.frozen_blocks, norms) if dist.get_rank() == 0 else 0
-    want = broadcast_int(want, device)
+    problem, want = None, 0
+    try:  # every rank decides (the norms are all-reduced); rank 0's count is taken, its refusal raised everywhere
+        want = fs.adaptive(pos.frozen_blocks, norms)
+    except PtplanError as e:
+        problem = str(e)
+    want = agree(problem, want)[0]
     record = FreezeDecisionRecord(step=pos.global_step, T=T, from_frozen=pos.frozen_blocks, to_frozen=want,
                                   alpha=fs.alpha, grad_norms=norms, steps_measured=pos.norm_count)
     pos.decided_T = T

@@ -1,0 +1,82 @@
+"""Checks that used to run on some ranks only, before a collective: now every rank raises the same error.
+
+Found by an audit (2026-11-27): a check or decision taken on one rank (or from one node's own files) let the other
+ranks block in the next collective (gloo: "connection reset by peer"; NCCL: a hang until --timeout). Each case here
+runs two real processes, gives the ranks different inputs, and checks that both exit with the one clear message."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ptplan.executor.data.dataset import SyntheticDataset
+from ptplan.executor.families.models import build_model
+from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.launch.local import run_world
+from ptplan.executor.training.config import RunConfig
+from ptplan.executor.training.freezing import FreezeSchedule
+from ptplan.executor.training.loop import _decide, _ranges, run_training
+from ptplan.executor.training.state import Position
+from ptplan.planner.errors import PtplanError
+
+
+def _both_refuse(res, needle: str) -> None:
+    assert not res.ok and all(code == 1 for code in res.exitcodes), res.explain()
+    for err in res.errors:
+        assert "PtplanError" in err and needle in err, err
+        assert "Connection" not in err and "timed out" not in err.lower(), err
+
+
+def _run(tmp_path, sizes: tuple[int, int], samples_per_epoch: int = 8):
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    plan = make_plan(model, [spec(0, K=1, D=2, M=1, b=2)], trajectory=[0], samples_per_epoch=samples_per_epoch)
+    cfg = RunConfig(plan="(test)", model="bert-tiny", epochs=1, steps_per_epoch=1, progress=False, timeout_s=20)
+
+    def worker(rank: int, world: int) -> None:
+        run_training(cfg, plan, model, SyntheticDataset(model, sizes[rank]))
+
+    return run_world(2, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
+
+
+def test_data_of_different_lengths_on_two_ranks_is_refused_on_both(tmp_path):
+    """Each node loads its own --data: a shorter copy on one node used to end its epochs early."""
+    res = _run(tmp_path, (12, 10))
+    _both_refuse(res, "ranks 0: 12 samples; ranks 1: 10 samples")
+
+
+def test_a_check_failing_on_one_rank_is_raised_on_every_rank(tmp_path):
+    """Rank 1's data cannot fill one global batch of the plan; rank 0's can: both raise rank 1's refusal (before,
+    rank 0 went on into the first collective and died there)."""
+    res = _run(tmp_path, (8, 3))
+    assert not res.ok
+    _both_refuse(res, "3")
+
+
+def test_the_same_data_on_every_rank_trains(tmp_path):
+    assert _run(tmp_path, (8, 8)).ok
+
+
+def _adaptive_worker(rank: int, world: int, norms: list[float]) -> None:
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    plan = make_plan(model, [spec(0, K=1, D=2, M=1, b=2)], trajectory=[0], samples_per_epoch=8)
+    fs = FreezeSchedule(plan, "adaptive", num_blocks=model.num_blocks, every=1)
+    cfg = RunConfig(plan="(test)", model="bert-tiny", freeze="adaptive", freeze_every=1)
+    pos = Position(global_step=1, norm_sum=list(norms), norm_count=1)
+    want, record = _decide(cfg, fs, pos)
+    assert record is not None and want >= 0
+
+
+@pytest.mark.parametrize("norms, ok", [([2.0, 1.5, 1.0, 0.5], True), ([math.inf, 1.5, 1.0, 0.5], False)])
+def test_the_adaptive_freeze_decision_is_refused_on_every_rank(tmp_path, norms, ok):
+    """A non-finite gradient norm (an overflow while the loss stays finite) made ``next_frozen`` raise on rank 0,
+    the only rank that decided, while rank 1 waited in the broadcast of its decision."""
+    res = run_world(2, _adaptive_worker, (norms,), tmpdir=str(tmp_path), timeout_s=10, deadline_s=60)
+    if ok:
+        assert res.ok, res.explain()
+    else:
+        _both_refuse(res, "gradient norm")
+
+
+def test_rank_ranges():
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and _ranges([3]) == "3"
