@@ -80,3 +80,27 @@ def test_the_adaptive_freeze_decision_is_refused_on_every_rank(tmp_path, norms, 
 
 def test_rank_ranges():
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and _ranges([3]) == "3"
+
+
+def test_an_export_failing_with_an_os_error_on_rank_0_is_raised_on_every_rank(tmp_path):
+    """Rank 0 writes the export; an OSError outside export_hf's own checks (its temporary folder on a full disk)
+    escaped the ``except PtplanError`` before the ranks' agreement, and the other ranks waited there."""
+    import errno
+
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    plan = make_plan(model, [spec(0, K=1, D=2, M=1, b=2)], trajectory=[0], samples_per_epoch=8)
+    cfg = RunConfig(plan="(test)", model="bert-tiny", epochs=1, steps_per_epoch=1, progress=False, timeout_s=20,
+                    export=str(tmp_path / "out"))
+
+    def worker(rank: int, world: int) -> None:
+        import tempfile
+
+        def full(*a, **kw):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        if rank == 0:
+            tempfile.mkdtemp = full  # this forked child only
+        run_training(cfg, plan, model, SyntheticDataset(model, 8))
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
+    _both_refuse(res, "cannot write the export")

@@ -289,6 +289,8 @@ def export_model(cfg: RunConfig, rt: ElasticRuntime, out: str, *, replace: bool 
             export_hf(rt.model, weights, out, source=cfg.weights, replace=replace)
         except PtplanError as e:
             problem = str(e)
+        except OSError as e:  # outside export_hf's own checks (its temporary folder): still raised on every rank
+            problem = f"cannot write the export to {out}: {e.strerror or e}; free space there or pass another --export"
         del weights
     agree(problem)
 

@@ -310,6 +310,8 @@ class ShardedWriter:
                         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
             except PtplanError as e:
                 problem = str(e)
+            except OSError as e:  # listing the folder: still raised on every rank
+                problem = f"cannot update the checkpoint folder {folder}: {e.strerror or e}"
         agree(problem)
 
 
