@@ -104,3 +104,33 @@ def test_an_export_failing_with_an_os_error_on_rank_0_is_raised_on_every_rank(tm
 
     res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
     _both_refuse(res, "cannot write the export")
+
+
+def test_a_run_log_write_error_on_rank_0_stops_every_rank_with_its_message(tmp_path):
+    """Rank 0 alone writes the run log; its disk filling up raised there while the other ranks went into the next
+    step's collectives. The error now waits in ``RunLog.error`` and the next step's all-reduce carries a stop flag:
+    both ranks raise rank 0's message, and the log ends at its last whole record."""
+    from ptplan.executor.training.runlog import RunLog
+    from ptplan.planner.runlog import read_run_log
+
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    plan = make_plan(model, [spec(0, K=1, D=2, M=1, b=2)], trajectory=[0], samples_per_epoch=8)
+    log = tmp_path / "run.jsonl"
+    cfg = RunConfig(plan="(test)", model="bert-tiny", epochs=3, progress=False, timeout_s=20, log=str(log))
+
+    def worker(rank: int, world: int) -> None:
+        if rank == 0:
+            real, lines = RunLog._append, [0]
+
+            def failing(self, line):
+                lines[0] += 1
+                if lines[0] > 4:  # the header and three steps fit
+                    raise PtplanError(f"cannot write the run log {self.path}: No space left on device (the disk is "
+                                      f"full)")
+                real(self, line)
+            RunLog._append = failing  # this forked child only
+        run_training(cfg, plan, model, SyntheticDataset(model, 8))
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
+    _both_refuse(res, "cannot write the run log")
+    assert [s.step for s in read_run_log(log).steps] == [0, 1, 2]

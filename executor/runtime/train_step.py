@@ -60,14 +60,25 @@ def train_step(rt: ElasticRuntime, batch: Batch, *, want_norms: bool, ids: Tenso
         clip(rt)
     rt.opt.step()
     L = rt.model.num_blocks
-    vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=rt.device)
+    vec = torch.zeros(2 + (L if want_norms else 0), dtype=torch.float64, device=rt.device)
     if last and place.tp == 0:  # a tensor-parallel group's ranks compute the same loss
         vec[0] = torch.stack([loss.double() for loss in losses]).mean()
     if want_norms:  # one replica per stage counts its (averaged) gradients (``gradients.grad_sq``)
         add_block_norms(rt, vec)
+    return _reduce(rt, vec)
+
+
+def _reduce(rt: ElasticRuntime, vec: Tensor) -> tuple[float, list[float]]:
+    """The step's one all-reduce: [loss, block norms squared ..., stop]; the last entry is ``rt.stop_reason``'s flag,
+    so that a problem one rank found (rank 0's run log on a full disk) stops every rank here, with its message."""
+    vec[-1] = 1.0 if rt.stop_reason else 0.0
     dist.all_reduce(vec)
     vec = vec.cpu()
-    return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+    if vec[-1].item() > 0:
+        from ptplan.executor.cache.run import agree
+
+        agree(rt.stop_reason)
+    return vec[0].item() / rt.phase.D, [math.sqrt(v) for v in vec[1:-1].tolist()]
 
 
 def _train_step_2bw(rt: ElasticRuntime, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor], *,
@@ -75,18 +86,16 @@ def _train_step_2bw(rt: ElasticRuntime, x: Tensor | None, y: Tensor | None, kw: 
     """``train_step`` in a 2BW phase: one mini-batch's stretch (``twobw``); the loss is the mean over
     the mini-batch's micro-batches at its weight version; the norms are those of the gradients that
     updated this rank's stage during the stretch (zero where none did)."""
-    ph, pipe = rt.phase, rt.schedule
+    pipe = rt.schedule
     assert pipe is not None
     L = rt.model.num_blocks
     rt._norms = [0.0] * L if want_norms else None
     rt.last_allreduce_s = 0.0
     losses = pipe.run(x, y, kw)
-    vec = torch.zeros(1 + (L if want_norms else 0), dtype=torch.float64, device=rt.device)
+    vec = torch.zeros(2 + (L if want_norms else 0), dtype=torch.float64, device=rt.device)
     if losses:
         vec[0] = torch.stack([loss.double() for loss in losses]).mean()
     if want_norms:
-        vec[1:] = torch.tensor(rt._norms, dtype=torch.float64)
+        vec[1:-1] = torch.tensor(rt._norms, dtype=torch.float64)
     rt._norms = None
-    dist.all_reduce(vec)
-    vec = vec.cpu()
-    return vec[0].item() / ph.D, [math.sqrt(v) for v in vec[1:].tolist()]
+    return _reduce(rt, vec)

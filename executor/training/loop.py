@@ -92,11 +92,12 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     ok = False
     try:
         _enter(ctx, cbs, source)
+        ctx.log.defer = True  # from here rank 0 alone writing must not raise alone (``RunLog.defer``)
         cbs.call("on_start", ctx)
         while ctx.pos.epoch < ctx.epochs:
             _run_epoch(ctx, cbs)
         cbs.call("on_end", ctx)
-        dist.barrier()
+        agree(ctx.log.error)  # a write error after the last step: raised on every rank (was dist.barrier())
         ok = True
     finally:
         cbs.finish(ctx, ok)
@@ -268,6 +269,7 @@ def _step(ctx: RunContext, cbs: Callbacks, order: torch.Tensor) -> None:
     t0 = time.perf_counter()
     batch = ctx.dataset.batch(mine)  # timed apart: the input pipeline is in the step but in no plan
     data_s = time.perf_counter() - t0
+    rt.stop_reason = ctx.log.error  # rank 0's deferred run-log error stops every rank in this step's all-reduce
     with ctx.amp():
         loss, norms = rt.train_step(batch, want_norms=adaptive, ids=mine)
     result = StepResult(seconds=time.perf_counter() - t0, loss=loss, data_seconds=data_s)

@@ -83,11 +83,26 @@ class RunLog:
         except OSError as e:
             raise PtplanError(f"cannot open the run log {self.path}: {e.strerror}") from None
 
+    defer = False
+    """Keep a write's PtplanError in ``error`` (and write nothing more) instead of raising it: set for the training
+    loop, where rank 0 alone writes and raising there would leave the other ranks in the next collective; the loop
+    raises it on every rank at its next agreement (``runtime.train_step``'s stop flag, the run's end)."""
+    error: str | None = None
+    """The deferred write error, if any."""
+
     def write(self, record: RunRecord | Mapping[str, Any]) -> None:
         """Check the record with the reader's own parser (``planner.runlog``), then append it. The run's writers
         pass typed records (``records.py``); a JSON object (tests, tools) is the same record at the boundary."""
-        if self.path is None:
+        if self.path is None or self.error is not None:
             return
+        try:
+            self._write(record)
+        except PtplanError as e:
+            if not self.defer:
+                raise
+            self.error = str(e)
+
+    def _write(self, record: RunRecord | Mapping[str, Any]) -> None:
         obj = record.to_json() if isinstance(record, RunRecord) else dict(record)
         rec = parse_record(json.loads(json.dumps(obj, default=_plain)), what="run log record (before writing)")
         line = (json.dumps(rec.to_json(), sort_keys=False) + "\n").encode()
