@@ -134,3 +134,30 @@ def test_a_run_log_write_error_on_rank_0_stops_every_rank_with_its_message(tmp_p
     res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
     _both_refuse(res, "cannot write the run log")
     assert [s.step for s in read_run_log(log).steps] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_a_torchrun_restart_keeps_the_best_export_so_far(tmp_path, restarts):
+    """--export-best writes its folder at the first evaluation; a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0,
+    no --resume) found it there and refused to start (on the nodes that see the folder only, before the ranks
+    agreed on inputs). A fresh start still refuses a non-empty folder; a restart goes on."""
+    import os
+
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    plan = make_plan(model, [spec(0, K=1, D=1, M=1, b=2)], trajectory=[0], samples_per_epoch=8)
+    out = tmp_path / "best"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # the earlier attempt's best model
+    cfg = RunConfig(plan="(test)", model="bert-tiny", epochs=1, steps_per_epoch=1, progress=False, timeout_s=20,
+                    export=str(out), export_best=True, eval_data="(test)")
+
+    def worker(rank: int, world: int) -> None:
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = restarts
+        run_training(cfg, plan, model, SyntheticDataset(model, 8), eval_dataset=SyntheticDataset(model, 4, seed=1))
+
+    res = run_world(1, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
+    if restarts == "0":
+        _both_refuse(res, "exists and is not an empty folder")
+    else:
+        assert res.ok, res.explain()
+        assert (out / "config.json").read_text() != "{}"  # replaced by this run's best

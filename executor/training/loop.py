@@ -15,7 +15,6 @@ ever materialises the whole model; ``run_training`` takes the model as built (se
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -37,7 +36,7 @@ from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.evaluate import Metrics
 from ptplan.executor.training.freezing import FreezeSchedule
 from ptplan.executor.training.resume import Source, built_copies, find_checkpoint, restore, run_id, stage_layers, \
-    start_phase
+    restart_count, start_phase
 from ptplan.planner.records import (EpochEndRecord, FreezeDecisionRecord, HeaderRecord, ResumeRecord,
                                                TransitionRecord)
 from ptplan.executor.training.runlog import RunLog
@@ -114,8 +113,10 @@ def _check_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
     check_plan(plan, model, world)
     check_epoch_data(plan, cfg, len(dataset), "the data")
     check_data(dataset, model)
-    if cfg.export and not (cfg.export_best and cfg.resume):  # before any training: the same refusal on every
-        from ptplan.executor.training.export import check_export_dir  # rank (rank 0 writes the export)
+    # before any training: the same refusal on every rank (rank 0 writes the export); --export-best's folder holds
+    # the best model so far once the run has evaluated, so a resumed or restarted run (torchrun) may find it there
+    if cfg.export and not (cfg.export_best and (cfg.resume or restart_count() > 0)):
+        from ptplan.executor.training.export import check_export_dir
 
         check_export_dir(cfg.export)
     if cfg.export_best and eval_dataset is None:
@@ -225,7 +226,7 @@ def _enter(ctx: RunContext, cbs: Callbacks, source: Source | None) -> None:
         ctx.log.write(ResumeRecord(step=ctx.pos.global_step, epoch=ctx.pos.epoch, phase=rt.phase_index,
                                    seconds=info["seconds"], parts=info["parts"], bytes=info["bytes"],
                                    source_rank=source.rank,
-                                   attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
+                                   attempt=restart_count()))
         return
     ctx.pos.frozen_blocks = ctx.fs.planned(0, 0)
     index = phase_index(plan, ctx.pos.frozen_blocks)

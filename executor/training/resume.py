@@ -119,6 +119,11 @@ def _my_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run:
         return {"error": str(e)}
 
 
+def restart_count() -> int:
+    """How many times torchrun restarted this job's workers (TORCHELASTIC_RESTART_COUNT; 0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run: dict[str, Any]) -> Source | None:
     """Whether to resume and from which rank's checkpoint, agreed by every rank (collective).
 
@@ -135,8 +140,7 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
         decided, found = sharded.find(cfg, plan, model_name, world, run)
         if decided:
             return found
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    wants = bool(cfg.resume or (restarted and cfg.checkpoint_dir))
+    wants = bool(cfg.resume or (restart_count() > 0 and cfg.checkpoint_dir))
     mine = _my_checkpoint(cfg, plan, model_name, world, run) if wants else None
     got: list[Any] = [None] * world
     dist.all_gather_object(got, (wants, cfg.resume, mine))

@@ -63,7 +63,7 @@ from ptplan.planner.records import CheckpointRecord, CheckpointWrittenRecord
 from ptplan.executor.training.rss import PeakRss, trim
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
-from ptplan.executor.training.resume import Source, rng_state
+from ptplan.executor.training.resume import Source, restart_count, rng_state
 from ptplan.executor.training.state import Position, RunContext
 
 SCHEMA = "ptplan.checkpoint.sharded/1"
@@ -391,7 +391,7 @@ def find(cfg: RunConfig, plan: Plan, model_name: str, world: int, run: dict[str,
     system)."""
     if cfg.checkpoint_dir:  # before any training: a folder the ranks do not share is refused now, not at a save
         check_shared(cfg.checkpoint_dir, dist.get_rank())
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restart_count() > 0
     wants = bool(cfg.resume or (restarted and cfg.checkpoint_dir))
     mine: dict[str, Any] | None = None
     if wants and cfg.checkpoint_dir and os.path.exists(meta_path(cfg.checkpoint_dir)):
