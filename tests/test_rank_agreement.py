@@ -161,3 +161,14 @@ def test_a_torchrun_restart_keeps_the_best_export_so_far(tmp_path, restarts):
     else:
         assert res.ok, res.explain()
         assert (out / "config.json").read_text() != "{}"  # replaced by this run's best
+
+
+def test_an_unreadable_sharded_checkpoint_is_a_reason_for_the_agreement(tmp_path):
+    """``sharded._check_keys`` read DCP's metadata outside ``agree``: a torn file raised on the ranks that read it
+    before the others' all-gather. It now returns the reason, which ``agree`` raises on every rank."""
+    from ptplan.executor.training.sharded import _check_keys
+
+    (tmp_path / ".metadata").write_bytes(b"not a pickle")
+    why = _check_keys(str(tmp_path), {"w": torch.zeros(2)})
+    assert why is not None and "cannot read the sharded checkpoint's metadata" in why
+    assert "cannot read" in (_check_keys(str(tmp_path / "missing"), {}) or "")

@@ -443,8 +443,12 @@ def _wanted(rt: ElasticRuntime, index: int) -> dict[str, Tensor]:
 
 
 def _check_keys(folder: str, want: dict[str, Tensor]) -> str | None:
-    """Why the checkpoint in ``folder`` cannot fill ``want`` (a missing key or another shape), else None."""
-    have = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    """Why the checkpoint in ``folder`` cannot fill ``want`` (a missing key or another shape, or its metadata
+    unreadable here), else None: a reason, not an exception, so that ``agree`` raises it on every rank."""
+    try:
+        have = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    except Exception as e:  # a missing, torn or foreign .metadata file: whatever DCP's reader raises for it
+        return f"cannot read the sharded checkpoint's metadata in {folder}: {e}; check that folder (every rank reads it)"
     missing = [k for k in want if k not in have]
     bad = [k for k in want if k in have and tuple(getattr(have[k], "size", ())) != tuple(want[k].shape)]
     if missing or bad:
