@@ -172,3 +172,23 @@ def test_an_unreadable_sharded_checkpoint_is_a_reason_for_the_agreement(tmp_path
     why = _check_keys(str(tmp_path), {"w": torch.zeros(2)})
     assert why is not None and "cannot read the sharded checkpoint's metadata" in why
     assert "cannot read" in (_check_keys(str(tmp_path / "missing"), {}) or "")
+
+
+def _eval_wire(rank: int, world: int) -> None:
+    from ptplan.executor.training.evaluate import _recv, _send
+
+    sent = [torch.arange(6).reshape(2, 3), torch.tensor([True, False]), torch.randn(2, 2, dtype=torch.bfloat16)]
+    for t in sent:
+        if rank == 0:
+            _send(t, 1, torch.device("cpu"))
+        else:
+            got = _recv(0, torch.device("cpu"))
+            assert got.dtype == t.dtype and torch.equal(got, t), (got, t)
+
+
+def test_evaluation_sends_what_training_sends(tmp_path):
+    """Evaluation had its own message header with four float dtypes: an integer or bool activation that training
+    passes between stages was refused on the sender alone while its receiver waited. It now uses the pipeline's
+    codec (``step.encode_head``): two real processes pass int64, bool and bfloat16 tensors."""
+    res = run_world(2, _eval_wire, tmpdir=str(tmp_path), timeout_s=20, deadline_s=60)
+    assert res.ok, res.explain()

@@ -45,6 +45,29 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
            torch.bool, torch.int8, torch.int16)
 _HEAD = 8  # ndim, dtype code, up to 6 sizes
 
+
+def encode_head(t: Tensor, device: torch.device) -> Tensor:
+    """The header a tensor's first message between two ranks carries (its rank, dtype and sizes); the one codec of
+    the pipeline's messages and the evaluation's (``decode_head``)."""
+    if t.dim() > _HEAD - 2 or t.dtype not in _DTYPES:
+        raise PtplanError(f"cannot send a {t.dim()}-d {t.dtype} tensor between stages (up to {_HEAD - 2} "
+                          f"dimensions of {', '.join(map(str, _DTYPES))})")
+    head = torch.zeros(_HEAD, dtype=torch.int64, device=device)
+    head[0], head[1] = t.dim(), _DTYPES.index(t.dtype)
+    head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return head
+
+
+def empty_head(device: torch.device) -> Tensor:
+    """A buffer to receive ``encode_head``'s header into."""
+    return torch.empty(_HEAD, dtype=torch.int64, device=device)
+
+
+def decode_head(head: Tensor) -> tuple[list[int], torch.dtype]:
+    """(shape, dtype) of ``encode_head``'s header."""
+    n, code = int(head[0]), int(head[1])
+    return [int(x) for x in head[2:2 + n].tolist()], _DTYPES[code]
+
 TRACE: list[tuple[int, str]] | None = None
 """Tests: set to a list to have every interpreter append (position, action) for each action it runs, in order."""
 
@@ -96,12 +119,7 @@ class Messages:
         t = t.detach().contiguous()
         if key not in self.sent:
             self.sent.add(key)
-            head = torch.zeros(_HEAD, dtype=torch.int64, device=self.device)
-            if t.dim() > _HEAD - 2 or t.dtype not in _DTYPES:
-                raise PtplanError(f"cannot send a {t.dim()}-d {t.dtype} tensor between stages (up to {_HEAD - 2} "
-                                  f"dimensions of {', '.join(map(str, _DTYPES))})")
-            head[0], head[1] = t.dim(), _DTYPES.index(t.dtype)
-            head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            head = encode_head(t, self.device)
             self.pending.append((dist.isend(head, dst, group=self.group), head))
         self.pending.append((dist.isend(t, dst, group=self.group), t))
 
@@ -110,10 +128,9 @@ class Messages:
         src = self._peer(position)
         buf = None if slot is None else self.buffers.get(slot)
         if key not in self.known:
-            head = torch.empty(_HEAD, dtype=torch.int64, device=self.device)
+            head = empty_head(self.device)
             dist.recv(head, src, group=self.group)
-            n, code = int(head[0]), int(head[1])
-            self.known[key] = (head[2:2 + n].tolist(), _DTYPES[code])
+            self.known[key] = decode_head(head)
         shape, dtype = self.known[key]
         if buf is None or list(buf.shape) != shape or buf.dtype != dtype:
             buf = torch.empty(shape, dtype=dtype, device=self.device)

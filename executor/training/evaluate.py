@@ -34,9 +34,8 @@ from ptplan.planner.errors import PtplanError
 
 from ptplan.executor.data.dataset import Dataset
 from ptplan.executor.families import CAUSAL_FAMILIES
+from ptplan.executor.runtime.step import decode_head, empty_head, encode_head
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_HEADER = 8
 """Header length: ndim, up to 6 sizes, dtype index."""
 
 
@@ -120,20 +119,15 @@ def evaluate_local(model: torch.nn.Module, dataset: Dataset, batch_size: int, de
 
 
 def _send(t: Tensor, dst: int, device: torch.device) -> None:
-    shape = list(t.shape)
-    if len(shape) > _HEADER - 2 or t.dtype not in _DTYPES:
-        raise PtplanError(f"evaluation cannot send an activation of shape {shape} and dtype {t.dtype}")
-    head = torch.tensor([len(shape), *shape, *[0] * (_HEADER - 2 - len(shape)), _DTYPES.index(t.dtype)],
-                        dtype=torch.int64, device=device)
-    dist.send(head, dst)
+    dist.send(encode_head(t, device), dst)  # the pipeline's own codec: what training sends, evaluation sends
     dist.send(t.contiguous(), dst)
 
 
 def _recv(src: int, device: torch.device) -> Tensor:
-    head = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    head = empty_head(device)
     dist.recv(head, src)
-    nd = int(head[0])
-    buf = torch.empty([int(s) for s in head[1:1 + nd]], dtype=_DTYPES[int(head[-1])], device=device)
+    shape, dtype = decode_head(head)
+    buf = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buf, src)
     return buf
 
