@@ -192,3 +192,18 @@ def test_evaluation_sends_what_training_sends(tmp_path):
     codec (``step.encode_head``): two real processes pass int64, bool and bfloat16 tensors."""
     res = run_world(2, _eval_wire, tmpdir=str(tmp_path), timeout_s=20, deadline_s=60)
     assert res.ok, res.explain()
+
+
+def test_two_ranks_with_different_plans_are_refused_on_both(tmp_path):
+    """Each node reads its own plan file: two that differ (another micro-batch count) would run different
+    schedules against each other. Both ranks name the two plans."""
+    model = build_model("bert-tiny", seq_len=8, dropout=0.0)
+    plans = [make_plan(model, [spec(0, K=1, D=2, M=m, b=2 // m)], trajectory=[0], samples_per_epoch=8)
+             for m in (1, 2)]
+    cfg = RunConfig(plan="plan.json", model="bert-tiny", epochs=1, steps_per_epoch=1, progress=False, timeout_s=20)
+
+    def worker(rank: int, world: int) -> None:
+        run_training(cfg, plans[rank], model, SyntheticDataset(model, 8))
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=20, deadline_s=120)
+    _both_refuse(res, "the ranks run different plans")

@@ -30,6 +30,7 @@ from ptplan.executor.cache.run import agree
 from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
 from ptplan.executor.runtime.optim import make_optimizer
 from ptplan.executor.runtime.transition import needs
+from ptplan.executor.training.checkpoint import plan_id
 from ptplan.executor.training.callbacks import (AutoCache, Callback, Callbacks, Evaluation, Hooks, default_callbacks,
                                                 model_checkpoint_path)
 from ptplan.executor.training.config import RunConfig
@@ -126,8 +127,9 @@ def _check_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
 def _agree_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Dataset,
                   eval_dataset: Dataset | None, world: int) -> None:
     """``_check_inputs`` on every rank, then one collective: the lowest failing rank's PtplanError is raised on every
-    rank, and the ranks' data must hold as many samples (each node loads its own ``--data`` and ``--eval-data``; a
-    shorter copy on one node would end its epochs early and leave the others waiting in a collective)."""
+    rank, the ranks must run one plan (``checkpoint.plan_id``) and their data must hold as many samples (each node
+    loads its own plan, ``--data`` and ``--eval-data``; a shorter copy on one node would end its epochs early and
+    leave the others waiting in a collective)."""
     problem = None
     try:
         _check_inputs(cfg, plan, model, dataset, eval_dataset, world)
@@ -135,7 +137,15 @@ def _agree_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
             check_data(eval_dataset, model, what=f"--eval-data {cfg.eval_data or ''}".strip())
     except PtplanError as e:
         problem = str(e)
-    sizes = agree(problem, (len(dataset), None if eval_dataset is None else len(eval_dataset)))
+    got = agree(problem, (len(dataset), None if eval_dataset is None else len(eval_dataset), plan_id(plan)))
+    plans: dict[str, list[int]] = {}
+    for r, g in enumerate(got):
+        plans.setdefault(g[2], []).append(r)
+    if len(plans) > 1:
+        said = "; ".join(f"ranks {_ranges(rs)}: plan {pid}" for pid, rs in plans.items())
+        raise PtplanError(f"the ranks run different plans ({said}): each node reads its own {cfg.plan}; give every "
+                          f"node the same plan file and start again")
+    sizes = [g[:2] for g in got]
     for i, (what, flag) in enumerate((("training data", "--data"), ("evaluation data", "--eval-data"))):
         by_size: dict[int | None, list[int]] = {}
         for r, got in enumerate(sizes):
