@@ -225,8 +225,10 @@ def test_real_run_fill_steps_are_priced_as_fills(bf16_run):
         assert p.predicted.fill_iteration_s > 0
         assert r.predicted_iteration_s == pytest.approx(p.predicted.fill_iteration_s)
     assert c.mismatches == ()  # a bf16 model against its bf16 profile's plan: the same parameter bytes and rows
-    caches = {s.epoch: s.cache_seconds for s in log.steps}  # stage 0's AutoCache time, where the phase caches
-    assert caches[0] is None and all(0 < caches[e] <= s.seconds for e in (1, 2, 3) for s in log.steps if s.epoch == e)
+    # stage 0's AutoCache time, where the phase caches, inside each step's own time (not the epoch's last step's:
+    # under load one step's cache time can exceed another step's whole time)
+    assert all(s.cache_seconds is None for s in log.steps if s.epoch == 0)
+    assert all(s.cache_seconds is not None and 0 < s.cache_seconds <= s.seconds for s in log.steps if s.epoch > 0)
     for p in (p1, p2):
         assert 0 < p.predicted.cache_setup_s < p.predicted.fill_cache_setup_s
     assert c.phases[1].measured_cache_s is not None and c.phases[1].predicted_cache_s == pytest.approx(
