@@ -42,7 +42,7 @@ def _run(tmp_path, sizes: tuple[int, int], samples_per_epoch: int = 8):
 def test_data_of_different_lengths_on_two_ranks_is_refused_on_both(tmp_path):
     """Each node loads its own --data: a shorter copy on one node used to end its epochs early."""
     res = _run(tmp_path, (12, 10))
-    _both_refuse(res, "ranks 0: 12 samples; ranks 1: 10 samples")
+    _both_refuse(res, "rank 0: 12 samples; rank 1: 10 samples")
 
 
 def test_a_check_failing_on_one_rank_is_raised_on_every_rank(tmp_path):
@@ -79,7 +79,7 @@ def test_the_adaptive_freeze_decision_is_refused_on_every_rank(tmp_path, norms, 
 
 
 def test_rank_ranges():
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and _ranges([3]) == "3"
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7-8" and _ranges([3]) == "rank 3"
 
 
 def test_an_export_failing_with_an_os_error_on_rank_0_is_raised_on_every_rank(tmp_path):

@@ -142,30 +142,29 @@ def _agree_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
     for r, g in enumerate(got):
         plans.setdefault(g[2], []).append(r)
     if len(plans) > 1:
-        said = "; ".join(f"ranks {_ranges(rs)}: plan {pid}" for pid, rs in plans.items())
+        said = "; ".join(f"{_ranges(rs)}: plan {pid}" for pid, rs in plans.items())
         raise PtplanError(f"the ranks run different plans ({said}): each node reads its own {cfg.plan}; give every "
                           f"node the same plan file and start again")
-    sizes = [g[:2] for g in got]
     for i, (what, flag) in enumerate((("training data", "--data"), ("evaluation data", "--eval-data"))):
         by_size: dict[int | None, list[int]] = {}
-        for r, got in enumerate(sizes):
-            by_size.setdefault(got[i], []).append(r)
+        for r, row in enumerate(got):
+            by_size.setdefault(row[i], []).append(r)
         if len(by_size) > 1:
-            said = "; ".join(f"ranks {_ranges(rs)}: {'no' if n is None else n} samples" for n, rs in by_size.items())
+            said = "; ".join(f"{_ranges(rs)}: {'no' if n is None else n} samples" for n, rs in by_size.items())
             path = (cfg.data if i == 0 else cfg.eval_data) or ""
             raise PtplanError(f"the ranks' {what} differ in length ({said}): each node reads its own {flag} {path}; "
                               f"give every node the same file (a shared file system, or copy it) and start again")
 
 
 def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
     out: list[str] = []
     for r in ranks:
         if out and out[-1].split("-")[-1] == str(r - 1):
             out[-1] = f"{out[-1].split('-')[0]}-{r}"
         else:
             out.append(str(r))
-    return ", ".join(out)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(out)
 
 
 def _total_steps(cfg: RunConfig, plan: Plan, fs: FreezeSchedule, epochs: int, N: int) -> int | None:
@@ -202,7 +201,12 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
     rt.clip_grad_norm = cfg.clip_grad_norm
     rid = run_id(cfg, N)
     source = find_checkpoint(cfg, plan, model.name, world, rid)  # collective: (rank, step) or None
-    log = RunLog(cfg.log if rank == 0 else None, append=source is not None)
+    problem, log = None, RunLog(None)
+    try:  # rank 0 alone opens it (a resumed log at once): its refusal raised on every rank
+        log = RunLog(cfg.log if rank == 0 else None, append=source is not None)
+    except PtplanError as e:
+        problem = str(e)
+    agree(problem)
     ctx = RunContext(cfg=cfg, plan=plan, rt=rt, dataset=dataset, log=log, fs=fs, device=device, run_id=rid,
                      resuming=source is not None, epochs=epochs, total=total, amp=amp,
                      pos=Position(norm_sum=[0.0] * model.num_blocks))
