@@ -424,6 +424,7 @@ def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> No
     the workers look for it on every node, see ``executor.training``)."""
     from ptplan.executor.training import checkpoint as ckpt, sharded
 
+    cfg = cfg.resolved(plan)  # the optimizer the checkpoint is checked against (``plan``: the plan's)
     run_id = {"samples": samples, "seed": cfg.seed, "shuffle": cfg.shuffle, "freeze": cfg.freeze,
               "freeze_every": cfg.freeze_every}
     if cfg.checkpoint_format == "sharded" and os.path.exists(sharded.meta_path(cfg.checkpoint_dir)):

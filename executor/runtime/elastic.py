@@ -156,10 +156,10 @@ class ElasticRuntime(PhaseState):
         self.cache: ActivationCache | None = None
         """The node's AutoCache (``cache_run``; set with ``set_cache``). None: always recompute."""
         self.clip_grad_norm: float | None = None
+        """Clip the global gradient norm to this before each optimizer step (``train_step``); None: do not."""
         self.stop_reason: str | None = None
         """A problem this rank found outside the step (the training loop sets it: rank 0's run-log write error):
         the next step's all-reduce carries a flag for it, and every rank raises it (``train_step._reduce``)."""
-        """Clip the global gradient norm to this before each optimizer step (``train_step``); None: do not."""
         self.last_grad_norm: float | None = None
         """With clipping: the last step's global gradient norm before clipping."""
         self._norms: list[float] | None = None

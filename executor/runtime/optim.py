@@ -72,6 +72,11 @@ def state_keys(opt: torch.optim.Optimizer) -> tuple[str, ...]:
     raise TypeError(f"unsupported optimizer {type(opt).__name__}")
 
 
+def state_dtype(key: str, p: torch.Tensor) -> torch.dtype:
+    """The dtype ``ensure_state`` gives a parameter's state entry: AdamW's step count float32, the rest ``p``'s."""
+    return torch.float32 if key == "step" else p.dtype
+
+
 def _fresh(opt: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torch.Tensor:
     if key == "step":
         g = opt.param_groups[0]

@@ -36,8 +36,6 @@ from ptplan.executor.data.dataset import Dataset
 from ptplan.executor.families import CAUSAL_FAMILIES
 from ptplan.executor.runtime.step import decode_head, empty_head, encode_head
 
-"""Header length: ndim, up to 6 sizes, dtype index."""
-
 
 @dataclass(frozen=True)
 class Metrics:

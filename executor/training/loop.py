@@ -92,7 +92,6 @@ def run_training(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Da
     ok = False
     try:
         _enter(ctx, cbs, source)
-        ctx.log.defer = True  # from here rank 0 alone writing must not raise alone (``RunLog.defer``)
         cbs.call("on_start", ctx)
         while ctx.pos.epoch < ctx.epochs:
             _run_epoch(ctx, cbs)
@@ -206,7 +205,11 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
         log = RunLog(cfg.log if rank == 0 else None, append=source is not None)
     except PtplanError as e:
         problem = str(e)
+    except OSError as e:  # its folder cannot be made (the in-process API; ``ptplan run`` makes it first)
+        problem = f"cannot open the run log {cfg.log}: {e.strerror or e}; give a --log path that can be written"
     agree(problem)
+    log.defer = True  # from here rank 0 alone writing must not raise alone (``RunLog.defer``): the header, the
+    # resume record, every step's, each raised on every rank by the next step's stop flag or the run's end
     ctx = RunContext(cfg=cfg, plan=plan, rt=rt, dataset=dataset, log=log, fs=fs, device=device, run_id=rid,
                      resuming=source is not None, epochs=epochs, total=total, amp=amp,
                      pos=Position(norm_sum=[0.0] * model.num_blocks))

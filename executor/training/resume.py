@@ -19,7 +19,7 @@ from ptplan.planner.plan import Phase, Plan
 
 from ptplan.executor.cache.run import agree
 from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
-from ptplan.executor.runtime.optim import ensure_state, state_keys
+from ptplan.executor.runtime.optim import ensure_state, state_dtype, state_keys
 from ptplan.executor.runtime.transition import Transfer, exchange, holdings, needs, owned_layers
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.config import RunConfig
@@ -45,6 +45,7 @@ def start_phase(cfg: RunConfig, plan: Plan, *, model_name: str, samples: int) ->
     """The phase the run starts in: the checkpoint's when it resumes (``find_checkpoint``), else the
     frozen count of step 0's. Collective (every rank calls it, before building its model: ``ptplan run``
     builds each rank's ``stage_layers`` of this phase); ``samples``: the training data's size."""
+    cfg = cfg.resolved(plan)  # the optimizer a checkpoint is checked against
     source = find_checkpoint(cfg, plan, model_name, dist.get_world_size(), run_id(cfg, samples))
     if source is not None:
         return phase_index(plan, source.frozen_blocks)
@@ -134,6 +135,7 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
     restart before the first checkpoint). Raises the same PtplanError on every rank when ``--resume``
     finds no usable checkpoint on any rank.
     """
+    cfg = cfg.resolved(plan)  # the optimizer a checkpoint is checked against (``plan``: the plan's)
     if cfg.checkpoint_format == "sharded":  # a sharded checkpoint first (any plan of the profile), else a file
         from ptplan.executor.training import sharded
 
@@ -208,23 +210,25 @@ def _send_rest(rt: ElasticRuntime, source: Source, new: Phase, cached: bool, dat
     mapped file; returns the bytes this rank sent."""
     src, keys = source.rank, state_keys(rt.opt)
     active = range(new.frozen_layers, rt.n)
-    names = [[rt.names[id(p)] for p in ps] for ps in rt.layer_params]
     lacking = [r for r in range(rt.world) if r not in source.readers]
     weights = [Transfer(src=src, dst=r, layers=tuple(sorted(holdings(new, r, rt.n, cached_prefix=cached))))
                for r in lacking]
     state = [Transfer(src=src, dst=r, layers=tuple(i for i in owned_layers(new, r, rt.n) if i in active))
              for r in lacking]
 
+    # the source sends each tensor in the receiver's dtype (this run's; a reader's copy_ converts the same way):
+    # a bf16 checkpoint resumed in float32 would otherwise post other message sizes than its receivers
     def weights_of(layers: tuple[int, ...]) -> list[Tensor]:
         if rt.rank == src:
             assert data is not None
-            return [data["model"][n] for i in layers for n in names[i]]
+            return [data["model"][rt.names[id(p)]].to(p.dtype) for i in layers for p in rt.layer_params[i]]
         return [p.data for i in layers for p in rt.layer_params[i]]
 
     def state_of(layers: tuple[int, ...]) -> list[Tensor]:
         if rt.rank == src:
             assert data is not None
-            return [data["optim"][n][k] for i in layers for n in names[i] for k in keys]
+            return [data["optim"][rt.names[id(p)]][k].to(state_dtype(k, p)) for i in layers
+                    for p in rt.layer_params[i] for k in keys]
         return [t for i in layers for p in rt.layer_params[i] for t in ensure_state(rt.opt, p)]
 
     batched = rt.backend == "nccl"
