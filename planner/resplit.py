@@ -143,7 +143,7 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
         return step, step_score, tie
 
     flat = 0
-    home, home_score = cur, best  # the best split reached; a sideways move may leave it
+    home = cur  # the best split reached (``best`` its score); a sideways move may leave it
     for _ in range(max_rounds):
         step, step_score, tie = best_of(neighbours(cur, radius), best)
         d = 2 * radius
@@ -158,10 +158,9 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
             cur = tie
             continue
         flat = 0
-        cur, best = step, step_score
-        if best < home_score * (1 - 1e-12):
-            home, home_score = cur, best
-    return home, home_score
+        cur = home = step
+        best = step_score
+    return home, best
 
 
 def far(cuts: Sequence[int], d: int) -> list[tuple[int, ...]]:

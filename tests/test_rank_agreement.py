@@ -16,7 +16,8 @@ from ptplan.executor.handplan import make_plan, spec
 from ptplan.executor.launch.local import run_world
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.freezing import FreezeSchedule
-from ptplan.executor.training.loop import _decide, _ranges, run_training
+from ptplan.executor.runtime.collective import ranks_text as _ranges
+from ptplan.executor.training.loop import _decide, run_training
 from ptplan.executor.training.state import Position
 from ptplan.planner.errors import PtplanError
 

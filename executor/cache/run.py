@@ -37,7 +37,7 @@ import math
 import os
 import re
 import uuid
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from ptplan.planner.plan import Phase, Plan
 from ptplan.executor.cache.autocache import ActivationCache, prefix_sample_shape
 from ptplan.executor.cache.guard import check_prefix_modules, check_repeatable_layers, eval_mode
 from ptplan.executor.cache.store import SlabInfo, dtype_name
+from ptplan.executor.runtime.collective import agree
 from ptplan.executor.training.config import RunConfig
 from ptplan.planner.records import CacheRecord, CacheSetupRecord
 from ptplan.executor.data.dataset import Dataset
@@ -115,19 +116,6 @@ def _job_base() -> str:
     dist.broadcast_object_list(obj, src=0)  # every rank, launcher or not: the same collectives everywhere
     tag = re.sub(r"[^A-Za-z0-9._-]", "_", os.environ.get(ENV_JOB_TAG, ""))[:80]
     return tag or obj[0]
-
-
-def agree(problem: str | None, payload: Any = None) -> list[Any]:
-    """Raise the lowest rank's problem on every rank (a PtplanError whose ``rank`` names it), else return
-    every rank's payload (collective: no rank is left waiting for a peer that gave up)."""
-    got: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (problem, payload))
-    first = next(((r, p) for r, (p, _) in enumerate(got) if p), None)
-    if first:
-        err = PtplanError(first[1])
-        err.rank = first[0]  # type: ignore[attr-defined]
-        raise err
-    return [x for _, x in got]
 
 
 class RunCache:

@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from ptplan.planner.errors import PtplanError
 
+from ptplan.executor.runtime.collective import ranks_text
+
 if TYPE_CHECKING:  # the launcher and its janitor import no torch: they start (and clean up) in a blink
     from ptplan.executor.launch.replan import ReplanSettings
     from ptplan.executor.training.config import RunConfig
@@ -483,15 +485,6 @@ _PEER = re.compile(r"closed by peer|reset by peer|Connection reset|Connection re
                    r"NCCL communicator was aborted|has been aborted|No route to host", re.IGNORECASE)
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    ranks = sorted(ranks)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
-
-
 def _exit_codes(worker_log: str) -> dict[int, int]:
     """Per global rank, the exit code torchrun reported for a failed worker (negative: killed by a signal)."""
     try:
@@ -566,7 +559,7 @@ def summarise(rc: int, starts: dict[tuple[int, int], dict[str, Any]], fails: dic
     if ptplan:
         msg = mine[ptplan[0][1]]["message"]
         ranks = [r for r, f in mine.items() if f["kind"] == "ptplan" and f["message"] == msg]
-        return Outcome(2, f"{_ranks_text(ranks)}: {msg}{restarts}", worker_log)
+        return Outcome(2, f"{ranks_text(ranks)}: {msg}{restarts}", worker_log)
     own = sorted((f["time"], r) for r, f in mine.items() if not _PEER.search(f"{f['type']}: {f['message']}"))
     if own:
         r = own[0][1]
@@ -577,7 +570,7 @@ def summarise(rc: int, starts: dict[tuple[int, int], dict[str, Any]], fails: dic
         codes = _exit_codes(worker_log)
         hows = sorted({_how(codes.get(r)) for r in silent})
         peers = f"; the other ranks then failed waiting for it" if mine else ""
-        return Outcome(1, f"{_ranks_text(silent)} stopped without an error message{restarts} ({', '.join(hows)}: "
+        return Outcome(1, f"{ranks_text(silent)} stopped without an error message{restarts} ({', '.join(hows)}: "
                           f"killed, out of memory, or stuck past --timeout){peers}; {where}", worker_log)
     if mine:
         t, r = min((f["time"], r) for r, f in mine.items())

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Plan, save_plan
 
-from ptplan.executor.cache.run import agree
+from ptplan.executor.runtime.collective import agree
 from ptplan.executor.launch.replan import ReplanSettings, replan, replanned_path
 from ptplan.executor.training import checkpoint as ckpt
 from ptplan.executor.training.callbacks import Callback

@@ -374,9 +374,3 @@ def _timedelta(seconds: float):
 
 def phase_index(plan: Plan, frozen_blocks: int) -> int:
     return plan.phase_index(frozen_blocks)
-
-
-def broadcast_int(value: int, device: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.broadcast(t, src=0)
-    return int(t.item())

@@ -68,6 +68,7 @@ def decode_head(head: Tensor) -> tuple[list[int], torch.dtype]:
     n, code = int(head[0]), int(head[1])
     return [int(x) for x in head[2:2 + n].tolist()], _DTYPES[code]
 
+
 TRACE: list[tuple[int, str]] | None = None
 """Tests: set to a list to have every interpreter append (position, action) for each action it runs, in order."""
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ptplan.executor.cache.autocache import prefix_forward
+from ptplan.executor.runtime.collective import agree
 from ptplan.executor.runtime.gradients import add_block_norms, allreduce_grads, clip
 
 if TYPE_CHECKING:
@@ -75,8 +76,6 @@ def _reduce(rt: ElasticRuntime, vec: Tensor) -> tuple[float, list[float]]:
     dist.all_reduce(vec)
     vec = vec.cpu()
     if vec[-1].item() > 0:
-        from ptplan.executor.cache.run import agree
-
         agree(rt.stop_reason)
     return vec[0].item() / rt.phase.D, [math.sqrt(v) for v in vec[1:-1].tolist()]
 

@@ -28,7 +28,8 @@ from torch import Tensor
 
 from ptplan.planner.errors import PtplanError
 
-from ptplan.executor.cache.run import RunCache, agree, setup_cache
+from ptplan.executor.cache.run import RunCache, setup_cache
+from ptplan.executor.runtime.collective import agree
 from ptplan.executor.data.dataset import Dataset
 from ptplan.executor.runtime.elastic import ElasticRuntime
 from ptplan.executor.runtime.memory import MemorySampler, StepMemory

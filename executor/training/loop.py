@@ -26,7 +26,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Plan
 
 from ptplan.executor.data.dataset import Dataset, check_data, epoch_order, global_batch_ids, shard
-from ptplan.executor.cache.run import agree
+from ptplan.executor.runtime.collective import agree, ranks_text
 from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
 from ptplan.executor.runtime.optim import make_optimizer
 from ptplan.executor.runtime.transition import needs
@@ -137,33 +137,26 @@ def _agree_inputs(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: D
     except PtplanError as e:
         problem = str(e)
     got = agree(problem, (len(dataset), None if eval_dataset is None else len(eval_dataset), plan_id(plan)))
-    plans: dict[str, list[int]] = {}
-    for r, g in enumerate(got):
-        plans.setdefault(g[2], []).append(r)
+    plans = _by_value([g[2] for g in got])
     if len(plans) > 1:
-        said = "; ".join(f"{_ranges(rs)}: plan {pid}" for pid, rs in plans.items())
+        said = "; ".join(f"{ranks_text(rs)}: plan {pid}" for pid, rs in plans.items())
         raise PtplanError(f"the ranks run different plans ({said}): each node reads its own {cfg.plan}; give every "
                           f"node the same plan file and start again")
     for i, (what, flag) in enumerate((("training data", "--data"), ("evaluation data", "--eval-data"))):
-        by_size: dict[int | None, list[int]] = {}
-        for r, row in enumerate(got):
-            by_size.setdefault(row[i], []).append(r)
+        by_size = _by_value([g[i] for g in got])
         if len(by_size) > 1:
-            said = "; ".join(f"{_ranges(rs)}: {'no' if n is None else n} samples" for n, rs in by_size.items())
+            said = "; ".join(f"{ranks_text(rs)}: {'no' if n is None else n} samples" for n, rs in by_size.items())
             path = (cfg.data if i == 0 else cfg.eval_data) or ""
             raise PtplanError(f"the ranks' {what} differ in length ({said}): each node reads its own {flag} {path}; "
                               f"give every node the same file (a shared file system, or copy it) and start again")
 
 
-def _ranges(ranks: list[int]) -> str:
-    """[0, 1, 2, 5] -> 'ranks 0-2, 5'; [3] -> 'rank 3'."""
-    out: list[str] = []
-    for r in ranks:
-        if out and out[-1].split("-")[-1] == str(r - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{r}"
-        else:
-            out.append(str(r))
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(out)
+def _by_value(values: list[Any]) -> dict[Any, list[int]]:
+    """Each value the ranks reported, with the ranks that reported it."""
+    out: dict[Any, list[int]] = {}
+    for r, v in enumerate(values):
+        out.setdefault(v, []).append(r)
+    return out
 
 
 def _total_steps(cfg: RunConfig, plan: Plan, fs: FreezeSchedule, epochs: int, N: int) -> int | None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
 
-from ptplan.executor.cache.run import agree
+from ptplan.executor.runtime.collective import agree
 from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
 from ptplan.executor.runtime.optim import ensure_state, state_dtype, state_keys
 from ptplan.executor.runtime.transition import Transfer, exchange, holdings, needs, owned_layers
@@ -45,7 +45,6 @@ def start_phase(cfg: RunConfig, plan: Plan, *, model_name: str, samples: int) ->
     """The phase the run starts in: the checkpoint's when it resumes (``find_checkpoint``), else the
     frozen count of step 0's. Collective (every rank calls it, before building its model: ``ptplan run``
     builds each rank's ``stage_layers`` of this phase); ``samples``: the training data's size."""
-    cfg = cfg.resolved(plan)  # the optimizer a checkpoint is checked against
     source = find_checkpoint(cfg, plan, model_name, dist.get_world_size(), run_id(cfg, samples))
     if source is not None:
         return phase_index(plan, source.frozen_blocks)

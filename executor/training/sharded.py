@@ -58,7 +58,7 @@ from ptplan.executor.runtime.elastic import ElasticRuntime, phase_index
 from ptplan.executor.runtime.hybrid import local
 from ptplan.executor.runtime.optim import ensure_state, state_keys
 from ptplan.executor.runtime.transition import holdings, needs, owned_layers
-from ptplan.executor.cache.run import agree
+from ptplan.executor.runtime.collective import agree
 from ptplan.planner.records import CheckpointRecord, CheckpointWrittenRecord
 from ptplan.executor.training.rss import PeakRss, trim
 from ptplan.executor.training import checkpoint as ckpt
