@@ -11,18 +11,22 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ptplan.executor.families.models import build_model
 from ptplan.executor.handplan import make_plan, spec
+from ptplan.executor.runtime.stage import LayerStore
+from ptplan.executor.runtime.transition import DEVICE, HOST
 from ptplan.executor.training.runlog import read_records
 from ptplan.planner.plan import save_plan
 
 
-def plan_file(d: Path) -> Path:
+def plan_file(d: Path, *, cache: bool = False) -> Path:
+    """The two-phase plan; ``cache``: phase 1 reads its frozen prefix from the AutoCache."""
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
-    plan = make_plan(model, [spec(0, K=1, D=1, M=2, b=2), spec(1, K=1, D=1, M=2, b=2)], trajectory=[0, 1],
-                     samples_per_epoch=8, optimizer="sgd")  # the runs' --optimizer
-    path = d / "plan.json"
+    plan = make_plan(model, [spec(0, K=1, D=1, M=2, b=2), spec(1, K=1, D=1, M=2, b=2, cache=cache)],
+                     trajectory=[0, 1], samples_per_epoch=8, optimizer="sgd")  # the runs' --optimizer
+    path = d / ("plan-cache.json" if cache else "plan.json")
     save_plan(plan, path)
     return path
 
@@ -56,3 +60,42 @@ def test_a_cuda_run_equals_the_cpu_run_and_records_device_memory(tmp_path):
     # autocast: bfloat16 matmuls (8 mantissa bits, relative ~4e-3 per rounding) on the same weights
     assert all(math.isfinite(s["loss"]) for s in bf16)
     assert math.isclose(bf16[0]["loss"], gpu[0]["loss"], rel_tol=2e-2), (bf16[0]["loss"], gpu[0]["loss"])
+
+
+@pytest.mark.gpu
+def test_a_caching_cuda_run_equals_the_cpu_run(tmp_path):
+    """Phase 1 caches: on the GPU its frozen prefix lives in (pinned) host memory and is streamed through the device
+    at each fill step; the losses are the CPU run's, as in the plain run above."""
+    plan = plan_file(tmp_path, cache=True)
+    (tmp_path / "cache-gpu").mkdir()
+    (tmp_path / "cache-cpu").mkdir()
+    gpu = run_cli(plan, tmp_path, "cuda", "--cache-dir", str(tmp_path / "cache-gpu"))
+    cpu = run_cli(plan, tmp_path, "cpu", "--cache-dir", str(tmp_path / "cache-cpu"))
+    assert [s["phase"] for s in gpu] == [s["phase"] for s in cpu] == [0, 0, 1, 1]
+    assert all(s.get("cache_misses", 0) + s.get("cache_hits", 0) > 0 for s in gpu[2:]), gpu  # the cache served
+    for g, c in zip(gpu, cpu):
+        assert math.isclose(g["loss"], c["loss"], rel_tol=1e-4), (g["loss"], c["loss"])
+
+
+@pytest.mark.gpu
+def test_host_layers_of_a_cuda_rank_are_pinned():
+    """Every way a layer comes to host memory on a CUDA rank page-locks it, values kept: moved there from the device,
+    allocated there to receive, or built there (``pin``); a CPU rank's stay pageable."""
+    model = build_model("bert-tiny", seq_len=8)
+    want = [p.detach().clone() for p in model.layers[1].parameters()]
+    store = LayerStore(model.layers, torch.device("cuda"))
+    assert store.where[1] == HOST and not any(p.is_pinned() for p in model.layers[1].parameters())
+    store.pin(1)
+    assert all(p.is_pinned() for p in model.layers[1].parameters())
+    store.place(1, DEVICE, keep_values=True)
+    assert all(p.device.type == "cuda" for p in model.layers[1].parameters())
+    store.place(1, HOST, keep_values=True)
+    got = list(model.layers[1].parameters())
+    assert all(p.is_pinned() for p in got) and all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    store.release(2)
+    store.place(2, HOST, keep_values=False)
+    assert all(p.is_pinned() for p in model.layers[2].parameters())
+    cpu = LayerStore(build_model("bert-tiny", seq_len=8).layers, torch.device("cpu"))
+    cpu.pin(1)
+    cpu.place(2, HOST, keep_values=False)
+    assert not cpu.pins and not any(p.is_pinned() for i in (1, 2) for p in cpu.layers[i].parameters())

@@ -40,6 +40,17 @@ from ptplan.executor.runtime.step import ChunkCompute, StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST
 
 
+def _host_empty(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Tensor:
+    """Uninitialised host memory, page-locked when ``pinned`` unless the driver refuses to lock more (the copies to
+    the device are then slower, nothing else changes)."""
+    if pinned:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError:
+            pass
+    return torch.empty(shape, dtype=dtype)
+
+
 class LayerStore:
     """Which layers have storage on this rank, and where: ``DEVICE``, ``HOST`` (CPU memory) or None."""
 
@@ -73,6 +84,19 @@ class LayerStore:
     def _home(self, where: str) -> torch.device:
         return torch.device("cpu") if where == HOST else self.device
 
+    @property
+    def pins(self) -> bool:
+        """Whether host storage is page-locked: on a CUDA rank, where a layer kept in host memory (the AutoCache's
+        frozen prefix) is copied to the device at every fill step (``weights.streamed``). From pageable memory
+        the copy goes through the driver's staging buffer, at a fraction of the copy engine's rate."""
+        return self.device.type == "cuda"
+
+    def _on(self, t: Tensor, where: str) -> Tensor:
+        """``t``'s values at ``where`` (host memory pinned where ``pins``; ``t`` itself if already there)."""
+        if where != HOST or not self.pins:
+            return t.to(self._home(where))
+        return t if t.device.type == "cpu" and t.is_pinned() else _host_empty(t.shape, t.dtype, True).copy_(t)
+
     def place(self, i: int, where: str, *, keep_values: bool) -> None:
         """Give layer i storage at ``where``: its values moved there when ``keep_values`` (and it has
         storage), else uninitialised (about to be received). Buffers move with it."""
@@ -80,13 +104,23 @@ class LayerStore:
         with torch.no_grad():
             for p in self.params[i]:
                 if keep_values and self.where[i] is not None:
-                    p.data = p.data.to(dev)
+                    p.data = self._on(p.data, where)
                 else:
                     p.grad = None
-                    p.data = torch.empty(self.shapes[id(p)], dtype=p.dtype, device=dev)
+                    shape = self.shapes[id(p)]
+                    p.data = (_host_empty(shape, p.dtype, self.pins) if where == HOST
+                              else torch.empty(shape, dtype=p.dtype, device=dev))
             for b in self.layers[i].buffers():
                 b.data = b.data.to(dev)
         self.where[i] = where
+
+    def pin(self, i: int) -> None:
+        """Page-lock host layer i's parameters where ``pins`` (a layer built in host memory keeps pageable
+        storage until then); nothing otherwise."""
+        if self.where[i] == HOST and self.pins:
+            with torch.no_grad():
+                for p in self.params[i]:
+                    p.data = self._on(p.data, HOST)
 
     def release(self, i: int) -> None:
         """Free layer i's parameters (an empty tensor each, shape recorded); its buffers stay (tiny)."""
