@@ -80,6 +80,33 @@ def test_get_is_all_or_nothing_and_batches_across_shards(tmp_path):
         assert cache.lookup_rows(torch.tensor([9, 1]), 7).tolist() == [-1, 3]
 
 
+def test_rows_put_in_any_order_and_in_short_writes_read_back_exactly(tmp_path, monkeypatch):
+    """``Slab.write`` sorts the rows into runs of consecutive slots and writes each through the descriptor until
+    all of it is written: rows given out of order, with gaps, across shards, and a kernel that writes at most
+    1,000 bytes per call, all read back bit for bit, and the slots never written stay unflagged."""
+    import ptplan.executor.cache.store as store
+
+    real = os.pwritev
+    calls = []
+
+    def short(fd, bufs, offset):  # at most 1,000 bytes of the first buffer per call, as pwritev may do
+        calls.append(offset)
+        return real(fd, [memoryview(bufs[0])[:1000]], offset)
+
+    monkeypatch.setattr(store.os, "pwritev", short)
+    n, shape = 12, (5, 64)  # 1,280-byte float32 rows: every row needs two calls
+    with ActivationCache(tmp_path, job_id=_job(), create=True, sample_shape=shape, dtype=torch.float32,
+                         num_samples=n, budget_bytes=1 << 20, shard_rows=5) as cache:
+        ids = torch.tensor([7, 2, 3, 11, 0, 4, 9])  # shard 0: 2, 3, 0, 4 (a run 2-4 and 0); shard 1: 7, 9; shard 2: 11
+        rows = torch.randn(ids.numel(), *shape)
+        assert cache.put(ids, 2, rows) == ids.numel()
+        assert len(calls) >= 2 * 5  # short writes were resumed (5 runs, each over 1,000 bytes)
+        assert torch.equal(cache.get(ids, 2), rows)
+        back = torch.tensor([4, 0, 11, 2])
+        assert torch.equal(cache.get(back, 2), rows[[5, 4, 3, 1]])
+        assert cache.lookup_rows(torch.arange(n), 2).tolist() == [2 if i in ids.tolist() else -1 for i in range(n)]
+
+
 # ---- incremental refresh -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny"])
