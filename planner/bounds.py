@@ -54,7 +54,7 @@ def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_fr
     ovh = search.c.action_overhead_s if K > 1 else 0.0
     n = search.n
     prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
-    setup = cache_setup_s(search.t, n0, M, c.b, search.cfg.host_read_bandwidth, device_is_host=search.c.device_is_host,
+    setup = cache_setup_s(search.t, n0, M, c.b, search.io, device_is_host=search.c.device_is_host,
                           fill_from=fill_from) if c.cache else 0.0  # the cached prefix is whole
     L = search.links(K, c.schedule, c.V, c.tp)
     sf = float(tm.cum_fwd[n] - tm.cum_fwd[n0])

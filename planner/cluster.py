@@ -386,6 +386,42 @@ def charged_overheads(cluster: Cluster, profile: Any) -> Cluster:
     return cluster if o <= cluster.action_overhead_s else replace(cluster, action_overhead_s=float(o))
 
 
+@dataclass(frozen=True)
+class HostIO:
+    """Bytes/s of the AutoCache's host traffic on stage 0 (``stage.cache_setup_s``): ``read``, a cached row from the
+    cache's host memory to the device; ``write``, a computed row from the device into the cache (the copy to the
+    host and the write into the slab); ``weights``, a frozen layer kept in host memory to the device (the fill
+    streams the prefix through the device; on a CUDA rank the executor keeps it in page-locked memory)."""
+
+    read: float = 10e9
+    write: float = 10e9
+    weights: float = 10e9
+
+    @classmethod
+    def uniform(cls, bandwidth: float) -> "HostIO":
+        return cls(bandwidth, bandwidth, bandwidth)
+
+
+HOST_IO_KEYS = {"read": "rows_read_bytes_per_s", "write": "rows_write_bytes_per_s",
+                "weights": "weights_to_device_bytes_per_s"}
+"""``HostIO`` field -> the key of the profile's ``measurement["host_io"]`` (``executor/profiling/host_io.py``;
+``load_profile`` checks the values)."""
+
+
+def measured_host_io(cluster: Cluster, profile: Any, default: float) -> HostIO:
+    """The AutoCache's host bandwidths the planner charges with this profile: each one the profiler measured on its
+    device and host (``measurement["host_io"]``), where the profile was measured on this kind of device, as
+    ``charged_overheads``; ``default`` (the training config's ``host_read_bandwidth``) for the others and for a
+    profile that measured none (projected files, files written before the profiler measured it)."""
+    meas = getattr(profile, "measurement", None) or {}
+    io = meas.get("host_io") if isinstance(meas, dict) else None
+    kind = {"cuda": "gpu", "cpu": "cpu"}.get(getattr(getattr(profile, "device", None), "kind", None) or "")
+    got: dict[str, float] = {}
+    if isinstance(io, dict) and kind == cluster.device_kind:
+        got = {name: float(io[key]) for name, key in HOST_IO_KEYS.items() if io.get(key) is not None}
+    return HostIO(**{name: got.get(name, float(default)) for name in HOST_IO_KEYS})
+
+
 def get_preset(name: str) -> Cluster:
     """A named preset; ``cpu:N`` is this machine with N processes. Unknown -> PtplanError listing them."""
     if name in PRESETS:

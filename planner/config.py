@@ -83,8 +83,10 @@ class TrainingConfig:
     memory_fraction: float = 0.9
     """Share of each GPU's memory the plan may fill (the rest: framework context, allocator slack)."""
     host_read_bandwidth: float = 10e9
-    """Bytes/s to bring cached prefix outputs (and streamed frozen weights) from host memory to the
-    device (AutoCache)."""
+    """Bytes/s of the AutoCache's host traffic (cached prefix outputs read to the device, computed ones written
+    back, frozen weights streamed to the device) where the profile did not measure it: a profile made by ``ptplan
+    profile`` records the three rates of its device and host (``measurement["host_io"]``), which the plan charges
+    instead on a cluster of that kind of device (``cluster.measured_host_io``)."""
     allow_extrapolation: bool = False
     """Let phases use micro-batch sizes outside the profile's measured range (their times are then
     extrapolated; each such phase says by how much). Off: only measured-range sizes are searched."""

@@ -8,6 +8,7 @@ blocks 0..f-1). Times are seconds per micro-batch, one value per measured micro-
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -309,6 +310,25 @@ class Profile:
         return {"schema": d.pop("schema"), **d}
 
 
+HOST_IO_RATES = ("rows_read_bytes_per_s", "rows_write_bytes_per_s", "weights_to_device_bytes_per_s")
+"""The rates of ``measurement.host_io`` (``executor/profiling/host_io.py``) the planner charges
+(``cluster.measured_host_io``); each a positive number of bytes/s, or null where not measured."""
+
+
+def _check_host_io(io: Any, source: str) -> None:
+    """``measurement.host_io``, when present: an object whose rates are null or finite bytes/s in [1, 1e13]."""
+    if io is None:
+        return
+    if not isinstance(io, dict):
+        raise SchemaError(source, "measurement.host_io", f"expected an object, got {type(io).__name__}")
+    for key in HOST_IO_RATES:
+        v = io.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or not 1.0 <= v <= 1e13):
+            raise SchemaError(source, f"measurement.host_io.{key}", f"expected bytes/s in [1, 1e13] or null, got {v!r}"
+                              f" (re-profile, or delete measurement.host_io to plan with host_read_bandwidth)")
+
+
 def _layer_records(top: Fields, source: str, n: int, num_blocks: int) -> list[LayerRecord]:
     """The profile's ``layers``, in order, each with ``n`` timings per list, covering blocks 0..num_blocks-1
     in ascending order; a W part never exceeds its backward."""
@@ -392,6 +412,7 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
     meas = top.raw("measurement", {})
     if not isinstance(meas, dict):
         raise SchemaError(source, "measurement", "expected an object")
+    _check_host_io(meas.get("host_io"), source)
     if "provenance" in top.obj:
         pv = top.obj_("provenance", allowed=("source", "command", "device_model"))
         dm = pv.raw("device_model", None)

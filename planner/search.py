@@ -40,7 +40,7 @@ from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
 from .candidates import enumerate_candidates, pipeline_lengths, schedule_shapes
-from .cluster import Cluster, charged_overheads
+from .cluster import Cluster, charged_overheads, measured_host_io
 from .config import AUTO_SCHEDULES, TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
@@ -71,6 +71,8 @@ class PhaseSearch:
         likewise: ``modes``)."""
         cluster = charged_overheads(cluster, profile)  # the profiler's measured per-action overhead (cluster.py)
         self.p, self.c, self.cfg = profile, cluster, cfg
+        self.io = measured_host_io(cluster, profile, cfg.host_read_bandwidth)
+        """The AutoCache's host bandwidths: the profiler's measured ones, else the config's ``host_read_bandwidth``."""
         if strategies not in ("off", "auto"):
             raise PtplanError(f"strategies={strategies!r}; use off or auto")
         G = cluster.gpus_per_node
@@ -185,7 +187,7 @@ class PhaseSearch:
                            optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
                            weight_versions=2 if cand.schedule == "2bw" else 1, own_p2p=cand.schedule == "2bw",
                            action_overhead_s=self.c.action_overhead_s,
-                           host_read_bandwidth=self.cfg.host_read_bandwidth,
+                           host_io=self.io,
                            tp=cand.tp, sp=cand.sp, fsdp=cand.fsdp, recompute=cand.recompute,
                            recompute_layers=cand.recompute_layers,
                            tp_ar=tp_allreduce_coeffs(self.c, cand.tp),

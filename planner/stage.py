@@ -122,7 +122,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .cluster import Cluster
+from .cluster import Cluster, HostIO
 from .costs import OPTIMIZER_SLOTS, CostTable, RangeMax, optimizer_state_bytes
 from .errors import PtplanError
 from .plan import MemoryBreakdown
@@ -180,19 +180,20 @@ def links_for(cluster: Cluster, K: int, placement: tuple[int, ...] | None = None
                  ar_per_byte=np.array([per[k] for k in s2r], dtype=float))
 
 
-def cache_setup_s(table: CostTable, n0: int, M: int, b: int, bandwidth: float, *, device_is_host: bool,
+def cache_setup_s(table: CostTable, n0: int, M: int, b: int, io: HostIO, *, device_is_host: bool,
                   fill_from: int | None = None) -> float:
     """Stage 0's once-per-iteration AutoCache work for a shard of M·b samples (the module docstring's
-    ``setup``): reading the rows at n0 (``fill_from`` None: a steady iteration), or filling them: run
-    layers [fill_from, n0) on rows cached at fill_from (or on the inputs when it is 0), write the rows
-    at n0, and stream those layers' weights from host memory when the device is not the host."""
+    ``setup``): reading the rows at n0 (``fill_from`` None: a steady iteration; at ``io.read``), or filling them:
+    run layers [fill_from, n0) on rows cached at fill_from (or on the inputs when it is 0; those rows read at
+    ``io.read``), write the rows at n0 (``io.write``), and stream those layers' weights from host memory when the
+    device is not the host (``io.weights``)."""
     out = table.out_per_sample
-    rows = M * b * float(out[n0 - 1]) / bandwidth
     if fill_from is None:
-        return rows
+        return M * b * float(out[n0 - 1]) / io.read
     c = fill_from
-    read_c = M * b * float(out[c - 1]) / bandwidth if c > 0 else 0.0
-    stream = 0.0 if device_is_host else float(table.cum_param[n0] - table.cum_param[c]) / bandwidth
+    read_c = M * b * float(out[c - 1]) / io.read if c > 0 else 0.0
+    rows = M * b * float(out[n0 - 1]) / io.write
+    stream = 0.0 if device_is_host else float(table.cum_param[n0] - table.cum_param[c]) / io.weights
     tm = table.at(b)
     return M * float(tm.cum_nograd[n0] - tm.cum_nograd[c]) + read_c + rows + stream
 
@@ -265,7 +266,8 @@ class PhaseShape:
     device_is_host: bool = False
     """CPU "clusters": the device memory is host memory, so nothing is streamed between them."""
     action_overhead_s: float = 0.0
-    host_read_bandwidth: float = 10e9
+    host_io: HostIO = HostIO()
+    """The AutoCache's host bandwidths (``cluster.measured_host_io``)."""
     stage_ranks: tuple[int, ...] = ()
     """Per stage, the rank that holds it (``schedule.stage_to_rank``): consecutive stages on one rank pass their
     activations and gradients in place, with no receive buffer. Empty: one rank per stage (V = 1's placement)."""
@@ -362,7 +364,6 @@ class StageModel:
         self.opt_temp = 0.0 if sh.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[sh.optimizer]
         n0, b, M = sh.frozen, sh.b, sh.M
         out = table.out_per_sample
-        bw = sh.host_read_bandwidth
         self.fill_from = fill_from
         L = links
         self._lat_in = np.concatenate(([0.0], L.send_lat))
@@ -381,8 +382,8 @@ class StageModel:
             shard = M * b * out[n0 - 1]
             self.stage0_static = float(shard)
             self.prefix_s = 0.0
-            self.read_setup_s = cache_setup_s(self.raw, n0, M, b, bw, device_is_host=sh.device_is_host)
-            self.fill_setup_s = cache_setup_s(self.raw, n0, M, b, bw, device_is_host=sh.device_is_host,
+            self.read_setup_s = cache_setup_s(self.raw, n0, M, b, sh.host_io, device_is_host=sh.device_is_host)
+            self.fill_setup_s = cache_setup_s(self.raw, n0, M, b, sh.host_io, device_is_host=sh.device_is_host,
                                               fill_from=fill_from)
             streamed = 0.0 if sh.device_is_host else float(self.raw.max_param_upto[n0])
             self.stage0_after = streamed + float(b * out[:n0].max())

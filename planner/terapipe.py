@@ -440,7 +440,7 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     (``slice_refusal``)."""
     from dataclasses import replace
 
-    from .cluster import charged_overheads, cpu_cluster
+    from .cluster import charged_overheads, cpu_cluster, measured_host_io
     from .config import TrainingConfig
     from .costs import CostTable
     from .schedule import gpipe, peak_inflight, terapipe
@@ -461,7 +461,7 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     table = CostTable(profile, time_scale=cl.concurrency_slowdown)
     shape = PhaseShape(K=K, M=M, b=b, D=D, frozen=n0, cache=cache, inflight=peak_inflight("gpipe", K, M, 1),
                        optimizer=optimizer, device_is_host=cl.device_is_host, action_overhead_s=cl.action_overhead_s,
-                       host_read_bandwidth=cfg.host_read_bandwidth, tp=tp, tp_ar=tp_allreduce_coeffs(cl, tp))
+                       host_io=measured_host_io(cl, profile, cfg.host_read_bandwidth), tp=tp, tp_ar=tp_allreduce_coeffs(cl, tp))
     sm = StageModel(table, shape, links_for(cl if tp == 1 else replace(cl, gpus_per_node=cl.gpus_per_node // tp), K))
     if ranges is None:
         tm = table.at(b)

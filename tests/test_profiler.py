@@ -139,6 +139,10 @@ def test_numbers_are_sane(bert):
     assert prof.measurement["repeats"] == 2 and prof.measurement["statistic"] == "median"
     assert all(t > 0 for t in prof.whole_model.forward_s + prof.whole_model.forward_backward_s)
     assert prof.whole_model.peak_memory_bytes == ()
+    io = prof.measurement["host_io"]  # the AutoCache's host rates, rows of the prefix output at the largest size
+    assert io["rows_per_step"] == 2 and io["bytes_per_step"] == 2 * SEQ * H * 4
+    assert io["rows_write_bytes_per_s"] > 0 and io["rows_read_bytes_per_s"] > 0
+    assert io["weights_to_device_bytes_per_s"] is None  # a CPU streams nothing
     rows = agreement(prof)
     assert [b for b, *_ in rows] == [1, 2] and all(s > 0 and w > 0 for _, s, w, _ in rows)
 
@@ -210,6 +214,8 @@ def test_cuda_profile_with_events():
     assert all(t > 0 for r in prof.layers for t in r.forward_s + r.backward_s)
     assert len(prof.whole_model.peak_memory_bytes) == 2 and all(b > 0 for b in prof.whole_model.peak_memory_bytes)
     assert next(m.parameters()).device.type == "cpu"  # moved back
+    io = prof.measurement["host_io"]
+    assert all(io[k] > 0 for k in ("rows_write_bytes_per_s", "rows_read_bytes_per_s", "weights_to_device_bytes_per_s"))
 
 
 # ---- default micro-batch sizes (pure) ------------------------------------------------------------

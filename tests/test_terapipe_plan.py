@@ -99,7 +99,7 @@ def test_planner_choice_is_never_worse_than_unsliced():
 
 
 def test_slicing_shrinks_the_bubble_and_later_slices_are_shorter():
-    from ptplan.planner.cluster import cpu_cluster
+    from ptplan.planner.cluster import HostIO, cpu_cluster
     from ptplan.planner.config import TrainingConfig
     from ptplan.planner.costs import CostTable
     from ptplan.planner.stage import cache_setup_s
@@ -118,14 +118,15 @@ def test_slicing_shrinks_the_bubble_and_later_slices_are_shorter():
     n0 = prof.frozen_boundary(6)
     t = CostTable(prof, time_scale=cpu_cluster(4).concurrency_slowdown)
     prefix = float(t.at(1).cum_nograd[n0])
-    read = cache_setup_s(t, n0, 1, 1, TrainingConfig(epochs=1, samples_per_epoch=8, batch=8).host_read_bandwidth, device_is_host=True)
+    io = HostIO.uniform(TrainingConfig(epochs=1, samples_per_epoch=8, batch=8).host_read_bandwidth)
+    read = cache_setup_s(t, n0, 1, 1, io, device_is_host=True)
     assert frozen.iteration_s - cached.iteration_s == pytest.approx(prefix - read, rel=1e-9)
 
 
 def test_sliced_phase_is_the_stage_models():
     """``sliced_phase`` unsliced is exactly the planner's GPipe simulation of the stage model's costs, and refuses a
     sequence length other than the profile's."""
-    from ptplan.planner.cluster import cpu_cluster
+    from ptplan.planner.cluster import HostIO, cpu_cluster
     from ptplan.planner.config import TrainingConfig
     from ptplan.planner.costs import CostTable
     from ptplan.planner.schedule import peak_inflight
@@ -136,7 +137,7 @@ def test_sliced_phase_is_the_stage_models():
     cl = cpu_cluster(4)
     shape = PhaseShape(K=2, M=2, b=2, D=2, frozen=0, cache=False, inflight=peak_inflight("gpipe", 2, 2, 1),
                        device_is_host=True, action_overhead_s=cl.action_overhead_s,
-                       host_read_bandwidth=TrainingConfig(epochs=1, samples_per_epoch=8, batch=8).host_read_bandwidth)
+                       host_io=HostIO.uniform(TrainingConfig(epochs=1, samples_per_epoch=8, batch=8).host_read_bandwidth))
     costs = StageModel(CostTable(prof, time_scale=cl.concurrency_slowdown), shape, links_for(cl, 2)).stage_costs(off.ranges)
     want = simulate(gpipe(2, 2), costs, step_overhead_s=cl.step_overhead_s)
     assert off.unsliced_s == off.iteration_s == pytest.approx(want.iteration_s, rel=1e-12)

@@ -65,6 +65,8 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ptplan.executor.cache.autocache import prefix_sample_shape
+from ptplan.executor.profiling.host_io import measure_host_io
 from ptplan.executor.profiling.live_bytes import memory_pass
 from ptplan.executor.profiling.overhead import measure_action_overhead
 from ptplan.executor.runtime.optim import make_optimizer
@@ -695,6 +697,8 @@ def profile_model(model: LayeredModel, *, device: str, batch_sizes: Sequence[int
     measurement = _measurement(dev, timer, warmup, repeats, measured, results, rounds, budget_s, load)
     if (ovh := measure_action_overhead(dev)) is not None:  # planner.cluster.charged_overheads charges it
         measurement["action_overhead_s"] = ovh
+    # the AutoCache's host traffic at the largest micro-batch's rows (planner.cluster.measured_host_io charges it)
+    measurement["host_io"] = measure_host_io(dev, prefix_sample_shape(model), dtype, max(bs))
     if auto:
         measurement.update(_default_sizes_record(max_batch, limit, skipped))
     peaks = tuple(r.peak for r in results if r.peak is not None)
