@@ -169,10 +169,8 @@ class Slab:
     def _set_valid(self, local: np.ndarray) -> None:
         """Set the flags of rows ``local``: one pwrite per run of consecutive rows (never a
         read-modify-write, so flags other processes set at the same time are never cleared)."""
-        idx = np.unique(local)
-        breaks = np.nonzero(np.diff(idx) != 1)[0] + 1
-        for run in np.split(idx, breaks):
-            os.pwrite(self.fd, b"\x01" * run.size, HEADER_BYTES + int(run[0]))
+        for a, b, row in self._runs(np.unique(local)):
+            os.pwrite(self.fd, b"\x01" * (b - a), HEADER_BYTES + row)
 
     # ---- rows --------------------------------------------------------------------------------
     def read(self, local: np.ndarray) -> np.ndarray:
@@ -180,20 +178,20 @@ class Slab:
         Through the map (a descriptor's ``preadv`` measured slower: 1.33 ms against 0.83-0.94 ms for 6.3 MB)."""
         return self.rows.take(local, axis=0)
 
-    def _runs(self, local: np.ndarray) -> list[tuple[int, int, int]]:
-        """(a, b, row): positions a..b-1 of ``local`` are the consecutive rows row, row + 1, ...; in order."""
+    @staticmethod
+    def _runs(local: np.ndarray) -> list[tuple[int, int, int]]:
+        """(a, b, row) per run of ``local`` (ascending): positions a..b-1 hold the consecutive rows row, row + 1, ..."""
         breaks = (np.nonzero(np.diff(local) != 1)[0] + 1).tolist()
         return [(a, b, int(local[a])) for a, b in zip([0, *breaks], [*breaks, local.size])]
 
-    def _io(self, call, buf: np.ndarray, a: int, b: int, row: int) -> None:
-        """``call`` (``os.pwritev``) on rows a..b-1 of ``buf`` at the slab's row ``row``, to the end
-        (either may move fewer bytes than asked)."""
-        view = memoryview(buf[a:b]).cast("B")
+    def _write_run(self, data: np.ndarray, row: int) -> None:
+        """Write ``data`` (whole rows, contiguous) at the slab's row ``row``, resuming where ``pwritev`` wrote less."""
+        view = memoryview(data).cast("B")
         off, done = self.info.data_offset + row * self.info.row_bytes, 0
         while done < view.nbytes:
-            n = call(self.fd, [view[done:]], off + done)
+            n = os.pwritev(self.fd, [view[done:]], off + done)
             if n <= 0:
-                raise OSError(f"cache slab {self.path}: {call.__name__} moved no bytes at offset {off + done}")
+                raise OSError(f"cache slab {self.path}: pwritev wrote nothing at offset {off + done}")
             done += n
 
     def write(self, local: np.ndarray, data: np.ndarray) -> None:
@@ -201,7 +199,7 @@ class Slab:
 
         The rows go in through the descriptor, one ``pwritev`` per run of consecutive rows, not through the map:
         storing into a fresh MAP_SHARED page faults it in first, one fault per 4 KiB page, and those faults were
-        most of a fill step's cache write (6.3 MB of rows: 3.6-3.9 ms through the map, 1.5-1.7 ms so;
+        most of a fill step's cache write (6.3 MB of rows: 3.6-4.2 ms through the map, 1.6-1.9 ms so;
         ``bench/cache_write.py`` on the CPU box). Other processes' maps see the same page-cache pages."""
         if local.size == 0:
             return
@@ -209,8 +207,8 @@ class Slab:
         if not np.array_equal(order, np.arange(order.size)):
             local, data = local[order], data[order]
         data = np.ascontiguousarray(data)
-        for a, b, first in self._runs(local):
-            self._io(os.pwritev, data, a, b, first)
+        for a, b, row in self._runs(local):
+            self._write_run(data[a:b], row)
         self._set_valid(local)
 
     def close(self) -> None:
