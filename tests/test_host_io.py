@@ -98,10 +98,20 @@ def test_a_plan_prices_the_cache_at_the_profiles_rates():
     assert any(before.get(ph.frozen_blocks, 0) != ph.predicted.cache_setup_s for ph in cached)
 
 
-def test_measure_host_io_on_this_machine():
+def test_measure_host_io_on_this_machine(monkeypatch):
     io = measure_host_io(torch.device("cpu"), (16, 32), torch.float32, 5, repeats=3)
     assert io["rows_per_step"] == 5 and io["bytes_per_step"] == 5 * 16 * 32 * 4
     assert io["rows_write_bytes_per_s"] > 0 and io["rows_read_bytes_per_s"] > 0
-    assert io["weights_to_device_bytes_per_s"] is None
-    big = measure_host_io(torch.device("cpu"), (1024, 1024), torch.float32, 64, repeats=1)  # 4 MiB rows
-    assert big["rows_per_step"] == STEP_BYTES // (4 << 20) and np.isfinite(big["rows_write_bytes_per_s"])
+    assert io["weights_to_device_bytes_per_s"] is None and "note" not in io
+    big = measure_host_io(torch.device("cpu"), (256, 1024), torch.float32, 64, repeats=1, step_bytes=4 << 20)
+    assert big["rows_per_step"] == 4 and np.isfinite(big["rows_write_bytes_per_s"])  # 1 MiB rows, 4 MiB a step
+    assert STEP_BYTES == 64 << 20
+    # a cache folder without room (a container's 64 MiB /dev/shm, full): no rates, a note, and no exception
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 30, 1 << 30, 1000))
+    none = measure_host_io(torch.device("cpu"), (16, 32), torch.float32, 5, repeats=3)
+    assert none["rows_per_step"] == 0 and none["rows_write_bytes_per_s"] is none["rows_read_bytes_per_s"] is None
+    assert "1000 bytes free" in none["note"]
+    prof = _with_io(load_profile(PROFILE), {**none, "weights_to_device_bytes_per_s": 50e9})
+    assert measured_host_io(get_preset("dgx-h100"), prof, 7e9) == HostIO(read=7e9, write=7e9, weights=50e9)

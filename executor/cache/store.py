@@ -14,10 +14,10 @@ Concurrency protocol (no locks on the hot path):
   fails here with ENOSPC instead of a SIGBUS later), its header written, then renamed into place
   under an exclusive ``flock`` on the store's lock file. Whoever opens the final name sees a
   complete header and all flags zero.
-- A writer copies the row data through its mmap, **then** sets the row's flag with ``os.pwrite``.
-  A reader reads the flags with ``os.pread``, **then** copies the rows through its mmap. The two
-  system calls order the data before the flag on both sides, so a reader never sees a flag whose
-  row is not yet fully written (no torn rows). A writer that dies mid-row leaves the flag at 0.
+- A writer writes the row data with ``os.pwritev`` (into the page cache that every process's mmap of the
+  file shares), **then** sets the row's flag with ``os.pwrite``. A reader reads the flags with ``os.pread``,
+  **then** copies the rows through its mmap. The system calls order the data before the flag on both sides,
+  so a reader never sees a flag whose row is not yet fully written (no torn rows). A writer that dies mid-row leaves the flag at 0.
 - Rows are written once. Two processes that write the same row at once (only possible if the
   caller lets two ranks process one sample) each write a full, valid computation of it.
 - Removing a slab is ``unlink``: processes that still map it keep reading valid data; each process
@@ -186,7 +186,7 @@ class Slab:
 
     def _write_run(self, data: np.ndarray, row: int) -> None:
         """Write ``data`` (whole rows, contiguous) at the slab's row ``row``, resuming where ``pwritev`` wrote less."""
-        view = memoryview(data).cast("B")
+        view = data.data.cast("B")
         off, done = self.info.data_offset + row * self.info.row_bytes, 0
         while done < view.nbytes:
             n = os.pwritev(self.fd, [view[done:]], off + done)
@@ -201,6 +201,9 @@ class Slab:
         storing into a fresh MAP_SHARED page faults it in first, one fault per 4 KiB page, and those faults were
         most of a fill step's cache write (6.3 MB of rows: 3.6-4.2 ms through the map, 1.6-1.9 ms so;
         ``bench/cache_write.py`` on the CPU box). Other processes' maps see the same page-cache pages."""
+        if data.shape != (local.size, self.info.row_bytes) or data.dtype != np.uint8:
+            raise ValueError(f"slab {self.path}: rows must be uint8 [{local.size}, {self.info.row_bytes}], got "
+                             f"{data.dtype} {list(data.shape)}")
         if local.size == 0:
             return
         order = np.argsort(local, kind="stable")
