@@ -10,19 +10,23 @@ runtime's numbers beside the plan's, both from these functions:
 - ``cache_bytes``: the RAM budget: rows at the phase's count plus, while an epoch refreshes rows cached at a smaller
   count into it (a slab at the old count goes only once all its rows are refreshed), the rows at that count;
 - ``host_bytes``: ``cache_bytes`` plus the frozen weights the node's stage-0 ranks keep in host memory to fill it
-  (``Phase.predicted.cache_host_bytes_per_node``).
+  (``Phase.predicted.cache_host_bytes_per_node``), page-locked on a GPU (``PINNED_ROUNDING``).
 """
 from __future__ import annotations
 
 import math
 
-__all__ = ["DEFAULT_SLAB_BYTES", "HEADER_BYTES", "MAX_SHARD_ROWS", "PAGE", "cache_bytes", "host_bytes", "rows_bytes",
-           "shard_rows", "slab_file_bytes"]
+__all__ = ["DEFAULT_SLAB_BYTES", "HEADER_BYTES", "MAX_SHARD_ROWS", "PAGE", "PINNED_ROUNDING", "cache_bytes",
+           "host_bytes", "rows_bytes", "shard_rows", "slab_file_bytes"]
 
 PAGE = 4096
 HEADER_BYTES = PAGE
 DEFAULT_SLAB_BYTES = 64 << 20
 MAX_SHARD_ROWS = 16384
+PINNED_ROUNDING = 2.0
+"""The most host memory page-locked weights take per byte: a GPU rank keeps its frozen prefix page-locked
+(``executor/runtime/stage.py: LayerStore.pin``), and torch's page-locked allocator rounds each tensor up to a power
+of two (under twice its bytes; bert-base's weight tensors: 1.70 times)."""
 
 
 def round_up(n: int, k: int = PAGE) -> int:
@@ -63,7 +67,8 @@ def cache_bytes(samples: int, row_bytes: int, refresh_row_bytes: int = 0, cap: i
 
 
 def host_bytes(samples: int, row_bytes: int, weight_bytes: float, stage0_ranks: int,
-               refresh_row_bytes: int = 0) -> int:
+               refresh_row_bytes: int = 0, *, pinned: bool = False) -> int:
     """``cache_bytes`` plus the frozen prefix's weights (``weight_bytes``) each of the node's ``stage0_ranks``
-    keeps in host memory to fill the cache."""
-    return cache_bytes(samples, row_bytes, refresh_row_bytes) + int(math.ceil(stage0_ranks * weight_bytes))
+    keeps in host memory to fill the cache (times ``PINNED_ROUNDING`` where ``pinned``: a GPU's ranks)."""
+    weights = weight_bytes * (PINNED_ROUNDING if pinned else 1.0)
+    return cache_bytes(samples, row_bytes, refresh_row_bytes) + int(math.ceil(stage0_ranks * weights))

@@ -248,7 +248,8 @@ class PhaseSearch:
             return 0.0
         N, out = self.cfg.samples_per_epoch, self.t.out_per_sample
         return float(host_bytes(N, int(out[n0 - 1]), float(self.t.cum_param[n0]), self.stage0_per_node(c.K),
-                                int(out[fill_from - 1]) if fill_from > 0 else 0))  # the runtime's slabs
+                                int(out[fill_from - 1]) if fill_from > 0 else 0,  # the runtime's slabs
+                                pinned=not self.c.device_is_host))
 
     def stage0_per_node(self, K: int) -> int:
         """The most stage-0 ranks any node holds at pipeline length K."""

@@ -78,24 +78,23 @@ def test_a_caching_cuda_run_equals_the_cpu_run(tmp_path):
 
 
 @pytest.mark.gpu
-def test_host_layers_of_a_cuda_rank_are_pinned():
-    """Every way a layer comes to host memory on a CUDA rank page-locks it, values kept: moved there from the device,
-    allocated there to receive, or built there (``pin``); a CPU rank's stay pageable."""
+def test_held_host_layers_of_a_cuda_rank_are_pinned():
+    """``pin`` page-locks a CUDA rank's host layer with its values, whether it was built there or moved there from
+    the device; ``place`` alone (a gather's or a resume's receive buffer) leaves host storage pageable."""
     model = build_model("bert-tiny", seq_len=8)
     want = [p.detach().clone() for p in model.layers[1].parameters()]
     store = LayerStore(model.layers, torch.device("cuda"))
-    assert store.where[1] == HOST and not any(p.is_pinned() for p in model.layers[1].parameters())
+    assert store.pins and store.where[1] == HOST and not any(p.is_pinned() for p in model.layers[1].parameters())
     store.pin(1)
     assert all(p.is_pinned() for p in model.layers[1].parameters())
     store.place(1, DEVICE, keep_values=True)
+    store.pin(1)  # on the device: nothing to do
     assert all(p.device.type == "cuda" for p in model.layers[1].parameters())
     store.place(1, HOST, keep_values=True)
+    assert not any(p.is_pinned() for p in model.layers[1].parameters())
+    store.pin(1)
     got = list(model.layers[1].parameters())
-    assert all(p.is_pinned() for p in got) and all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    assert all(p.is_pinned() for p in got) and all(torch.equal(a, b) for a, b in zip(got, want))
     store.release(2)
     store.place(2, HOST, keep_values=False)
-    assert all(p.is_pinned() for p in model.layers[2].parameters())
-    cpu = LayerStore(build_model("bert-tiny", seq_len=8).layers, torch.device("cpu"))
-    cpu.pin(1)
-    cpu.place(2, HOST, keep_values=False)
-    assert not cpu.pins and not any(p.is_pinned() for i in (1, 2) for p in cpu.layers[i].parameters())
+    assert not any(p.is_pinned() for p in model.layers[2].parameters())

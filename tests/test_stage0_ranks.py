@@ -28,5 +28,8 @@ def test_every_tp_rank_of_stage_0_keeps_the_prefix_and_the_host_need_counts_them
         assert prefix_on_host == (rank in ph.stage0_ranks), rank
     weights = sum(p.numel() * p.element_size() for layer in model.layers[:ph.frozen_layers] for p in layer.parameters())
     row = 8 * 64 * torch.float32.itemsize
-    assert host_need(plan, [1], model, 16, row, local_world=8) == host_bytes(16, row, weights, 4)  # one node: 4
-    assert host_need(plan, [1], model, 16, row, local_world=4) == host_bytes(16, row, weights, 2)  # two nodes: 2 each
+    assert host_need(plan, [1], model, 16, row, local_world=8, pinned=False) == host_bytes(16, row, weights, 4)  # 1 node
+    assert host_need(plan, [1], model, 16, row, local_world=4, pinned=False) == host_bytes(16, row, weights, 2)  # 2 each
+    # page-locked on GPUs: the weights at most twice (torch rounds each tensor up to a power of two)
+    rows = host_bytes(16, row, 0, 2)
+    assert host_need(plan, [1], model, 16, row, local_world=4, pinned=True) == rows + 2 * 2 * weights

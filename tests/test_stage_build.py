@@ -283,3 +283,23 @@ def test_a_resume_builds_the_checkpoints_phase_and_reads_only_its_layers(folders
     assert resume["step"] == 3 and resume["phase"] == 1 and resume["source_rank"] == 0
     sent = resume["bytes"]["checkpoint_sent_max"]
     assert (sent == 0) == (folders == "shared"), sent
+
+
+def test_a_store_that_cannot_pin_warns_once_and_keeps_its_values():
+    """Where the driver refuses to page-lock (here: a CPU build of torch, which has no page-locked allocator),
+    ``LayerStore.pin`` warns once, leaves the layer's values and pageable storage as they were, and stops trying."""
+    import warnings
+
+    from ptplan.executor.runtime.stage import LayerStore
+
+    model = build_model("bert-tiny", seq_len=8)
+    want = [p.detach().clone() for p in model.layers[1].parameters()]
+    store = LayerStore(model.layers, torch.device("cpu"))
+    assert not store.pins  # a CPU rank never pins
+    store.pins = True  # as a CUDA rank starts
+    with pytest.warns(UserWarning, match="cannot page-lock host memory for layer 1"):
+        store.pin(1)
+    assert not store.pins and all(torch.equal(p, w) for p, w in zip(model.layers[1].parameters(), want))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store.pin(2)  # no second warning, nothing copied

@@ -83,17 +83,18 @@ def budget_for(num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dty
 
 
 def host_need(plan: Plan, phases: Sequence[int], model: nn.Module, num_samples: int, row_bytes: int,
-              local_world: int) -> int:
+              local_world: int, *, pinned: bool) -> int:
     """What the plan's ``cache_host_bytes_per_node`` counts, from this run's model: per caching phase, every
     row at its count plus the frozen weights its stage-0 ranks on the busiest node keep in host memory to fill
-    (``cache_size.host_bytes``), the most over the phases."""
+    (``cache_size.host_bytes``; ``pinned``: page-locked, on a GPU), the most over the phases."""
     out = 0
     for i in phases:
         ph = plan.phases[i]
         firsts = [r // local_world for r in ph.stage0_ranks]  # each keeps the frozen weights in host memory
         weights = sum(p.numel() * p.element_size() for layer in model.layers[:ph.frozen_layers]
                       for p in layer.parameters())
-        out = max(out, host_bytes(num_samples, row_bytes, weights, max(firsts.count(n) for n in set(firsts))))
+        out = max(out, host_bytes(num_samples, row_bytes, weights, max(firsts.count(n) for n in set(firsts)),
+                                  pinned=pinned))
     return out
 
 
@@ -245,7 +246,8 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     record = CacheSetupRecord(job_id=job, nodes=n_nodes, dir=cache.dir, spill_dir=cache.spill_dir,
                               budget_bytes=cache.budget_bytes, need_bytes=need, plan_bytes_per_node=predicted,
                               row_bytes=row, refresh_bytes=need - cache_bytes(N, row, 0, cfg.cache_budget),
-                              host_bytes_per_node=host_need(plan, phases, model, N, row, local_world),
+                              host_bytes_per_node=host_need(plan, phases, model, N, row, local_world,
+                                                            pinned=device.type == "cuda"),
                               plan_dtype=plan.inputs.profile.dtype,
                               sample_shape=list(shape), dtype=dtype_name(dtype), samples=N, shard_rows=cache.shard_rows,
                               phases=phases, frozen_layers=sorted({plan.phases[i].frozen_layers for i in phases}),

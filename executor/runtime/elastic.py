@@ -199,8 +199,7 @@ class ElasticRuntime(PhaseState):
         for i, where in held.items():
             if self.store.where[i] != where:
                 self.store.place(i, where, keep_values=current is None or self.rank in current[i])
-            else:
-                self.store.pin(i)
+            self.store.pin(i)  # a held host layer is streamed to the device: page-locked on a CUDA rank
 
     def switch(self, index: int, *, have_weights: list[frozenset[int]],
                have_state: list[frozenset[int]] | None) -> dict[str, Any]:

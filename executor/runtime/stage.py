@@ -27,6 +27,7 @@ layers, bit for bit (``tests/test_stage_build.py``).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -40,17 +41,6 @@ from ptplan.executor.runtime.step import ChunkCompute, StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST
 
 
-def _host_empty(shape: torch.Size, dtype: torch.dtype, pinned: bool) -> Tensor:
-    """Uninitialised host memory, page-locked when ``pinned`` unless the driver refuses to lock more (the copies to
-    the device are then slower, nothing else changes)."""
-    if pinned:
-        try:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        except RuntimeError:
-            pass
-    return torch.empty(shape, dtype=dtype)
-
-
 class LayerStore:
     """Which layers have storage on this rank, and where: ``DEVICE``, ``HOST`` (CPU memory) or None."""
 
@@ -61,6 +51,8 @@ class LayerStore:
         """Every parameter's full shape, kept while it has no storage."""
         self.sizes = [sum(p.numel() * p.element_size() for p in ps) for ps in self.params]
         """Bytes of each layer's parameters."""
+        self.pins = device.type == "cuda"
+        """Whether ``pin`` page-locks the layers held in host memory (a CUDA rank's, until the driver refuses)."""
         self.where: list[str | None] = [self._adopt(i) for i in range(len(layers))]
         """Per layer: ``DEVICE``, ``HOST`` or None (no storage). As built: a layer ``build_model`` built
         here is in host memory (HOST); one it left on the meta device (another stage's) has none."""
@@ -84,43 +76,47 @@ class LayerStore:
     def _home(self, where: str) -> torch.device:
         return torch.device("cpu") if where == HOST else self.device
 
-    @property
-    def pins(self) -> bool:
-        """Whether host storage is page-locked: on a CUDA rank, where a layer kept in host memory (the AutoCache's
-        frozen prefix) is copied to the device at every fill step (``weights.streamed``). From pageable memory
-        the copy goes through the driver's staging buffer, at a fraction of the copy engine's rate."""
-        return self.device.type == "cuda"
-
-    def _on(self, t: Tensor, where: str) -> Tensor:
-        """``t``'s values at ``where`` (host memory pinned where ``pins``; ``t`` itself if already there)."""
-        if where != HOST or not self.pins:
-            return t.to(self._home(where))
-        return t if t.device.type == "cpu" and t.is_pinned() else _host_empty(t.shape, t.dtype, True).copy_(t)
-
     def place(self, i: int, where: str, *, keep_values: bool) -> None:
         """Give layer i storage at ``where``: its values moved there when ``keep_values`` (and it has
-        storage), else uninitialised (about to be received). Buffers move with it."""
+        storage), else uninitialised (about to be received). Buffers move with it. Host storage is pageable
+        (``pin`` locks a held layer's)."""
         dev = self._home(where)
         with torch.no_grad():
             for p in self.params[i]:
                 if keep_values and self.where[i] is not None:
-                    p.data = self._on(p.data, where)
+                    p.data = p.data.to(dev)
                 else:
                     p.grad = None
-                    shape = self.shapes[id(p)]
-                    p.data = (_host_empty(shape, p.dtype, self.pins) if where == HOST
-                              else torch.empty(shape, dtype=p.dtype, device=dev))
+                    p.data = torch.empty(self.shapes[id(p)], dtype=p.dtype, device=dev)
             for b in self.layers[i].buffers():
                 b.data = b.data.to(dev)
         self.where[i] = where
 
     def pin(self, i: int) -> None:
-        """Page-lock host layer i's parameters where ``pins`` (a layer built in host memory keeps pageable
-        storage until then); nothing otherwise."""
-        if self.where[i] == HOST and self.pins:
-            with torch.no_grad():
-                for p in self.params[i]:
-                    p.data = self._on(p.data, HOST)
+        """Page-lock host layer i's parameters where ``pins``; nothing for a layer on the device or without storage.
+
+        For the layers a rank holds in host memory (``ElasticRuntime._settle``: the AutoCache's frozen prefix on a
+        GPU), which the fill copies to the device at every fill step (``weights.streamed``): from pageable memory
+        that copy goes through the driver's staging buffer at a fraction of the copy engine's rate (104 MB of
+        bert-base's prefix: 8.4 against 54.8 GB/s, ``bench/fill_path.py`` on a lent H200). Receive buffers (a
+        gather, a resume) stay pageable. torch's page-locked allocator rounds each tensor up to a power of two
+        (bert-base's weight tensors: 1.70 times their bytes, counted from their shapes); the plan's host memory
+        charges at most twice (``cache_size.PINNED_ROUNDING``). Where the driver refuses to lock more, a warning
+        says so and this store stops trying (the copies are slower, nothing else changes)."""
+        if self.where[i] != HOST or not self.pins:
+            return
+        with torch.no_grad():
+            for p in self.params[i]:
+                if p.data.is_pinned():
+                    continue
+                try:
+                    locked = torch.empty(p.data.shape, dtype=p.dtype, pin_memory=True)
+                except RuntimeError as e:
+                    self.pins = False
+                    warnings.warn(f"cannot page-lock host memory for layer {i} ({e}); the layers kept in host memory "
+                                  f"stay pageable, and the AutoCache's fill copies them to the device more slowly")
+                    return
+                p.data = locked.copy_(p.data)
 
     def release(self, i: int) -> None:
         """Free layer i's parameters (an empty tensor each, shape recorded); its buffers stay (tiny)."""
