@@ -20,7 +20,8 @@ Wall-clock medians over ``--steps`` steps after two untimed ones, the device syn
 (the step sees the same: ``put`` waits for the rows). Usage::
 
     python bench/fill_path.py --device cuda --models bert-base gpt2 --out fill_path.json
-    python bench/fill_path.py --device cpu --models bert-tiny --fill-blocks 1 --refresh-blocks 2 --steps 3      (a rehearsal: nothing is streamed)
+    python bench/fill_path.py --device cpu --models bert-tiny --fill-blocks 1 --refresh-blocks 2 --steps 3
+        (a rehearsal on a CPU: nothing is streamed)
 """
 from __future__ import annotations
 
@@ -192,8 +193,10 @@ def _plan_terms(profile_path: str, f: int, g: int, b: int) -> dict[str, float]:
     return {"profile": profile_path, "host_io": vars(io),
             "fill_s": cache_setup_s(table, f, 1, b, io, device_is_host=False, fill_from=0),
             "refresh_s": cache_setup_s(table, g, 1, b, io, device_is_host=False, fill_from=f),
-            "fill_compute_s": float(tm.cum_nograd[f]), "refresh_compute_s": float(tm.cum_nograd[g] - tm.cum_nograd[f]),
-            "fill_stream_s": float(table.cum_param[f]) / bw, "refresh_stream_s": float(table.cum_param[g] - table.cum_param[f]) / bw,
+            "fill_compute_s": float(tm.cum_nograd[f]),
+            "refresh_compute_s": float(tm.cum_nograd[g] - tm.cum_nograd[f]),
+            "fill_stream_s": float(table.cum_param[f]) / bw,
+            "refresh_stream_s": float(table.cum_param[g] - table.cum_param[f]) / bw,
             "rows_s": b * float(out[f - 1]) / io.write}
 
 
@@ -222,7 +225,8 @@ def _print(r: dict[str, Any]) -> None:
     if "plan" in r:
         p = r["plan"]
         print(f"  the plan's terms (ms): fill {p['fill_s'] * 1e3:.2f} (compute {p['fill_compute_s'] * 1e3:.2f}, "
-              f"weights {p['fill_stream_s'] * 1e3:.2f}, rows {p['rows_s'] * 1e3:.2f}); refresh {p['refresh_s'] * 1e3:.2f}")
+              f"weights {p['fill_stream_s'] * 1e3:.2f}, rows {p['rows_s'] * 1e3:.2f}); "
+              f"refresh {p['refresh_s'] * 1e3:.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
