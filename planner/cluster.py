@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
@@ -396,6 +396,8 @@ class HostIO:
     read: float = 10e9
     write: float = 10e9
     weights: float = 10e9
+    measured: tuple[str, ...] = field(default=(), compare=False)
+    """The fields the profile measured (``measured_host_io``); the others are assumed."""
 
     @classmethod
     def uniform(cls, bandwidth: float) -> "HostIO":
@@ -419,7 +421,7 @@ def measured_host_io(cluster: Cluster, profile: Any, default: float) -> HostIO:
     got: dict[str, float] = {}
     if isinstance(io, dict) and kind == cluster.device_kind:
         got = {name: float(io[key]) for name, key in HOST_IO_KEYS.items() if io.get(key) is not None}
-    return HostIO(**{name: got.get(name, float(default)) for name in HOST_IO_KEYS})
+    return HostIO(**{name: got.get(name, float(default)) for name in HOST_IO_KEYS}, measured=tuple(got))
 
 
 def get_preset(name: str) -> Cluster:

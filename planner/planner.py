@@ -269,6 +269,10 @@ def device_mismatch(profile: Profile, cluster: Cluster) -> str | None:
     return None
 
 
+CACHE_TRAFFIC = {"read": "rows read", "write": "rows written", "weights": "frozen weights streamed"}
+"""``HostIO``'s fields as the assumed-rates warning names them."""
+
+
 def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, search: PhaseSearch,
               phases: list[Phase], reached: set[int] | None = None) -> list[PlanWarning]:
     """The plan's warnings. ``reached``: the frozen counts a run visits (None: any, an adaptive freeze); a pinned
@@ -316,6 +320,14 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
             f"the pinned K/M did not fit in {len(pinned)} phase(s) (frozen blocks "
             f"{', '.join(str(p.frozen_blocks) for p in pinned[:12])}{'...' if len(pinned) > 12 else ''}); "
             f"those chose freely (see each phase's notes)")))
+    assumed = [name for name in ("read", "write", "weights") if name not in search.io.measured
+               and not (name == "weights" and cluster.device_is_host)]  # a CPU streams no weights
+    if assumed and any(p.cache for p in phases):
+        out.append(PlanWarning(code="assumed-cache-host-rates", message=(
+            f"the AutoCache's host traffic ({', '.join(CACHE_TRAFFIC[n] for n in assumed)}) is priced at an assumed "
+            f"{training.host_read_bandwidth / 1e9:g} GB/s: the profile measured no such rates on this kind of "
+            f"device (a lent H200's host measured 3.9 GB/s for rows read, 1.9 for rows written and 54.4 for "
+            f"weights); a profile made by ptplan profile on the target machine measures them")))
     if cluster.host_memory_bytes is None and any(p.cache for p in phases):
         need = max(p.predicted.cache_host_bytes_per_node for p in phases)
         out.append(PlanWarning(code="host-memory-unknown", message=(

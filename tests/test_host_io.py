@@ -115,3 +115,33 @@ def test_measure_host_io_on_this_machine(monkeypatch):
     assert "1000 bytes free" in none["note"]
     prof = _with_io(load_profile(PROFILE), {**none, "weights_to_device_bytes_per_s": 50e9})
     assert measured_host_io(get_preset("dgx-h100"), prof, 7e9) == HostIO(read=7e9, write=7e9, weights=50e9)
+
+
+def test_a_plan_says_when_the_cache_rates_are_assumed():
+    """Warning ``assumed-cache-host-rates`` names the traffic priced at the config's rate: all three for a profile
+    that measured none, nothing for one that measured all, only the rows on a CPU cluster (no weights streamed);
+    never without a cached phase."""
+    from ptplan.planner.cluster import cluster_from_json
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.freeze import FreezePolicy
+    from ptplan.planner.planner import make_plan
+
+    prof = load_profile(PROFILE)
+    one = cluster_from_json({**get_preset("dgx-h100").to_json(), "name": "one", "gpus_per_node": 1,
+                             "nics_per_node": 1})
+    io = {"rows_read_bytes_per_s": 3e9, "rows_write_bytes_per_s": 1.5e9, "weights_to_device_bytes_per_s": 50e9}
+
+    def warned(p, cluster, cache="on"):
+        cfg = TrainingConfig(epochs=3, samples_per_epoch=3200, batch=32, cache=cache)
+        return [w.message for w in make_plan(p, cluster, cfg, FreezePolicy()).warnings
+                if w.code == "assumed-cache-host-rates"]
+
+    (none,) = warned(_with_io(prof, None), one)
+    assert "(rows read, rows written, frozen weights streamed) is priced at an assumed 10 GB/s" in none
+    assert warned(_with_io(prof, io), one) == []
+    (part,) = warned(_with_io(prof, {**io, "rows_write_bytes_per_s": None}), one)
+    assert "(rows written) is priced" in part
+    assert warned(_with_io(prof, None), one, cache="off") == []
+    cpu = load_profile("profiles/bert-tiny_cpu_fp32.json")
+    (rows,) = warned(cpu, cpu_cluster(1))
+    assert "(rows read, rows written) is priced" in rows
