@@ -63,7 +63,8 @@ FIELDS: dict[str, dict[str, str]] = {
                    "replan_seconds": "float?"},
     # need_bytes: the cache's RAM budget (rows at one count, plus refresh_bytes for a second while an epoch
     # refreshes); host_bytes_per_node: what the plan's plan_bytes_per_node counts (rows at one count and the frozen
-    # weights kept in host memory), from the run's model in its dtype (the plan's: plan_dtype); planner/cache_size.py
+    # weights kept in host memory, twice on a GPU: page-locked), from the run's model in its dtype (the plan's:
+    # plan_dtype) and device; planner/cache_size.py
     "cache_setup": {"job_id": "str", "nodes": "int", "dir": "str", "spill_dir": "str?", "budget_bytes": "int",
                     "need_bytes": "int", "plan_bytes_per_node": "int", "sample_shape": "list", "dtype": "str",
                     "samples": "int", "shard_rows": "int", "phases": "list", "frozen_layers": "list",

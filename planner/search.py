@@ -243,7 +243,7 @@ class PhaseSearch:
     def host_bytes_per_node(self, c: Candidate, n0: int, fill_from: int) -> float:
         """Host memory a node needs for the AutoCache: every sample's prefix output at n0 and, while a
         fill refreshes from fill_from, at fill_from too; plus the frozen weights the node's stage-0
-        ranks keep in host memory to fill it."""
+        ranks keep in host memory to fill it (page-locked on a GPU: ``cache_size.PINNED_ROUNDING``)."""
         if not c.cache:
             return 0.0
         N, out = self.cfg.samples_per_epoch, self.t.out_per_sample

@@ -98,3 +98,8 @@ def test_held_host_layers_of_a_cuda_rank_are_pinned():
     store.release(2)
     store.place(2, HOST, keep_values=False)
     assert not any(p.is_pinned() for p in model.layers[2].parameters())
+    assert not store.unlocked
+    store.release(1)  # a pinned layer let go: its blocks go back to the system at the next trim
+    assert store.unlocked
+    store.trim()
+    assert not store.unlocked

@@ -303,3 +303,8 @@ def test_a_store_that_cannot_pin_warns_once_and_keeps_its_values():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         store.pin(2)  # no second warning, nothing copied
+    store.release(1)
+    assert not store.unlocked  # nothing page-locked was let go
+    store.unlocked = True
+    store.trim()  # no accelerator to hand blocks back to: nothing to do, no error
+    assert not store.unlocked

@@ -28,8 +28,9 @@ shard's old slab goes only once all its rows are refreshed), capped by ``cache_b
 (``planner/cache_size.py``: the planner prices the same slabs). Rows are stored in the model's dtype, what the
 prefix outputs (under ``--precision bf16`` autocast the blocks still output float32). The ``cache_setup`` record
 logs the plan's ``Phase.predicted.cache_host_bytes_per_node`` (rows at one count plus the frozen weights kept in host
-memory to fill, in the profile's dtype: ``plan_dtype``) beside the same sum from this run's model
-(``host_bytes_per_node``), and ``refresh_bytes``, the part of ``need_bytes`` for the second count.
+memory to fill, in the profile's dtype: ``plan_dtype``; the weights twice on a GPU, page-locked:
+``cache_size.PINNED_ROUNDING``) beside the same sum from this run's model and device (``host_bytes_per_node``),
+and ``refresh_bytes``, the part of ``need_bytes`` for the second count.
 """
 from __future__ import annotations
 
@@ -82,17 +83,17 @@ def budget_for(num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dty
     return cache_bytes(num_samples, row, row if refresh else 0, cap), rows
 
 
-def host_need(plan: Plan, phases: Sequence[int], model: nn.Module, num_samples: int, row_bytes: int,
+def host_need(plan: Plan, phases: Sequence[int], layer_bytes: Sequence[int], num_samples: int, row_bytes: int,
               local_world: int, *, pinned: bool) -> int:
-    """What the plan's ``cache_host_bytes_per_node`` counts, from this run's model: per caching phase, every
+    """What the plan's ``cache_host_bytes_per_node`` counts, from this run's model (``layer_bytes``: each layer's
+    parameter bytes at full size, ``LayerStore.sizes``, whichever layers this rank holds): per caching phase, every
     row at its count plus the frozen weights its stage-0 ranks on the busiest node keep in host memory to fill
     (``cache_size.host_bytes``; ``pinned``: page-locked, on a GPU), the most over the phases."""
     out = 0
     for i in phases:
         ph = plan.phases[i]
         firsts = [r // local_world for r in ph.stage0_ranks]  # each keeps the frozen weights in host memory
-        weights = sum(p.numel() * p.element_size() for layer in model.layers[:ph.frozen_layers]
-                      for p in layer.parameters())
+        weights = sum(layer_bytes[:ph.frozen_layers])
         out = max(out, host_bytes(num_samples, row_bytes, weights, max(firsts.count(n) for n in set(firsts)),
                                   pinned=pinned))
     return out
@@ -180,10 +181,13 @@ def _check_deterministic(cache: ActivationCache, model: nn.Module, dataset: Data
 
 
 def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, device: torch.device,
-                copies: Sequence[frozenset[int]] | None = None) -> RunCache | None:
+                copies: Sequence[frozenset[int]] | None = None, *,
+                layer_bytes: Sequence[int] | None = None) -> RunCache | None:
     """Create or attach this node's cache and check determinism (collective; see the module docstring).
     ``copies``: per layer, the ranks holding it as built (``resume.built_copies``); None: every rank
-    holds every layer."""
+    holds every layer. ``layer_bytes``: each layer's parameter bytes at full size (the runtime's
+    ``LayerStore.sizes``: a layer this rank did not build has no storage to count); None: counted from
+    ``model``, which must then hold every layer."""
     phases = caching_phases(plan, cfg)
     if not phases:
         if cfg.cache == "off" and any(ph.cache and ph.frozen_layers for ph in plan.phases) and dist.get_rank() == 0:
@@ -197,6 +201,8 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     dtype = next(model.parameters()).dtype  # what the prefix outputs: also under --precision bf16 (autocast), where
     # every family's residual stream leaves a block in float32 (tests/test_compare_fills.py)
     N = len(dataset)
+    sizes = list(layer_bytes) if layer_bytes is not None else \
+        [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.layers]
     refresh = len({plan.phases[i].frozen_layers for i in phases}) > 1  # a later phase refreshes an earlier's rows
     need, rows_per_slab = budget_for(N, shape, dtype, cfg.cache_budget, refresh=refresh)
     budget = need if cfg.cache_budget is None else min(need, cfg.cache_budget)
@@ -246,7 +252,7 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     record = CacheSetupRecord(job_id=job, nodes=n_nodes, dir=cache.dir, spill_dir=cache.spill_dir,
                               budget_bytes=cache.budget_bytes, need_bytes=need, plan_bytes_per_node=predicted,
                               row_bytes=row, refresh_bytes=need - cache_bytes(N, row, 0, cfg.cache_budget),
-                              host_bytes_per_node=host_need(plan, phases, model, N, row, local_world,
+                              host_bytes_per_node=host_need(plan, phases, sizes, N, row, local_world,
                                                             pinned=device.type == "cuda"),
                               plan_dtype=plan.inputs.profile.dtype,
                               sample_shape=list(shape), dtype=dtype_name(dtype), samples=N, shard_rows=cache.shard_rows,

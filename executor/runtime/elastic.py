@@ -200,6 +200,7 @@ class ElasticRuntime(PhaseState):
             if self.store.where[i] != where:
                 self.store.place(i, where, keep_values=current is None or self.rank in current[i])
             self.store.pin(i)  # a held host layer is streamed to the device: page-locked on a CUDA rank
+        self.store.trim()
 
     def switch(self, index: int, *, have_weights: list[frozenset[int]],
                have_state: list[frozenset[int]] | None) -> dict[str, Any]:

@@ -53,6 +53,8 @@ class LayerStore:
         """Bytes of each layer's parameters."""
         self.pins = device.type == "cuda"
         """Whether ``pin`` page-locks the layers held in host memory (a CUDA rank's, until the driver refuses)."""
+        self.unlocked = False
+        """Whether page-locked storage was let go since the last ``trim``."""
         self.where: list[str | None] = [self._adopt(i) for i in range(len(layers))]
         """Per layer: ``DEVICE``, ``HOST`` or None (no storage). As built: a layer ``build_model`` built
         here is in host memory (HOST); one it left on the meta device (another stage's) has none."""
@@ -81,6 +83,7 @@ class LayerStore:
         storage), else uninitialised (about to be received). Buffers move with it. Host storage is pageable
         (``pin`` locks a held layer's)."""
         dev = self._home(where)
+        self._dropping(i)
         with torch.no_grad():
             for p in self.params[i]:
                 if keep_values and self.where[i] is not None:
@@ -120,10 +123,31 @@ class LayerStore:
 
     def release(self, i: int) -> None:
         """Free layer i's parameters (an empty tensor each, shape recorded); its buffers stay (tiny)."""
+        self._dropping(i)
         for p in self.params[i]:
             p.grad = None
             p.data = torch.empty(0, dtype=p.dtype)
         self.where[i] = None
+
+    def _dropping(self, i: int) -> None:
+        """Note that layer i's storage is about to go: page-locked blocks go back to torch's page-locked cache,
+        which keeps them locked until ``trim``."""
+        if self.where[i] == HOST and any(p.data.is_pinned() for p in self.params[i]):
+            self.unlocked = True
+
+    def trim(self) -> None:
+        """Hand page-locked blocks that no layer uses any more back to the system (after a switch moved or freed
+        pinned layers: a later phase's stage-0 ranks need not be this one's)."""
+        if not self.unlocked:
+            return
+        self.unlocked = False
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) \
+            or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            try:
+                empty()
+            except RuntimeError:  # no accelerator to ask: nothing was locked through it
+                pass
 
     def held_bytes(self, where: str) -> int:
         """Bytes of the parameters of the layers held at ``where``."""

@@ -140,7 +140,8 @@ class AutoCache(Callback):
 
     def setup(self, ctx: RunContext, copies: Sequence[frozenset[int]]) -> None:
         """Collective; refuses a nondeterministic prefix (on the layers as built: ``copies``)."""
-        self.cache = setup_cache(ctx.cfg, ctx.plan, ctx.rt.model, ctx.dataset, ctx.device, copies)
+        self.cache = setup_cache(ctx.cfg, ctx.plan, ctx.rt.model, ctx.dataset, ctx.device, copies,
+                                 layer_bytes=ctx.rt.store.sizes)
         ctx.rt.set_cache(None if self.cache is None else self.cache.cache)
 
     def on_start(self, ctx: RunContext) -> None:
