@@ -27,6 +27,7 @@ from ptplan.executor.training.runlog import read_records
 from ptplan.executor.handplan import make_plan, spec
 from ptplan.executor.launch.local import run_world
 from parity import assert_parity, once
+from ptplan.executor.cache.run import host_need
 from ptplan.executor.training.loop import Hooks, run_training, stage_layers, start_phase
 from ptplan.executor.runtime.transition import holdings
 from tests.test_runtime_parity import COUNTS, LAYOUTS, OPT, SEED, STEPS_PER_PHASE, TOL, _data, reference
@@ -223,6 +224,13 @@ def test_ranks_build_only_their_stage_and_train_as_the_reference(name, schedule,
     if cache:
         setup = next(r for r in read_records(os.path.join(tmp, "run.jsonl")) if r["type"] == "cache_setup")
         assert setup["frozen_layers"] == [3, 5] and not setup["notes"]
+        # the record's host need counts every frozen layer at full size, also those rank 0 (which writes it) did not
+        # build: its stage in phase 0 ends before the cached prefix does
+        whole_sizes = [sum(p.numel() * p.element_size() for p in layer.parameters())
+                       for layer in build_model(name, **_kw(name)).layers]
+        assert max(stage_layers(plan, 0, 0)) + 1 < 5
+        assert setup["host_bytes_per_node"] == host_need(plan, setup["phases"], whole_sizes, setup["samples"],
+                                                         setup["row_bytes"], 4, pinned=False)
 
 
 @pytest.mark.multiproc
