@@ -28,33 +28,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
+from ptplan.executor.profiling.host_io import median_seconds, sync
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _median(fn: Callable[[int], object], dev: torch.device, steps: int) -> float:
-    """Median wall seconds of ``fn(k)`` for k = 2 .. steps + 1 (k = 0, 1 untimed), device synchronised."""
-    times = []
-    for k in range(steps + 2):
-        _sync(dev)
-        t = time.perf_counter()
-        fn(k)
-        _sync(dev)
-        if k >= 2:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -68,10 +51,10 @@ def _timed_parts(cache: Any, model: Any, dev: torch.device, parts: dict[str, flo
         saved[(obj, name)] = fn
 
         def timed(*a: Any, **kw: Any) -> Any:
-            _sync(dev)
+            sync(dev)
             t = time.perf_counter()
             out = fn(*a, **kw)
-            _sync(dev)
+            sync(dev)
             parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
             return out
         setattr(obj, name, timed)
@@ -127,19 +110,19 @@ def measure(name: str, dev: torch.device, *, batch: int, seq: int, fill_blocks: 
     # raw copies
     w = torch.empty(weight_bytes["fill"], dtype=torch.uint8)
     wp = w.pin_memory() if dev.type == "cuda" else w
-    res["h2d_pageable_s"] = _median(lambda k: w.to(dev), dev, steps)
-    res["h2d_pinned_s"] = _median(lambda k: wp.to(dev, non_blocking=True), dev, steps)
+    res["h2d_pageable_s"] = median_seconds(lambda k: w.to(dev), dev, steps)
+    res["h2d_pinned_s"] = median_seconds(lambda k: wp.to(dev, non_blocking=True), dev, steps)
     with torch.no_grad():
         _place(model.layers[:g], "device", dev)
         rows = model.run_layers(x, 0, f, mask)
     res["row_bytes_per_step"] = rows.numel() * rows.element_size()
-    res["d2h_rows_s"] = _median(lambda k: rows.to("cpu"), dev, steps)
+    res["d2h_rows_s"] = median_seconds(lambda k: rows.to("cpu"), dev, steps)
     # the prefix's forward, three ways
     for where in ("device", "pageable", "pinned"):
         _place(model.layers[:g], where, dev)
         with torch.no_grad():
-            res[f"prefix_{where}_s"] = _median(lambda k: model.run_layers(x, 0, f, mask), dev, steps)
-            res[f"refresh_layers_{where}_s"] = _median(lambda k: model.run_layers(rows, f, g, mask), dev, steps)
+            res[f"prefix_{where}_s"] = median_seconds(lambda k: model.run_layers(x, 0, f, mask), dev, steps)
+            res[f"refresh_layers_{where}_s"] = median_seconds(lambda k: model.run_layers(rows, f, g, mask), dev, steps)
     _place(model.layers[:g], "pageable", dev)  # as the runtime keeps a cached prefix
     n = 8 * (steps + 2) * batch
     with tempfile.TemporaryDirectory(dir=cache_root) as root:
@@ -149,9 +132,9 @@ def measure(name: str, dev: torch.device, *, batch: int, seq: int, fill_blocks: 
         span = (steps + 2) * batch
         raw = ActivationCache(root, job_id="fill-path-put", create=True, sample_shape=tuple(rows.shape[1:]),
                               dtype=dtype, num_samples=n, budget_bytes=n * rows[0].numel() * rows.element_size())
-        res["put_from_device_s"] = _median(lambda k: raw.put(ids(0, k), f, rows), dev, steps)
+        res["put_from_device_s"] = median_seconds(lambda k: raw.put(ids(0, k), f, rows), dev, steps)
         host_rows = rows.cpu()
-        res["put_from_host_s"] = _median(lambda k: raw.put(ids(span, k), f, host_rows), dev, steps)
+        res["put_from_host_s"] = median_seconds(lambda k: raw.put(ids(span, k), f, host_rows), dev, steps)
         raw.cleanup()
         serve = lambda base, count: (lambda k: cache.prefix_forward(  # noqa: E731
             model, x, mask, ids(base, k), count, micro_batch_size=batch))
@@ -159,10 +142,10 @@ def measure(name: str, dev: torch.device, *, batch: int, seq: int, fill_blocks: 
         cache.prefix_forward(model, x, mask, ids(7 * span, 0), g, micro_batch_size=batch)
         for case, base, count in (("fill", 2 * span, f), ("refresh", 2 * span, g), ("hit", 2 * span, g),
                                   ("fill_again", 3 * span, f)):
-            res[f"serve_{case}_s"] = _median(serve(base, count), dev, steps)
+            res[f"serve_{case}_s"] = median_seconds(serve(base, count), dev, steps)
         for where in ("pinned", "device"):
             _place(model.layers[:g], where, dev)
-            res[f"serve_fill_{where}_s"] = _median(serve((4 if where == "pinned" else 5) * span, f), dev, steps)
+            res[f"serve_fill_{where}_s"] = median_seconds(serve((4 if where == "pinned" else 5) * span, f), dev, steps)
         _place(model.layers[:g], "pageable", dev)
         for case, base, count in (("fill", 6 * span, f), ("refresh", 6 * span, g)):
             parts: dict[str, float] = {}

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 from .errors import PtplanError, SchemaError
 from .jsonio import Fields, read_json
+from .profile import HOST_IO_RATES
 
 SCHEMA = "ptplan.cluster/1"
 GiB = 2**30
@@ -370,6 +371,12 @@ PRESETS["dgx2-v100"] = Cluster(
 PRESETS["cpu"] = cpu_cluster(2)
 
 
+def _measured_on(profile: Any, cluster: Cluster) -> bool:
+    """Whether the profile was measured on the cluster's kind of device (a CPU's numbers say nothing of a GPU's)."""
+    kind = {"cuda": "gpu", "cpu": "cpu"}.get(getattr(getattr(profile, "device", None), "kind", None) or "")
+    return kind == cluster.device_kind
+
+
 def charged_overheads(cluster: Cluster, profile: Any) -> Cluster:
     """The cluster whose per-action overhead the planner charges with this profile: the larger of the cluster's
     ``action_overhead_s`` (two processes, point-to-point posting included, where ``bench/overhead_bench.py``
@@ -380,8 +387,8 @@ def charged_overheads(cluster: Cluster, profile: Any) -> Cluster:
     not measure it."""
     meas = getattr(profile, "measurement", None) or {}
     o = meas.get("action_overhead_s")
-    kind = {"cuda": "gpu", "cpu": "cpu"}.get(getattr(getattr(profile, "device", None), "kind", None) or "")
-    if not isinstance(o, (int, float)) or isinstance(o, bool) or not 0 <= o < MAX_LATENCY_S or kind != cluster.device_kind:
+    if not isinstance(o, (int, float)) or isinstance(o, bool) or not 0 <= o < MAX_LATENCY_S \
+            or not _measured_on(profile, cluster):
         return cluster
     return cluster if o <= cluster.action_overhead_s else replace(cluster, action_overhead_s=float(o))
 
@@ -404,8 +411,7 @@ class HostIO:
         return cls(bandwidth, bandwidth, bandwidth)
 
 
-HOST_IO_KEYS = {"read": "rows_read_bytes_per_s", "write": "rows_write_bytes_per_s",
-                "weights": "weights_to_device_bytes_per_s"}
+HOST_IO_KEYS = dict(zip(("read", "write", "weights"), HOST_IO_RATES))
 """``HostIO`` field -> the key of the profile's ``measurement["host_io"]`` (``executor/profiling/host_io.py``;
 ``load_profile`` checks the values)."""
 
@@ -417,9 +423,8 @@ def measured_host_io(cluster: Cluster, profile: Any, default: float) -> HostIO:
     profile that measured none (projected files, files written before the profiler measured it)."""
     meas = getattr(profile, "measurement", None) or {}
     io = meas.get("host_io") if isinstance(meas, dict) else None
-    kind = {"cuda": "gpu", "cpu": "cpu"}.get(getattr(getattr(profile, "device", None), "kind", None) or "")
     got: dict[str, float] = {}
-    if isinstance(io, dict) and kind == cluster.device_kind:
+    if isinstance(io, dict) and _measured_on(profile, cluster):
         got = {name: float(io[key]) for name, key in HOST_IO_KEYS.items() if io.get(key) is not None}
     return HostIO(**{name: got.get(name, float(default)) for name in HOST_IO_KEYS}, measured=tuple(got))
 

@@ -8,8 +8,8 @@ blocks 0..f-1). Times are seconds per micro-batch, one value per measured micro-
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable

@@ -33,15 +33,21 @@ STEP_BYTES = 64 << 20
 """At most this many bytes of rows per timed step (and the weights tensor's size)."""
 
 
-def _median(fn: Callable[[int], object], dev: torch.device, repeats: int) -> float:
+def sync(dev: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU)."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def median_seconds(fn: Callable[[int], object], dev: torch.device, repeats: int) -> float:
+    """Median wall seconds of ``fn(k)`` for k = 2 .. repeats + 1 (k = 0, 1 untimed), the device synchronised
+    before and after each call."""
     times = []
     for k in range(repeats + 2):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync(dev)
         t = time.perf_counter()
         fn(k)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync(dev)
         if k >= 2:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -77,7 +83,7 @@ def measure_host_io(device: torch.device, sample_shape: tuple[int, ...], dtype: 
                            "rows_read_bytes_per_s": None}
     if device.type == "cuda":
         host = torch.empty(step_bytes, dtype=torch.uint8, pin_memory=True)
-        s = _median(lambda k: host.to(device, non_blocking=True), device, repeats)
+        s = median_seconds(lambda k: host.to(device, non_blocking=True), device, repeats)
         out["weights_to_device_bytes_per_s"] = step_bytes / s
     if n < 1:
         out["note"] = f"{where} has {free} bytes free: no room for {steps} rows of {row_bytes} bytes"
@@ -92,14 +98,14 @@ def measure_host_io(device: torch.device, sample_shape: tuple[int, ...], dtype: 
             if cache.put(ids[0], 1, data) != n:  # creates the slab (once per shard in a run, not per step)
                 out["note"] = f"the cache in {where} took none of {n} rows (no room for a slab)"
                 return out
-            write = _median(lambda k: cache.put(ids[k + 1], 1, data), device, repeats)
+            write = median_seconds(lambda k: cache.put(ids[k + 1], 1, data), device, repeats)
 
             def read(k: int) -> None:
                 rows_back = cache.get(ids[k + 1], 1)
                 assert rows_back is not None, "rows written a step earlier are cached"
                 rows_back.to(device)
 
-            got = _median(read, device, repeats)
+            got = median_seconds(read, device, repeats)
         finally:
             cache.cleanup()
     out["rows_write_bytes_per_s"] = n * row_bytes / write
