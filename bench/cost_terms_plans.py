@@ -4,7 +4,8 @@ schedule, slices, predicted iteration and peak memory, for the README's usual se
     python bench/cost_terms_plans.py --out /tmp/new.json            # this tree
     python bench/cost_terms_plans.py --compare /tmp/old.json /tmp/new.json
 
-The --compare table lists every phase whose prediction changed (bench/results/cost_terms_plans.json keeps the
+The --compare table lists every phase whose prediction changed (its shape, "cache" where the AutoCache is on), and
+each case's whole-plan seconds where they changed (bench/results/cost_terms_plans.json keeps the
 comparison of the backward's working set; ``--result FILE`` writes another comparison elsewhere)."""
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ def run(out: str) -> None:
             rows.append({"case": f"{prof_name} {cl} b{batch} strategies={strat} slices={sl}",
                          "frozen": ph.frozen_blocks, "K": ph.K, "D": ph.D, "M": ph.M, "tp": getattr(ph, "tp", 1),
                          "schedule": ph.schedule, "strategy": ph.strategy_label,
-                         "slices": list(getattr(ph, "slices", ()) or ()),
+                         "slices": list(getattr(ph, "slices", ()) or ()), "cache": ph.cache,
                          "iteration_s": ph.predicted.iteration_s,
-                         "peak_GiB": max(ph.predicted.stage_peak_memory_bytes) / 2**30})
+                         "peak_GiB": max(ph.predicted.stage_peak_memory_bytes) / 2**30,
+                         "plan_seconds": plan.totals.seconds, "plan_fill_seconds": plan.totals.fill_seconds})
         print(f"{prof_name} {cl}: {len(plan.phases)} phases", flush=True)
     Path(out).write_text(json.dumps(rows, indent=1))
 
@@ -62,19 +64,29 @@ def compare(old: str, new: str, result: Path | None = None) -> None:
         if o is None:
             continue
         shape = lambda x: f"K{x['K']} D{x['D']} M{x['M']} tp{x['tp']} {x['schedule']} {x['strategy']}" + (  # noqa: E731
-            f" slices {','.join(map(str, x['slices']))}" if x["slices"] else "")
+            f" slices {','.join(map(str, x['slices']))}" if x["slices"] else "") + (" cache" if x.get("cache") else "")
         if shape(o) != shape(r) or abs(o["iteration_s"] - r["iteration_s"]) > 1e-9 * max(1.0, o["iteration_s"]) \
                 or abs(o["peak_GiB"] - r["peak_GiB"]) > 1e-6:
             changed.append({"case": r["case"], "frozen": r["frozen"], "old": shape(o), "new": shape(r),
                             "old_iteration_s": o["iteration_s"], "new_iteration_s": r["iteration_s"],
                             "old_peak_GiB": o["peak_GiB"], "new_peak_GiB": r["peak_GiB"]})
     print(f"{len(changed)} of {len(b)} phases changed")
+    totals = {}  # each case's whole plan: predicted seconds (AutoCache fills included), where both runs record it
+    for x, side in ((a, "old"), (b, "new")):
+        for r in x:
+            if "plan_seconds" in r:
+                totals.setdefault(r["case"], {})[side] = (r["plan_seconds"], r["plan_fill_seconds"])
+    totals = {c: t for c, t in totals.items() if len(t) == 2 and t["old"] != t["new"]}
+    for c, t in totals.items():
+        print(f"{c}: plan {t['old'][0]:.4g} s (fills {t['old'][1]:.3g} s) -> {t['new'][0]:.4g} s "
+              f"(fills {t['new'][1]:.3g} s)")
     for c in changed:
         print(f"{c['case']} f={c['frozen']}: {c['old']} {c['old_iteration_s']:.4g} s {c['old_peak_GiB']:.2f} GiB -> "
               f"{c['new']} {c['new_iteration_s']:.4g} s {c['new_peak_GiB']:.2f} GiB")
     result = result or ROOT / "bench" / "results" / "cost_terms_plans.json"
     result.parent.mkdir(parents=True, exist_ok=True)
-    result.write_text(json.dumps({"phases": len(b), "changed": changed, "old": old, "new": new}, indent=1))
+    result.write_text(json.dumps({"phases": len(b), "changed": changed, "plans": totals, "old": old, "new": new},
+                                 indent=1))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ compared with its prediction (``planner.compare``: median step time, first step 
 during which other processes used the CPU are repeated (``calibrate``'s rule) or marked contended.
 
     python bench/schedule_bench.py [--part 1|2|both] [--steps 12] [--out bench/results/schedule_bench.json]
+
+With one ``--part``, an existing ``--out`` keeps the other part's results.
 """
 from __future__ import annotations
 
@@ -155,7 +157,11 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=1)
     ap.add_argument("--out", default="bench/results/schedule_bench.json")
     args = ap.parse_args()
-    result: dict = {"command": " ".join(["python"] + sys.argv)}
+    command = " ".join(["python"] + sys.argv)
+    result: dict = {"command": command}
+    if args.part != "both" and Path(args.out).exists():  # one part: the other part's results in --out are kept
+        result = json.loads(Path(args.out).read_text())
+        result[f"command_part{args.part}"] = command
     if args.part in ("1", "both"):
         rows = predictions(args.b)
         print_predictions(rows)

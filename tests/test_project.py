@@ -1,12 +1,16 @@
 """Projected profiles (executor/profiling/project.py): exact operation counts on the meta device, a device model's roofline."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from ptplan.executor.profiling.live_bytes import memory_pass
 from ptplan.executor.families.models import build_model
-from ptplan.executor.profiling.project import Op, op_seconds, project_profile, record_layers
+from ptplan.executor.profiling.profiler import model_for_profile
+from ptplan.executor.profiling.project import Op, count_model, op_seconds, project_profile, record_layers, time_counted
 from ptplan.planner.cluster import get_preset
 from ptplan.planner.config import TrainingConfig
 from ptplan.planner.devices import DEVICES, get_device
@@ -102,3 +106,31 @@ def test_cli_projects_and_refuses_a_dtype_the_device_lacks(tmp_path):
     r = CliRunner().invoke(cli, ["profile", "bert-tiny", "--project", "rtx5000", "--dtype", "bfloat16",
                                  "--out", str(bad)])
     assert r.exit_code == 2 and "no bfloat16" in r.output and not bad.exists()
+
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+PROJECTED = sorted(p for p in PROFILES.glob("*.json") if json.loads(p.read_text())["provenance"]["source"] == "projected")
+
+
+@pytest.mark.parametrize("model", sorted({p.name.split("_")[0] for p in PROJECTED}))
+def test_shipped_projected_profiles_are_what_the_projection_writes_today(model):
+    """Every shipped projected profile equals what ``--project`` computes now for its model, device and dtype (the
+    files were once left behind when attention became the fused kernel: every plan from them priced attention
+    1.1-3.8x too slow). Counted once per dtype, timed per device; every layer record, the whole-model sums and the
+    FLOP count must be the file's. Stale files: re-project them with the command in their provenance."""
+    files = [p for p in PROJECTED if p.name.split("_")[0] == model]
+    shipped = [load_profile(p) for p in files]
+    made_with = {s.device.torch_version.split("+")[0].rsplit(".", 1)[0] for s in shipped}
+    if made_with != {torch.__version__.split("+")[0].rsplit(".", 1)[0]}:
+        pytest.skip(f"the shipped files were counted with torch {made_with}, this is {torch.__version__}")
+    counted = {}
+    for path, prof in zip(files, shipped):
+        if prof.model.dtype not in counted:
+            counted[prof.model.dtype] = count_model(model_for_profile(prof, layers=[]), prof.batch_sizes)
+        fresh = time_counted(counted[prof.model.dtype], get_device(prof.provenance.device_model),
+                             command=prof.provenance.command, date=prof.device.date)
+        stale = [a.name for a, b in zip(prof.layers, fresh.layers) if a != b]
+        assert not stale and len(prof.layers) == len(fresh.layers), \
+            f"{path.name} is stale in {stale[:4]}: re-run `{prof.provenance.command}` to profiles/"
+        assert prof.whole_model == fresh.whole_model, path.name
+        assert prof.measurement["flops_at_largest_batch"] == fresh.measurement["flops_at_largest_batch"], path.name

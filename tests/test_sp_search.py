@@ -94,13 +94,13 @@ def _search(gib: float, batch: int, family: str | None = None):
 
 
 def test_auto_chooses_sp_where_memory_binds_and_never_offers_it_without_the_runtime():
-    """GPT-2 (bf16, 8 H100s limited to 1 GiB each, batch 32): the search takes tp2·sp, faster than the best it
+    """GPT-2 (bf16, 8 H100s limited to 1.2 GiB each, batch 32): the search takes tp2·sp, faster than the best it
     finds without sp (which plain tp2 then has to take on a worse split); with 2 GiB, memory does not bind and it
     keeps plain tp (ties go to the simpler strategy); the same profile under a family without sp never gets an sp
     candidate."""
-    ps, ch = _search(1.0, 32)
+    ps, ch = _search(1.2, 32)
     assert ch.cand.sp and ch.cand.tp == 2 and ch.label.startswith("tp2·sp"), ch.label
-    _, without = _search(1.0, 32, family="custom-gpt")
+    _, without = _search(1.2, 32, family="custom-gpt")
     assert not without.cand.sp and without.objective > ch.objective * 1.01, (without.label, without.objective)
     assert not _search(2.0, 32)[1].cand.sp
     assert not any(m[3] for m in _search(2.0, 32, family="bert")[0].modes)
