@@ -9,7 +9,9 @@ every frozen count 0..L (the plan must serve adaptive runs), so 384 blocks means
 Also reported: how many candidates (K, M, cache) the bounds let through to the exact split and the
 simulator. The ``hybrid`` row is issue 14's target: every phase of a 48-block model (hidden 2048) on
 8 DGX H100 nodes (64 GPUs) searched with ``strategies="auto"`` (tensor parallel, FSDP, recomputation),
-global batch 1,024, in under 5 s. Prints a table and writes JSON (default bench/results/plan_bench.json):
+global batch 1,024, in under 5 s. The ``sliced`` row times token slicing (no target): docs/token-slices.md's
+plan, the measured GPT-2 slice profile on ``cpu:4``, batch 4 from K = 4, 4,096 samples per epoch, with
+``token_slices`` auto against off (their ratio is what slicing's own searches cost). Prints a table and writes JSON (default bench/results/plan_bench.json):
 wall-clock seconds (median, min, max of the repeats; the targets are on the median), the median CPU
 seconds of this process, all its threads (less sensitive to other work on a shared machine), and the
 load average at the start and the end.
@@ -95,6 +97,29 @@ def run_hybrid(repeats: int) -> dict:
             "evaluated": evaluated, "target_s": h["target_s"], "verdict": "PASS" if med < h["target_s"] else "FAIL"}
 
 
+def run_sliced(repeats: int) -> dict:
+    """docs/token-slices.md's plan with token slices auto and off (``make_plan``, 13 phases)."""
+    from ptplan.planner.cluster import get_preset
+    from ptplan.planner.profile import load_profile
+
+    prof = load_profile(Path(__file__).resolve().parents[1] / "profiles" / "gpt2_cpu_fp32_slices.json")
+    training = TrainingConfig(epochs=10, samples_per_epoch=4096, batch=4, start_K=4)
+    out: dict = {"profile": "gpt2_cpu_fp32_slices", "cluster": "cpu:4", "batch": 4, "start_K": 4}
+    for mode in ("auto", "off"):
+        times, cpu = [], []
+        for _ in range(repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            plan = make_plan(prof, get_preset("cpu:4"), training, FreezePolicy(policy="geometric", alpha=1 / 3),
+                             token_slices=mode)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out[mode] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                     "cpu_median_s": statistics.median(cpu), "phases": len(plan.phases),
+                     "sliced_phases": sum(bool(getattr(p, "slices", ())) and len(p.slices) > 1 for p in plan.phases),
+                     "seconds": plan.totals.seconds}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -113,6 +138,11 @@ def main() -> None:
     print(f"hybrid: {hy['blocks']} blocks on {hy['gpus']} GPUs, strategies auto, {hy['phases']} phases: median "
           f"{hy['median_s']:.3f} s (min {hy['min_s']:.3f}, max {hy['max_s']:.3f}, CPU {hy['cpu_median_s']:.3f}), "
           f"{hy['evaluated']} evaluated, target <{hy['target_s']:g} s {hy['verdict']}")
+    sl = run_sliced(args.repeats)
+    print(f"sliced: {sl['profile']} on {sl['cluster']}, {sl['auto']['phases']} phases, token slices auto: median "
+          f"{sl['auto']['median_s']:.3f} s (CPU {sl['auto']['cpu_median_s']:.3f}), {sl['auto']['sliced_phases']} "
+          f"phases sliced; off: {sl['off']['median_s']:.3f} s (CPU {sl['off']['cpu_median_s']:.3f}); auto / off "
+          f"{sl['auto']['cpu_median_s'] / sl['off']['cpu_median_s']:.1f}x CPU")
     load_end = os.getloadavg()
     print(f"load average (1, 5, 15 min) at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
           f"at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
@@ -121,7 +151,7 @@ def main() -> None:
     out.write_text(json.dumps({"benchmark": "plan", "machine": platform.machine(), "cpus": os.cpu_count(),
                                "python": platform.python_version(), "repeats": args.repeats,
                                "loadavg_start": list(load_start), "loadavg_end": list(load_end), "rows": rows,
-                               "hybrid": hy},
+                               "hybrid": hy, "sliced": sl},
                               indent=1) + "\n")
     print(f"wrote {out}")
 

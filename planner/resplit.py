@@ -98,14 +98,16 @@ Bounds = Callable[[np.ndarray], np.ndarray]
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
                radius: int = RADIUS, max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None,
                give_up: float = math.inf, cutoff: float = math.inf,
-               max_flat: int = MAX_FLAT) -> tuple[tuple[int, ...], float]:
+               max_flat: int = MAX_FLAT, wide: bool = True) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
     where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
     lower-bounds scores, so that splits whose bound loses are not scored: the enumeration scores splits in
     ascending order of their bounds and stops at the first that cannot win: whose bound is not below the best
     score so far, or is over ``cutoff`` (a score the caller already has elsewhere: a split over it is of no use
-    to the caller, one equal to it still is). The descent is not started where ``cuts`` scores above ``give_up``."""
+    to the caller, one equal to it still is). The descent is not started where ``cuts`` scores above ``give_up``.
+    ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones), for a caller whose scores cost no
+    bound, only a full simulation, and whose start already came out of a wide descent."""
     cur = tuple(cuts)
     best = score(cur, math.inf)
     if len(cur) <= 2:
@@ -147,12 +149,12 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     for _ in range(max_rounds):
         step, step_score, tie = best_of(neighbours(cur, radius), best)
         d = 2 * radius
-        while step is None and d < n - a:  # no move of one layer improves: moves of 2, 4, 8, ... layers
+        while wide and step is None and d < n - a:  # no move of one layer improves: moves of 2, 4, 8, ... layers
             step, step_score, t = best_of(far(cur, d), best)
             tie = tie or t
             d *= 2
         if step is None:  # none improves: across the plateau, if there is one
-            if tie is None or flat >= max_flat:
+            if tie is None or flat >= max_flat or not wide:
                 break
             flat += 1
             cur = tie

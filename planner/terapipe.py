@@ -621,8 +621,10 @@ def _sliced_split(search, choice, phase):
     """(ranges, their stage costs, their stage memory, (iteration, slices)) of the split whose best slicing is fastest. The search chose
     the split for the unsliced schedule; slices change what is best (a stage's bubble is filled differently), so
     the split is searched again on the sliced objective (``resplit.best_split``'s descent, from the better of the
-    chosen split and AutoPipe's busy-time split). A phase with the AutoCache keeps its split (its fill iteration
-    has costs of its own)."""
+    chosen split and AutoPipe's busy-time split; moves of one layer only, ``wide=False``: each score here is a
+    slice search and simulations with no bound to skip them, and the chosen split already came out of the wide
+    descent on the unsliced objective). A phase with the AutoCache keeps its split (its fill iteration has costs
+    of its own)."""
     from .partition import split_stages
     from .resplit import best_split
 
@@ -647,7 +649,7 @@ def _sliced_split(search, choice, phase):
     except InfeasibleError:
         pass
     start = min(dict.fromkeys(starts), key=lambda c: score(c, math.inf))
-    cuts, t = best_split(start, score, enumerate_up_to=0)
+    cuts, t = best_split(start, score, enumerate_up_to=0, wide=False)
     if not math.isfinite(t):
         return choice.ranges, choice.costs, choice.memory, None
     ranges = tuple(zip(cuts[:-1], cuts[1:]))
