@@ -15,10 +15,13 @@ sizes above 2 and contexts beyond 1024 extrapolate the fit (linear in b).
    kernel on this machine: 81.6 s (the figure in issue 16; not re-run here).
 2. The same 48-stage pipeline, b = 1..32 in one micro-batch: TeraPipe's objective T = Σ t + (K−1)·max t for no
    slicing, the best uniform slicing and the optimal slices (g = 8).
-3. The real 12-block GPT-2 (layers from profiles/gpt2_cpu_fp32.json, blocks from the slice model) on K = 4 and
-   K = 12 stages at L = 2048: the simulated iteration (planner.terapipe.sliced_phase: the terapipe schedule
-   in the discrete-event simulator) without slicing and with the chosen slices, for b = 1..32 in one
-   micro-batch (M = 1), and the best over M (b split into M micro-batches) with and without slicing.
+3. The real 12-block GPT-2 at its own longest sequence, L3 = 1024 tokens, projected for TeraPipe's GPU (V100,
+   fp16; ``ptplan profile gpt2 --project v100 --dtype fp16 --seq-len 1024 --slices``, built here in seconds:
+   the stage model prices a profile's layers at the length they were profiled at, and the shipped CPU profile
+   is at 128) on one p3.16xlarge, K = 4 and 8 stages: the simulated iteration (planner.terapipe.sliced_phase:
+   the terapipe schedule in the discrete-event simulator) without slicing and with the chosen slices, for
+   b = 1..32 in one micro-batch (M = 1), and the best over M (b split into M micro-batches) with and without
+   slicing; "-" where no M fits the GPU's memory.
 
 4. ``--measure PROFILE``: the executor for real. PROFILE is a gpt2-tiny profile with slices measured at
    the sequence length L it was profiled with (``ptplan profile gpt2-tiny --seq-len 1024 --batch-sizes 1,2
@@ -28,6 +31,8 @@ sizes above 2 and contexts beyond 1024 extrapolate the fit (linear in b).
 
     python bench/terapipe_bench.py [--repeats 3] [--out bench/results/terapipe_bench.json]
            [--measure /tmp/g2t1024.json --steps 4]
+
+Without ``--measure``, an existing ``--out`` keeps its part 4 (and the command that measured it).
 """
 from __future__ import annotations
 
@@ -40,12 +45,32 @@ import tempfile
 import time
 from pathlib import Path
 
+from ptplan.planner.cluster import Cluster
 from ptplan.planner.profile import load_profile
 from ptplan.planner.terapipe import optimal_slices, profile_slice_cost, sliced_phase, uniform_slices
 
 L, K = 2048, 48
 PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "gpt2_cpu_fp32_slices.json"
 BATCHES = (1, 2, 4, 8, 16, 32)
+L3, K3, DEVICE3, LIKE3 = 1024, (4, 8), "v100", "p3.16xlarge"
+
+
+def projected_gpt2(seq_len: int, device: str):
+    """GPT-2 projected for ``device`` in fp16 at ``seq_len``, with its token-slice costs (``ptplan profile gpt2
+    --project DEVICE --dtype fp16 --seq-len SEQ_LEN --slices``, in process)."""
+    import torch
+
+    from ptplan.executor.families import build_model
+    from ptplan.executor.profiling.profiler import powers_of_two
+    from ptplan.executor.profiling.project import project_profile
+    from ptplan.executor.profiling.slices import project_slices, with_slices
+    from ptplan.planner.devices import get_device
+
+    command = f"ptplan profile gpt2 --project {device} --dtype fp16 --seq-len {seq_len} --slices"
+    model = build_model("gpt2", seq_len=seq_len, dtype=torch.float16, layers=[])
+    dev = get_device(device)
+    prof = project_profile(model, dev, batch_sizes=powers_of_two(64), command=command)
+    return with_slices(prof, project_slices(model, dev, command=command, date=prof.device.date))
 
 
 def _shown(slices) -> str:
@@ -146,31 +171,50 @@ def main() -> None:
               f"{one.latency_s / opt.latency_s:>5.2f}x  {_shown(opt.slices)}")
 
     phases = []
-    for k in (4, 12):
-        print(f"\n3. GPT-2 (12 blocks) on K={k}, L={L}: simulated iteration (s)")
+    t0 = time.perf_counter()
+    gpt2 = projected_gpt2(L3, DEVICE3)
+    print(f"\n3. GPT-2 (12 blocks) projected for {DEVICE3} fp16 at L={L3} ({time.perf_counter() - t0:.1f} s), one "
+          f"{LIKE3}")
+    cluster = Cluster.uniform(nodes=1, like=LIKE3)
+    for k in K3:
+        print(f"K={k}: simulated iteration (ms)")
         print(f"{'b':>3} {'M=1 unsliced':>13} {'M=1 sliced':>11} {'gain':>6} {'best M unsliced':>16} "
               f"{'best M sliced':>14} {'gain':>6}  slices (best sliced)")
         for b in BATCHES:
             t0 = time.perf_counter()
-            one = sliced_phase(prof, L=L, K=k, M=1, b=b, granularity=32)
-            cands = [sliced_phase(prof, L=L, K=k, M=m, b=b // m, granularity=32) for m in BATCHES if b % m == 0]
-            best_off = min(cands, key=lambda p: p.unsliced_s)
-            best_on = min(cands, key=lambda p: p.iteration_s)
+            cands = [sliced_phase(gpt2, K=k, M=m, b=b // m, granularity=32, cluster=cluster)
+                     for m in BATCHES if b % m == 0]
+            one, fit = cands[0], [c for c in cands if c.fits]
             secs = time.perf_counter() - t0
-            phases.append({"K": k, "b": b, "m1_unsliced_s": one.unsliced_s, "m1_sliced_s": one.iteration_s,
-                           "m1_slices": list(one.slices), "best_unsliced_s": best_off.unsliced_s,
-                           "best_unsliced_M": best_off.M, "best_sliced_s": best_on.iteration_s,
-                           "best_sliced_M": best_on.M, "best_slices": list(best_on.slices),
-                           "ranges": [list(r) for r in one.ranges], "planning_s": secs})
-            print(f"{b:>3} {one.unsliced_s:>13.2f} {one.iteration_s:>11.2f} {one.unsliced_s / one.iteration_s:>5.2f}x "
-                  f"{best_off.unsliced_s:>11.2f} M={best_off.M:<3} {best_on.iteration_s:>9.2f} M={best_on.M:<3} "
-                  f"{best_off.unsliced_s / best_on.iteration_s:>5.2f}x  {_shown(best_on.slices)}")
-    measured = measure(args.measure, args.steps) if args.measure else []
+            row = {"K": k, "b": b, "m1_unsliced_s": one.unsliced_s, "m1_sliced_s": one.iteration_s,
+                   "m1_slices": list(one.slices), "m1_fits": one.fits, "ranges": [list(r) for r in one.ranges],
+                   "planning_s": secs}
+            if not fit:
+                phases.append(row)
+                print(f"{b:>3} {'-':>13} {'-':>11} {'':>6} {'-':>16} {'-':>14}  (no M fits the memory)")
+                continue
+            best_off = min(fit, key=lambda p: p.unsliced_s)
+            best_on = min(fit, key=lambda p: p.iteration_s)
+            row.update({"best_unsliced_s": best_off.unsliced_s, "best_unsliced_M": best_off.M,
+                        "best_sliced_s": best_on.iteration_s, "best_sliced_M": best_on.M,
+                        "best_slices": list(best_on.slices)})
+            phases.append(row)
+            m1 = (f"{1e3 * one.unsliced_s:>13.1f} {1e3 * one.iteration_s:>11.1f} "
+                  f"{one.unsliced_s / one.iteration_s:>5.2f}x") if one.fits else f"{'-':>13} {'-':>11} {'':>6}"
+            print(f"{b:>3} {m1} {1e3 * best_off.unsliced_s:>11.1f} M={best_off.M:<3} {1e3 * best_on.iteration_s:>9.1f} "
+                  f"M={best_on.M:<3} {best_off.unsliced_s / best_on.iteration_s:>5.2f}x  {_shown(best_on.slices)}")
+    measured, measured_command = (measure(args.measure, args.steps), None) if args.measure else ([], None)
+    if not args.measure and Path(args.out).exists():  # part 4 not re-run: --out keeps the part 4 it holds
+        old = json.loads(Path(args.out).read_text())
+        measured, measured_command = old.get("measured", []), old.get("measured_command", old.get("command"))
     Path(args.out).write_text(json.dumps({
         "command": " ".join(["python"] + sys.argv), "L": L, "K": K, "profile": PROFILE.name,
+        "gpt2_phases_setting": {"L": L3, "K": list(K3), "device": DEVICE3, "dtype": "float16", "cluster": LIKE3,
+                                "profile": gpt2.provenance.command},
         "slice_fit": {"forward": sp.forward.__dict__, "backward": sp.backward.__dict__, "device": sp.device,
                       "date": sp.date},
-        "timing": timing, "block_pipeline": rows, "gpt2_phases": phases, "measured": measured}, indent=1))
+        "timing": timing, "block_pipeline": rows, "gpt2_phases": phases, "measured": measured,
+        "measured_command": measured_command or " ".join(["python"] + sys.argv)}, indent=1))
     print(f"wrote {args.out}")
 
 
