@@ -1,0 +1,210 @@
+"""The docs' prediction tables, rendered from the bench results that make them, and checked against the docs.
+
+Each table in the docs that a prediction-only bench script makes is marked by a line ``<!-- bench-table: NAME -->``
+right above it; ``TABLES`` says which script's JSON renders it and how. ``--check`` renders every marked table
+from the results in DIR and lists each that differs from the docs (exit 1); ``--write`` rewrites them in place.
+``tests/test_bench_scripts.py`` runs each script on the tree and checks its tables against the fresh output, so a
+change that moves a documented prediction fails until the docs say what the code now predicts.
+
+    python bench/doc_tables.py --check [--results bench/results]
+    python bench/doc_tables.py --write [--results bench/results]   (after re-running the scripts)
+
+The ablation table's JSON is ``ptplan ablate ... --json`` (``ABLATE_ARGS``), written as ``ablate.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+ABLATE_ARGS = ["vit-base_rtx5000_fp32", "--cluster", "paper", "--alpha", "0.3333", "--epochs", "10"]
+MARK = re.compile(r"^<!-- bench-table: ([a-z0-9-]+) -->$")
+
+
+def _x(v: float) -> str:
+    return f"{v:.2f}×"
+
+
+def ablation(d: dict) -> list[str]:
+    """docs/results.md: ``ptplan ablate vit-base_rtx5000_fp32 --cluster paper --alpha 0.3333 --epochs 10``."""
+    labels = {"freeze-only": "freeze only (static split, K, D, M)",
+              "autopipe": "+ AutoPipe (re-split, K ≤ {K}; D fixed)",
+              "autopipe-autocache": "+ AutoPipe + AutoCache (D fixed)",
+              "autopipe-autodp": "+ AutoPipe + AutoDP (cache off)",
+              "full": "+ AutoPipe + AutoDP + AutoCache (ptplan's plan)",
+              "greedy-split": "{full} with the paper's greedy parameter balancer",
+              "k-halving": "{full} with K halving only",
+              "paper-m-table": "{full} with the paper's hard-coded micro-batch table"}
+    rows = {r["key"]: r for r in d["rows"]}
+    first = rows["no-freeze"]["phases"][0]
+    full = rows["full"]["number"]
+    out = ["| row | what changed | predicted | speedup | paper |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        label = (f"no freezing: static K = {first['K']} × D = {first['D']}" if r["key"] == "no-freeze" else
+                 labels[r["key"]].format(K=d["start_K"], full=full))
+        bold = "**" if r["key"] == "full" else ""
+        paper = "—" if r["paper_speedup"] is None else f"{bold}{_x(r['paper_speedup'])}{bold}"
+        out.append(f"| {r['number']} | {label} | {r['seconds']:,.1f} s | {bold}{_x(r['speedup'])}{bold} | {paper} |")
+    return out
+
+
+def schedules(d: dict) -> list[str]:
+    """docs/results.md: ``python bench/schedule_bench.py --part 1``, the projected H100 rows."""
+    order = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v"]
+    out = ["| model | K | GPipe | 1F1B | interleaved 1F1B | ZB-H1 | looped BFS | ZB-V |",
+           "|---|---|---|---|---|---|---|---|"]
+    rows = [r for r in d["predictions"] if r["source"] == "h100"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for K in dict.fromkeys(r["K"] for r in rows if r["model"] == model):
+            cells = []
+            for sched in order:
+                r = next(x for x in rows if x["model"] == model and x["K"] == K and x["schedule"] == sched)
+                c = f"{r['iteration_s'] * 1e3:.1f} ms, {r['bubble'] * 100:.1f} %"
+                if sched == "interleaved-1f1b" or (sched == "looped-bfs" and r["V"] != 2):
+                    c += f" (V={r['V']})"
+                cells.append(c)
+            out.append(f"| {model} | {K} | " + " | ".join(cells) + " |")
+    return out
+
+
+def two_bw(d: dict) -> list[str]:
+    """docs/results.md: ``python bench/twobw_bench.py``, nothing frozen: throughput over 1F1B's and the fullest
+    rank's peak."""
+    out = ["| profile | K | GPipe | 1F1B | 2BW | 2BW + recomputation |", "|---|---|---|---|---|---|"]
+    rows = [r for r in d["rows"] if r["frozen_blocks"] == 0]
+    for prof in dict.fromkeys(r["profile"] for r in rows):
+        for K in dict.fromkeys(r["K"] for r in rows if r["profile"] == prof):
+            by = {r["schedule"]: r for r in rows if r["profile"] == prof and r["K"] == K}
+            base = by["1f1b"]["samples_per_s"]
+            cells = [f"{_x(by[s]['samples_per_s'] / base)}, {by[s]['peak_bytes'] / 2**30:.2f} GiB"
+                     for s in ("gpipe", "1f1b", "2bw", "2bw+rc")]
+            out.append(f"| {prof} | {K} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.1f}"
+
+
+def hybrid(d: dict) -> list[str]:
+    """docs/strategies.md: ``python bench/hybrid_bench.py``, the frozen counts the docs show."""
+    shown = {"gpt2_h100_bf16": ((0, 11), "gpt2 (projected H100 bf16)"),
+             "bert-large_h100_bf16": ((0, 3, 9, 23), "bert-large (projected H100 bf16)")}
+    out = ["| case | GPUs | f | hybrid (plan) | pipeline × DP (plan) | plain FSDP | hybrid / pp×dp | hybrid / FSDP |",
+           "|---|---|---|---|---|---|---|---|"]
+
+    def plan(x: dict) -> str:
+        return f"{_num(x['samples_per_s'])} (K{x['K']} D{x['D']} {x['strategy'].replace('|', chr(92) + '|')})"
+
+    named = set()
+    for c in d["results"]:
+        fs, name = shown.get(c["case"], (None, "synthetic GPT 48 × 8192 (39.5 B)"))
+        for r in c["rows"]:
+            if fs is not None and r["frozen"] not in fs:
+                continue
+            h, p, f = r["hybrid"], r.get("pp x dp"), r.get("fsdp")
+            label = "" if name in named else name
+            named.add(name)
+            out.append(f"| {label} | {c['gpus']:,} | {r['frozen']} | {plan(h)} | {plan(p) if p else '–'} | "
+                       f"{_num(f['samples_per_s']) if f else '–'} | "
+                       f"{_x(h['samples_per_s'] / p['samples_per_s']) if p else '–'} | "
+                       f"{_x(h['samples_per_s'] / f['samples_per_s']) if f else '–'} |")
+    return out
+
+
+def slices(d: dict) -> list[str]:
+    """docs/token-slices.md: ``python bench/terapipe_bench.py`` part 3, b = 1, 4, 32, best over M."""
+    ks = d["gpt2_phases_setting"]["K"]
+    out = ["| b | " + " | ".join(f"K = {k} unsliced | K = {k} sliced | gain" for k in ks) + " |",
+           "|---|" + "---|---|---|" * len(ks)]
+    for b in (1, 4, 32):
+        cells = []
+        for k in ks:
+            r = next(x for x in d["gpt2_phases"] if x["K"] == k and x["b"] == b)
+            cells.append(f"{r['best_unsliced_s'] * 1e3:.1f} ms | {r['best_sliced_s'] * 1e3:.1f} ms | "
+                         f"{_x(r['best_unsliced_s'] / r['best_sliced_s'])}")
+        out.append(f"| {b} | " + " | ".join(cells) + " |")
+    return out
+
+
+# name: (doc, the JSON in DIR, renderer)
+TABLES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
+    "ablation": ("docs/results.md", "ablate.json", ablation),
+    "schedules": ("docs/results.md", "schedule_bench.json", schedules),
+    "two-bw": ("docs/results.md", "twobw_bench.json", two_bw),
+    "hybrid": ("docs/strategies.md", "hybrid_bench.json", hybrid),
+    "token-slices": ("docs/token-slices.md", "terapipe_bench.json", slices),
+}
+
+
+def doc_table(doc: str, name: str) -> tuple[list[str], int, int]:
+    """The doc's lines and the [start, end) line range of table ``name`` (the ``|`` lines under its marker)."""
+    lines = (ROOT / doc).read_text().split("\n")
+    at = [i for i, line in enumerate(lines) if (m := MARK.match(line)) and m.group(1) == name]
+    if len(at) != 1:
+        raise SystemExit(f"{doc}: {len(at)} markers '<!-- bench-table: {name} -->' (want 1)")
+    start = end = at[0] + 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    if end == start:
+        raise SystemExit(f"{doc}: no table under the marker of '{name}'")
+    return lines, start, end
+
+
+def differences(results: Path, names: list[str] | None = None) -> dict[str, tuple[list[str], list[str]]]:
+    """Per table whose rendering from ``results`` differs from the docs: (the docs' lines, the rendered lines)."""
+    out = {}
+    for name in list(TABLES) if names is None else names:
+        doc, src, render = TABLES[name]
+        lines, start, end = doc_table(doc, name)
+        want = render(json.loads((results / src).read_text()))
+        if lines[start:end] != want:
+            out[name] = (lines[start:end], want)
+    return out
+
+
+def tables_of(json_name: str) -> list[str]:
+    """The tables rendered from results file ``json_name``."""
+    return [n for n, (_, src, _) in TABLES.items() if src == json_name]
+
+
+def write(results: Path) -> list[str]:
+    changed = []
+    for name, (doc, src, render) in TABLES.items():
+        lines, start, end = doc_table(doc, name)
+        want = render(json.loads((results / src).read_text()))
+        if lines[start:end] != want:
+            lines[start:end] = want
+            (ROOT / doc).write_text("\n".join(lines))
+            changed.append(name)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--check", action="store_true", help="list the tables that differ from the results; exit 1")
+    mode.add_argument("--write", action="store_true", help="rewrite the marked tables from the results")
+    ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results",
+                    help="the folder of the scripts' JSON (default bench/results)")
+    a = ap.parse_args(argv)
+    if a.write:
+        changed = write(a.results)
+        print("rewrote " + (", ".join(changed) if changed else "nothing: every table matches"))
+        return 0
+    diff = differences(a.results)
+    for name, (have, want) in diff.items():
+        print(f"{TABLES[name][0]}: table '{name}' differs from {a.results / TABLES[name][1]}:")
+        for h, w in zip(have + [""] * len(want), want + [""] * len(have)):
+            if h != w:
+                print(f"  docs: {h}\n  now:  {w}")
+    print(f"{len(diff)} of {len(TABLES)} tables differ" if diff else f"all {len(TABLES)} tables match")
+    return 1 if diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
