@@ -131,6 +131,24 @@ def slices(d: dict) -> list[str]:
     return out
 
 
+def published(d: dict) -> list[str]:
+    """docs/planning.md: ``python bench/published.py`` (30 minutes: checked against the committed results only),
+    the held-out errors by group."""
+    labels = {"megatron-t1": "Megatron Table 1",
+              "megatron-t2-ptd": "Megatron Table 2, tensor + pipeline + data parallel",
+              "megatron-t2-zero3": "Megatron Table 2, ZeRO-3",
+              "pipetransformer-speedups": "PipeTransformer speedups (GPipe, 26.6 s per re-partition as the authors "
+                                          "logged)"}
+    s = d["summary"]
+    out = ["| group (held out) | points | median \\|error\\| | max \\|error\\| |", "|---|---|---|---|"]
+    for key, g in s["by_group"].items():
+        out.append(f"| {labels[key]} | {g['points']} | {100 * g['median_abs_error']:.1f} % | "
+                   f"{100 * g['max_abs_error']:.1f} % |")
+    out.append(f"| **all held out** (targets: median ≤ 15 %, max ≤ 35 %) | **{s['held_out_priced']}** | "
+               f"**{100 * s['median_abs_error']:.1f} %** | **{100 * s['max_abs_error']:.1f} %** |")
+    return out
+
+
 # name: (doc, the JSON in DIR, renderer)
 TABLES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
     "ablation": ("docs/results.md", "ablate.json", ablation),
@@ -138,6 +156,7 @@ TABLES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
     "two-bw": ("docs/results.md", "twobw_bench.json", two_bw),
     "hybrid": ("docs/strategies.md", "hybrid_bench.json", hybrid),
     "token-slices": ("docs/token-slices.md", "terapipe_bench.json", slices),
+    "published": ("docs/planning.md", "published.json", published),
 }
 
 
