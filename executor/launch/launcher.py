@@ -568,10 +568,16 @@ def summarise(rc: int, starts: dict[tuple[int, int], dict[str, Any]], fails: dic
     silent = sorted(started - set(mine))
     if silent:
         codes = _exit_codes(worker_log)
-        hows = sorted({_how(codes.get(r)) for r in silent})
-        peers = f"; the other ranks then failed waiting for it" if mine else ""
-        return Outcome(1, f"{ranks_text(silent)} stopped without an error message{restarts} ({', '.join(hows)}: "
-                          f"killed, out of memory, or stuck past --timeout){peers}; {where}", worker_log)
+        # torchrun stops the surviving workers with SIGTERM once one has died: those are not the cause where
+        # another silent rank died otherwise (a worker's SIGKILL, out of memory, an exit code)
+        torn = [r for r in silent if codes.get(r) == -signal.SIGTERM.value]
+        cause = [r for r in silent if r not in torn] or silent
+        hows = sorted({_how(codes.get(r)) for r in cause})
+        peers = f"; the other ranks then failed waiting for {'it' if len(cause) == 1 else 'them'}" if mine else ""
+        torn = [r for r in torn if r not in cause]
+        then = f"; torchrun then stopped {ranks_text(torn)} (SIGTERM)" if torn else ""
+        return Outcome(1, f"{ranks_text(cause)} stopped without an error message{restarts} ({', '.join(hows)}: "
+                          f"killed, out of memory, or stuck past --timeout){peers}{then}; {where}", worker_log)
     if mine:
         t, r = min((f["time"], r) for r, f in mine.items())
         f = mine[r]

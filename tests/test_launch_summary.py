@@ -1,0 +1,62 @@
+"""``launcher.summarise`` names the cause of a failed job from torchrun's report and the workers' records (fast: the
+real launches are in ``tests/test_robustness_launch.py``)."""
+from __future__ import annotations
+
+import pytest
+
+from ptplan.executor.launch.launcher import summarise
+
+TORCHRUN_FAILURES = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+Failures:
+[1]:
+  time      : 2026-11-27_19:10:01
+  host      : box
+  rank      : {other} (local_rank: {other})
+  exitcode  : {other_code} (pid: 1234)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-27_19:10:01
+  host      : box
+  rank      : {dead} (local_rank: {dead})
+  exitcode  : {dead_code} (pid: 1235)
+============================================================
+"""
+
+
+def _log(tmp_path, dead: int, dead_code: int, other: int, other_code: int) -> str:
+    log = tmp_path / "run.workers.log"
+    log.write_text(TORCHRUN_FAILURES.format(dead=dead, dead_code=dead_code, other=other, other_code=other_code))
+    return str(log)
+
+
+STARTS = {(0, 0): {"pid": 1}, (0, 1): {"pid": 2}}
+
+
+def test_a_rank_torn_down_by_torchrun_is_not_blamed_with_the_one_that_died(tmp_path):
+    """kill -9 of rank 1: torchrun then SIGTERMs rank 0 before it writes a word (a race the real test lost under
+    load: 'ranks 0-1 stopped ... (killed by SIGKILL, killed by SIGTERM ...)'). Rank 1 is the cause, rank 0 is named
+    as stopped by torchrun."""
+    out = summarise(1, STARTS, {}, worker_log=_log(tmp_path, 1, -9, 0, -15))
+    assert out.code == 1
+    assert out.message.startswith("rank 1 stopped without an error message (killed by SIGKILL: "), out.message
+    assert "torchrun then stopped rank 0 (SIGTERM)" in out.message and "SIGTERM:" not in out.message
+
+
+@pytest.mark.parametrize("codes, want", [((-15, -15), "ranks 0-1 stopped without an error message (killed by SIGTERM"),
+                                         ((-9, -9), "ranks 0-1 stopped without an error message (killed by SIGKILL"),
+                                         ((-9, 1), "ranks 0-1 stopped without an error message (exit code 1, killed by SIGKILL")])
+def test_ranks_that_all_died_alike_or_otherwise_are_all_named(tmp_path, codes, want):
+    """Every silent rank SIGTERMed (from outside: nothing else to blame), or none of them: all are named."""
+    out = summarise(1, STARTS, {}, worker_log=_log(tmp_path, 1, codes[0], 0, codes[1]))
+    assert out.message.startswith(want), out.message
+    assert "torchrun then stopped" not in out.message
+
+
+def test_a_dead_rank_whose_peer_failed_waiting_is_named_with_the_peer(tmp_path):
+    fails = {(0, 0): {"kind": "other", "type": "DistBackendError", "message": "Connection closed by peer",
+                      "time": 1.0}}
+    out = summarise(1, STARTS, fails, worker_log=_log(tmp_path, 1, -9, 0, 1))
+    assert out.message.startswith("rank 1 stopped without an error message (killed by SIGKILL: "), out.message
+    assert "the other ranks then failed waiting for it" in out.message
