@@ -125,6 +125,9 @@ def slices(d: dict) -> list[str]:
         cells = []
         for k in ks:
             r = next(x for x in d["gpt2_phases"] if x["K"] == k and x["b"] == b)
+            if "best_sliced_s" not in r:  # no M fits the memory
+                cells.append("– | – | –")
+                continue
             cells.append(f"{r['best_unsliced_s'] * 1e3:.1f} ms | {r['best_sliced_s'] * 1e3:.1f} ms | "
                          f"{_x(r['best_unsliced_s'] / r['best_sliced_s'])}")
         out.append(f"| {b} | " + " | ".join(cells) + " |")

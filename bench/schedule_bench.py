@@ -152,10 +152,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="Steps per real run (the first is left out).")
     ap.add_argument("--profile-rounds", type=int, default=3)
     ap.add_argument("--reuse-profile", action="store_true", help="Use the bert-small profile already in --work.")
-    ap.add_argument("--work", default="bench/results/schedules")
+    ap.add_argument("--work", default=str(ROOT / "bench" / "results" / "schedules"))
     ap.add_argument("--max-wait", type=float, default=120)
     ap.add_argument("--retries", type=int, default=1)
-    ap.add_argument("--out", default="bench/results/schedule_bench.json")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "schedule_bench.json"))
     args = ap.parse_args()
     command = " ".join(["python"] + sys.argv)
     result: dict = {"command": command}

@@ -58,7 +58,10 @@ L3, K3, DEVICE3, LIKE3 = 1024, (4, 8), "v100", "p3.16xlarge"
 def projected_gpt2(seq_len: int, device: str):
     """GPT-2 projected for ``device`` in fp16 at ``seq_len``, with its token-slice costs (``ptplan profile gpt2
     --project DEVICE --dtype fp16 --seq-len SEQ_LEN --slices``, in process)."""
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("part 3 projects GPT-2 and needs torch: pip install torch==2.13.0 -e '.[executor]'") from None
 
     from ptplan.executor.families import build_model
     from ptplan.executor.profiling.profiler import powers_of_two
@@ -134,7 +137,8 @@ def measure(path: str, steps: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="bench/results/terapipe_bench.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "bench" / "results"
+                                         / "terapipe_bench.json"))
     ap.add_argument("--measure", default=None, metavar="PROFILE", help="part 4: a gpt2-tiny profile with slices")
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
@@ -203,10 +207,13 @@ def main() -> None:
                   f"{one.unsliced_s / one.iteration_s:>5.2f}x") if one.fits else f"{'-':>13} {'-':>11} {'':>6}"
             print(f"{b:>3} {m1} {1e3 * best_off.unsliced_s:>11.1f} M={best_off.M:<3} {1e3 * best_on.iteration_s:>9.1f} "
                   f"M={best_on.M:<3} {best_off.unsliced_s / best_on.iteration_s:>5.2f}x  {_shown(best_on.slices)}")
-    measured, measured_command = (measure(args.measure, args.steps), None) if args.measure else ([], None)
-    if not args.measure and Path(args.out).exists():  # part 4 not re-run: --out keeps the part 4 it holds
+    measured, measured_command = [], None  # part 4, and the command that measured it (None: not measured)
+    if args.measure:
+        measured, measured_command = measure(args.measure, args.steps), " ".join(["python"] + sys.argv)
+    elif Path(args.out).exists():  # part 4 not re-run: --out keeps the part 4 it holds
         old = json.loads(Path(args.out).read_text())
-        measured, measured_command = old.get("measured", []), old.get("measured_command", old.get("command"))
+        measured = old.get("measured", [])
+        measured_command = old.get("measured_command", old.get("command")) if measured else None
     Path(args.out).write_text(json.dumps({
         "command": " ".join(["python"] + sys.argv), "L": L, "K": K, "profile": PROFILE.name,
         "gpt2_phases_setting": {"L": L3, "K": list(K3), "device": DEVICE3, "dtype": "float16", "cluster": LIKE3,
@@ -214,7 +221,7 @@ def main() -> None:
         "slice_fit": {"forward": sp.forward.__dict__, "backward": sp.backward.__dict__, "device": sp.device,
                       "date": sp.date},
         "timing": timing, "block_pipeline": rows, "gpt2_phases": phases, "measured": measured,
-        "measured_command": measured_command or " ".join(["python"] + sys.argv)}, indent=1))
+        "measured_command": measured_command}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -106,8 +106,8 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     ascending order of their bounds and stops at the first that cannot win: whose bound is not below the best
     score so far, or is over ``cutoff`` (a score the caller already has elsewhere: a split over it is of no use
     to the caller, one equal to it still is). The descent is not started where ``cuts`` scores above ``give_up``.
-    ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones), for a caller whose scores cost no
-    bound, only a full simulation, and whose start already came out of a wide descent."""
+    ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones): a local refinement, for a caller
+    whose every score is a full search and simulation with no bound to skip it."""
     cur = tuple(cuts)
     best = score(cur, math.inf)
     if len(cur) <= 2:

@@ -621,10 +621,10 @@ def _sliced_split(search, choice, phase):
     """(ranges, their stage costs, their stage memory, (iteration, slices)) of the split whose best slicing is fastest. The search chose
     the split for the unsliced schedule; slices change what is best (a stage's bubble is filled differently), so
     the split is searched again on the sliced objective (``resplit.best_split``'s descent, from the better of the
-    chosen split and AutoPipe's busy-time split; moves of one layer only, ``wide=False``: each score here is a
-    slice search and simulations with no bound to skip them, and the chosen split already came out of the wide
-    descent on the unsliced objective). A phase with the AutoCache keeps its split (its fill iteration has costs
-    of its own)."""
+    chosen split and AutoPipe's busy-time split; a local refinement by one-layer moves, ``wide=False``: each score
+    here is a slice search and simulations with no bound to skip them, and the far and sideways moves doubled a
+    sliced plan's time without changing a phase where measured). A phase with the AutoCache keeps its split (its
+    fill iteration has costs of its own)."""
     from .partition import split_stages
     from .resplit import best_split
 
@@ -636,8 +636,10 @@ def _sliced_split(search, choice, phase):
     scored: dict[tuple[int, ...], tuple[float, tuple[int, ...]] | None] = {}
 
     def score(cuts: tuple[int, ...], _best: float) -> float:  # memory: the sliced simulation's, in _best_slicing
-        ranges = tuple(zip(cuts[:-1], cuts[1:]))
-        scored[cuts] = got = _best_slicing(search, ranges, tuple(model.stage_costs(ranges)), K, M, b)
+        if cuts not in scored:  # the start is scored twice (choosing it, then by best_split)
+            ranges = tuple(zip(cuts[:-1], cuts[1:]))
+            scored[cuts] = _best_slicing(search, ranges, tuple(model.stage_costs(ranges)), K, M, b)
+        got = scored[cuts]
         return got[0] if got is not None else math.inf
 
     def cuts_of(ranges) -> tuple[int, ...]:

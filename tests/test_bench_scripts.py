@@ -24,6 +24,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import doc_tables  # noqa: E402
 
+SLOW = {"terapipe_bench.py", "pt_freeze_only.py", "schedule_bench.py"}  # over ~20 s here (pyproject's "slow")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _this_tree():
+    """The scripts run from this tree and import ``ptplan``: both must be this tree, or the docs of one checkout
+    would be held against another's code (an editable install elsewhere)."""
+    import ptplan.planner
+
+    where = Path(ptplan.planner.__file__).resolve()
+    assert ROOT in where.parents, f"ptplan is imported from {where}, not this tree {ROOT}: pip install -e {ROOT}"
+
+
 SCRIPTS = {  # script: its arguments besides --out (each predicts only; seconds on this 2-core box, 2026-11-27)
     "twobw_bench.py": ["--part", "1"],  # 0.5 s
     "host_io_plans.py": [],  # 0.4 s
@@ -42,7 +55,8 @@ def _drift(results: Path, names: list[str]) -> str:
                      + "\n  now:  ".join(want) for n, (have, want) in doc_tables.differences(results, names).items())
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
+                                    for s in sorted(SCRIPTS)])
 def test_prediction_bench_runs_to_the_end_and_the_docs_say_what_it_predicts(script, tmp_path):
     out = tmp_path / (Path(script).stem + ".json")  # the name its committed result has, for doc_tables
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *SCRIPTS[script], "--out", str(out)],

@@ -44,9 +44,12 @@ def test_a_rank_torn_down_by_torchrun_is_not_blamed_with_the_one_that_died(tmp_p
     assert "torchrun then stopped rank 0 (SIGTERM)" in out.message and "SIGTERM:" not in out.message
 
 
-@pytest.mark.parametrize("codes, want", [((-15, -15), "ranks 0-1 stopped without an error message (killed by SIGTERM"),
-                                         ((-9, -9), "ranks 0-1 stopped without an error message (killed by SIGKILL"),
-                                         ((-9, 1), "ranks 0-1 stopped without an error message (exit code 1, killed by SIGKILL")])
+SILENT = "ranks 0-1 stopped without an error message"
+
+
+@pytest.mark.parametrize("codes, want", [((-15, -15), f"{SILENT} (killed by SIGTERM"),
+                                         ((-9, -9), f"{SILENT} (killed by SIGKILL"),
+                                         ((-9, 1), f"{SILENT} (exit code 1, killed by SIGKILL")])
 def test_ranks_that_all_died_alike_or_otherwise_are_all_named(tmp_path, codes, want):
     """Every silent rank SIGTERMed (from outside: nothing else to blame), or none of them: all are named."""
     out = summarise(1, STARTS, {}, worker_log=_log(tmp_path, 1, codes[0], 0, codes[1]))

@@ -1,7 +1,9 @@
 """Projected profiles (executor/profiling/project.py): exact operation counts on the meta device, a device model's roofline."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -109,28 +111,53 @@ def test_cli_projects_and_refuses_a_dtype_the_device_lacks(tmp_path):
 
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
-PROJECTED = sorted(p for p in PROFILES.glob("*.json") if json.loads(p.read_text())["provenance"]["source"] == "projected")
+PROJECTED = sorted(p for p in PROFILES.glob("*.json")
+                   if json.loads(p.read_text())["provenance"]["source"] == "projected")
+
+
+def _same_record(a, b) -> bool:
+    """Two layer records alike: integers exactly, seconds to 1e-12 relative (a refactor that only reorders a sum
+    moves the last bit; the re-projection of 2026-11-27 changed attention's times by up to 3.8x)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, tuple) and x and isinstance(x[0], float):
+            if len(x) != len(y) or not all(math.isclose(u, v, rel_tol=1e-12, abs_tol=0.0) for u, v in zip(x, y)):
+                return False
+        elif isinstance(x, float):
+            if not math.isclose(x, y, rel_tol=1e-12, abs_tol=0.0):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 @pytest.mark.parametrize("model", sorted({p.name.split("_")[0] for p in PROJECTED}))
 def test_shipped_projected_profiles_are_what_the_projection_writes_today(model):
     """Every shipped projected profile equals what ``--project`` computes now for its model, device and dtype (the
     files were once left behind when attention became the fused kernel: every plan from them priced attention
-    1.1-3.8x too slow). Counted once per dtype, timed per device; every layer record, the whole-model sums and the
-    FLOP count must be the file's. Stale files: re-project them with the command in their provenance."""
-    files = [p for p in PROJECTED if p.name.split("_")[0] == model]
-    shipped = [load_profile(p) for p in files]
-    made_with = {s.device.torch_version.split("+")[0].rsplit(".", 1)[0] for s in shipped}
-    if made_with != {torch.__version__.split("+")[0].rsplit(".", 1)[0]}:
-        pytest.skip(f"the shipped files were counted with torch {made_with}, this is {torch.__version__}")
-    counted = {}
-    for path, prof in zip(files, shipped):
-        if prof.model.dtype not in counted:
-            counted[prof.model.dtype] = count_model(model_for_profile(prof, layers=[]), prof.batch_sizes)
-        fresh = time_counted(counted[prof.model.dtype], get_device(prof.provenance.device_model),
+    1.1-3.8x too slow). Counted once per dtype and batch sizes, timed per device; every layer record, the
+    whole-model sums and the FLOP count must be the file's (seconds to 1e-12). A file made with another torch
+    (major.minor) than this one is skipped, each on its own. Stale files: re-project them with the command in
+    their provenance."""
+    here = torch.__version__.split("+")[0].rsplit(".", 1)[0]
+    counted: dict = {}
+    checked = 0
+    for path in (p for p in PROJECTED if p.name.split("_")[0] == model):
+        prof = load_profile(path)
+        if prof.device.torch_version.split("+")[0].rsplit(".", 1)[0] != here:
+            continue
+        key = (prof.model.dtype, tuple(prof.batch_sizes))
+        if key not in counted:
+            counted[key] = count_model(model_for_profile(prof, layers=[]), prof.batch_sizes)
+        fresh = time_counted(counted[key], get_device(prof.provenance.device_model),
                              command=prof.provenance.command, date=prof.device.date)
-        stale = [a.name for a, b in zip(prof.layers, fresh.layers) if a != b]
+        stale = [a.name for a, b in zip(prof.layers, fresh.layers) if not _same_record(a, b)]
         assert not stale and len(prof.layers) == len(fresh.layers), \
             f"{path.name} is stale in {stale[:4]}: re-run `{prof.provenance.command}` to profiles/"
-        assert prof.whole_model == fresh.whole_model, path.name
+        for a, b in ((prof.whole_model.forward_s, fresh.whole_model.forward_s),
+                     (prof.whole_model.forward_backward_s, fresh.whole_model.forward_backward_s)):
+            assert all(math.isclose(u, v, rel_tol=1e-12) for u, v in zip(a, b)), path.name
         assert prof.measurement["flops_at_largest_batch"] == fresh.measurement["flops_at_largest_batch"], path.name
+        checked += 1
+    if not checked:
+        pytest.skip(f"every shipped {model} file was counted with another torch than {torch.__version__}")

@@ -137,6 +137,28 @@ def test_descent_jumps_a_wall():
     assert cuts == (0, 9, 20) and v == 2.0, (cuts, v)
 
 
+def test_a_narrow_descent_takes_one_layer_moves_only():
+    """``wide=False`` (the token-slice split search): the wall that the wide descent jumps (4 layers away) stops
+    it, it takes no sideways move across a plateau, and every split it scores is one layer-move from a split it
+    stood on; a one-layer slope it still descends to the bottom."""
+    scored = []
+
+    def wall(c, best):
+        scored.append(c)
+        return {9: 2.0, 5: 1.0}.get(c[1], 3.0)
+
+    cuts, v = resplit.best_split((0, 9, 20), wall, enumerate_up_to=0, wide=False)
+    assert cuts == (0, 9, 20) and v == 2.0, (cuts, v)
+    assert all(abs(c[1] - 9) <= resplit.RADIUS for c in scored), scored
+    def plateau(c, best):  # test_descent_crosses_a_plateau's: the wide descent walks it to 6
+        return 1.0 if c[1] == 6 else 2.0
+
+    assert resplit.best_split((0, 9, 20), plateau, enumerate_up_to=0) == ((0, 6, 20), 1.0)
+    assert resplit.best_split((0, 9, 20), plateau, enumerate_up_to=0, wide=False) == ((0, 9, 20), 2.0)
+    slope = resplit.best_split((0, 9, 20), lambda c, b: abs(c[1] - 15), enumerate_up_to=0, wide=False)
+    assert slope == ((0, 15, 20), 0)
+
+
 def test_far_moves_keep_every_stage():
     got = resplit.far((0, 3, 6, 9), 2)
     assert {(0, 1, 6, 9), (0, 5, 6, 9), (0, 3, 4, 9), (0, 5, 8, 9), (0, 1, 4, 9), (0, 3, 8, 9)} <= set(got)
