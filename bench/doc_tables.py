@@ -152,6 +152,21 @@ def published(d: dict) -> list[str]:
     return out
 
 
+def _pct(v: float) -> str:
+    return f"{100 * v:+.1f} %".replace("-", "−")
+
+
+def gpu_replan(d: dict) -> list[str]:
+    """docs/results.md: ``python bench/gpu_replan.py``, the lent H100's runs planned again by this tree."""
+    out = ["| model | frozen | step | measured ms | predicted before | predicted now | error before | error now |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        out.append(f"| {r['model']} | {r['frozen']} | {r['kind']} | {r['measured_s'] * 1e3:.1f} | "
+                   f"{r['old_predicted_s'] * 1e3:.1f} | {r['new_predicted_s'] * 1e3:.1f} | {_pct(r['old_error'])} | "
+                   f"{_pct(r['new_error'])} |")
+    return out
+
+
 # name: (doc, the JSON in DIR, renderer)
 TABLES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
     "ablation": ("docs/results.md", "ablate.json", ablation),
@@ -160,6 +175,7 @@ TABLES: dict[str, tuple[str, str, Callable[[dict], list[str]]]] = {
     "hybrid": ("docs/strategies.md", "hybrid_bench.json", hybrid),
     "token-slices": ("docs/token-slices.md", "terapipe_bench.json", slices),
     "published": ("docs/planning.md", "published.json", published),
+    "gpu-replan": ("docs/results.md", "gpu_replan.json", gpu_replan),
 }
 
 
