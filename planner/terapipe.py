@@ -17,7 +17,8 @@ attends to more context, so the best slices are non-uniform: shorter towards the
 slowest slice -- the distinct values t(s, c) takes -- a dynamic program over slice ends gives the
 smallest Σ t with every slice ≤ τ, f(i) = min over j < i with t(i−j, j) ≤ τ of f(j) + t(i−j, j), and
 T(τ) = f(L) + (K − 1)·τ. Candidates are taken in increasing τ and the search stops once
-(K − 1)·τ alone reaches the best T found (no larger τ can win). The DP runs on many candidates at
+M·f∞(L) + (K − 1)·τ reaches the best T found, f∞ being the DP with no bound (no larger τ can win: a bound
+only removes slicings, so f(L) ≥ f∞(L)). The DP runs on many candidates at
 once with numpy (one vectorised row per slice end). ``brute_force_slices`` enumerates every
 composition of L (tests, L ≤ 16).
 
@@ -162,11 +163,12 @@ def optimal_slices(cost, L: int, K: int, *, granularity: int = 1, batch: int = 2
     n = L // g
     t = _table(cost, n, g)
     taus = np.unique(t[np.isfinite(t)])
+    floor = repeat * _min_sum(t, n) if prune else 0.0  # T(τ) >= M·f∞(L) + (K − 1)·τ for every τ
     best, best_tau, used = math.inf, None, 0
     for a in range(0, len(taus), batch):
         chunk = taus[a:a + batch]
         if prune:
-            chunk = chunk[(K - 1) * chunk < best]
+            chunk = chunk[floor + (K - 1) * chunk < best]
         if len(chunk) == 0:
             break
         used += len(chunk)
@@ -184,6 +186,15 @@ def optimal_slices(cost, L: int, K: int, *, granularity: int = 1, batch: int = 2
     slices = _backtrack(t, n, best_tau)
     lat, slow = _latency(cost, [s * g for s in slices], K, repeat)
     return Slicing(slices=tuple(s * g for s in slices), latency_s=lat, slowest_s=slow, candidates=used)
+
+
+def _min_sum(t: np.ndarray, n: int) -> float:
+    """f∞(n): the least Σ t over every slicing of the n units, no bound on a slice."""
+    f = np.full(n + 1, np.inf)
+    f[0] = 0.0
+    for i in range(1, n + 1):
+        f[i] = np.min(f[:i] + t[:i, i])
+    return float(f[n])
 
 
 def _backtrack(t: np.ndarray, n: int, tau: float) -> list[int]:
