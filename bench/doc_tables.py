@@ -19,11 +19,12 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 ABLATE_ARGS = ["vit-base_rtx5000_fp32", "--cluster", "paper", "--alpha", "0.3333", "--epochs", "10"]
 MARK = re.compile(r"^<!-- bench-table: ([a-z0-9-]+) -->$")
+BAR = "\\|"  # a | inside a markdown table cell
 
 
 def _x(v: float) -> str:
@@ -99,7 +100,7 @@ def hybrid(d: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|"]
 
     def plan(x: dict) -> str:
-        return f"{_num(x['samples_per_s'])} (K{x['K']} D{x['D']} {x['strategy'].replace('|', chr(92) + '|')})"
+        return f"{_num(x['samples_per_s'])} (K{x['K']} D{x['D']} {x['strategy'].replace('|', BAR)})"
 
     named = set()
     for c in d["results"]:
@@ -245,16 +246,25 @@ def tables_of(json_name: str) -> list[str]:
     return [n for n, (_, src, _) in TABLES.items() if src == json_name and n not in TIMED]
 
 
+def report(diff: dict[str, tuple[list[str], list[str]]]) -> str:
+    """``differences``' tables as text: each table's lines that differ, the docs' above what the results give."""
+    out = []
+    for name, (have, want) in diff.items():
+        out.append(f"{TABLES[name][0]}: table '{name}' differs from its results ({TABLES[name][1]}):")
+        for h, w in zip(have + [""] * len(want), want + [""] * len(have)):
+            if h != w:
+                out.append(f"  docs: {h}\n  now:  {w}")
+    return "\n".join(out)
+
+
 def write(results: Path) -> list[str]:
-    changed = []
-    for name, (doc, src, render) in TABLES.items():
-        lines, start, end = doc_table(doc, name)
-        want = render(json.loads((results / src).read_text()))
-        if lines[start:end] != want:
-            lines[start:end] = want
-            (ROOT / doc).write_text("\n".join(lines))
-            changed.append(name)
-    return changed
+    """Rewrite every table that differs from ``results``; their names."""
+    diff = differences(results)
+    for name, (_, want) in diff.items():
+        lines, start, end = doc_table(TABLES[name][0], name)  # read again: one doc may hold several tables
+        lines[start:end] = want
+        (ROOT / TABLES[name][0]).write_text("\n".join(lines))
+    return list(diff)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,11 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print("rewrote " + (", ".join(changed) if changed else "nothing: every table matches"))
         return 0
     diff = differences(a.results)
-    for name, (have, want) in diff.items():
-        print(f"{TABLES[name][0]}: table '{name}' differs from {a.results / TABLES[name][1]}:")
-        for h, w in zip(have + [""] * len(want), want + [""] * len(have)):
-            if h != w:
-                print(f"  docs: {h}\n  now:  {w}")
+    if diff:
+        print(report(diff))
     print(f"{len(diff)} of {len(TABLES)} tables differ" if diff else f"all {len(TABLES)} tables match")
     return 1 if diff else 0
 

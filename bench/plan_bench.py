@@ -11,7 +11,8 @@ simulator. The ``hybrid`` row is issue 14's target: every phase of a 48-block mo
 8 DGX H100 nodes (64 GPUs) searched with ``strategies="auto"`` (tensor parallel, FSDP, recomputation),
 global batch 1,024, in under 5 s. The ``sliced`` row times token slicing (no target): docs/token-slices.md's
 plan, the measured GPT-2 slice profile on ``cpu:4``, batch 4 from K = 4, 4,096 samples per epoch, with
-``token_slices`` auto against off (their ratio is what slicing's own searches cost). Prints a table and writes JSON (default bench/results/plan_bench.json):
+``token_slices`` auto against off (their ratio is what slicing's own searches cost). Prints a table and writes
+JSON (default bench/results/plan_bench.json):
 wall-clock seconds (median, min, max of the repeats; the targets are on the median), the median CPU
 seconds of this process, all its threads (less sensitive to other work on a shared machine), and the
 load average at the start and the end.
@@ -115,7 +116,7 @@ def run_sliced(repeats: int) -> dict:
             cpu.append(time.process_time() - c0)
         out[mode] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
                      "cpu_median_s": statistics.median(cpu), "phases": len(plan.phases),
-                     "sliced_phases": sum(bool(getattr(p, "slices", ())) and len(p.slices) > 1 for p in plan.phases),
+                     "sliced_phases": sum(len(getattr(p, "slices", ()) or ()) > 1 for p in plan.phases),
                      "seconds": plan.totals.seconds}
     return out
 

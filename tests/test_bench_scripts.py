@@ -51,8 +51,7 @@ SCRIPTS = {  # script: its arguments besides --out (each predicts only; seconds 
 
 
 def _drift(results: Path, names: list[str]) -> str:
-    return "\n".join(f"{doc_tables.TABLES[n][0]} table '{n}':\n  docs: " + "\n  docs: ".join(have) + "\n  now:  "
-                     + "\n  now:  ".join(want) for n, (have, want) in doc_tables.differences(results, names).items())
+    return doc_tables.report(doc_tables.differences(results, names))
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s
