@@ -75,6 +75,16 @@ class Candidate:
         return self.D * self.M * self.b
 
     @property
+    def tag(self) -> str:
+        """How a reason names the candidate: ``K=2, M=8``, then what else sets it apart where it is not the
+        default (the schedule's chunks ``V=2``, the strategy ``tp4·sp·fsdp``, per-stage choices, the cache)."""
+        extra = ([f"V={self.V}"] if self.V > 1 else []) + \
+            ([self.strategy.label] if self.strategy.label != "dp" else []) + \
+            (["FSDP per stage"] if self.fsdp_per_stage else []) + \
+            (["recomputation per stage"] if self.recompute_per_stage else []) + (["cache on"] if self.cache else [])
+        return ", ".join([f"K={self.K}", f"M={self.M}", *extra])
+
+    @property
     def S(self) -> int:
         return self.K * self.V
 

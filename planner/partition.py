@@ -421,6 +421,7 @@ class _Additive:
         self.cum_time_lb = np.concatenate(([0.0], np.cumsum(costs)))
         self.cum_state = np.concatenate(([0.0], np.cumsum(memory))) if memory is not None else np.zeros(self.n + 1)
         self.beta, self.extra, self.extra_mem = beta, extra, extra_mem
+        self.stage0_static = extra_mem
         self.has_memory = memory is not None
 
     def prepare(self, I: Any, J: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -508,25 +509,54 @@ class _MemoryAsTime:
         return mem, np.zeros(np.shape(mem))
 
 
+def _layer_floors(model: _StageFamily, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer i of ``[start, n)``: the least peak of any stage that can hold it in a K-stage split (the minimum
+    over every stage index s and every range [lo, hi) that contains i and can be stage s: stage 0 starts at
+    ``start``, the last ends at n, and each stage before or after has a layer), and the least peak of i alone at a
+    position it can have alone (inf where it has none). A stage's peak is not the sum of its layers' (a range pays
+    its first layer's input and its last layer's output, and those depend on s), so a layer alone at one position
+    is no floor; the first array is: a layer whose floor is over the limit fits in no split."""
+    a, n = int(model.start), int(model.n)
+    m = n - a
+    lo, hi = np.triu_indices(m + 1, k=1)
+    terms = model.prepare(lo + a, hi + a)
+    floor, alone = np.full(m, np.inf), np.full(m, np.inf)
+    diag = np.arange(m)
+    for s in range(K):
+        ok = (lo >= s) & (hi <= m - (K - 1 - s)) & ((lo == 0) == (s == 0)) & ((hi == m) == (s == K - 1))
+        if not ok.any():
+            continue
+        mem = np.broadcast_to(np.asarray(model.evaluate(s, terms)[1], dtype=float), lo.shape)
+        grid = np.full((m + 1, m + 1), np.inf)
+        grid[lo[ok], hi[ok]] = mem[ok]
+        alone = np.minimum(alone, grid[diag, diag + 1])
+        ends_after = np.minimum.accumulate(grid[:, ::-1], axis=1)[:, ::-1][:, 1:]  # [l, i]: min over hi > i
+        floor = np.minimum(floor, np.minimum.accumulate(ends_after[:m], axis=0)[diag, diag])  # and lo <= i
+    return floor, alone
+
+
 def _memory_message(model: _StageFamily, K: int, limit: float) -> str:
+    """Why no K-stage split fits, each number a true floor: the whole model (K = 1); stage 0's least peak where
+    its first layer alone is the least stage 0 there is; a layer alone where no stage holding it needs less; else
+    the split whose largest stage is least (``_MemoryAsTime``)."""
     a, n = model.start, model.n
     if K == 1:
         whole = _one(model, 0, a, n)[1]
         return (f"the whole model as one stage needs {whole / GiB:.2f} GiB but one device has {limit / GiB:.2f} GiB; "
                 "use a longer pipeline (larger K), a smaller micro-batch, or GPUs with more memory")
+    floors, alone = _layer_floors(model, K)
     first = _one(model, 0, a, a + 1)[1]
-    alone = _one(model, 1, a, a + 1)[1]
-    if first > limit:
-        return (f"stage 0 needs at least {first / GiB:.2f} GiB (what stage 0 always holds, the frozen prefix's "
-                f"weights or the cached shard, {(first - alone) / GiB:.2f} GiB, + layer {a} "
-                f"{alone / GiB:.2f} GiB) but one device has {limit / GiB:.2f} GiB; use a smaller micro-batch, cache "
-                f"the frozen prefix, or GPUs with more memory")
-    I = np.arange(a + 1, n)
-    single = np.asarray(model.evaluate(1, model.prepare(I, I + 1))[1])
-    big = int(np.argmax(single)) if single.size else 0
-    if single.size and single[big] > limit:
-        return (f"layer {a + 1 + big} alone needs {single[big] / GiB:.2f} GiB but one device has "
-                f"{limit / GiB:.2f} GiB; use a smaller micro-batch or GPUs with more memory")
+    if floors[0] > limit and math.isclose(floors[0], first, rel_tol=1e-9):
+        held = getattr(model, "stage0_static", None)  # the stage model's frozen weights or cached shard
+        what = (f", with the {held / GiB:.2f} GiB that stage 0 always holds: the frozen prefix's weights or the "
+                f"cached shard" if held else "")
+        return (f"stage 0 needs at least {first / GiB:.2f} GiB (layer {a} alone as stage 0{what}) but one device "
+                f"has {limit / GiB:.2f} GiB; use a smaller micro-batch, cache the frozen prefix, or GPUs with more "
+                f"memory")
+    big = int(np.argmax(floors))
+    if floors[big] > limit and math.isclose(alone[big], floors[big], rel_tol=1e-9):
+        return (f"layer {a + big} alone needs {floors[big] / GiB:.2f} GiB (the least of any stage that can hold it) "
+                f"but one device has {limit / GiB:.2f} GiB; use a smaller micro-batch or GPUs with more memory")
     need = split_stages(_MemoryAsTime(model), K).bottleneck
     return (f"no split of {n - a} layers into K={K} stages fits: the best split's largest stage needs "
             f"{need / GiB:.2f} GiB but one device has {limit / GiB:.2f} GiB; use a longer pipeline (larger K), a "

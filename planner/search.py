@@ -284,14 +284,14 @@ class PhaseSearch:
         fill_from = visit.fill_from if c.cache else 0
         ok, why = self.host_fits(c, n0, fill_from)
         if not ok:
-            return f"K={c.K}, M={c.M}, cache on: {why}"
+            return f"{c.tag}: {why}"
         key = (c, n0, fill_from)
         model, part = self._split_memo.pop(key, None) or (self.model(c, n0, fill_from), None)
         try:
             # V > 1: each of a position's V chunks within limit / V, so that the position fits
             part = part or split_stages(model, c.S, self.stage_limit(c, n0, fill_from))
         except InfeasibleError as e:
-            return _Reason(f"K={c.K}, M={c.M}{', cache on' if c.cache else ''}: ", e)
+            return _Reason(f"{c.tag}: ", e)
         if not descend:  # ``_branch_and_bound`` may descend from it later
             self._split_memo[key] = (model, part)
         sched = self.schedule(c)
@@ -335,12 +335,12 @@ class PhaseSearch:
 
 
 def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, free: bool, pin_k: bool,
-                     cache: bool | None) -> Choice | list[str]:
+                     cache: bool | None) -> "Choice | list[str | _Reason]":
     """Step 3: candidates in order of their bound per sample, each split and simulated, until the next bound
     is no better than the best simulated; then the descent for the ones near the best. The reasons none fits
     where none does."""
     cands, reasons0, notes = search.candidates(f, n0, free=free, pin_k=pin_k, cache=cache)
-    reasons: list[object] = list(reasons0)
+    reasons: list[str | _Reason] = list(reasons0)
     fits = []
     for c in cands:
         ok, why = search.host_fits(c, n0, visit.fill_from if c.cache else 0)
@@ -388,7 +388,7 @@ def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, fre
         if c not in first:
             consider(c)
     if best is None:
-        return [str(r) for r in reasons]
+        return reasons
     # the descent, for the candidates whose AutoPipe split is near the best (``resplit.GIVE_UP``)
     for ch in sorted(near, key=_order):
         if ch.objective <= best.objective * (1 + GIVE_UP) and not enumerable(n0, search.n, ch.cand.S):
@@ -399,8 +399,15 @@ def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, fre
     return replace(best, notes=tuple(notes))
 
 
-def _infeasible(search: PhaseSearch, f: int, n0: int, reasons: Sequence[str]) -> InfeasibleError:
-    shown = "\n  ".join(reasons[:8]) + (f"\n  (+{len(reasons) - 8} more)" if len(reasons) > 8 else "")
+def _infeasible(search: PhaseSearch, f: int, n0: int, reasons: "Sequence[str | _Reason]") -> InfeasibleError:
+    told: list[str] = []
+    rest = 0
+    for r in _spread(reasons):  # a reason's text may cost a search (``_Reason``): only the shown ones are made
+        if len(told) == 8:
+            rest += 1
+        elif (text := str(r)) not in told:
+            told.append(text)
+    shown = "\n  ".join(told) + (f"\n  (+{rest} more)" if rest else "")
     prefix = (f"\nThe frozen prefix holds {search.t.cum_param[n0] / GiB:.2f} GiB of weights (on stage 0 unless "
               f"cached)." if n0 else "")
     return InfeasibleError(
@@ -410,6 +417,19 @@ def _infeasible(search: PhaseSearch, f: int, n0: int, reasons: Sequence[str]) ->
         f"Fix: use a cluster with more or larger GPUs, a smaller batch, a batch divisible by more "
         f"data-parallel widths, --cache auto, or profile the micro-batch sizes the batch needs"
         f"{'' if len(search.strategies) > 1 else '; or --strategies auto (tensor parallel, FSDP, recomputation)'}.")
+
+
+def _spread(reasons: "Sequence[str | _Reason]") -> "list[str | _Reason]":
+    """The reasons in turns over the pipeline lengths they name (``K=2, ...``): the first of each K, then the
+    second of each, so that the few shown cover every K tried and not only the first K's many strategies."""
+    turn: dict[str, int] = {}
+    keyed = []
+    for i, r in enumerate(reasons):
+        head = r.prefix if isinstance(r, _Reason) else r
+        k = head.split(",", 1)[0].split(":", 1)[0] if head.startswith("K=") else ""
+        turn[k] = turn.get(k, -1) + 1
+        keyed.append((turn[k], i, r))
+    return [r for _, _, r in sorted(keyed, key=lambda x: x[:2])]
 
 
 def _order(ch: Choice) -> tuple:

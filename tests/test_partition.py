@@ -7,8 +7,8 @@ import random
 import pytest
 
 from ptplan.planner.errors import InfeasibleError, PtplanError
-from ptplan.planner.partition import (MemoryInfeasibleError, Partition, greedy_param_partition, optimal_partition,
-                                      stage_cost)
+from ptplan.planner.partition import (MemoryInfeasibleError, Partition, _one, greedy_param_partition,
+                                      optimal_partition, stage_cost)
 
 GiB = 2**30
 
@@ -176,13 +176,18 @@ def test_more_stages_than_layers_is_infeasible_with_numbers():
 
 
 def test_layer_too_big_for_a_gpu():
-    with pytest.raises(InfeasibleError, match=r"layer 2 alone needs 20.00 GiB but one device has 16.00 GiB"):
+    with pytest.raises(InfeasibleError, match=r"layer 2 alone needs 20.00 GiB \(the least of any stage that can hold "
+                                              r"it\) but one device has 16.00 GiB"):
+        optimal_partition([1.0] * 4, 3, memory=[GiB, GiB, 20 * GiB, GiB], memory_limit=16 * GiB)
+    # in 2 stages layer 2 is never alone: a stage holding it holds layer 1 or 3 too, and the message says so
+    with pytest.raises(InfeasibleError, match=r"best split's largest stage needs 21.00 GiB"):
         optimal_partition([1.0] * 4, 2, memory=[GiB, GiB, 20 * GiB, GiB], memory_limit=16 * GiB)
 
 
 def test_stage0_prefix_too_big():
-    with pytest.raises(InfeasibleError, match=r"stage 0 needs at least 17.00 GiB \(.*15.00 GiB, "
-                                              r"\+ layer 0 2.00 GiB\) but one device has 16.00 GiB"):
+    with pytest.raises(InfeasibleError, match=r"stage 0 needs at least 17.00 GiB \(layer 0 alone as stage 0, with "
+                                              r"the 15.00 GiB that stage 0 always holds: .*\) but one device has "
+                                              r"16.00 GiB"):
         optimal_partition([1.0] * 4, 2, memory=[2 * GiB] * 4, stage0_extra_memory=15 * GiB,
                           memory_limit=16 * GiB)
 
@@ -338,3 +343,73 @@ def test_optimal_beats_or_matches_greedy_on_params():
 def test_greedy_reports_an_empty_stage():
     with pytest.raises(InfeasibleError, match="left stage 1 empty"):
         greedy_param_partition([1e6, 100e6, 1e6], 3)
+
+
+# ---- the memory message's numbers are floors of every split (the real stage model, brute-forced) -----------------
+
+def _message_cases(seed: int):
+    """Stage models of small synthetic profiles (some layers given a huge output, as an LM head's logits), with
+    frozen prefixes, schedules and micro-batch counts drawn at random, and a limit under their best split."""
+    from dataclasses import replace as _replace
+
+    from ptplan.planner.candidate import Candidate
+    from ptplan.planner.cluster import Cluster
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.search import PhaseSearch
+    from ptplan.planner.synthetic import synthetic_profile
+
+    rng = random.Random(seed)
+    prof = synthetic_profile(num_blocks=rng.choice((2, 3)), hidden=1024, seq_len=512, vocab=rng.choice((512, 50257)))
+    big = rng.sample(range(len(prof.layers)), 2)
+    prof = _replace(prof, layers=tuple(_replace(r, output_bytes_per_sample=r.output_bytes_per_sample * 40)
+                                       if r.index in big else r for r in prof.layers))
+    for _ in range(3):
+        K, M = rng.choice((2, 3, 4)), rng.choice((1, 2, 4, 8))
+        cluster = Cluster.uniform(nodes=1, gpus_per_node=K)
+        sched = rng.choice(("1f1b", "gpipe")) if M >= K else "gpipe"  # 1F1B needs M >= K
+        cfg = TrainingConfig(epochs=1, samples_per_epoch=64, batch=M * 2, schedule=sched)
+        search = PhaseSearch(prof, cluster, cfg)
+        f = rng.choice((0, 1))
+        n0 = prof.frozen_boundary(f)
+        if len(prof.layers) - n0 < K:
+            continue
+        model = search.model(Candidate(K=K, D=1, M=M, b=2, cache=False, schedule=sched), n0)
+        yield K, model
+
+
+def _every_split(model, K):
+    a, n = int(model.start), int(model.n)
+    for cuts in itertools.combinations(range(a + 1, n), K - 1):
+        bounds = (a, *cuts, n)
+        yield [(s, bounds[s], bounds[s + 1], _one(model, s, bounds[s], bounds[s + 1])[1]) for s in range(K)]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_number_a_memory_message_names_is_a_floor_of_every_split(seed):
+    """``_memory_message`` names a layer alone, stage 0, or the best split's largest stage. Each number must hold
+    for every split: before, "layer i alone" was layer i priced at stage 1 (paying its output to a next stage M
+    times), which an LM head on the last stage never pays (a 70 B model's head was said to need 298 GiB)."""
+    import re
+
+    from ptplan.planner.partition import _memory_message
+
+    checked = 0
+    for K, model in _message_cases(seed):
+        splits = list(_every_split(model, K))
+        best = min(max(m for *_, m in sp) for sp in splits)
+        for limit in (best * 0.999, best * 0.6, best * 0.2):
+            msg = _memory_message(model, K, limit)
+            printed = float(re.search(r"needs (?:at least )?([\d.]+) GiB", msg).group(1)) * GiB
+            need = printed - 0.005 * GiB  # printed to 0.01 GiB: the least the number can have been
+            assert printed + 0.005 * GiB > limit, msg
+            if m := re.match(r"layer (\d+) alone needs", msg):
+                i = int(m.group(1))
+                held = [mem for sp in splits for s, lo, hi, mem in sp if lo <= i < hi]
+                assert min(held) >= need * (1 - 1e-9), (msg, min(held) / GiB)
+            elif msg.startswith("stage 0 needs"):
+                assert min(sp[0][3] for sp in splits) >= need * (1 - 1e-9), msg
+            else:
+                assert "best split's largest stage" in msg, msg
+                assert printed == pytest.approx(best, abs=0.0051 * GiB), msg
+            checked += 1
+    assert checked >= 3

@@ -227,13 +227,32 @@ def test_memory_bound_model_is_refused_without_strategies_and_planned_with_them(
     prof = synthetic_profile(num_blocks=2, hidden=32768, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
     cluster = get_preset("h100-4node")
     cfg = TrainingConfig(epochs=1, samples_per_epoch=1024, batch=32, allow_extrapolation=True)
-    with pytest.raises(InfeasibleError, match=r"(?s)layer 2 alone needs 16\d\.\d\d GiB but one device has 72\.00 GiB"
+    with pytest.raises(InfeasibleError, match=r"(?s)layer 2 alone needs 16\d\.\d\d GiB \(the least .*\) but one device "
+                                              r"has 72\.00 GiB"
                                               r".*--strategies auto"):
         PhaseSearch(prof, cluster, cfg).search(0, Visit(samples=64.0))
     got = PhaseSearch(prof, cluster, cfg, strategies="auto").search(0, Visit(samples=64.0))
     # measured: tp4·fsdp, K=1, D=8, M=2, 65.0 GiB per GPU
     assert got.cand.tp > 1 or got.cand.fsdp
     assert max(m.total for m in got.memory) <= cluster.gpu_memory_bytes * cfg.memory_fraction
+
+
+def test_an_infeasible_search_names_each_reasons_strategy_and_covers_every_K():
+    """Hundreds of candidates fail; the eight reasons shown must say which strategy each is (before, "K=1, M=1: ..."
+    repeated for the strategies of K = 1 alone, telling them apart by nothing), differ, and cover every K tried."""
+    import re
+
+    prof = synthetic_profile(num_blocks=4, hidden=16384, seq_len=1024, vocab=32000, batch_sizes=(1, 2, 4))
+    cluster = Cluster.uniform(nodes=1, gpus_per_node=8, like="p3.16xlarge")
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=256, batch=64, allow_extrapolation=True)
+    with pytest.raises(InfeasibleError) as e:
+        PhaseSearch(prof, cluster, cfg, strategies="auto").search(0, Visit(samples=64.0))
+    lines = [ln.strip() for ln in str(e.value).splitlines() if ln.strip().startswith("K=")]
+    assert len(lines) == 8 and len(set(lines)) == 8, lines
+    assert {int(re.match(r"K=(\d+)", ln).group(1)) for ln in lines} == {1, 2, 4, 8}
+    tags = [ln.split(":", 1)[0] for ln in lines]
+    assert any("per stage" in t or "tp" in t or "rc" in t or "fsdp" in t for t in tags), tags
+    assert re.search(r"\(\+\d+ more\)", str(e.value))
 
 
 def test_48_blocks_on_64_gpus_all_phases_prune_to_a_few_exact_evaluations():
