@@ -41,7 +41,7 @@ from ptplan.planner.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v")
-RUN_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs")
+RUN_SCHEDULES = SCHEDULES
 """Schedules the executor runs (ZB-V's lists receive out of send order between two ranks: refused)."""
 
 

@@ -215,9 +215,43 @@ def _lower(name: str, M: int, s2r: tuple[int, ...], compute: list[list[Action]],
             else:
                 acts.append(a)
         acts += [_act(s, ActionKind.ALLREDUCE, -1) for s in range(S) if s2r[s] == r]
-        ranks.append(tuple(acts))
-    return _generated(Schedule(name=name, K=S, M=M, stage_to_rank=s2r, actions=tuple(ranks),
+        ranks.append(acts)
+    return _generated(Schedule(name=name, K=S, M=M, stage_to_rank=s2r, actions=_in_send_order(ranks, s2r),
                                minibatches=minibatches, slices=slices))
+
+
+def _in_send_order(ranks: list[list[Action]], s2r: tuple[int, ...]) -> tuple[tuple[Action, ...], ...]:
+    """The lists with each rank's receives from another rank moved into the order that rank sends them (the
+    runtime pairs the messages between two ranks by order alone: ``check_message_order``). Each receive goes
+    as late as it can: right before the compute that needs it, or before the next receive from the same rank.
+    Lists already in order come back unchanged; ZB-V's are not (rank r's two chunks receive from rank r + 1
+    both forwards and backwards, in the compute order rather than the peer's send order)."""
+    sent: dict[tuple[int, int], list[Action]] = {}
+    for r, acts in enumerate(ranks):
+        for a in acts:
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                fwd = a.kind is ActionKind.SEND_F
+                to = a.stage + (1 if fwd else -1)
+                sent.setdefault((r, s2r[to]), []).append(
+                    _act(to, ActionKind.RECV_F if fwd else ActionKind.RECV_B, a.mb, a.slice))
+    out = []
+    for r, acts in enumerate(ranks):
+        for (src, dst), msgs in sent.items():
+            if dst != r or [a for a in acts if a in set(msgs)] == msgs:
+                continue
+            moved = set(msgs)
+            acts = [a for a in acts if a not in moved]
+            at = {(a.stage, a.kind, a.mb, a.slice): i for i, a in enumerate(acts)}
+            new: list[tuple[int, Action]] = []
+            limit = len(acts)
+            for m in reversed(msgs):  # the last sent first: each before its compute and the next receive
+                use = ActionKind.F if m.kind is ActionKind.RECV_F else ActionKind.B
+                limit = min(at[(m.stage, use, m.mb, m.slice)], limit)
+                new.append((limit, m))
+            for pos, m in new:  # inserted from the back, so earlier positions stay valid
+                acts.insert(pos, m)
+        out.append(tuple(acts))
+    return tuple(out)
 
 
 def _sizes(name: str, K: int, M: int, V: int = 1) -> tuple[int, int, int]:
@@ -732,10 +766,47 @@ def check_schedule(schedule: Schedule) -> None:
     every message between stages on different ranks is sent exactly once after the compute that
     produces it and received exactly once before the compute that needs it (no messages between
     stages on the same rank, where list order decides); forwards follow stage order and backwards
-    reverse stage order; and no deadlock: executing the lists in unit time with blocking receives
-    (and buffered sends) finishes.
+    reverse stage order; no deadlock: executing the lists in unit time with blocking receives
+    (and buffered sends) finishes; and each rank receives from another in the order that one sends
+    (``check_message_order``: the runtime pairs messages by order alone).
     """
     _checked_run(schedule)
+    check_message_order(schedule)
+
+
+def check_message_order(schedule: Schedule) -> None:
+    """Raise ScheduleError unless, for every pair of ranks (a, b), b's receives from a come in the order
+    a sends them (torch pairs messages between two ranks in order, without tags; so does the executor's step
+    interpreter). Part of ``check_schedule``: a schedule the planner accepts is one the runtime can run."""
+    s2r = schedule.stage_to_rank
+    sends: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
+    for r, acts in enumerate(schedule.actions):
+        for a in acts:
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                fwd = a.kind is ActionKind.SEND_F
+                sends.setdefault((r, s2r[a.stage + (1 if fwd else -1)]), []).append(("F" if fwd else "B", a.stage,
+                                                                                     a.mb, a.slice))
+            elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                fwd = a.kind is ActionKind.RECV_F
+                src = a.stage - 1 if fwd else a.stage + 1
+                recvs.setdefault((s2r[src], r), []).append(("F" if fwd else "B", src, a.mb, a.slice))
+    for (a_rank, b_rank), sent in sorted(sends.items()):
+        got = recvs.get((a_rank, b_rank), [])
+        if got != sent:
+            i = next(i for i, (x, y) in enumerate(zip(sent + [None], got + [None])) if x != y)
+
+            def text(m: tuple[str, int, int, int] | None, recv: bool) -> str:
+                if m is None:
+                    return "nothing"
+                kind, stage, mb, sl = m
+                peer = stage + (1 if kind == "F" else -1)
+                return f"{peer if recv else stage}{'RECV' if recv else 'SEND'}_{kind}{mb}" + (f".{sl}" if sl else "")
+
+            raise ScheduleError(f"rank {b_rank} receives from rank {a_rank} in another order than rank {a_rank} "
+                                f"sends: message {i} is {text(sent[i] if i < len(sent) else None, False)} on rank "
+                                f"{a_rank} but {text(got[i] if i < len(got) else None, True)} on rank {b_rank}; torch "
+                                f"pairs the messages between two ranks in order, so reorder rank {b_rank}'s receives")
 
 
 def unit_time_steps(schedule: Schedule) -> tuple[tuple[int, ...], ...]:

@@ -55,7 +55,7 @@ def _build(name: str):
     return build_model(name, granularity="half", dropout=0.0, seed=SEED, **kw)
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("zb-v", 2)]
 """(schedule, V) pairs the parity tests run."""
 
 

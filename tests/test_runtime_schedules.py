@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from ptplan.executor.runtime.actions import check_message_order, phase_schedule, torch_actions, torch_text
+from ptplan.executor.runtime.actions import phase_schedule, torch_actions, torch_text
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.data.dataset import TensorDataset
 from ptplan.executor.runtime.groups import chunks_of, locate
@@ -29,7 +29,8 @@ from ptplan.executor.launch.local import run_world
 from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.executor.runtime.transition import DEVICE, HOST, holdings, needs, owned_layers
 from ptplan.planner.errors import PtplanError
-from ptplan.planner.schedule import Schedule, ScheduleError, build_schedule, parse_action, torch_compute_order
+from ptplan.planner.schedule import (Schedule, ScheduleError, build_schedule, check_message_order, parse_action,
+                                     torch_compute_order)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -214,8 +215,8 @@ def _plan_order(ph) -> tuple[tuple[str, ...], ...]:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("schedule,V,actions", [("gpipe", 1, True), ("1f1b", 1, True), ("zb-h1", 1, True),
                                                 ("interleaved-1f1b", 2, True), ("looped-bfs", 2, True),
-                                                ("1f1b", 1, False)],
-                         ids=["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "looped-bfs", "1f1b-no-actions"])
+                                                ("zb-v", 2, True), ("1f1b", 1, False)],
+                         ids=["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "looped-bfs", "zb-v", "1f1b-no-actions"])
 def test_every_rank_runs_the_plans_compute_order_through_elastic_transitions(bert, schedule, V, actions, tmp_path):
     plan = _plan(bert, schedule, V, actions=actions)
     ran, steps = _recorded_run(bert, plan, str(tmp_path))
@@ -228,7 +229,7 @@ def test_every_rank_runs_the_plans_compute_order_through_elastic_transitions(ber
             got = ran[(rec["step"] + 1, rank)]
             assert got == list(want[locate(ph, rank).stage]), (rec["step"], rank, got)
     kinds = {tok.lstrip("0123456789")[0] for got in ran.values() for tok in got}
-    assert kinds == ({"F", "I", "W"} if schedule == "zb-h1" else {"F", "B"})
+    assert kinds == ({"F", "I", "W"} if schedule in ("zb-h1", "zb-v") else {"F", "B"})
 
 
 # ---- pre-launch: the launcher refuses what the workers could not run, with the workers' own check ------
@@ -237,10 +238,10 @@ def test_every_rank_runs_the_plans_compute_order_through_elastic_transitions(ber
 def test_a_plan_the_workers_cannot_run_is_refused_before_launch(bert, tmp_path, case):
     """`ptplan run --dry-run` checks every phase's schedule with ``actions.phase_schedule`` -- the function
     the runtime builds its schedule with -- so a plan refused by the workers is refused before any process
-    starts: one line, exit 2, naming the phase. A schedule that cannot run at all (M < K for 1F1B, an
-    unknown action) is already refused by the plan reader every command shares (``plan_checks``), naming
-    the phase's field; one that runs in the simulator but not in torch's runtime (receives in another
-    order than the sends) by the executor's check."""
+    starts: one line, exit 2, naming the phase. All three are already refused by the plan reader every command
+    shares (``plan_checks``), naming the phase's field: M < K for 1F1B, an unknown action, and receives in another
+    order than the sends (``check_message_order``, part of ``check_schedule`` since the planner generated ZB-V
+    lists that the simulator ran and the runtime could not)."""
     from dataclasses import replace
 
     from click.testing import CliRunner
@@ -265,8 +266,5 @@ def test_a_plan_the_workers_cannot_run_is_refused_before_launch(bert, tmp_path, 
                                  str(plan.world_size), "--data", str(tmp_path / "data.pt"), "--dry-run"])
     assert r.exit_code == 2, r.output
     assert want in r.output and r.output.count("\n") == 1, r.output
-    if case == "receive-order":
-        assert r.output.startswith("error: plan phase") and "the executor cannot run its schedule" in r.output
-    else:
-        field = "phases[0].M" if case == "1f1b-M<K-no-actions" else "phases[1].actions"
-        assert r.output.startswith("error: ") and f"field '{field}'" in r.output, r.output
+    field = "phases[0].M" if case == "1f1b-M<K-no-actions" else "phases[1].actions"
+    assert r.output.startswith("error: ") and f"field '{field}'" in r.output, r.output

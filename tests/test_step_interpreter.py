@@ -23,7 +23,7 @@ from ptplan.executor.runtime.twobw import TwoBW, _shift, stretches
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.schedule import build_schedule, terapipe, two_bw
 
-FLUSHED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2)]
+FLUSHED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2), ("zb-v", 2)]
 M, B, H = 4, 8, 6
 
 

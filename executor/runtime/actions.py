@@ -21,9 +21,9 @@ for reports and for comparing with torch's own orders. Token by token:
   all-reduce itself runs after the schedule's step (``runtime.ElasticRuntime``), never inside it.
 
 Messages between two ranks are matched by order alone (no tags: the interpreter's, as torch's), so the
-receives one rank posts from another must come in the order that rank sends them; ``check_message_order``
-refuses lists where they do not (a transformer's activations and gradients have the same shape: a mismatch
-would silently swap them). Plans written before phases stored actions (``Phase.actions`` empty) get the
+receives one rank posts from another must come in the order that rank sends them;
+``planner.schedule.check_message_order`` (part of ``check_schedule``) refuses lists where they do not (a
+transformer's activations and gradients have the same shape: a mismatch would silently swap them). Plans written before phases stored actions (``Phase.actions`` empty) get the
 lists ``planner.schedule.build_schedule`` generates for the phase's schedule name, so every phase runs
 through the same path. Two kinds of phase must hold the generator's lists, run by the same interpreter
 under their own policy: PipeDream-2BW (``twobw.TwoBW``: a step is one mini-batch's stretch of the list)
@@ -115,46 +115,11 @@ def _checked(name: str, K: int, M: int, V: int, stage_to_rank: tuple[int, ...], 
             raise ScheduleError(f"{len(actions)} action lists for K={K} positions")
         lists = tuple(tuple(parse_action(tok) for tok in text.split()) for text in actions)
         sched = Schedule(name=name, K=K * V, M=M, stage_to_rank=stage_to_rank, actions=lists)
-    check_schedule(sched)
+    check_schedule(sched)  # the message order too (``check_message_order``: torch pairs messages in order)
     if sched.slices != 1 or any(a.slice for acts in sched.actions for a in acts):
         raise ScheduleError("its actions name token slices but the phase has no slice lengths (Phase.slices); "
                             "token-sliced phases come from `ptplan plan --token-slices auto`")
-    check_message_order(sched)
     return sched
-
-
-def check_message_order(schedule: Schedule) -> None:
-    """Raise ScheduleError unless, for every pair of ranks (a, b), b's receives from a come in the order
-    a sends them (torch pairs messages between two ranks in order, without tags)."""
-    s2r = schedule.stage_to_rank
-    sends: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
-    for r, acts in enumerate(schedule.actions):
-        for a in acts:
-            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                fwd = a.kind is ActionKind.SEND_F
-                sends.setdefault((r, s2r[a.stage + (1 if fwd else -1)]), []).append(("F" if fwd else "B", a.stage,
-                                                                                     a.mb))
-            elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                fwd = a.kind is ActionKind.RECV_F
-                src = a.stage - 1 if fwd else a.stage + 1
-                recvs.setdefault((s2r[src], r), []).append(("F" if fwd else "B", src, a.mb))
-    for (a_rank, b_rank), sent in sorted(sends.items()):
-        got = recvs.get((a_rank, b_rank), [])
-        if got != sent:
-            i = next(i for i, (x, y) in enumerate(zip(sent + [None], got + [None])) if x != y)
-
-            def text(m: tuple[str, int, int] | None, recv: bool) -> str:
-                if m is None:
-                    return "nothing"
-                kind, stage, mb = m
-                peer = stage + (1 if kind == "F" else -1)
-                return f"{peer}RECV_{kind}{mb}" if recv else f"{stage}SEND_{kind}{mb}"
-
-            raise ScheduleError(f"rank {b_rank} receives from rank {a_rank} in another order than rank {a_rank} "
-                                f"sends: message {i} is {text(sent[i] if i < len(sent) else None, False)} on rank "
-                                f"{a_rank} but {text(got[i] if i < len(got) else None, True)} on rank {b_rank}; torch "
-                                f"pairs the messages between two ranks in order, so reorder rank {b_rank}'s receives")
 
 
 def torch_token(action: Action, split: frozenset[tuple[int, int]]) -> str:
