@@ -220,8 +220,8 @@ def _check_counts(warmup: int, repeats: int, budget: float, threads: int | None)
         raise PtplanError(f"--warmup must be >= 0, got {warmup}")
     if repeats < 1:
         raise PtplanError(f"--repeats must be >= 1, got {repeats}")
-    if budget < 0 or budget != budget:
-        raise PtplanError(f"--budget must be >= 0 minutes (0: no budget), got {budget}")
+    if not 0 <= budget < float("inf"):  # NaN fails too
+        raise PtplanError(f"--budget must be a finite number of minutes >= 0 (0: no budget), got {budget}")
     if threads is not None and threads < 1:
         raise PtplanError(f"--threads must be >= 1, got {threads}")
 

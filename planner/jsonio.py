@@ -141,10 +141,14 @@ class Fields:
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Read a JSON file, turning I/O and syntax errors into one clear PtplanError."""
+    """Read a JSON file (UTF-8, as ``write_json`` writes), turning I/O, encoding and syntax errors into one clear
+    PtplanError."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PtplanError(f"{what} file {p} is not a JSON text file: byte {e.start} (0x{e.object[e.start]:02x}) is "
+                          f"not UTF-8; give the {what} file ptplan wrote") from None
     except FileNotFoundError:
         raise PtplanError(f"{what} file not found: {p}") from None
     except OSError as e:
@@ -172,7 +176,7 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
         raise PtplanError(f"cannot write {p}: the folder {p.parent} is not writable ({e.strerror}); "
                           f"write elsewhere") from None
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         umask = os.umask(0)
         os.umask(umask)

@@ -446,6 +446,20 @@ def test_cli_corrupt_profile_exits_2(tmp_path):
     assert r.exit_code == 2 and "not valid JSON" in r.output
 
 
+@pytest.mark.parametrize("args", [["plan", "{bin}", "--out", "{tmp}/p.json"],
+                                  ["plan", "bert-tiny", "--cluster", "{bin}", "--out", "{tmp}/p.json"],
+                                  ["show", "{bin}", "--out", "{tmp}/r.html"], ["ablate", "{bin}"],
+                                  ["run", "{bin}", "--dry-run"]],
+                         ids=["profile", "cluster", "plan-show", "ablate", "plan-run"])
+def test_a_binary_file_given_as_json_is_one_message_not_a_traceback(tmp_path, args):
+    """Every JSON input goes through ``jsonio.read_json``: a file that is not UTF-8 (a train.pt passed as the plan)
+    was a UnicodeDecodeError traceback, exit 1."""
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00PK")
+    r = CliRunner().invoke(cli, [a.format(bin=tmp_path / "bin.json", tmp=tmp_path) for a in args])
+    assert r.exit_code == 2 and "is not a JSON text file: byte 0 (0xff) is not UTF-8" in r.output, r.output
+    assert r.output.count("\n") == 1 and not (tmp_path / "p.json").exists() and not (tmp_path / "r.html").exists()
+
+
 def test_phase_rank_tables_are_memoised_per_links_object():
     """``planner._phase_ranks`` builds a phase's rank table once per pipeline shape (4,096 ranks x 385
     phases were rebuilt per phase): the memoised table equals one built afresh, for every K and tp, asked

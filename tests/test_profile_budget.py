@@ -62,8 +62,11 @@ def test_cli_budget_default_and_exact_counts(tmp_path, args, budget, monkeypatch
     assert meas["model_arg"] == "bert-tiny" and meas["weights_arg"] is None
 
 
-def test_cli_refuses_a_negative_budget(tmp_path):
+@pytest.mark.parametrize("budget", ["-1", "nan", "inf", "1e309"])
+def test_cli_refuses_a_budget_that_is_not_a_finite_number_of_minutes(tmp_path, budget):
+    """inf (and 1e309, which is inf) was a ValueError traceback after 5 s of profiling: inf // round_s is NaN."""
     from ptplan.cli.main import cli
 
-    r = CliRunner().invoke(cli, ["profile", "bert-tiny", "--budget", "-1", "--out", str(tmp_path / "p.json")])
-    assert r.exit_code == 2 and "--budget must be >= 0 minutes" in r.output
+    r = CliRunner().invoke(cli, ["profile", "bert-tiny", "--budget", budget, "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 2 and "--budget must be a finite number of minutes >= 0" in r.output, r.output
+    assert not (tmp_path / "p.json").exists()

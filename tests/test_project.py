@@ -51,6 +51,17 @@ def test_projected_profile_is_valid_marked_and_has_the_measured_memory(tmp_path)
         sum(r.forward_s[-1] + r.backward_s[-1] for r in prof.layers))
 
 
+@pytest.mark.parametrize("name", ["bert-tiny", "vit-tiny", "gpt2-tiny"])
+def test_projection_never_allocates_its_inputs(name):
+    """The projection counts on the meta device, its micro-batch too (``make_batch(meta=True)``): a batch of 10^10
+    samples (terabytes of ids or pixels) projects. Before, the batch was made on the CPU and moved: a
+    RuntimeError from the allocator, a traceback at exit 1 from `ptplan profile --project --batch-sizes`."""
+    kw = {} if name.startswith("vit") else {"seq_len": 16}
+    prof = project_profile(build_model(name, **kw), get_device("h100"), batch_sizes=[1, 10**10])
+    for rec in prof.layers[1:-1]:  # b = 1 is mostly launch latency: far from 10^10 x, but far above it
+        assert math.isfinite(rec.forward_s[1]) and rec.forward_s[1] > 100 * rec.forward_s[0]
+
+
 def test_matmul_flops_are_counted_exactly():
     """BERT's MLP half at b samples of s tokens, hidden h, intermediate 4h: two matmuls of 2*b*s*h*4h FLOPs
     forward, twice that backward (input and weight gradients)."""

@@ -181,13 +181,14 @@ class LayeredModel(nn.Module):
                                    ignore_index=-100)
         return F.cross_entropy(output.float(), labels)
 
-    def make_batch(self, batch_size: int, generator: torch.Generator | None = None
+    def make_batch(self, batch_size: int, generator: torch.Generator | None = None, *, meta: bool = False
                    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Synthetic (inputs, labels, attention_mask-or-None) of the right shapes and dtypes.
 
         BERT: ids ``[B, S]``, class labels ``[B]``, all-ones mask ``[B, S]``. GPT-2: ids, labels =
         the ids, all-ones mask. ViT: pixels ``[B, 3, H, W]`` in the model dtype, class labels, None.
-        Tensors are created on the CPU with ``generator`` and moved to the model's device.
+        Tensors are created on the CPU with ``generator`` and moved to the model's device; with ``meta`` they are
+        made on the meta device (shapes and dtypes, no storage: the projection's counting, at any batch size).
         """
         if batch_size < 1:
             raise PtplanError(f"batch size must be >= 1, got {batch_size}")
@@ -196,9 +197,19 @@ class LayeredModel(nn.Module):
             p = torch.empty(0, dtype=p.dtype)
         if self.batch_fn is not None:
             bx, by, bm = self.batch_fn(batch_size, generator)
-            bx = bx.to(p.device, p.dtype) if bx.is_floating_point() else bx.to(p.device)
-            return bx, by.to(p.device), None if bm is None else bm.to(p.device)
+            dev = torch.device("meta") if meta else p.device
+            bx = bx.to(dev, p.dtype) if bx.is_floating_point() else bx.to(dev)
+            return bx, by.to(dev), None if bm is None else bm.to(dev)
         B, S = batch_size, self.seq_len
+        if meta:
+            kw: dict[str, Any] = {"device": "meta"}
+            if self.pixels:
+                c = self.config
+                return (torch.empty(B, c.num_channels, self.image_size, self.image_size, dtype=p.dtype, **kw),
+                        torch.empty(B, dtype=torch.long, **kw), None)
+            ids = torch.empty(B, S, dtype=torch.long, **kw)
+            return ids, (torch.empty(B, S, dtype=torch.long, **kw) if self.causal else
+                         torch.empty(B, dtype=torch.long, **kw)), torch.empty(B, S, dtype=torch.long, **kw)
         if self.pixels:
             c = self.config
             x = torch.randn(B, c.num_channels, self.image_size, self.image_size, generator=generator)

@@ -176,7 +176,7 @@ def fake_memory_pass(model: LayeredModel, b: int) -> LayerBytes:
     def fake(t: Tensor) -> Tensor:
         return FakeTensor(mode, t.to("meta"), cpu)
 
-    x, labels, mask = model.make_batch(b)
+    x, labels, mask = model.make_batch(b, meta=True)
     with swapped(model, fake), torch.random.fork_rng(devices=[]), mode:
         return memory_pass(model, fake(x), fake(labels), None if mask is None else fake(mask), b)
 
@@ -213,9 +213,7 @@ def _record(model: LayeredModel, b: int) -> list[LayerOps]:
     to two recorded before (``_same_as``: a Transformer's repeated blocks) takes the second one's record (the first
     may include a shared module's first-call work, e.g. a rotary cache), so a 126-block model records a few layers,
     not all, and the records equal recording every layer."""
-    x, labels, mask = model.make_batch(b)
-    x, labels = x.to("meta"), labels.to("meta")
-    mask = None if mask is None else mask.to("meta")
+    x, labels, mask = model.make_batch(b, meta=True)
     out: list[LayerOps] = []
     seen: dict[tuple[Any, ...], tuple[LayerOps, torch.Size, torch.dtype]] = {}
     once: set[tuple[Any, ...]] = set()  # the first of equal layers may differ (shared modules' first-call work)
