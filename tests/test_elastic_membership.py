@@ -248,6 +248,34 @@ def test_a_varying_node_count_needs_what_a_re_plan_needs(tmp_path):
     assert r.exit_code == 0 and "--nnodes=1:2" in r.output and f"--rdzv-conf={RDZV_CONF}" in r.output, r.output
 
 
+def test_every_world_size_the_range_allows_is_re_planned_before_launch(tmp_path):
+    """An audit's elastic job planned with --start-K 2 launched fine and, on losing a node, died re-planning for 1
+    process (--start-K 2 must divide the 1 GPUs). Now the launcher makes every re-plan the range allows before any
+    process starts, and a --start-K that does not divide a new world is left to the search (``replan.for_world``)."""
+    from ptplan.executor.launch.replan import ReplanSettings, for_world, replan
+
+    path = shipped("bert-tiny_cpu_fp32")
+    training = TrainingConfig(epochs=EPOCHS, samples_per_epoch=8 * STEPS_PER_EPOCH, batch=8, optimizer="sgd",
+                              start_K=2)
+    plan = make_plan(load_profile(path), cpu_cluster(2), training, FreezePolicy(policy="geometric", alpha=0.5),
+                     profile_path=str(path))
+    assert plan.phases[0].K == 2
+    save_plan(plan, tmp_path / "plan.json")
+    args = run_args(tmp_path / "plan.json", tmp_path, free_port())
+    r = CliRunner().invoke(cli, ["run", *args, "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert for_world(training, 1).start_K is None and for_world(training, 4).start_K == 2
+    one = replan(plan, ReplanSettings(profile=str(path), strategies="off", token_slices="off",
+                                      log=str(tmp_path / "run.jsonl")), 1, 1)
+    assert one.world_size == 1 and one.phases[0].K == 1
+    # a range reaching a world the global batch of 8 cannot feed is refused before launch, naming it
+    a = list(args)
+    a[a.index("1:2")] = "1:16"
+    r = CliRunner().invoke(cli, ["run", *a, "--dry-run"])
+    assert r.exit_code == 2 and "--nnodes 1:16 lets the job shrink or grow to 6 node(s), 6 processes" in r.output
+    assert "global batch 8 does not split over D=3 pipelines" in r.output, r.output
+
+
 def test_the_cluster_for_the_new_world_keeps_the_device_kind():
     from ptplan.executor.launch.replan import cluster_for
     from ptplan.planner.cluster import PRESETS

@@ -21,6 +21,7 @@ from ptplan.planner.cluster import Cluster
 from ptplan.planner.errors import PtplanError
 
 if TYPE_CHECKING:
+    from ptplan.planner.config import TrainingConfig
     from ptplan.planner.plan import Plan
 
     from ptplan.executor.launch.launcher import Rendezvous
@@ -106,7 +107,18 @@ def check_elastic(cfg: "RunConfig", rdzv: "Rendezvous", plan: "Plan") -> ReplanS
         raise PtplanError(f"--nnodes {lo}:{hi}: when the node count changes the job re-plans for the new world size "
                           f"and resumes from its last checkpoint, so it needs " + "; ".join(need)
                           + "; or pass a fixed --nnodes")
-    return settings_for(cfg, plan)
+    settings = settings_for(cfg, plan)
+    per = rdzv.nproc_per_node
+    for nodes in range(lo, hi + 1):  # the re-plans the workers would make, made now: one that fails is refused here
+        if nodes * per != plan.world_size:
+            try:
+                plan_for(plan, settings, nodes * per, per)
+            except PtplanError as e:
+                raise PtplanError(f"--nnodes {lo}:{hi} lets the job shrink or grow to {nodes} node(s), "
+                                  f"{nodes * per} processes, and the workers would re-plan for it, but no plan fits "
+                                  f"{nodes * per} processes: {e}\nGive a --nnodes range whose every world size can "
+                                  f"be planned.") from None
+    return settings
 
 
 def cluster_for(cluster: Cluster, world: int, per_node: int) -> Cluster:
@@ -128,6 +140,15 @@ def cluster_for(cluster: Cluster, world: int, per_node: int) -> Cluster:
 def replan(plan: "Plan", settings: ReplanSettings, world: int, per_node: int) -> "Plan":
     """The plan ``ptplan plan`` makes from ``plan``'s profile and settings for ``world`` processes (``cluster_for``);
     PtplanError naming the world size when no plan fits it."""
+    try:
+        return plan_for(plan, settings, world, per_node)
+    except PtplanError as e:
+        raise PtplanError(f"the job now has {world} processes (was planned for {plan.world_size}) and re-planning "
+                          f"for {world} failed: {e}") from None
+
+
+def plan_for(plan: "Plan", settings: ReplanSettings, world: int, per_node: int) -> "Plan":
+    """``replan``'s planning, its errors as the planner raises them."""
     from ptplan.planner.config import check_batch_reach
     from ptplan.planner.planner import make_plan
     from ptplan.planner.profile import load_profile
@@ -135,13 +156,18 @@ def replan(plan: "Plan", settings: ReplanSettings, world: int, per_node: int) ->
     prof = load_profile(settings.profile)
     cluster = cluster_for(plan.inputs.cluster, world, per_node)
     inp = plan.inputs
-    try:
-        check_batch_reach(inp.training, cluster.world_size, max(prof.batch_sizes))
-        return make_plan(prof, cluster, inp.training, inp.freeze, profile_path=settings.profile,
-                         strategies=settings.strategies, token_slices=settings.token_slices)
-    except PtplanError as e:
-        raise PtplanError(f"the job now has {world} processes (was planned for {plan.world_size}) and re-planning "
-                          f"for {world} failed: {e}") from None
+    training = for_world(inp.training, world)
+    check_batch_reach(training, cluster.world_size, max(prof.batch_sizes))
+    return make_plan(prof, cluster, training, inp.freeze, profile_path=settings.profile,
+                     strategies=settings.strategies, token_slices=settings.token_slices)
+
+
+def for_world(training: "TrainingConfig", world: int) -> "TrainingConfig":
+    """The plan's training settings for ``world`` processes: a --start-K that does not divide it (or exceeds it)
+    was the user's choice for the planned world, not for this one, so the search chooses K freely (``--start-K 2``
+    planned for 2 processes cannot start a 1-process job; ``-K``, a pin, already falls back per phase)."""
+    K = training.start_K
+    return training if K is None or (K <= world and world % K == 0) else replace(training, start_K=None)
 
 
 def replanned_path(settings: ReplanSettings, world: int) -> str:
