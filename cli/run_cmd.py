@@ -434,7 +434,13 @@ def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> No
         if problems:
             raise PtplanError(f"cannot resume from {sharded.meta_path(cfg.checkpoint_dir)}: " + "; ".join(problems)
                               + sharded.FIX)
+        _check_position(cfg, plan, meta["position"], sharded.meta_path(cfg.checkpoint_dir))
         return
+    if cfg.checkpoint_format == "single" and not os.path.exists(ckpt.checkpoint_path(cfg.checkpoint_dir)) \
+            and os.path.exists(sharded.meta_path(cfg.checkpoint_dir)):
+        raise PtplanError(f"no checkpoint at {ckpt.checkpoint_path(cfg.checkpoint_dir)}, but "
+                          f"{sharded.meta_path(cfg.checkpoint_dir)} is a sharded one: resume it with "
+                          f"--checkpoint-format sharded")
     data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
     problems = ckpt.mismatches(data, plan=plan, model_name=model_name, optimizer=cfg.optimizer, world_size=world,
                                run=run_id)
@@ -442,6 +448,21 @@ def _check_resumable(cfg, plan, model_name: str, world: int, samples: int) -> No
         raise PtplanError(f"cannot resume from {ckpt.checkpoint_path(cfg.checkpoint_dir)}: " + "; ".join(problems)
                           + "; resume with the plan and settings it was written with, or start without --resume "
                             "(and another --checkpoint-dir)")
+    _check_position(cfg, plan, data["position"], ckpt.checkpoint_path(cfg.checkpoint_dir))
+
+
+def _check_position(cfg, plan, pos: dict, where: str) -> None:
+    """A checkpoint past the run's last epoch is refused (--epochs fewer than it has done: nothing would run, and
+    the log would say the run went on); one at its very end is a note (nothing to train; --export still exports)."""
+    epochs = cfg.epochs or plan.inputs.training.epochs
+    at, inside, step = int(pos["epoch"]), int(pos["step_in_epoch"]), int(pos["global_step"])
+    if at > epochs or (at == epochs and inside > 0):
+        raise PtplanError(f"cannot resume from {where}: it is at epoch {at}, step {step}, past this run's "
+                          f"{epochs} epoch(s); resume with --epochs {at + (1 if inside else 0)} or more, or start "
+                          f"without --resume")
+    if at == epochs:
+        click.echo(f"note: {where} is at the end of the run's {epochs} epoch(s) (step {step}): no step will run"
+                   + (f"; --export {cfg.export} exports it as it is" if cfg.export else ""), err=True)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -161,6 +161,66 @@ def test_another_plans_or_another_runs_checkpoint_is_refused(job, tmp_path):
     assert r.exit_code == 2 and "its samples is 16, this run's is 8" in r.output and "its seed is 0" in r.output
 
 
+def test_a_checkpoint_past_the_runs_epochs_is_refused_and_one_at_its_end_is_a_note(job, tmp_path):
+    """An audit resumed a finished 2-epoch checkpoint with --epochs 1: exit 0, "final loss None", a resume record
+    appended. Past the run's end is refused; at its end is a note; a sharded checkpoint read as single says so."""
+    args = _run_args(job, "--checkpoint-dir", job["ckpt"], "--resume")
+    args[args.index("--epochs") + 1] = "1"
+    r = _cli(*args)
+    assert r.exit_code == 2, r.output
+    assert "it is at epoch 2, step 8, past this run's 1 epoch(s); resume with --epochs 2 or more" in r.output, r.output
+    r = _cli(*_run_args(job, "--checkpoint-dir", job["ckpt"], "--resume"))
+    assert r.exit_code == 0 and "is at the end of the run's 2 epoch(s) (step 8): no step will run" in r.output
+    (tmp_path / "sh").mkdir()
+    (tmp_path / "sh" / "sharded.json").write_text("{}")
+    r = _cli(*_run_args(job, "--checkpoint-dir", tmp_path / "sh", "--resume"))
+    assert r.exit_code == 2 and "is a sharded one: resume it with --checkpoint-format sharded" in r.output, r.output
+
+
+def test_a_finished_run_resumed_into_a_new_log_exports_whole(job, tmp_path):
+    """A SLURM requeue after completion: --resume at the last step with a new --log and --export. Before, the log
+    had no header and the export no README (its model card read a log with no steps: exit 2 after "exported")."""
+    from ptplan.executor.training.export import finish_export
+
+    model, data = job["model"], job["data"]
+    cfg = job["cfg"](checkpoint_dir=str(job["ckpt"]), resume=True, log=str(tmp_path / "new.jsonl"),
+                     export=str(tmp_path / "export"))
+
+    def worker(rank, world):
+        summary = run_training(cfg, job["plan"], model, data)
+        assert summary.final_loss is None
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=30, deadline_s=120)
+    assert res.ok, res.explain()
+    kinds = [json.loads(line)["type"] for line in (tmp_path / "new.jsonl").read_text().splitlines()]
+    assert kinds[:2] == ["header", "resume"] and "step" not in kinds, kinds
+    finish_export(cfg.export, sources=[None], data=cfg.data, plan_path=cfg.plan, log_path=cfg.log)  # as `ptplan run`
+    assert "not logged" in (tmp_path / "export" / "README.md").read_text()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (tmp_path / "export").stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
+
+
+def test_two_label_names_reach_the_exported_config(tmp_path):
+    """transformers 5 writes no id2label for its default two classes; the export took that for 0 classes and kept
+    LABEL_0/LABEL_1 with a wrong note."""
+    import transformers
+
+    from ptplan.executor.training.export import finish_export
+
+    transformers.BertConfig(num_labels=2).save_pretrained(tmp_path / "export")
+    torch.save({"inputs": torch.zeros(2, 4, dtype=torch.long), "labels": torch.tensor([0, 1]),
+                "meta": {"label_names": ["neg", "pos"]}}, tmp_path / "data.pt")
+    (tmp_path / "plan.json").write_text(json.dumps(make_plan(build_model("bert-tiny", seq_len=SEQ),
+                                                             [spec(0, K=1, D=1, M=1, b=2)], trajectory=[0],
+                                                             samples_per_epoch=N).to_json()))
+    notes = finish_export(tmp_path / "export", sources=[None], data=str(tmp_path / "data.pt"),
+                          plan_path=str(tmp_path / "plan.json"), log_path=None)
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["id2label"] == {"0": "neg", "1": "pos"} and config["label2id"] == {"neg": 0, "pos": 1}, notes
+    assert not any("label names" in n for n in notes), notes
+
+
 def test_resume_checks_the_checkpoint_in_the_workers_too(job, tmp_path):
     """Another plan's checkpoint given to workers directly (several nodes skip the launcher's look)."""
     model, data = job["model"], job["data"]

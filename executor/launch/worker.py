@@ -132,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             summary, cfg = run_job(cfg, device)
             if report.rank == 0:
                 tr = ", ".join(f"{t['from_phase']}->{t['to_phase']} {t['seconds']:.2f} s" for t in summary.transitions)
-                print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, final loss "
-                      f"{summary.final_loss if summary.final_loss is None else round(summary.final_loss, 5)}; "
+                loss = ("no step ran (the checkpoint was at the run's end)" if summary.final_loss is None else
+                        f"final loss {round(summary.final_loss, 5)}")
+                print(f"ptplan run: {summary.steps} steps in {summary.seconds:.1f} s, {loss}; "
                       f"transitions: {tr or 'none'}"
                       + (f"; held-out {summary.evals[-1].words()}" if summary.evals else "")
                       + (f"; exported to {cfg.export}" if cfg.export else ""), flush=True)

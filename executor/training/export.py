@@ -62,6 +62,7 @@ def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLi
         check_export_dir(out)
     hf = hf_model(model, weights)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # a folder for others to load, as mkdir makes it (mkdtemp's is 0700)
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
         if source is not None:
@@ -92,6 +93,15 @@ def export_hf(model: nn.Module, weights: dict[str, Tensor], out: str | os.PathLi
 
 # ---- a folder a user can ship: tokenizer, label names, model card (issue 25) ----------------------------------
 
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it: a window for other threads' files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            return next(int(line.split()[1], 8) for line in fh if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022
+
+
 def finish_export(dest: str | os.PathLike, *, sources: list[str | None], data: str | None, plan_path: str,
                   log_path: str | None) -> list[str]:
     """Complete the export at ``dest`` after the run: the tokenizer or image-processor files from the first of
@@ -113,13 +123,14 @@ def finish_export(dest: str | os.PathLike, *, sources: list[str | None], data: s
     labels = data_label_names(data)
     config_path = out / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    if labels and len(labels) == len(config.get("id2label") or {}):
+    heads = len(config["id2label"]) if config.get("id2label") else 2  # transformers 5 leaves its default 2 out
+    if labels and len(labels) == heads:
         config["id2label"] = {str(i): name for i, name in enumerate(labels)}
         config["label2id"] = {name: i for i, name in enumerate(labels)}
         _write_atomic(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     elif labels:
-        notes.append(f"the data's {len(labels)} label names do not match the head's {len(config.get('id2label') or {})} "
-                     f"classes; config.json keeps LABEL_i names")
+        notes.append(f"the data's {len(labels)} label names do not match the head's {heads} classes; config.json "
+                     f"keeps LABEL_i names")
     _write_atomic(out / "README.md", model_card(out, config=config, plan_path=plan_path, log_path=log_path,
                                                 data=data, base=source or next((s for s in sources if s), None)))
     return notes
@@ -145,7 +156,10 @@ def model_card(out: Path, *, config: dict[str, Any], plan_path: str, log_path: s
     from ptplan.planner.runlog import read_run_log
 
     plan = load_plan(plan_path)
-    log = read_run_log(log_path) if log_path and os.path.isfile(log_path) else None
+    try:
+        log = read_run_log(log_path) if log_path and os.path.isfile(log_path) else None
+    except PtplanError:  # a log this run wrote no step to (resumed at its last step): the card says "not logged"
+        log = None
     steps = log.steps if log else ()
     ran = sorted({(s.phase, s.frozen_blocks, s.K, s.D) for s in steps})
     evals = [r for r in (log.records if log else ()) if r.type == "eval"]

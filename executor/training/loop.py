@@ -15,6 +15,7 @@ ever materialises the whole model; ``run_training`` takes the model as built (se
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -194,6 +195,8 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
     rid = run_id(cfg, N)
     source = find_checkpoint(cfg, plan, model.name, world, rid)  # collective: (rank, step) or None
     problem, log = None, RunLog(None)
+    # a resume into a log that does not exist yet (another --log) starts it with its header too
+    fresh = rank == 0 and cfg.log is not None and (not os.path.exists(cfg.log) or os.path.getsize(cfg.log) == 0)
     try:  # rank 0 alone opens it (a resumed log at once): its refusal raised on every rank
         log = RunLog(cfg.log if rank == 0 else None, append=source is not None)
     except PtplanError as e:
@@ -206,7 +209,7 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
     ctx = RunContext(cfg=cfg, plan=plan, rt=rt, dataset=dataset, log=log, fs=fs, device=device, run_id=rid,
                      resuming=source is not None, epochs=epochs, total=total, amp=amp,
                      pos=Position(norm_sum=[0.0] * model.num_blocks))
-    if source is None:
+    if source is None or fresh:
         _header(ctx)
     return ctx, source
 
