@@ -17,20 +17,22 @@ from ptplan.planner.errors import PtplanError
 @click.option("--seq-len", type=int, default=None,
               help="Tokens per sample: pad or cut every text to it (the plan's sequence length).")
 @click.option("--plan", "plan_path", type=click.Path(dir_okay=False), default=None,
-              help="Take --seq-len from this plan's profile instead.")
+              help="Take the sequence length from this plan's profile instead of --seq-len (give one of the two).")
 @click.option("--out", required=True, help="Training file to write (.pt).")
 @click.option("--text-column", default="text", show_default=True)
 @click.option("--label-column", default="label", show_default=True, help="Classification only.")
 @click.option("--label-map", default="auto", show_default=True,
               help="'auto' (the distinct labels: numbers in numeric order, else sorted), a JSON file (a list of "
-                   "names in class order, or {name: id}) or a .pt file written by ptplan data (its map).")
+                   "names in class order, or {name: id}) or a .pt file written by ptplan data (its map). A label "
+                   "is its text, trimmed, with numbers by value: 1, 1.0, \"1\" and 01 are one class, in a CSV and "
+                   "a JSONL file alike; lists, objects, blanks, NaN and infinities are refused.")
 @click.option("--task", type=click.Choice(["classification", "causal-lm"]), default=None,
               help="[default: causal-lm when the folder's config.json is a decoder-only model (gpt2, llama, "
                    "mistral, qwen2), else classification]. causal-lm: no labels, next-token loss on the ids.")
 @click.option("--split", type=float, default=0.0, help="Hold out this share of the rows (stratified by class).")
 @click.option("--eval-out", default=None,
               help="Held-out file to write with --split (ptplan run --eval-data).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the split.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the split (0..2**32-1).")
 def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, out: str, text_column: str,
          label_column: str, label_map: str, task: str | None, split: float, eval_out: str | None, seed: int) -> None:
     """Tokenize IN (.csv with a header line, or .jsonl) into the training format of ``ptplan run --data``.
@@ -41,12 +43,16 @@ def data(src: str, tokenizer: str, seq_len: int | None, plan_path: str | None, o
     """
     from ptplan.cli.main import check_outputs
 
-    if (seq_len is None) == (plan_path is None):
+    if seq_len is None and plan_path is None:
         raise PtplanError("give the sequence length: --seq-len N, or --plan PLAN to use the plan's")
     if plan_path is not None:
         from ptplan.planner.plan import load_plan
 
-        seq_len = load_plan(plan_path).inputs.profile.seq_len
+        planned = load_plan(plan_path).inputs.profile.seq_len
+        if seq_len is not None:
+            raise PtplanError(f"--seq-len {seq_len} and --plan {plan_path} (sequence length {planned}) both give the "
+                              f"sequence length; give one: --plan alone takes the plan's {planned}")
+        seq_len = planned
     assert seq_len is not None
     if label_map != "auto" and not os.path.isfile(label_map):
         raise PtplanError(f"--label-map {label_map}: no such file; give 'auto' or a JSON/.pt file")

@@ -143,8 +143,26 @@ def test_causal_lm_text_for_next_token_loss(tmp_path):
     assert r.exit_code == 2 and "no label column 'label'" in r.output and "--task causal-lm" in r.output, r.output
 
 
+def _plan(path: Path, seq_len: int) -> Path:
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.handplan import make_plan, spec
+    from ptplan.planner.plan import save_plan
+
+    save_plan(make_plan(build_model("bert-tiny", seq_len=seq_len, dropout=0.0), [spec(0, K=1, D=1, M=1, b=2)],
+                        trajectory=[0]), path)
+    return path
+
+
+def _jsonl(path: Path, labels: list) -> Path:
+    path.write_text("".join(json.dumps({"text": f"text {i}", "label": y}) + "\n" for i, y in enumerate(labels)))
+    return path
+
+
 @pytest.mark.parametrize("case", ["missing-column", "empty", "header-only", "bad-path", "out-is-input", "no-folder",
-                                  "not-pt", "split-alone", "one-class", "bad-csv", "bad-json", "no-seq-len"])
+                                  "not-pt", "split-alone", "one-class", "bad-csv", "bad-json", "no-seq-len",
+                                  "text-is-label", "object-label", "list-label", "nan-label", "inf-csv-label",
+                                  "empty-csv-label", "empty-texts", "blank-text-jsonl", "seq-len-and-plan",
+                                  "negative-seed", "huge-seed"])
 def test_bad_input_is_one_message_exit_2_and_nothing_written(case, minilm_dir, tmp_path):
     src = _csv(tmp_path / "in.csv", _rows())
     out = tmp_path / "out.pt"
@@ -154,7 +172,20 @@ def test_bad_input_is_one_message_exit_2_and_nothing_written(case, minilm_dir, t
             "out-is-input": "is the input itself", "no-folder": "--tokenizer", "not-pt": "write .pt files",
             "split-alone": "--split and --eval-out go together", "one-class": "classification needs two classes",
             "bad-csv": "line 3: 4 fields but the header has 3", "bad-json": "line 2: not JSON",
-            "no-seq-len": "--seq-len N, or --plan PLAN"}[case]
+            "no-seq-len": "--seq-len N, or --plan PLAN",
+            "text-is-label": "--text-column and --label-column are both 'text': every text would be its own class",
+            "object-label": "in.jsonl line 2: the label column 'label' holds a JSON object ({\"a\": 0}), not a label; "
+                            "2 rows in all hold no label (lines 2, 5)",
+            "list-label": "in.jsonl line 3: the label column 'label' holds a JSON list ([1, 2]), not a label; give",
+            "nan-label": "in.jsonl line 1: the label column 'label' holds nan (not a number: a missing value?)",
+            "inf-csv-label": "in.csv line 3: the label column 'label' holds -inf (an infinity), not a label",
+            "empty-csv-label": "in.csv line 4: the label column 'label' holds an empty value, not a label",
+            "empty-texts": "in.csv lines 2, 3, 5, 6, 7, ...: 7 texts in the column 'text' are empty",
+            "blank-text-jsonl": "in.jsonl line 3: 1 text in the column 'text' is empty",
+            "seq-len-and-plan": "plan.json (sequence length 10) both give the sequence length; give one: --plan "
+                                "alone takes the plan's 10",
+            "negative-seed": "--seed must lie in 0..4294967295, got -1",
+            "huge-seed": "--seed must lie in 0..4294967295, got 4294967296"}[case]
     if case == "missing-column":
         args += ["--text-column", "body"]
     elif case == "empty":
@@ -182,6 +213,28 @@ def test_bad_input_is_one_message_exit_2_and_nothing_written(case, minilm_dir, t
         args[0] = src
     elif case == "no-seq-len":
         args = [src, "--tokenizer", minilm_dir, "--out", out]
+    elif case == "text-is-label":
+        args += ["--text-column", "text", "--label-column", "text"]
+    elif case in ("object-label", "list-label", "nan-label"):
+        args[0] = _jsonl(tmp_path / "in.jsonl", {"object-label": [0, {"a": 0}, 1, 0, {"a": 0}, 1],
+                                                 "list-label": [0, 1, [1, 2], 0, 1],
+                                                 "nan-label": [float("nan"), 0, 1, 0, 1]}[case])
+    elif case == "inf-csv-label":
+        src.write_text("text,label\na,0\nb,-inf\nc,1\n")
+    elif case == "empty-csv-label":
+        src.write_text("text,label\na,0\nb,1\nc, \nd,1\n")
+    elif case == "empty-texts":
+        src.write_text("text,label\n,a\n  ,b\nok,a\n" + '"",b\n' * 5 + "fine,b\n")
+    elif case == "blank-text-jsonl":
+        args[0] = tmp_path / "in.jsonl"
+        args[0].write_text("".join(json.dumps({"text": t, "label": y}) + "\n"
+                                   for t, y in [("a", 0), ("b", 1), (" \t\u2028", 0), ("d", 1)]))
+    elif case == "seq-len-and-plan":
+        args += ["--plan", _plan(tmp_path / "plan.json", 10)]
+    elif case == "negative-seed":
+        args += ["--seed", "-1"]
+    elif case == "huge-seed":
+        args += ["--seed", str(2**32)]
     before = sorted(os.listdir(tmp_path))
     r = _run(*args)
     assert r.exit_code == 2, r.output
@@ -207,14 +260,34 @@ def test_a_failed_write_leaves_neither_file(minilm_dir, tmp_path, monkeypatch):
 
 
 def test_seq_len_from_the_plan(minilm_dir, tmp_path):
-    from ptplan.executor.families.models import build_model
-    from ptplan.executor.handplan import make_plan, spec
-    from ptplan.planner.plan import save_plan
-
-    plan = make_plan(build_model("bert-tiny", seq_len=10, dropout=0.0), [spec(0, K=1, D=1, M=1, b=2)],
-                     trajectory=[0])
-    save_plan(plan, tmp_path / "plan.json")
     src = _csv(tmp_path / "in.csv", _rows())
-    r = _run(src, "--tokenizer", minilm_dir, "--plan", tmp_path / "plan.json", "--out", tmp_path / "t.pt")
+    r = _run(src, "--tokenizer", minilm_dir, "--plan", _plan(tmp_path / "plan.json", 10), "--out", tmp_path / "t.pt")
     assert r.exit_code == 0, r.output
     assert load_dataset(tmp_path / "t.pt").inputs.shape == (18, 10)
+
+
+def test_numerically_equal_labels_are_one_class_in_csv_and_jsonl(minilm_dir, tmp_path):
+    """1, 1.0, "1", "01" and "1e0" are the one class 1, in a JSONL file and a CSV file alike, and in a --label-map."""
+    labels = [1, 1.0, "1", 0, " 01", 0.0, "1e0", "0", 2.50, "2.5"]
+    r = _run(_jsonl(tmp_path / "in.jsonl", labels), "--tokenizer", minilm_dir, "--seq-len", 8, "--out",
+             tmp_path / "j.pt")
+    assert r.exit_code == 0, r.output
+    assert "labels: 0=0, 1=1, 2=2.5; train with --num-labels 3" in r.output, r.output
+    want = [1, 1, 1, 0, 1, 0, 1, 0, 2, 2]
+    assert torch.load(tmp_path / "j.pt", weights_only=True)["labels"].tolist() == want
+    src = tmp_path / "in.csv"
+    src.write_text("text,label\n" + "".join(f"text {i},{json.dumps(y) if not isinstance(y, str) else y}\n"
+                                           for i, y in enumerate(labels)))
+    r = _run(src, "--tokenizer", minilm_dir, "--seq-len", 8, "--out", tmp_path / "c.pt")
+    assert r.exit_code == 0, r.output
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["labels"].tolist() == want
+    (tmp_path / "map.json").write_text(json.dumps(["2.50", 0.0, "1"]))  # the map's names are classed alike
+    r = _run(src, "--tokenizer", minilm_dir, "--seq-len", 8, "--out", tmp_path / "m.pt", "--label-map",
+             tmp_path / "map.json")
+    assert r.exit_code == 0, r.output
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["labels"].tolist() == [[1, 2, 0][c] for c in want]
+    (tmp_path / "twice.json").write_text(json.dumps([1, "1.0", 0]))
+    r = _run(src, "--tokenizer", minilm_dir, "--seq-len", 8, "--out", tmp_path / "t.pt", "--label-map",
+             tmp_path / "twice.json")
+    assert r.exit_code == 2 and "the label '1' names classes 0, 1" in r.output, r.output
+    assert not (tmp_path / "t.pt").exists()

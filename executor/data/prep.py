@@ -15,9 +15,11 @@ renamed into place, so a refused or failed call leaves nothing behind.
 from __future__ import annotations
 
 import csv
+import decimal
 import json
 import os
 import random
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +50,28 @@ class Prepared:
     """What looks wrong but does not stop the file being written (e.g. a class with a single example)."""
 
 
+@dataclass(frozen=True)
+class Table:
+    """The rows of a .csv or .jsonl file, as ``read_table`` reads them."""
+
+    rows: list[dict[str, Any]]
+    """One dict per row, by column name (a short CSV row's missing fields are None)."""
+    columns: list[str]
+    """The CSV header, or every key of the JSONL objects in order of first use."""
+    lines: list[int]
+    """The line of the file (1-based) where each row starts, to name a row in a message."""
+
+
 def read_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[str]]:
-    """The rows of a .csv (header line first) or .jsonl (one JSON object per line) file, and its columns.
+    """The rows of a .csv (header line first) or .jsonl (one JSON object per line) file, and its columns
+    (``read_table`` without the line numbers)."""
+    t = read_table(path)
+    return t.rows, t.columns
+
+
+def read_table(path: str | os.PathLike) -> Table:
+    """The rows of a .csv (header line first) or .jsonl (one JSON object per line) file, its columns and the line
+    where each row starts.
 
     Rows end at real line breaks only (``\\n``, ``\\r\\n``, ``\\r``): not at U+0085, U+2028, form feeds or the other
     characters ``str.splitlines`` also breaks at, which occur inside real texts. A CSV is read by the csv module
@@ -62,15 +84,15 @@ def read_rows(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[str]]
         raise PtplanError(f"{p}: unknown format {suffix or '(no suffix)'}; give a .csv file (header line first) or "
                           f"a .jsonl file (one JSON object per line)")
     try:
-        rows, columns = _read_csv(p) if suffix == ".csv" else _read_jsonl(p)
+        table = _read_csv(p) if suffix == ".csv" else _read_jsonl(p)
     except UnicodeDecodeError as e:
         raise PtplanError(f"{p}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
-    if not rows:
+    if not table.rows:
         raise PtplanError(f"{p} holds no rows; nothing to tokenize")
-    return rows, columns
+    return table
 
 
-def _read_csv(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def _read_csv(p: Path) -> Table:
     """A CSV's rows as dicts by its header. A field may be as long as the file (the csv module's default limit,
     131,072 characters, is lifted to the file's size for this read); an unterminated quote is named by the line
     where its field starts."""
@@ -78,6 +100,7 @@ def _read_csv(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
     csv.field_size_limit(max(old, p.stat().st_size + 1))
     rows: list[dict[str, Any]] = []
     columns: list[str] = []
+    lines: list[int] = []
     try:
         with open(p, encoding="utf-8-sig", newline="") as fh:
             reader = csv.reader(fh, strict=True)
@@ -104,15 +127,17 @@ def _read_csv(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
                     raise PtplanError(f"{p} line {here}: {len(row)} fields but the header has {len(columns)}; quote "
                                       f"fields that hold commas")
                 rows.append(dict(zip(columns, row + [None] * (len(columns) - len(row)))))
+                lines.append(here)
     finally:
         csv.field_size_limit(old)
-    return rows, columns
+    return Table(rows=rows, columns=columns, lines=lines)
 
 
-def _read_jsonl(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def _read_jsonl(p: Path) -> Table:
     """One JSON object per line; lines end at ``\\n`` only (JSON strings may hold U+2028 and U+0085 raw)."""
     rows: list[dict[str, Any]] = []
     columns: list[str] = []
+    lines: list[int] = []
     with open(p, encoding="utf-8-sig", newline="") as fh:
         text = fh.read()
     for i, line in enumerate(text.split("\n"), start=1):
@@ -127,8 +152,9 @@ def _read_jsonl(p: Path) -> tuple[list[dict[str, Any]], list[str]]:
             raise PtplanError(f"{p} line {i}: a JSON {type(obj).__name__}, expected an object such as "
                               f'{{"text": "...", "label": "..."}}')
         rows.append(obj)
+        lines.append(i)
         columns += [k for k in obj if k not in columns]
-    return rows, columns
+    return Table(rows=rows, columns=columns, lines=lines)
 
 
 def default_task(tokenizer_dir: str | os.PathLike) -> str:
@@ -141,15 +167,53 @@ def default_task(tokenizer_dir: str | os.PathLike) -> str:
     return "causal-lm" if model_type in CAUSAL_MODEL_TYPES else "classification"
 
 
-def _label_key(v: Any) -> str:
-    return str(v).strip() if not isinstance(v, bool) else str(v).lower()
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+"""A label that is a decimal number (``3``, ``-0.5``, ``1e3``): classed by its value."""
+_NOT_FINITE = ("nan", "inf", "infinity")
+"""Labels (lower case, sign dropped) that are no class: a float NaN or infinity as Python's csv and json write it."""
 
 
-def _sort_key(name: str) -> tuple[int, float, str]:
-    try:
-        return (0, float(name), name)
-    except ValueError:
-        return (1, 0.0, name)
+class NotALabel(ValueError):
+    """A value that cannot be a class label (its reason as the message); the caller names where it is."""
+
+
+def _number(text: str) -> decimal.Decimal | None:
+    """The value of ``text`` when it is a decimal number (``_NUMBER``), else None."""
+    return decimal.Decimal(text) if _NUMBER.fullmatch(text) else None  # exact: a string is never rounded
+
+
+def label_key(v: Any) -> str:
+    """The class a label value belongs to: its text, trimmed, with a number written by its value -- so ``1``,
+    ``1.0``, ``"1"``, ``"01"`` and ``"1e0"`` are the one class ``1`` in a CSV and a JSONL file alike (and in a
+    --label-map); ``true``/``false`` as JSON writes them; any other text as it is (case kept). Raises NotALabel,
+    saying what the value is, for what is not a class: a list or object, an empty or blank value, NaN or an
+    infinity (``_NOT_FINITE``)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, dict)):
+        raise NotALabel(f"a JSON {'list' if isinstance(v, list) else 'object'} ({json.dumps(v)[:40]})")
+    if not isinstance(v, (str, int, float)):
+        raise NotALabel(f"a {type(v).__name__} ({str(v)[:40]!r})")
+    text = str(v).strip()
+    if not text:
+        raise NotALabel("an empty value")
+    if text.lstrip("+-").lower() in _NOT_FINITE:
+        raise NotALabel(f"{text} (not a number: a missing value?)" if text.lstrip("+-").lower() == "nan"
+                        else f"{text} (an infinity)")
+    d = _number(text)
+    if d is None:
+        return text
+    if d.is_zero():
+        return "0"
+    with decimal.localcontext() as ctx:
+        ctx.prec = len(text) + 1  # normalize rounds to the precision: keep every digit of a long integer label
+        d = d.normalize()
+    return format(d, "f") if -30 < d.adjusted() < 30 else str(d)  # 1E+3 -> 1000, 1.50 -> 1.5; 1E+99 kept short
+
+
+def _sort_key(name: str) -> tuple[int, decimal.Decimal, str]:
+    d = _number(name)
+    return (1, decimal.Decimal(0), name) if d is None else (0, d, name)
 
 
 def read_label_map(spec: str) -> list[str]:
@@ -171,23 +235,36 @@ def read_label_map(spec: str) -> list[str]:
         if not names:
             raise PtplanError(f"--label-map {spec} records no label map (not written by ptplan data for "
                               f"classification)")
-        return [str(n) for n in names]
+        return _map_names(spec, list(names))
     try:
         obj = json.loads(p.read_text())
     except (OSError, ValueError) as e:
         raise PtplanError(f"--label-map {spec}: not a JSON file ({e})") from None
     if isinstance(obj, list) and obj:
-        names = [_label_key(n) for n in obj]
-    elif isinstance(obj, dict) and obj:
+        return _map_names(spec, obj)
+    if isinstance(obj, dict) and obj:
         ids = sorted(obj.values()) if all(isinstance(v, int) and not isinstance(v, bool) for v in obj.values()) else None
         if ids != list(range(len(obj))):
             raise PtplanError(f"--label-map {spec}: the ids must be the integers 0..{len(obj) - 1}, each once; got "
                               f"{sorted(obj.values(), key=str)}")
-        names = [_label_key(k) for k, _ in sorted(obj.items(), key=lambda kv: kv[1])]
-    else:
-        raise PtplanError(f"--label-map {spec}: expected a non-empty list of names or a {{name: id}} object")
-    if len(set(names)) != len(names):
-        raise PtplanError(f"--label-map {spec}: a label name appears twice")
+        return _map_names(spec, [k for k, _ in sorted(obj.items(), key=lambda kv: kv[1])])
+    raise PtplanError(f"--label-map {spec}: expected a non-empty list of names or a {{name: id}} object")
+
+
+def _map_names(spec: str, raw: list[Any]) -> list[str]:
+    """The class names of a --label-map in class order, each by ``label_key`` (as the file's labels are), once."""
+    names = []
+    for c, v in enumerate(raw):
+        try:
+            names.append(label_key(v))
+        except NotALabel as e:
+            raise PtplanError(f"--label-map {spec}: class {c} is named by {e}, not a label; give each class a name "
+                              f"or a number") from None
+    for n in names:
+        if names.count(n) > 1:
+            raise PtplanError(f"--label-map {spec}: the label {n!r} names classes "
+                              f"{', '.join(str(c) for c, m in enumerate(names) if m == n)} (a label is one class, and "
+                              f"numbers are one label by value: 1, 1.0 and \"1\" are the same); give each label once")
     return names
 
 
@@ -313,13 +390,29 @@ def _save_atomic(items: list[tuple[dict[str, Any], Path]]) -> None:
                 os.unlink(tmp)
 
 
-def _class_labels(rows: list[dict[str, Any]], columns: list[str], name: str, label_column: str, label_map: str
+def _lines(lines: list[int], most: int = 5) -> str:
+    """The first ``most`` of ``lines``, comma-separated, and '...' when there are more."""
+    return ", ".join(map(str, lines[:most])) + (", ..." if len(lines) > most else "")
+
+
+def _class_labels(table: Table, name: str, label_column: str, label_map: str
                   ) -> tuple[list[str], list[int], list[str]]:
-    """(label names in class order, each row's class id, warnings) of a classification file; PtplanError for
-    a label outside a given map or a single class."""
-    raw = [_label_key(v) for v in _column(rows, label_column, "label", columns, name,
-                                          "pass --label-column NAME, or --task causal-lm for language-modelling "
-                                          "text without labels")]
+    """(label names in class order, each row's class id, warnings) of a classification file, each label classed
+    by ``label_key``; PtplanError for a value that is no label, a label outside a given map or a single class."""
+    values = _column(table.rows, label_column, "label", table.columns, name,
+                     "pass --label-column NAME, or --task causal-lm for language-modelling text without labels")
+    raw: list[str] = []
+    bad: list[tuple[int, str]] = []
+    for line, v in zip(table.lines, values):
+        try:
+            raw.append(label_key(v))
+        except NotALabel as e:
+            bad.append((line, str(e)))
+    if bad:
+        raise PtplanError(f"{name} line {bad[0][0]}: the label column {label_column!r} holds {bad[0][1]}, not a label"
+                          + (f"; {len(bad)} rows in all hold no label (lines {_lines([b for b, _ in bad])})"
+                             if len(bad) > 1 else "") + "; give every row one label (a name or a number) or drop the "
+                          "rows without one")
     names = sorted(set(raw), key=_sort_key) if label_map == "auto" else read_label_map(label_map)
     ids = {n: c for c, n in enumerate(names)}
     unknown = sorted({v for v in raw if v not in ids}, key=_sort_key)
@@ -340,10 +433,12 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
                  seed: int = 0) -> Prepared:
     """Tokenize ``src`` (.csv/.jsonl) with the folder ``tokenizer``'s tokenizer into ``out`` (and, with
     ``split`` > 0, that share of the rows, stratified by class, into ``eval_out``), padded or cut to
-    ``seq_len`` tokens. ``task`` None: from the folder (``default_task``). Classification labels map to
-    0..C-1 by ``label_map``: ``auto`` (the distinct labels, numbers in numeric order, else sorted) or a
-    file (``read_label_map``); a label outside a given map is refused. Raises PtplanError before
-    writing anything."""
+    ``seq_len`` tokens. ``task`` None: from the folder (``default_task``). Each label is classed by
+    ``label_key`` (numbers by value: 1, 1.0 and "1" are one class, in a CSV and a JSONL file alike; lists,
+    objects, blanks and NaN are refused) and the classes map to 0..C-1 by ``label_map``: ``auto`` (the
+    distinct labels, numbers in numeric order, else sorted) or a file (``read_label_map``); a label outside a
+    given map is refused. Empty texts, the text column as the label column and a --seed outside 0..2**32-1
+    are refused. Raises PtplanError before writing anything."""
     import torch
 
     task = task or default_task(tokenizer)
@@ -356,9 +451,15 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
     if bool(split) != (eval_out is not None):
         raise PtplanError("--split and --eval-out go together: --split 0.2 --eval-out eval.pt holds out 20 % of the "
                           "rows")
+    if not 0 <= seed < 2**32:
+        raise PtplanError(f"--seed must lie in 0..{2**32 - 1}, got {seed}")
+    if task == "classification" and text_column == label_column:
+        raise PtplanError(f"--text-column and --label-column are both {text_column!r}: every text would be its own "
+                          f"class; name the label column with --label-column NAME (or --task causal-lm for text "
+                          f"without labels)")
     name = os.fspath(src)
-    rows, columns = read_rows(src)
-    texts = _column(rows, text_column, "text", columns, name, "pass --text-column NAME")
+    table = read_table(src)
+    texts = _column(table.rows, text_column, "text", table.columns, name, "pass --text-column NAME")
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise PtplanError(f"{name} row {i + 1}: the text column {text_column!r} holds a "
@@ -367,7 +468,7 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
     labels: list[int] | None = None
     notes: list[str] = []
     if task == "classification":
-        names, labels, notes = _class_labels(rows, columns, name, label_column, label_map)
+        names, labels, notes = _class_labels(table, name, label_column, label_map)
     tok = _load_tokenizer(tokenizer)
     check_seq_len(seq_len, tok, tokenizer, len(texts))
     if tok.pad_token_id is None:
@@ -377,6 +478,14 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
         tok.pad_token = tok.eos_token  # usual for decoder-only models: padding is masked out anyway
     tok.padding_side = "right"
     full = tok(texts, truncation=False, add_special_tokens=True)["input_ids"]
+    special = tok.num_special_tokens_to_add(pair=False)
+    empty = [line for line, t, ids_ in zip(table.lines, texts, full) if not t.strip() or len(ids_) <= special]
+    if empty:
+        many = len(empty) > 1
+        raise PtplanError(f"{name} line{'s' if many else ''} {_lines(empty)}: {len(empty)} text{'s' if many else ''} "
+                          f"in the column {text_column!r} {'are' if many else 'is'} empty (blank, or only characters "
+                          f"the tokenizer drops): samples of special tokens only; write the text{'s' if many else ''} "
+                          f"in or drop {'those rows' if many else 'the row'}")
     truncated = sum(len(ids_) > seq_len for ids_ in full)
     enc = tok(texts, padding="max_length", truncation=True, max_length=seq_len, return_tensors="pt")
     inputs = enc["input_ids"].to(torch.int64)
