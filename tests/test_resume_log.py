@@ -117,3 +117,32 @@ def test_a_resumed_run_is_counted_once_by_compare(tmp_path):
     r = CliRunner().invoke(cli, ["compare", str(tmp_path / "plan.json"), str(log), "--json", str(out), "--warmup", "0"])
     assert r.exit_code == 0, r.output
     assert json.loads(out.read_text())["resumes"][0]["replaced_steps"] == 2 and "resumed from step 3" in r.output
+
+
+def test_one_job_writes_a_log_and_a_second_writer_is_refused_until_the_first_is_gone(tmp_path):
+    """A node that joined a running elastic job started a job of its own on the same --log (an audit: the two
+    overwrote each other's log and checkpoints). The writer holds a lock from its start; a second writer, here
+    another process, is refused naming its pid, and the lock goes with the process (a killed run frees it)."""
+    import subprocess
+    import sys
+
+    from ptplan.planner.errors import PtplanError
+
+    log = tmp_path / "run.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from ptplan.executor.training.runlog import RunLog\n"
+                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(PtplanError, match=rf"another process \(pid {holder.pid}\) is writing the run log "
+                                              rf".*run\.jsonl: two jobs on one --log"):
+            RunLog(log, append=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    mine = RunLog(log)  # the killed holder's lock is gone with it
+    with pytest.raises(PtplanError, match=rf"pid {os.getpid()}"):
+        RunLog(log)
+    mine.close()
+    RunLog(log).close()

@@ -30,6 +30,7 @@ summed over the ranks, the run's ``totals`` of those, and ``ram_bytes``,
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 from typing import Any, Mapping
@@ -49,6 +50,11 @@ class RunLog:
     written) is cut off first, so the file stays readable. A write that fails (a full disk) is rolled
     back to the last whole line and raised as PtplanError. ``sync`` makes the file durable (fsync); the
     training loop calls it at phase changes, epoch ends and checkpoints, and ``close`` does.
+
+    One job writes a log: the writer holds an exclusive lock (``flock``) on ``.<name>.lock`` beside it from its
+    start to ``close`` (or its process's end), and a second writer is refused, naming the first's pid. An audit
+    saw a node join a running elastic job (torchrun 2.13's c10d rendezvous) and start a job of its own from step 0
+    on the same --log and checkpoint folder: the two overwrote each other's log and checkpoints.
     """
 
     def __init__(self, path: str | os.PathLike | None, *, append: bool = False) -> None:
@@ -56,11 +62,13 @@ class RunLog:
         self._fd: int | None = None
         self._size = 0
         self._pending: list[bytes] | None = None
+        self._lock: int | None = None
         if self.path is None:
             return
         d = os.path.dirname(self.path)
         if d:
             os.makedirs(d, exist_ok=True)
+        self._lock = _hold(self.path)
         if append:
             self._open(truncate=False)
         else:
@@ -154,12 +162,50 @@ class RunLog:
         self.write(TransitionRecord.from_json({"type": TransitionRecord.TYPE, **fields}))
 
     def close(self) -> None:
-        """Sync and close; a log that never reached a step leaves the file as it was."""
+        """Sync and close, and let another job write the log; a log that never reached a step leaves the file as
+        it was."""
         self._pending = None
         if self._fd is not None:
             self.sync()
             os.close(self._fd)
             self._fd = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def lock_path(log: str) -> str:
+    """The lock file of run log ``log``: ``.<name>.lock`` beside it."""
+    d, name = os.path.split(log)
+    return os.path.join(d, f".{name}.lock")
+
+
+def _hold(log: str) -> int | None:
+    """An exclusive lock on ``lock_path(log)``, held by the returned descriptor; PtplanError naming the holder's
+    pid when another process holds it. None where the file system has no locks (the log is then unguarded)."""
+    path = lock_path(log)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise PtplanError(f"cannot open the run log's lock file {path}: {e.strerror}; give a --log path that can "
+                          f"be written") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise PtplanError(f"another process (pid {holder}) is writing the run log {log}: two jobs on one --log "
+                          f"would overwrite each other's records and checkpoints. A node that joins a running "
+                          f"elastic job can start a job of its own (torchrun 2.13's c10d rendezvous); start the "
+                          f"nodes together, or give this job its own --log and --checkpoint-dir") from None
+    except OSError as e:
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            os.close(fd)
+            return None
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def _plain(x: Any) -> Any:
