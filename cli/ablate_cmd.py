@@ -102,7 +102,8 @@ def ablate(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy
     freezing, freeze only, + AutoPipe, + AutoCache, + AutoDP, the full system, and the full system with
     the paper's greedy split, K halving only, or its hard-coded micro-batch table.
 
-    Default: the shipped ViT-B/16 profile on the paper's cluster, α=1/3, 10 epochs.
+    Default: the shipped ViT-B/16 profile measured on this project's CPU (vit-base_cpu_fp32) on the paper's
+    cluster, α=1/3, 10 epochs.
     """
     from ptplan.planner.ablate import ablate as run_ablation
     from ptplan.planner.cluster import resolve_cluster

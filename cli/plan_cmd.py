@@ -166,7 +166,8 @@ class _PlanCommand(click.Command):
         for x in sorted(PROFILE_DIR.glob("*.json")):
             model, _, rest = x.stem.partition("_")
             by_model.setdefault(model, []).append(rest + ("" if _source(x) == "measured" else " (projected)"))
-        with formatter.section("Shipped profiles (MODEL_DEVICE_DTYPE; a model name alone picks its measured one)"):
+        with formatter.section("Shipped profiles (MODEL_DEVICE_DTYPE; a model name alone picks its one measured "
+                               "profile, and asks which where it has several)"):
             formatter.write_dl([(m, ", ".join(v)) for m, v in by_model.items()])
 
 
@@ -263,7 +264,8 @@ def plan(profile, cluster_name, epochs, samples_per_epoch, batch, batch_policy, 
     """Plan elastic pipelined training for PROFILE (a profile file, a shipped profile name, or a model
     name with one shipped profile, e.g. bert-tiny).
 
-    Default: the shipped ViT-B/16 profile on the paper's cluster, α=1/3, 10 epochs.
+    Default: the shipped ViT-B/16 profile measured on this project's CPU (vit-base_cpu_fp32) on the paper's
+    cluster, α=1/3, 10 epochs.
     """
     from ptplan.planner.cluster import resolve_cluster
     from ptplan.planner.planner import TrainingConfig
