@@ -337,6 +337,10 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
             raise PtplanError(f"--save-model-dir {cfg.save_model_dir} is a file, not a folder")
         check_outputs([], [("model checkpoint", os.path.join(cfg.save_model_dir, "model-step000000"))],
                       make_folders=True)
+    if cfg.device == "cuda":
+        from ptplan.executor.training.job import check_cuda
+
+        check_cuda(rdzv.nproc_per_node, f"--nproc-per-node {rdzv.nproc_per_node}")
     if cfg.precision == "bf16" and cfg.device == "cuda":
         import torch
 

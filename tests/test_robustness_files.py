@@ -478,6 +478,21 @@ def test_every_option_is_checked_before_launch(job, args, message):
     assert r.output.startswith("error: ") and message in r.output and r.output.count("\n") == 1, r.output
 
 
+def test_a_device_the_machine_lacks_is_refused_before_launch(job):
+    """--dry-run passed --device cuda on a machine without CUDA (a CLI audit); the run then failed in every worker.
+    One check (``job.check_cuda``) now serves the launcher and the workers."""
+    import torch
+
+    r = _cli(*_run_args(job, "--device", "cuda"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        assert r.exit_code == 0, r.output
+    elif torch.cuda.is_available():
+        assert r.exit_code == 2 and "--nproc-per-node 2 needs 2 CUDA devices but only 1 are visible" in r.output
+    else:
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert "--device cuda but this torch build or machine has no CUDA device" in r.output, r.output
+
+
 def test_nnodes_min_equal_max_is_the_fixed_count(job):
     r = _cli(*_run_args(job, "--nnodes", "1:1"))
     assert r.exit_code == 0 and "--nnodes=1 --standalone" in r.output, r.output

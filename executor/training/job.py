@@ -143,11 +143,18 @@ def pick_device(cfg: RunConfig) -> tuple[torch.device, str]:
     """(device, backend): CUDA device LOCAL_RANK with NCCL when asked or available, else CPU with gloo."""
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if want_cuda:
-        if not torch.cuda.is_available():
-            raise PtplanError("--device cuda but this torch build or machine has no CUDA device")
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise PtplanError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} CUDA devices are visible; "
-                              f"use --nproc-per-node {torch.cuda.device_count()} or fewer")
+        check_cuda(local + 1, f"LOCAL_RANK {local}")
         return torch.device("cuda", local), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def check_cuda(processes: int, who: str) -> None:
+    """PtplanError unless this machine gives ``processes`` processes a CUDA device each (``who`` names them): the
+    worker's check (``pick_device``) and the launcher's before any process starts (``ptplan run --device cuda``)."""
+    if not torch.cuda.is_available():
+        raise PtplanError("--device cuda but this torch build or machine has no CUDA device; run with --device cpu "
+                          "(or auto)")
+    if processes > torch.cuda.device_count():
+        raise PtplanError(f"{who} needs {processes} CUDA devices but only {torch.cuda.device_count()} are visible; "
+                          f"use --nproc-per-node {torch.cuda.device_count()} or fewer")
