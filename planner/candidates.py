@@ -13,7 +13,29 @@ from .schedule import ScheduleError, check_sizes, stage_to_rank
 from .tp_split import sp_refusal
 
 if TYPE_CHECKING:
+    from .config import TrainingConfig
     from .search import PhaseSearch
+
+
+def check_pins(cfg: TrainingConfig, world: int, layers: int) -> None:
+    """Refuse a pinned K or M that no phase can take, before any search (``PhaseSearch``): K must divide the GPUs
+    and be at most the model's layers; M must divide some pipeline's batch (the global batch over a data-parallel
+    width that divides the GPUs, or the per-pipeline batch). A pin some phases cannot take is theirs to drop
+    (``pipeline_lengths``; the M rule in ``enumerate_candidates``), with a note."""
+    if cfg.pin_K is not None:
+        ks = [k for k in divisors(world) if k <= layers]
+        if cfg.pin_K not in ks:
+            raise PtplanError(f"-K {cfg.pin_K} fits no phase: a pipeline length must divide the {world} GPUs and be "
+                              f"at most the model's {layers} layers; valid: {', '.join(map(str, ks))}")
+    if cfg.pin_M is not None:
+        pipes = sorted({cfg.batch // d for d in divisors(world) if cfg.batch % d == 0}
+                       if cfg.batch_policy == "constant-global" else {cfg.batch})
+        if not any(p % cfg.pin_M == 0 for p in pipes):
+            ms = sorted({m for p in pipes for m in divisors(p)})
+            shown = ", ".join(map(str, ms[:16])) + (", ..." if len(ms) > 16 else "")
+            raise PtplanError(f"-M {cfg.pin_M} fits no phase: M micro-batches must divide a pipeline's batch "
+                              f"({', '.join(map(str, pipes))} samples for a global batch of {cfg.batch} on {world} "
+                              f"GPUs); valid: {shown}")
 
 
 def pipeline_lengths(search: PhaseSearch, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:

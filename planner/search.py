@@ -39,7 +39,7 @@ from .bounds import iteration_lower_bound, split_bound
 from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
-from .candidates import enumerate_candidates, pipeline_lengths, schedule_shapes
+from .candidates import check_pins, enumerate_candidates, pipeline_lengths, schedule_shapes
 from .cluster import Cluster, charged_overheads, measured_host_io
 from .config import AUTO_SCHEDULES, TrainingConfig
 from .costs import CostTable
@@ -75,6 +75,7 @@ class PhaseSearch:
         """The AutoCache's host bandwidths: the profiler's measured ones, else the config's ``host_read_bandwidth``."""
         if strategies not in ("off", "auto"):
             raise PtplanError(f"strategies={strategies!r}; use off or auto")
+        check_pins(cfg, cluster.world_size, profile.num_layers)
         G = cluster.gpus_per_node
         tps = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= G and G % t == 0  # and divides heads, kv heads, MLP
                and tp_refusal(profile.model.family, profile.model.config, t) is None] if strategies == "auto" else [1]

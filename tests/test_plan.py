@@ -482,3 +482,19 @@ def test_phase_rank_tables_are_memoised_per_links_object():
     odd = replace(links_for(cl, 4), ranks=tuple(tuple(np.int64(r) for r in row) for row in links_for(cl, 4).ranks))
     got = pl._phase_ranks(odd, 1)  # numpy ranks become plain ints
     assert got == links_for(cl, 4).ranks and all(type(r) is int for row in got for r in row)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-K", "3"], "-K 3 fits no phase: a pipeline length must divide the 2 GPUs and be at most the model's 11 layers; "
+                  "valid: 1, 2"),
+    (["-K", "99"], "-K 99 fits no phase"),
+    (["-M", "100000"], "-M 100000 fits no phase: M micro-batches must divide a pipeline's batch (256, 512 samples"),
+    (["-M", "3"], "-M 3 fits no phase"),
+])
+def test_a_pin_no_phase_can_take_is_refused_before_the_search(tmp_path, args, message):
+    """-K 3 on 2 GPUs (or -M over the batch) was accepted: every phase noted "pinned ... not possible; chosen freely"
+    and the plan ran (a CLI audit). A pin that fits no phase is now refused like --start-K (``check_pins``)."""
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--cluster", "cpu:2", *args, "--epochs", "2", "--out",
+                                 str(tmp_path / "p.json"), "--quiet"])
+    assert r.exit_code == 2 and message in r.output and r.output.count("\n") == 1, r.output
+    assert not (tmp_path / "p.json").exists()

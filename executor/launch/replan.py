@@ -163,11 +163,15 @@ def plan_for(plan: "Plan", settings: ReplanSettings, world: int, per_node: int) 
 
 
 def for_world(training: "TrainingConfig", world: int) -> "TrainingConfig":
-    """The plan's training settings for ``world`` processes: a --start-K that does not divide it (or exceeds it)
-    was the user's choice for the planned world, not for this one, so the search chooses K freely (``--start-K 2``
-    planned for 2 processes cannot start a 1-process job; ``-K``, a pin, already falls back per phase)."""
-    K = training.start_K
-    return training if K is None or (K <= world and world % K == 0) else replace(training, start_K=None)
+    """The plan's training settings for ``world`` processes: a --start-K or -K that does not divide it (or exceeds
+    it) was the user's choice for the planned world, not for this one, so the search chooses K freely
+    (``--start-K 2`` planned for 2 processes cannot start a 1-process job)."""
+    out = training
+    for name in ("start_K", "pin_K"):
+        K = getattr(out, name)
+        if K is not None and (K > world or world % K):
+            out = replace(out, **{name: None})
+    return out
 
 
 def replanned_path(settings: ReplanSettings, world: int) -> str:
