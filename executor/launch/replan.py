@@ -166,12 +166,11 @@ def for_world(training: "TrainingConfig", world: int) -> "TrainingConfig":
     """The plan's training settings for ``world`` processes: a --start-K or -K that does not divide it (or exceeds
     it) was the user's choice for the planned world, not for this one, so the search chooses K freely
     (``--start-K 2`` planned for 2 processes cannot start a 1-process job)."""
-    out = training
-    for name in ("start_K", "pin_K"):
-        K = getattr(out, name)
-        if K is not None and (K > world or world % K):
-            out = replace(out, **{name: None})
-    return out
+    def fits(K: int | None) -> bool:
+        return K is None or (K <= world and world % K == 0)
+
+    return replace(training, start_K=training.start_K if fits(training.start_K) else None,
+                   pin_K=training.pin_K if fits(training.pin_K) else None)
 
 
 def replanned_path(settings: ReplanSettings, world: int) -> str:
