@@ -5,13 +5,14 @@ import json
 import os
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from .errors import PtplanError
-from .plan import Plan
+from .plan import Phase, Plan
 from .runlog import RunLog, Step, read_run_log
 
-__all__ = ["Comparison", "PhaseComparison", "compare", "fill_fractions", "format_comparison", "read_run_log"]
+__all__ = ["Comparison", "PhaseComparison", "compare", "fill_fractions", "format_comparison", "match_run",
+           "read_run_log"]
 
 
 INPUT_NOTE_SHARE = 0.05
@@ -96,36 +97,149 @@ class Comparison:
         return asdict(self)
 
 
-def _shape(phases: Any) -> list[dict[str, Any]]:
-    return [{k: s.get(k) for k in ("frozen_blocks", "K", "D", "M")} for s in phases or () if isinstance(s, dict)]
+RAN = ("frozen_blocks", "K", "D", "tp", "M", "b", "schedule")
+"""What a run log records of how a phase ran: its header's ``phases`` hold all but tp, a membership's sides all (the
+run's ``layout``); each is compared with the plan's phase where the record has it, the first four always (logs from
+before b and schedule were recorded). V and the partition are not recorded; the AutoCache's phases are in the
+``cache_setup`` record, a step's global batch in its ``samples``."""
+_ALWAYS = ("frozen_blocks", "K", "D", "M")
 
 
-def _segments(plan: Plan, log: RunLog) -> list[tuple[int, bool]]:
-    """(first step, whether ``plan`` ran from there) for the run's start and each membership change."""
-    ours = _shape([dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases])
-    start = log.header is None or (log.header.world_size == plan.world_size and _shape(log.header.phases) == ours)
-    return [(-1, start)] + [(m["step"], m["to"].get("world_size") == plan.world_size and _shape(m["to"].get("phases"))
-                             == ours) for m in log.memberships]
+def phase_as_run(p: Phase) -> dict[str, Any]:
+    """A plan phase as a run log records it (``RAN``)."""
+    return dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, tp=p.tp, M=p.M, b=p.micro_batch_size, schedule=p.schedule)
 
 
-def _check_same_plan(plan: Plan, log: RunLog) -> None:
-    """Refuse a run log written for another plan: profile fingerprint and phase shapes must agree (with the
-    run's start or, after a membership change, with the plan it went on with)."""
-    header = log.header
-    if header is None or any(ran for at, ran in _segments(plan, log) if at >= 0):
-        return
-    fp, want = header.plan_fingerprint, plan.inputs.profile.fingerprint
+def _values(f: Mapping[str, Any], keys: Sequence[str]) -> str:
+    """``k=v, ...`` of ``keys`` in ``f``, with the global batch (D x M x b) after b or M when all three are known."""
+    out = ", ".join(f"{k}={f.get(k)!r}" for k in keys)
+    sizes = [v for v in (f.get("D"), f.get("M"), f.get("b")) if isinstance(v, int) and not isinstance(v, bool)]
+    if ("b" in keys or "M" in keys) and len(sizes) == 3:
+        out += f" (global batch {sizes[0] * sizes[1] * sizes[2]})"
+    return out
+
+
+def _differ(got: Mapping[str, Any], want: Mapping[str, Any], what: str, always: Sequence[str] = _ALWAYS
+            ) -> str | None:
+    """Where a recorded phase (``got``) is not the plan's (``want``, ``what``): "ran with k=v where {what} has k=v" over
+    the keys that differ (``always`` and those ``got`` records), None where they agree."""
+    diff = [k for k in want if (k in always or k in got) and got.get(k) != want[k]]
+    return f"ran with {_values(got, diff)} where {what} has {_values(want, diff)}" if diff else None
+
+
+def _phases_differ(world: Any, phases: Any, plan: Plan) -> str | None:
+    """Where a run's recorded world and phases (its header's, or a membership's side) are not ``plan``'s: words with
+    the numbers (the world size, the phase count, the first phase that differs); None where they agree."""
+    out = [] if world == plan.world_size else [f"the run had {world} processes and this plan has {plan.world_size}"]
+    got = list(phases) if isinstance(phases, (list, tuple)) else []
+    if len(got) != len(plan.phases):
+        out.append(f"the run's plan has {len(got)} phases and this plan {len(plan.phases)}")
+    for i, (g, p) in enumerate(zip(got, plan.phases)):
+        why = _differ(g, phase_as_run(p), f"this plan's phase {i}") if isinstance(g, dict) else \
+            f"is recorded as {g!r}"
+        if why:
+            out.append(f"phase {i} {why}")
+            break
+    return "; ".join(out) or None
+
+
+def _fix(log: RunLog) -> str:
+    """The fix every refusal ends with (naming the plan file the run was given, where its header records it)."""
+    ran = log.header.plan if log.header is not None else None
+    return "; compare the run with the plan it ran" + (f" ({ran}, as its header says)" if ran else "")
+
+
+Segments = Sequence[tuple[int, bool]]
+"""(first step, whether the plan compared ran from there), for the run's start and each membership change."""
+
+
+def _owner(segments: Segments, step: int) -> bool:
+    """Whether the plan compared ran ``step`` (the last segment that starts at or before it)."""
+    return [ran for at, ran in segments if at <= step][-1]
+
+
+def match_run(plan: Plan, log: RunLog) -> list[tuple[int, bool]]:
+    """The one place a run log is matched to a plan (``compare``, so ``ptplan compare`` and ``ptplan show --run``):
+    everything the log records of what ran is compared with the plan, and PtplanError names the first that differs,
+    with the numbers and the fix. Returns the ``Segments``: an elastic job's steps under another plan are left out,
+    not refused, but one segment at least must be this plan's.
+
+    Compared: the profile fingerprint; the world size and every phase's ``RAN`` fields, of the header and of each
+    membership's new side; every step of this plan's segments (``_match_steps``); every transition's, evaluation's
+    and resume's phase indices and a transition's recorded shapes (``_match_phase_refs``); and, in a run without
+    membership changes, the AutoCache's phases and frozen-layer counts (``_match_cache``)."""
+    h, fix = log.header, _fix(log)
+    fp, want = (h.plan_fingerprint if h is not None else None), plan.inputs.profile.fingerprint
     if fp and want and fp != want:
-        raise PtplanError(f"the run log was made with a plan for profile fingerprint {fp}, but this plan's is "
-                          f"{want}; compare the run with the plan it ran")
-    ours = [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]
-    theirs = [{k: s.get(k) for k in ("frozen_blocks", "K", "D", "M")} for s in header.phases if isinstance(s, dict)]
-    if theirs != ours:
-        diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-        got = theirs[diff] if diff < len(theirs) else "none"
-        exp = ours[diff] if diff < len(ours) else "none"
-        raise PtplanError(f"the run log's plan has {len(theirs)} phases and this plan {len(ours)}; phase {diff} "
-                          f"is {got} in the run and {exp} in this plan; compare the run with the plan it ran")
+        raise PtplanError(f"the run log {log.path} was made with a plan for profile fingerprint {fp}, but this "
+                          f"plan's is {want}{fix}")
+    start = None if h is None else _phases_differ(h.world_size, h.phases, plan)
+    segments = [(-1, start is None)] + [(m["step"], _phases_differ(m["to"].get("world_size"), m["to"].get("phases"),
+                                                                   plan) is None) for m in log.memberships]
+    if not any(ran for _, ran in segments):
+        also = (f" (nor did the plan of any of its {len(log.memberships)} membership change(s))"
+                if log.memberships else "")
+        raise PtplanError(f"the run log {log.path} is not a run of this plan: {start}{also}{fix}")
+    _match_steps(plan, log, segments, fix)
+    _match_phase_refs(plan, log, segments, fix)
+    _match_cache(plan, log, fix)
+    return segments
+
+
+def _match_steps(plan: Plan, log: RunLog, segments: Segments, fix: str) -> None:
+    """Every step of this plan's segments: its phase index within the plan, and its frozen_blocks, K, D and
+    ``samples`` (the global batch, D x M x b) those of that phase."""
+    lines = {r.fields["step"]: r.line for r in log.records if r.type == "step"}
+    for s in log.steps:
+        if not _owner(segments, s.step):
+            continue
+        where = f"run log {log.path} step {s.step} (line {lines.get(s.step)})"
+        if not 0 <= s.phase < len(plan.phases):
+            raise PtplanError(f"{where} refers to phase {s.phase} but the plan has {len(plan.phases)} phases{fix}")
+        p = plan.phases[s.phase]
+        got = dict(frozen_blocks=s.frozen_blocks, K=s.K, D=s.D, samples=s.samples)
+        ours = dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, samples=p.global_batch)
+        diff = [k for k in ours if got[k] != ours[k]]
+        if diff:
+            batch = f" (D={p.D} x M={p.M} x b={p.micro_batch_size})" if "samples" in diff else ""
+            raise PtplanError(f"{where} ran phase {s.phase} with {_values(got, diff)} but the plan's phase {s.phase} "
+                              f"has {_values(ours, diff)}{batch}{fix}")
+
+
+def _match_phase_refs(plan: Plan, log: RunLog, segments: Segments, fix: str) -> None:
+    """Every transition, evaluation and resume of this plan's segments: the phases it names are the plan's, and a
+    transition's ``from``/``to`` (frozen_blocks, K, D) are those phases'."""
+    for r in log.records:
+        f = r.fields
+        if r.type not in ("transition", "eval", "resume") or not _owner(segments, f["step"]):
+            continue
+        where = f"run log {log.path} line {r.line} ({r.type} at step {f['step']})"
+        for key, side in (("phase", ""), ("from_phase", "from"), ("to_phase", "to")):
+            ph = f.get(key)
+            if ph is None:
+                continue
+            if not 0 <= ph < len(plan.phases):
+                raise PtplanError(f"{where} refers to phase {ph} but the plan has {len(plan.phases)} phases{fix}")
+            shape = f.get(side) if side else None
+            why = _differ(shape, phase_as_run(plan.phases[ph]), f"the plan's phase {ph}", ()) \
+                if isinstance(shape, dict) else None
+            if why:
+                raise PtplanError(f"{where}: its {side} phase {ph} {why}{fix}")
+
+
+def _match_cache(plan: Plan, log: RunLog, fix: str) -> None:
+    """The AutoCache's phases and frozen-layer counts as the run set it up (``cache_setup``) against the plan's
+    caching phases (``Phase.cache`` with a frozen prefix), in a run without membership changes (whose set-ups are
+    each its own plan's)."""
+    if log.memberships:
+        return
+    want = [i for i, p in enumerate(plan.phases) if p.cache and p.frozen_layers > 0]
+    layers = sorted({plan.phases[i].frozen_layers for i in want})
+    for r in log.records:
+        if r.type == "cache_setup" and (r.fields["phases"] != want or r.fields["frozen_layers"] != layers):
+            raise PtplanError(f"run log {log.path} line {r.line}: the run's AutoCache cached the frozen prefix in "
+                              f"phases {r.fields['phases']} (frozen layers {r.fields['frozen_layers']}), but this plan "
+                              f"caches it in phases {want} (frozen layers {layers}){fix}")
 
 
 def _stage_memory(phase, rec: Step) -> tuple[int, ...]:
@@ -178,8 +292,9 @@ def _params_ratio(plan: Plan, r: Step) -> tuple[float, int, int, int] | None:
 
 
 def model_mismatches(plan: Plan, log: RunLog) -> tuple[str, ...]:
-    """The run's model against the plan's: the AutoCache rows' dtype (``cache_setup``) against the profile's, and the
-    measured parameter bytes against the plan's weights (a float32 run of a bfloat16 profile's plan holds 2x)."""
+    """The run's model against the plan's: the AutoCache rows' dtype (``cache_setup``) against the profile's, a run
+    without the AutoCache in phases the plan caches (``--cache off``), and the measured parameter bytes against the
+    plan's weights (a float32 run of a bfloat16 profile's plan holds 2x)."""
     want = plan.inputs.profile.dtype
     out = []
     setup = next((r.fields for r in log.records if r.type == "cache_setup"), None)
@@ -187,6 +302,14 @@ def model_mismatches(plan: Plan, log: RunLog) -> tuple[str, ...]:
         out.append(f"the AutoCache stored {setup['dtype']} rows ({setup['need_bytes']:,} bytes per node) where the "
                    f"plan priced {want}, its profile's dtype ({setup['plan_bytes_per_node']:,} bytes with the frozen "
                    f"weights; the run's same sum: {setup.get('host_bytes_per_node') or 'not logged'})")
+    caching = sorted({s.phase for s in log.steps if 0 <= s.phase < len(plan.phases) and plan.phases[s.phase].cache
+                      and plan.phases[s.phase].frozen_layers > 0})
+    served = setup or any(r.type == "cache" for r in log.records) or any(s.cache_hits is not None for s in log.steps)
+    if caching and not served and not log.memberships:
+        out.append(f"the plan caches the frozen prefix in phases {caching}, which the run reached, but the run set up "
+                   f"no AutoCache (no cache_setup record: `ptplan run --cache off`), so their steps computed the "
+                   f"prefix the plan prices as read from the cache; run with --cache auto (the default) to compare "
+                   f"them")
     sampled = next((r for r in log.steps if r.memory and 0 <= r.phase < len(plan.phases)), None)
     got = _params_ratio(plan, sampled) if sampled is not None else None
     if got is not None and not 0.8 <= got[0] <= 1.25:
@@ -209,10 +332,11 @@ def _predicted_s(phase: Any, frac: float) -> float:
 _Key = tuple[int, str]  # (phase, "steady" | "fill")
 
 
-def _bucket(plan: Plan, log: RunLog, warmup: int
+def _bucket(plan: Plan, log: RunLog, warmup: int, segments: Segments
             ) -> tuple[dict[_Key, list[Step]], dict[_Key, list[Step]], dict[int, list[Step]], int]:
     """The steps compared, by (phase, kind): timed (after the warm-up of each visit, not memory-sampled) and
-    hooked (memory-sampled, after the warm-up); every memory-sampled step by phase; steps of another plan."""
+    hooked (memory-sampled, after the warm-up); every memory-sampled step by phase; steps of another plan
+    (``segments``: ``match_run``'s, which checked every step of this plan's)."""
     timed: dict[_Key, list[Step]] = {}
     hooked: dict[_Key, list[Step]] = {}
     sampled: dict[int, list[Step]] = {}
@@ -222,21 +346,14 @@ def _bucket(plan: Plan, log: RunLog, warmup: int
     # an evaluation, a checkpoint or an export drains the stage before step ``step`` (``ElasticRuntime.drain``:
     # 2BW's outstanding updates run, tp/FSDP shards are gathered and rebuilt by that step): a new visit too
     resumed_at |= {r.fields["step"] for r in log.records if r.type in ("eval", "checkpoint", "export")}
-    segments = _segments(plan, log)
     fills = fill_fractions(log)
     other = 0
     for r in log.steps:
-        if not [ran for at, ran in segments if at <= r.step][-1]:
+        if not _owner(segments, r.step):
             other += 1  # a step of another plan of the run's membership changes
             continue
         ph = r.phase
-        if not 0 <= ph < len(plan.phases):
-            raise PtplanError(f"run log refers to phase {ph} but the plan has {len(plan.phases)} phases; "
-                              f"compare the run with the plan it ran")
         p = plan.phases[ph]
-        if r.K != p.K or r.D != p.D:
-            raise PtplanError(f"run log step {r.step} ran phase {ph} with K={r.K}, D={r.D} but the plan's phase "
-                              f"{ph} has K={p.K}, D={p.D}; compare the run with the plan it ran")
         if r.peak_memory_bytes is not None:
             sampled.setdefault(ph, []).append(r)
         if ph != last_phase or r.step in resumed_at:
@@ -298,8 +415,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     """
     if warmup < 0:
         raise PtplanError(f"warmup must be 0 or more, got {warmup}")
-    _check_same_plan(plan, log)
-    timed, hooked, sampled, other = _bucket(plan, log, warmup)
+    timed, hooked, sampled, other = _bucket(plan, log, warmup, match_run(plan, log))
     fills = fill_fractions(log)
     rows: dict[str, list[PhaseComparison]] = {"steady": [], "fill": []}
     for key in sorted(set(timed) | set(hooked)):

@@ -197,6 +197,8 @@ class Header:
     world_size: int
     phases: tuple[dict[str, Any], ...]
     """Per plan phase: frozen_blocks, K, D, M, b, schedule (as the run read the plan)."""
+    plan: str | None = None
+    """The plan file the run was given (``ptplan run PLAN``), where recorded."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,6 +275,7 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
     records: list[Record] = []
     warnings: list[str] = []
     resumes: list[dict[str, Any]] = []
+    header_line = 0
     for i, text in enumerate(lines, 1):
         if not text.strip():
             continue
@@ -284,6 +287,11 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
                 break
             raise PtplanError(f"run log {p} line {i} is not JSON ({e.msg})") from None
         rec = parse_record(obj, what=f"run log {p}", line=i)
+        if rec.type == "header" and header_line:
+            raise PtplanError(f"run log {p} has a header on line {header_line} and another on line {i}: one run "
+                              f"writes one header (a resumed run appends none), so these are two runs' logs in one "
+                              f"file; compare each run's own log (lines {header_line}..{i - 1} are the first run's)")
+        header_line = header_line or (i if rec.type == "header" else 0)
         if rec.type == "resume":  # the run continues from this step: what the first run logged from it on is replayed
             records, dropped = _replay(records, rec)
             resumes.append({"step": rec.fields["step"], "line": i, "replaced_steps": dropped})
@@ -306,7 +314,8 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
         raise PtplanError(f"run log {p} has no step records; was it written by `ptplan run --log`?")
     h = next((r for r in records if r.type == "header"), None)
     header = None if h is None else Header(plan_fingerprint=h.get("plan_fingerprint"), model=h.get("model"),
-                                           world_size=h.get("world_size"), phases=tuple(h.get("phases") or ()))
+                                           world_size=h.get("world_size"), phases=tuple(h.get("phases") or ()),
+                                           plan=h.get("plan"))
     return RunLog(path=p, header=header, steps=tuple(steps[k] for k in sorted(steps)),
                   transitions=tuple(r for r in records if r.type == "transition"), records=tuple(records),
                   warnings=tuple(warnings), resumes=tuple(resumes),

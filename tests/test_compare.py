@@ -28,11 +28,13 @@ def plan():
 
 
 def _records(plan, secs: dict[int, list[float]], mem: dict[int, int] | None = None, fingerprint=None) -> list[dict]:
-    """Run-log records: header, then per phase the given step seconds; step 2 of each phase samples memory."""
+    """Run-log records: header (its phases as ``ptplan run`` writes them), then per phase the given step seconds;
+    step 2 of each phase samples memory."""
     fp = fingerprint or plan.inputs.profile.fingerprint
     recs = [{"type": "header", "schema": RUNLOG_SCHEMA, "plan_fingerprint": fp, "model": plan.inputs.profile.model,
-             "world_size": plan.world_size,
-             "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M) for p in plan.phases]}]
+             "world_size": plan.world_size, "plan": "/runs/plan.json",
+             "phases": [dict(frozen_blocks=p.frozen_blocks, K=p.K, D=p.D, M=p.M, b=p.micro_batch_size,
+                             schedule=p.schedule) for p in plan.phases]}]
     step, prev = 0, None
     for ph, ss in secs.items():
         p = plan.phases[ph]
@@ -119,7 +121,7 @@ def test_mismatched_run_log_is_refused(plan, tmp_path):
         compare(plan, _log(tmp_path, _records(plan, {0: [1.0, 1.0, 1.0]}, fingerprint="0123456789abcdef")))
     bad = _records(plan, {0: [1.0, 1.0, 1.0]})
     bad[0]["phases"][0]["K"] = 7
-    with pytest.raises(PtplanError, match="phase 0 is"):
+    with pytest.raises(PtplanError, match="phase 0 ran with K=7 where this plan's phase 0 has K=2"):
         compare(plan, _log(tmp_path, bad))
     recs = _records(plan, {0: [1.0, 1.0, 1.0]})
     recs[2]["phase"] = 99
@@ -127,10 +129,104 @@ def test_mismatched_run_log_is_refused(plan, tmp_path):
         compare(plan, _log(tmp_path, recs))
     recs = _records(plan, {0: [1.0, 1.0, 1.0]})
     recs[2]["D"] = 5
-    with pytest.raises(PtplanError, match="K=2, D=5"):
+    with pytest.raises(PtplanError, match="with D=5 but the plan's phase 0 has D=1"):
         compare(plan, _log(tmp_path, recs))
     with pytest.raises(PtplanError, match="run more steps"):
         compare(plan, _log(tmp_path, _records(plan, {0: [1.0]})))
+
+
+@pytest.fixture(scope="module")
+def b4_plan(plan):
+    """The fixture's plan with 4 samples per micro-batch instead of 1: the same frozen blocks, K, D and M per phase,
+    a global batch of 32 instead of 8 (the audit's case: the run of one plan compared with another)."""
+    other = make_plan(synthetic_profile(num_blocks=4, hidden=64, seq_len=16, vocab=512, flops_per_s=1e9),
+                      get_preset("cpu:2"), TrainingConfig(epochs=2, samples_per_epoch=256, batch=32, pin_K=2, pin_M=8),
+                      FreezePolicy(policy="manual", manual=(0, 2)))
+    same = [(p.frozen_blocks, p.K, p.D, p.M) for p in plan.phases]
+    assert [(p.frozen_blocks, p.K, p.D, p.M) for p in other.phases] == same
+    assert {(p.micro_batch_size, p.global_batch) for p in plan.phases} == {(1, 8)}
+    assert {(p.micro_batch_size, p.global_batch) for p in other.phases} == {(4, 32)}
+    return other
+
+
+def test_a_run_of_another_micro_batch_size_is_refused(plan, b4_plan, tmp_path):
+    """Frozen blocks, K, D and M agree but b does not: refused (it compared at +400 % time, blaming the profile),
+    naming the phase, both b and global batches, and the plan the run ran; a log whose header predates b is
+    refused by its steps' samples (the global batch)."""
+    recs = _records(plan, {0: [1.0, 1.0, 1.0]})
+    with pytest.raises(PtplanError) as e:
+        compare(b4_plan, _log(tmp_path, recs))
+    assert str(e.value).endswith("is not a run of this plan: phase 0 ran with b=1 (global batch 8) where this plan's "
+                                 "phase 0 has b=4 (global batch 32); compare the run with the plan it ran "
+                                 "(/runs/plan.json, as its header says)"), str(e.value)
+    for ph in recs[0]["phases"]:
+        del ph["b"], ph["schedule"]
+    with pytest.raises(PtplanError, match=r"step 0 \(line 2\) ran phase 0 with samples=8 but the plan's phase 0 has "
+                                          r"samples=32 \(D=1 x M=8 x b=4\); compare the run with the plan it ran"):
+        compare(b4_plan, _log(tmp_path, recs))
+    assert compare(plan, _log(tmp_path, recs)).phases[0].steps == 2  # its own plan: compared
+
+
+def test_compare_and_show_refuse_a_run_of_another_plan_with_one_message(plan, b4_plan, tmp_path):
+    pp = tmp_path / "plan-b4.json"
+    save_plan(b4_plan, pp)
+    log = _write(tmp_path / "run.jsonl", _records(plan, {0: [1.0, 1.0, 1.0]}))
+    html = tmp_path / "mis.html"
+    for args in (["compare", str(pp), log], ["show", str(pp), "--run", log, "--out", str(html)]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert r.output.count("\n") == 1 and "phase 0 ran with b=1 (global batch 8)" in r.output, r.output
+    assert not html.exists()
+
+
+@pytest.mark.parametrize("edit, want", [
+    (lambda h: h["phases"][1].update(schedule="gpipe"), "phase 1 ran with schedule='gpipe' where this plan's phase 1 "
+                                                        "has schedule='1f1b'"),
+    (lambda h: h["phases"][0].update(M=4, b=2), "phase 0 ran with M=4, b=2 (global batch 8) where this plan's phase 0 "
+                                                "has M=8, b=1 (global batch 8)"),
+    (lambda h: h.update(world_size=4), "the run had 4 processes and this plan has 2"),
+    (lambda h: h["phases"].pop(), "the run's plan has 4 phases and this plan 5"),
+])
+def test_every_field_the_header_records_of_a_phase_is_compared(plan, tmp_path, edit, want):
+    recs = _records(plan, {0: [1.0, 1.0, 1.0]})
+    edit(recs[0])
+    with pytest.raises(PtplanError) as e:
+        compare(plan, _log(tmp_path, recs))
+    assert want in str(e.value) and "compare the run with the plan it ran" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("line, edit, want", [
+    (3, dict(frozen_blocks=99), "step 1 (line 3) ran phase 0 with frozen_blocks=99 but the plan's phase 0 has "
+                                "frozen_blocks=0"),
+    (3, dict(K=1, D=2), "ran phase 0 with K=1, D=2 but the plan's phase 0 has K=2, D=1"),
+    (3, dict(samples=16), "ran phase 0 with samples=16 but the plan's phase 0 has samples=8 (D=1 x M=8 x b=1)"),
+    (3, dict(phase=99), "step 1 (line 3) refers to phase 99 but the plan has 5 phases"),
+    (5, dict(to_phase=7), "line 5 (transition at step 3) refers to phase 7 but the plan has 5 phases"),
+    (5, {"to": {"frozen_blocks": 3, "K": 2, "D": 1}}, "line 5 (transition at step 3): its to phase 2 ran with "
+                                                      "frozen_blocks=3 where the plan's phase 2 has frozen_blocks=2"),
+])
+def test_every_field_a_step_or_transition_records_of_its_phase_is_compared(plan, tmp_path, line, edit, want):
+    """A step's phase index, frozen blocks, K, D and samples (the global batch), a transition's phase indices and
+    shapes: each must be the plan's phase's (a step of 99 frozen blocks was compared before)."""
+    recs = _records(plan, {0: [1.0, 1.0, 1.0], 2: [1.0, 1.0, 1.0]})
+    assert recs[line - 1]["type"] == ("step" if line == 3 else "transition")
+    recs[line - 1].update(edit)
+    with pytest.raises(PtplanError) as e:
+        compare(plan, _log(tmp_path, recs))
+    assert want in str(e.value) and "compare the run with the plan it ran" in str(e.value), str(e.value)
+
+
+def test_a_log_with_two_headers_is_refused_naming_both_lines(plan, tmp_path):
+    """Two runs' logs in one file (a second header): refused by the reader, not compared as one run."""
+    recs = _records(plan, {0: [1.0, 1.0, 1.0]})
+    path = _write(tmp_path / "run.jsonl", recs + recs)
+    with pytest.raises(PtplanError, match=r"has a header on line 1 and another on line 5: .* compare each run's own "
+                                          r"log \(lines 1\.\.4 are the first run's\)"):
+        read_run_log(path)
+    pp = tmp_path / "plan.json"
+    save_plan(plan, pp)
+    r = CliRunner().invoke(cli, ["compare", str(pp), path])
+    assert r.exit_code == 2 and "line 1 and another on line 5" in r.output and "Traceback" not in r.output, r.output
 
 
 def test_cli_table_json_and_errors(plan, tmp_path):

@@ -39,6 +39,15 @@ def _cache(epoch: int, step: int, caches: bool, hits: int = 0, refreshes: int = 
             "refreshes": refreshes, "misses": misses, "rows_written": misses + refreshes, **zero, "totals": {}}
 
 
+def _setup(plan, **kw) -> dict:
+    """The ``cache_setup`` record of a run of ``plan`` (its caching phases and their frozen-layer counts)."""
+    phases = [i for i, p in enumerate(plan.phases) if p.cache and p.frozen_layers]
+    return {"type": "cache_setup", "job_id": "j", "nodes": 1, "dir": "/x", "spill_dir": None, "budget_bytes": 8,
+            "need_bytes": 8, "plan_bytes_per_node": 4, "sample_shape": [16, 64], "dtype": "float32", "samples": 64,
+            "shard_rows": 64, "phases": phases, "frozen_layers": sorted({plan.phases[i].frozen_layers for i in phases}),
+            "allow_nondeterministic": False, "notes": [], **kw}
+
+
 def _log(plan, tmp_path, recs):
     head = {"type": "header", "schema": RUNLOG_SCHEMA, "plan_fingerprint": plan.inputs.profile.fingerprint,
             "model": plan.inputs.profile.model, "world_size": plan.world_size,
@@ -131,10 +140,7 @@ def test_a_run_in_another_dtype_than_the_profile_is_named(plan, tmp_path):
     so with the bytes; parameters as planned say nothing."""
     p2 = plan.phases[2]
     weights = [int(m.weights) for m in p2.predicted.stage_memory]
-    setup = {"type": "cache_setup", "job_id": "j", "nodes": 1, "dir": "/x", "spill_dir": None, "budget_bytes": 8,
-             "need_bytes": 8, "plan_bytes_per_node": 4, "sample_shape": [16, 64], "dtype": "float64", "samples": 64,
-             "shard_rows": 64, "phases": [2], "frozen_layers": [p2.frozen_layers], "allow_nondeterministic": False,
-             "notes": []}
+    setup = _setup(plan, dtype="float64")
 
     def run(scale: int, dtype: str):
         per_rank = [{"total": 10 ** 6, "params": scale * w} for w in weights]
@@ -147,6 +153,25 @@ def test_a_run_in_another_dtype_than_the_profile_is_named(plan, tmp_path):
     rows, params = run(2, "float64")
     assert "stored float64 rows" in rows and "priced float32" in rows
     assert params.startswith(f"the run's parameters take 2.00x the plan's weights (phase 2: {2 * sum(weights):,} vs ")
+
+
+def test_a_run_that_cached_other_phases_than_the_plan_is_refused(plan, tmp_path):
+    """The ``cache_setup`` record says which phases the run cached and at which frozen-layer counts: a run of another
+    plan (other caching phases) is refused with both lists; a run without the AutoCache (``--cache off``) in a phase
+    the plan caches is compared, with a note saying its steps computed the prefix."""
+    from ptplan.planner.errors import PtplanError
+
+    steps = [_step(plan, 0, s, 2, 0.1) for s in range(3)]
+    assert compare(plan, _log(plan, tmp_path, [_setup(plan), *steps])).mismatches == ()
+    other = _setup(plan, phases=[2], frozen_layers=[plan.phases[2].frozen_layers])
+    with pytest.raises(PtplanError) as e:
+        compare(plan, _log(plan, tmp_path, [other, *steps]))
+    assert "line 2: the run's AutoCache cached the frozen prefix in phases [2] (frozen layers [5]), but this plan " \
+           "caches it in phases [1, 2, 3, 4] (frozen layers [3, 5, 7, 9]); compare the run with the plan it ran" \
+           in str(e.value), str(e.value)
+    (note,) = compare(plan, _log(plan, tmp_path, steps)).mismatches
+    assert "caches the frozen prefix in phases [2], which the run reached, but the run set up no AutoCache" in note
+    assert compare(plan, _log(plan, tmp_path, [_step(plan, 0, s, 0, 0.1) for s in range(3)])).mismatches == ()
 
 
 @pytest.mark.parametrize("name", ["bert-tiny", "gpt2-tiny", "llama-tiny"])
