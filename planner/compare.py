@@ -291,10 +291,12 @@ def _params_ratio(plan: Plan, r: Step) -> tuple[float, int, int, int] | None:
     return sum(got) / want, sum(got), want, r.phase
 
 
-def model_mismatches(plan: Plan, log: RunLog) -> tuple[str, ...]:
+def model_mismatches(plan: Plan, log: RunLog, segments: Segments | None = None) -> tuple[str, ...]:
     """The run's model against the plan's: the AutoCache rows' dtype (``cache_setup``) against the profile's, a run
     without the AutoCache in phases the plan caches (``--cache off``), and the measured parameter bytes against the
-    plan's weights (a float32 run of a bfloat16 profile's plan holds 2x)."""
+    plan's weights (a float32 run of a bfloat16 profile's plan holds 2x), from a step this plan ran (``segments``,
+    ``match_run``'s: around a membership change another plan's step has other stages; default ``match_run``)."""
+    segments = match_run(plan, log) if segments is None else segments
     want = plan.inputs.profile.dtype
     out = []
     setup = next((r.fields for r in log.records if r.type == "cache_setup"), None)
@@ -310,7 +312,8 @@ def model_mismatches(plan: Plan, log: RunLog) -> tuple[str, ...]:
                    f"no AutoCache (no cache_setup record: `ptplan run --cache off`), so their steps computed the "
                    f"prefix the plan prices as read from the cache; run with --cache auto (the default) to compare "
                    f"them")
-    sampled = next((r for r in log.steps if r.memory and 0 <= r.phase < len(plan.phases)), None)
+    sampled = next((r for r in log.steps if r.memory and _owner(segments, r.step) and 0 <= r.phase < len(plan.phases)),
+                   None)
     got = _params_ratio(plan, sampled) if sampled is not None else None
     if got is not None and not 0.8 <= got[0] <= 1.25:
         out.append(f"the run's parameters take {got[0]:.2f}x the plan's weights (phase {got[3]}: "
@@ -415,7 +418,8 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
     """
     if warmup < 0:
         raise PtplanError(f"warmup must be 0 or more, got {warmup}")
-    timed, hooked, sampled, other = _bucket(plan, log, warmup, match_run(plan, log))
+    segments = match_run(plan, log)
+    timed, hooked, sampled, other = _bucket(plan, log, warmup, segments)
     fills = fill_fractions(log)
     rows: dict[str, list[PhaseComparison]] = {"steady": [], "fill": []}
     for key in sorted(set(timed) | set(hooked)):
@@ -433,7 +437,7 @@ def compare(plan: Plan, log: RunLog, *, warmup: int = 1) -> Comparison:
         phases=tuple(rows["steady"]), fills=tuple(rows["fill"]),
         transitions=tuple(r.to_json() for r in log.transitions),
         warnings=log.warnings, evals=tuple(r.fields for r in log.records if r.type == "eval"), resumes=log.resumes,
-        memberships=log.memberships, other_plan_steps=other, mismatches=model_mismatches(plan, log),
+        memberships=log.memberships, other_plan_steps=other, mismatches=model_mismatches(plan, log, segments),
         median_abs_iteration_error=statistics.median(abs(r.iteration_error) for r in every),
         median_abs_memory_error=statistics.median(mem_errs) if mem_errs else None)
 

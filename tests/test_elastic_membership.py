@@ -349,6 +349,43 @@ def test_compare_takes_each_plan_s_own_steps_around_a_membership_change(tmp_path
         read_run_log(log)
 
 
+def test_the_dtype_diagnosis_reads_a_step_of_the_plan_compared(tmp_path):
+    """An audit's run changed membership and ``compare`` of the new plan said "the run's parameters take 0.66x the
+    plan's weights ... not in the profile's dtype": it read the log's first memory-sampled step, the old plan's
+    stage. It now reads a step the compared plan ran."""
+    from ptplan.planner.compare import compare
+
+    path = shipped("bert-tiny_cpu_fp32")
+    training = TrainingConfig(epochs=1, samples_per_epoch=64, batch=8, optimizer="sgd")
+    plans = {w: make_plan(load_profile(path), cpu_cluster(w), dataclasses.replace(training, start_K=w),
+                          FreezePolicy(policy="none"), profile_path=str(path)) for w in (2, 1)}
+    two, one = plans[2], plans[1]
+    p2, p1 = two.phases[0], one.phases[0]
+
+    def weights(p: Any) -> int:
+        return sum(int(m.weights) for m in p.predicted.stage_memory)
+
+    def step(s: int, p: Any, world: int, params: int) -> dict[str, Any]:  # one pipeline: rank = stage
+        rows = [{"total": 10, "params": int(m.weights)} for m in p.predicted.stage_memory]
+        return {"type": "step", "epoch": 0, "step": s, "phase": 0, "frozen_blocks": 0, "K": p.K, "D": p.D,
+                "seconds": 0.1, "samples": p.global_batch, "loss": 1.0, "memory_sampled": True,
+                "peak_memory_bytes": 10, "memory": {"per_rank": rows}}
+
+    recs = [{"type": "header", "schema": "ptplan.runlog/1", "model": "bert-tiny", "world_size": 2,
+             "plan_fingerprint": two.inputs.profile.fingerprint, "phases": _side(two, "")["phases"]},
+            *[step(s, p2, 2, weights(p2)) for s in range(4)],
+            {"type": "resume", "step": 2, "epoch": 0, "seconds": 0.1},
+            {"type": "membership", "step": 2, "resumed": True, "attempt": 1, "from": _side(two, "/p/plan.json"),
+             "to": _side(one, "/p/run.plan-world1.json"), "replan_seconds": 0.2},
+            *[step(s, p1, 1, weights(p1)) for s in range(2, 7)]]
+    assert (p2.K, p2.D, p1.K, p1.D) == (2, 1, 1, 1)  # the old plan's first stage is part of the new one's
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    got = compare(one, read_run_log(tmp_path / "run.jsonl"), warmup=0)
+    assert not any("parameters take" in m for m in got.mismatches), got.mismatches
+    assert not any("parameters take" in m for m in compare(two, read_run_log(tmp_path / "run.jsonl"),
+                                                             warmup=0).mismatches)
+
+
 def _membership_on_restart(rank: int, world: int, cfg: RunConfig, plan: Any, out: str) -> None:
     from ptplan.executor.launch.membership import plan_for_world
 
