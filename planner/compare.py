@@ -452,7 +452,7 @@ def _members(side: dict[str, Any]) -> str:
 
 def format_comparison(c: Comparison) -> str:
     hdr = (f"{'phase':>5} {'frozen':>6} {'K':>3} {'D':>3} {'M':>3} {'steps':>5} {'pred s/it':>10} {'meas s/it':>10} "
-           f"{'err':>7} {'pred smp/s':>10} {'meas smp/s':>10} {'pred MiB':>9} {'meas MiB':>9} {'err':>7}")
+           f"{'it err':>7} {'pred smp/s':>10} {'meas smp/s':>10} {'pred MiB':>9} {'meas MiB':>9} {'mem err':>7}")
     lines = [hdr, "-" * len(hdr)]
     for r in sorted(c.phases + c.fills, key=lambda r: (r.phase, r.kind != "steady")):
         mm = f"{r.measured_peak_memory_bytes / 2**20:>9.1f}" if r.measured_peak_memory_bytes else f"{'-':>9}"
@@ -472,6 +472,10 @@ def format_comparison(c: Comparison) -> str:
                      f"{r.predicted_iteration_s:>10.4f} {r.measured_iteration_s:>10.4f} {r.iteration_error:>+7.1%} "
                      f"{r.predicted_samples_per_s:>10.1f} {r.measured_samples_per_s:>10.1f} "
                      f"{pm} {mm} {me}" + (f"  ({'; '.join(notes)})" if notes else ""))
+    if c.fills:
+        lines.append("(Nf: phase N's AutoCache fill steps, which computed the frozen prefix and wrote its rows, "
+                     "compared with the plan's fill step apart from its steady steps; err: (predicted - measured) / "
+                     "measured)")
     lines.extend(f"note: {w}" for w in c.warnings + c.mismatches)
     lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
                  f"stopped run logged from there were replaced by the resumed run's (each step counted once)"

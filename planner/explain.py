@@ -40,6 +40,22 @@ def predicted_terms(plan: Plan, phase: int) -> Terms:
     return Terms(compute=compute, bubble=bubble, communication=comm, overhead=max(0.0, piped - bubble - compute))
 
 
+def fill_words(plan: Plan, row: PhaseComparison, steady: PhaseComparison | None) -> str:
+    """Why a fill row (``PhaseComparison.kind`` fill: steps that computed the frozen prefix and wrote its rows) is
+    off: its measured and predicted step, and the fill's extra over the phase's steady step, predicted (the plan's
+    ``fill_iteration_s - iteration_s``, scaled by the share of rows computed) and measured (against the steady
+    rows' median, where the run has them)."""
+    pred = plan.phases[row.phase].predicted
+    extra = row.fill_fraction * (pred.fill_iteration_s - pred.iteration_s)
+    words = (f"its steps took {row.measured_iteration_s * 1e3:.1f} ms against {row.predicted_iteration_s * 1e3:.1f} ms "
+             f"predicted ({row.fill_fraction:.0%} of the prefix rows computed and written); the fill's extra over a "
+             f"steady step is predicted {extra * 1e3:.1f} ms")
+    if steady is not None:
+        words += f" and measured {(row.measured_iteration_s - steady.measured_iteration_s) * 1e3:.1f} ms"
+    return words + (" (the prefix's no-grad forward and the rows' write to host memory: see the plan's note on the "
+                    "AutoCache's host rates)")
+
+
 def differing_term(plan: Plan, row: PhaseComparison) -> tuple[str, str]:
     """(term, words): the term of the prediction that differs most from the run, and the numbers that say so.
 
@@ -147,11 +163,16 @@ def explain(plan: Plan, comparison: Comparison, profile: dict[str, Any] | None, 
             threshold: float = DEFAULT_THRESHOLD) -> list[str]:
     """Lines for ``ptplan compare``: per phase off by more than ``threshold``, the term that differs most; then,
     once, what in the profile's provenance may explain it. Empty when every phase is within the threshold."""
-    off = [r for r in comparison.phases if abs(r.iteration_error) > threshold]
+    off = [r for r in comparison.phases + comparison.fills if abs(r.iteration_error) > threshold]
     if not off:
         return []
     lines = [f"phases off by more than {threshold:.0%}:"]
-    for r in off:
+    steady = {r.phase: r for r in comparison.phases}
+    for r in sorted(off, key=lambda r: (r.phase, r.kind != "steady")):
+        if r.kind == "fill":
+            lines.append(f"  phase {r.phase}f ({r.iteration_error:+.1%}): the AutoCache fill differs -- "
+                         + fill_words(plan, r, steady.get(r.phase)))
+            continue
         term, words = differing_term(plan, r)
         lines.append(f"  phase {r.phase} ({r.iteration_error:+.1%}): {term} differs most -- {words}")
     slower = sum(r.iteration_error < 0 for r in off) * 2 >= len(off)  # most phases: measured above predicted

@@ -78,6 +78,25 @@ def test_fill_epochs_are_compared_with_the_fill_price(plan, tmp_path):
     assert [f["kind"] for f in c.to_json()["fills"]] == ["fill", "fill"]
 
 
+def test_a_fill_row_off_by_more_than_the_threshold_is_explained_and_labelled(plan, tmp_path):
+    """A docs walk saw `ptplan compare` list fill rows at -59 % and explain only phase 0: the explanation read the
+    steady rows alone, and nothing said what "2f" is. Fill rows are explained with their own terms now, and the
+    table says what Nf is."""
+    from ptplan.planner.explain import explain
+
+    p0, p2 = plan.phases[0], plan.phases[2]
+    recs = [_step(plan, 0, s, 0, p0.predicted.iteration_s) for s in range(4)] + [_cache(0, 4, False)]
+    recs += [_step(plan, 1, s, 2, 2.5 * p2.predicted.fill_iteration_s) for s in range(4, 8)]
+    recs += [_cache(1, 8, True, misses=64), _setup(plan)]
+    c = compare(plan, _log(plan, tmp_path, recs))
+    lines = explain(plan, c, None)
+    fill = [ln for ln in lines if ln.startswith("  phase 2f (-60.0%): the AutoCache fill differs -- its steps took")]
+    assert len(fill) == 1 and "100% of the prefix rows computed and written" in fill[0], lines
+    assert not any(ln.startswith("  phase 0 ") for ln in lines), lines  # on its prediction: not listed
+    text = format_comparison(c)
+    assert "(Nf: phase N's AutoCache fill steps" in text and "it err" in text and "mem err" in text, text
+
+
 def test_per_step_rows_split_a_phase_into_fill_and_steady_rows(plan, tmp_path):
     """Per-step ``cache_*`` fields (what ``ptplan run`` logs now) beat the epoch's record: steps that read every row
     are steady, a step that computed half its rows is priced halfway to the fill; memory is compared once, on the
