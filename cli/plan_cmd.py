@@ -114,11 +114,12 @@ def format_plan_table(plan) -> str:
                      + (f" {sched:<18}" if mixed else "")
                      + (f" {ph.strategy_label:<{sw}} {f'{ph.K}×{ph.D}×{ph.tp}':<12}" if strat else "")
                      + (f" {slices_text(ph.slices):<28}" if sliced else ""))
+    bang = "; ! after the cache column = the phase has notes, below" if noted else ""
     if len(plan.phases) > 16:
         lines.append(f"(* = on the predicted trajectory; {len(plan.phases) - len(used)} other phases are in the plan "
-                     f"for adaptive freezing)")
+                     f"for adaptive freezing{bang})")
     else:
-        lines.append("(* = on the predicted trajectory; the others serve adaptive freezing)")
+        lines.append(f"(* = on the predicted trajectory; the others serve adaptive freezing{bang})")
     for ph in noted[:8]:
         lines.append(f"! {ph.frozen_blocks} frozen blocks: " + "; ".join(ph.notes))
     if len(noted) > 8:

@@ -394,7 +394,8 @@ def _check_world(cfg, rdzv, plan) -> Any:
 
 
 def _check_run_length(cfg, plan, samples: int) -> None:
-    """--freeze-every within the steps the run has (a freeze step that never comes freezes nothing)."""
+    """--freeze-every and --warmup-steps within the steps the run has (a freeze step that never comes freezes
+    nothing; a warm-up as long as the run never reaches the peak learning rate)."""
     from ptplan.cli.flags import check_freeze_every
 
     biggest = max(ph.global_batch for ph in plan.phases)
@@ -402,6 +403,11 @@ def _check_run_length(cfg, plan, samples: int) -> None:
     per_epoch = cfg.steps_per_epoch or samples // biggest
     check_freeze_every("--freeze-every", cfg.freeze_every, epochs * per_epoch,
                        f"{epochs} epochs of {per_epoch} steps", "leave it out (the plan's cadence)")
+    most = epochs * (cfg.steps_per_epoch or samples // min(ph.global_batch for ph in plan.phases))
+    if cfg.warmup_steps and cfg.warmup_steps >= most:
+        raise PtplanError(f"--warmup-steps {cfg.warmup_steps} is not shorter than the run ({most} steps at most: "
+                          f"{epochs} epochs of the plan's smallest global batch): the learning rate would never reach "
+                          f"its peak; give fewer warm-up steps")
 
 
 def _check_synthetic_epoch(cfg, plan, samples: int, nproc_per_node: int) -> None:

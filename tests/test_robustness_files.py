@@ -471,6 +471,7 @@ def test_compare_and_show_tolerate_a_torn_last_line_with_a_warning(job, tmp_path
     (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1"),
     (["--nproc-per-node", "1", "--nnodes", "2"], "--nnodes 2 needs a rendezvous"),
     (["--node-rank", "3"], "--node-rank must lie in 0..0"),
+    (["--warmup-steps", "100000"], "--warmup-steps 100000 is not shorter than the run (8 steps at most: 2 epochs"),
 ])
 def test_every_option_is_checked_before_launch(job, args, message):
     r = _cli(*_run_args(job), *args)
