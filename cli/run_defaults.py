@@ -51,4 +51,12 @@ def nproc_from_plan(plan: Any, nnodes: str) -> int:
     if str(nnodes).strip() != "1":
         raise PtplanError(f"--nproc-per-node is needed with --nnodes {nnodes}: the plan needs {plan.world_size} "
                           f"processes in all (nodes x processes per node)")
+    c = plan.inputs.cluster
+    if c.nodes > 1:
+        import click
+
+        click.echo(f"note: the plan is for {c.nodes} nodes x {c.gpus_per_node} ({c.name}); this job runs all "
+                   f"{plan.world_size} processes on this machine. To run it on its nodes, start ptplan run on each "
+                   f"with --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} and a rendezvous (docs/running.md)",
+                   err=True)
     return int(plan.world_size)

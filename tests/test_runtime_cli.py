@@ -62,6 +62,16 @@ def test_dry_run_prints_the_torchrun_command(plan_file):
         assert flag in r.output
 
 
+def test_a_plan_for_several_nodes_run_on_one_says_so(tmp_path):
+    """A plan for the paper's 2 x 8 cluster launched as 1 node x 16 processes with no word (a CLI audit)."""
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--cluster", "paper", "--epochs", "2", "--out",
+                                 str(tmp_path / "paper.json"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "paper.json"), "--dry-run"])
+    assert r.exit_code == 0 and "--nproc-per-node=16 --nnodes=1" in r.output, r.output
+    assert "note: the plan is for 2 nodes x 8 (paper); this job runs all 16 processes on this machine" in r.output
+
+
 def test_a_bad_eval_file_is_refused_before_launch(plan_file, tmp_path):
     model = build_model("bert-tiny", seq_len=8, dropout=0.0)
     x, y, m = model.make_batch(6, generator=torch.Generator().manual_seed(7))
