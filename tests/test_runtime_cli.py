@@ -259,3 +259,22 @@ def test_bf16_autocast_run_matches_a_single_process_autocast_reference(name, tmp
     assert d <= 3e-2 and dist <= 0.02 * update, (d, where, float(dist / update))
 
 
+
+
+def test_run_one_node_resume_continues_the_latest_run_folder(plan_file, tmp_path):
+    """examples/run_one_node.sh made a new runs/<time> folder on every start, so its documented --resume looked for
+    a checkpoint in the empty new folder and could never resume (an executor audit). It now continues the latest
+    run folder; here both are empty, so ptplan run's own check names the latest one's checkpoint."""
+    import os
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "run_one_node.sh"
+    for name in ("20260101-000000", "20260102-000000"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    env = {**os.environ, "PLAN": str(plan_file), "MODEL": "bert-tiny", "NPROC": "2"}
+    r = subprocess.run(["bash", str(script), "--resume", "--dry-run"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "resuming runs/20260102-000000" in r.stderr
+    assert "runs/20260102-000000/ckpt/checkpoint.pt; run without --resume" in r.stderr, r.stderr
+    assert sorted(os.listdir(tmp_path / "runs")) == ["20260101-000000", "20260102-000000"]  # no new folder
