@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .errors import PtplanError, SchemaError
+from .families import FAMILY_NAMES
 from .jsonio import Fields, read_json, write_json
 
 SCHEMA = "ptplan.profile/1"
@@ -26,6 +27,15 @@ MAX_BYTES = 2**60
 MAX_BATCH = 1 << 30
 LAYER_KINDS = ("embedding", "block", "attention", "mlp", "norm", "head")
 GRANULARITIES = ("block", "half")
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a profile may be measured in: those the cost model prices (``costs.DTYPE_BYTES``; a test checks they
+agree)."""
+DEVICE_KINDS = ("cpu", "cuda")
+MAX_ACTION_OVERHEAD_S = 60.0
+"""``measurement.action_overhead_s`` above this is corrupt (``cluster.MAX_LATENCY_S``, the bound the planner keeps)."""
+REPROFILE = ("A profile is written by ptplan: profile the model again with `ptplan profile` (or `ptplan profile "
+             "--project`), or use a shipped profile")
+"""The fix of a profile error that names none of its own."""
 
 
 
@@ -381,22 +391,26 @@ def _layer_records(top: Fields, source: str, n: int, num_blocks: int) -> list[La
 
 
 def profile_from_json(obj: Any, source: str = "profile") -> Profile:
-    """Validate a decoded JSON object and build a Profile; errors name the bad field."""
+    """Validate a decoded JSON object and build a Profile. Every problem is one SchemaError naming the field, its
+    value and the fix (``REPROFILE`` where the check has no fix of its own): the one reader every command's profile
+    goes through (``load_profile``; ``save_profile`` and ``make_plan`` check an in-memory profile with it too)."""
+    try:
+        return _profile(obj, source)
+    except SchemaError as e:
+        if e.fix:
+            raise
+        raise SchemaError(e.what, e.field, e.problem, REPROFILE) from None
+
+
+def _profile(obj: Any, source: str) -> Profile:
     top = Fields(obj, source, allowed=("schema", "model", "device", "batch_sizes", "layers",
                                        "whole_model", "measurement", "provenance", "token_slices"))
     schema = top.str("schema")
     if schema != SCHEMA:
         raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
                           "Re-create it with `ptplan profile`")
-    m = top.obj_("model", allowed=("name", "family", "num_blocks", "seq_len", "dtype", "granularity", "config"))
-    model = ModelInfo(name=m.str("name"), family=m.str("family"), num_blocks=m.int("num_blocks", min=1),
-                      seq_len=m.int("seq_len", min=1), dtype=m.str("dtype"),
-                      granularity=m.str("granularity", choices=GRANULARITIES),
-                      config=dict(m.obj_("config", default={}).obj))
-    dv = top.obj_("device", allowed=("kind", "name", "memory_bytes", "torch_version", "date", "threads"))
-    device = DeviceInfo(kind=dv.str("kind", choices=("cpu", "cuda")), name=dv.str("name"),
-                        memory_bytes=dv.int("memory_bytes", min=0), torch_version=dv.str("torch_version"),
-                        date=dv.str("date"), threads=dv.int("threads", 0, min=0))
+    model = _model_info(top.obj_("model", allowed=[f for f in ModelInfo.__dataclass_fields__]), source)
+    device = _device_info(top.obj_("device", allowed=[f for f in DeviceInfo.__dataclass_fields__]), source)
     bsz = top.ints("batch_sizes", min=1, max=MAX_BATCH)
     if not bsz:
         raise SchemaError(source, "batch_sizes", "is empty", "Profile at least one micro-batch size")
@@ -404,28 +418,83 @@ def profile_from_json(obj: Any, source: str = "profile") -> Profile:
         raise SchemaError(source, "batch_sizes", f"{bsz} must be strictly ascending")
     n = len(bsz)
     layers = _layer_records(top, source, n, model.num_blocks)
-    w = top.obj_("whole_model", allowed=("forward_s", "forward_backward_s", "peak_memory_bytes"))
-    whole = WholeModel(forward_s=tuple(w.floats("forward_s", length=n, max=MAX_SECONDS * 1e3)),
-                       forward_backward_s=tuple(w.floats("forward_backward_s", length=n, max=MAX_SECONDS * 1e3)),
-                       peak_memory_bytes=tuple(w.ints("peak_memory_bytes", min=0)
-                                               if "peak_memory_bytes" in w.obj else ()))
-    meas = top.raw("measurement", {})
-    if not isinstance(meas, dict):
-        raise SchemaError(source, "measurement", "expected an object")
-    _check_host_io(meas.get("host_io"), source)
-    if "provenance" in top.obj:
-        pv = top.obj_("provenance", allowed=("source", "command", "device_model"))
-        dm = pv.raw("device_model", None)
-        provenance = Provenance(source=pv.str("source", choices=PROVENANCE_SOURCES), command=pv.str("command", ""),
-                                device_model=None if dm is None else pv.str("device_model"))
-    else:  # files written before provenance existed
-        provenance = Provenance(source="synthetic" if device.name == "synthetic" else "measured")
+    whole = _whole_model(top.obj_("whole_model", allowed=[f for f in WholeModel.__dataclass_fields__]), source, n)
+    meas = _measurement(top, source)
+    provenance = _provenance(top, source, device)
     slices = None
     if top.raw("token_slices", None) is not None:
         slices = _slice_profile(top.obj_("token_slices", allowed=[f for f in SliceProfile.__dataclass_fields__]),
                                 source)
     return Profile(model=model, device=device, batch_sizes=tuple(bsz), layers=tuple(layers),
                    whole_model=whole, measurement=meas, provenance=provenance, token_slices=slices)
+
+
+def _model_info(m: Fields, source: str) -> ModelInfo:
+    """``model``: ``family`` one the planner and the executor know (``families.FAMILY_NAMES``: every writer records
+    one -- ``build_model``'s models, ``custom_model``'s, which take their backbone's, and the synthetic GPT's),
+    ``dtype`` one the cost model prices."""
+    name, family = m.str("name"), m.str("family")
+    if family not in FAMILY_NAMES:
+        raise SchemaError(source, "model.family", f"{family!r} is not a model family ptplan plans and runs (one of "
+                          f"{', '.join(FAMILY_NAMES)}; a custom model's family is its backbone's model_type)",
+                          "Profile a model of one of these families with `ptplan profile`")
+    return ModelInfo(name=name, family=family, num_blocks=m.int("num_blocks", min=1), seq_len=m.int("seq_len", min=1),
+                     dtype=m.str("dtype", choices=DTYPES), granularity=m.str("granularity", choices=GRANULARITIES),
+                     config=dict(m.obj_("config", default={}).obj))
+
+
+def _device_info(dv: Fields, source: str) -> DeviceInfo:
+    """``device``: ``memory_bytes`` the device's memory, positive; 0 (not known) only for a CPU, as the profiler
+    writes where the operating system does not report the RAM and synthetic profiles always do."""
+    kind = dv.str("kind", choices=DEVICE_KINDS)
+    mem = dv.int("memory_bytes", max=MAX_BYTES)
+    if mem < 0 or (mem == 0 and kind == "cuda"):
+        rule = ("a CUDA device always reports it" if kind == "cuda" else
+                "or 0 for a CPU whose operating system did not report it")
+        raise SchemaError(source, "device.memory_bytes", f"is {mem:,}; expected the device's memory in bytes, a "
+                          f"positive integer ({rule})",
+                          "Write the device's memory in bytes, or profile again with `ptplan profile`")
+    return DeviceInfo(kind=kind, name=dv.str("name"), memory_bytes=mem, torch_version=dv.str("torch_version"),
+                      date=dv.str("date"), threads=dv.int("threads", 0, min=0))
+
+
+def _whole_model(w: Fields, source: str, n: int) -> WholeModel:
+    """``whole_model``: one time per micro-batch size; peaks one per size (CUDA) or none (CPU)."""
+    peaks = tuple(w.ints("peak_memory_bytes", min=0, max=MAX_BYTES)) if "peak_memory_bytes" in w.obj else ()
+    if peaks and len(peaks) != n:
+        raise SchemaError(source, "whole_model.peak_memory_bytes", f"has {len(peaks)} entries for {n} micro-batch "
+                          f"sizes; expected one per size (CUDA) or none (CPU)")
+    return WholeModel(forward_s=tuple(w.floats("forward_s", length=n, max=MAX_SECONDS * 1e3)),
+                      forward_backward_s=tuple(w.floats("forward_backward_s", length=n, max=MAX_SECONDS * 1e3)),
+                      peak_memory_bytes=peaks)
+
+
+def _measurement(top: Fields, source: str) -> dict[str, Any]:
+    """``measurement``, required (every writer records one): an object, free-form except the keys a command reads
+    -- ``action_overhead_s`` (the planner charges it), ``host_io`` (likewise), ``model_arg`` and ``weights_arg``
+    (``ptplan run``'s defaults) -- which are checked."""
+    if "measurement" not in top.obj:
+        raise SchemaError(source, "measurement", "missing; every profile records how it was measured (an object)",
+                          "Profile again with `ptplan profile`, or add \"measurement\": {} where nothing is known")
+    ms = top.obj_("measurement")
+    ms.float("action_overhead_s", None, min=0.0, max=MAX_ACTION_OVERHEAD_S)
+    for key in ("model_arg", "weights_arg"):
+        ms.str(key, None)
+    _check_host_io(ms.obj.get("host_io"), source)
+    return ms.obj
+
+
+def _provenance(top: Fields, source: str, device: DeviceInfo) -> Provenance:
+    """``provenance``, an object; absent only in files written before it existed (2026-11-22), which were
+    measured (or synthetic, by the device's name). A projected profile names its device model."""
+    if "provenance" not in top.obj:
+        return Provenance(source="synthetic" if device.name == "synthetic" else "measured")
+    pv = top.obj_("provenance", allowed=[f for f in Provenance.__dataclass_fields__])
+    src, dm = pv.str("source", choices=PROVENANCE_SOURCES), pv.str("device_model", None)
+    if src == "projected" and not dm:
+        raise SchemaError(source, "provenance.device_model", f"is {dm!r}; a projected profile names the device model "
+                          f"its times come from", "Project it again with `ptplan profile MODEL --project DEVICE`")
+    return Provenance(source=src, command=pv.str("command", ""), device_model=dm)
 
 
 def _slice_fit(f: Fields) -> SliceFit:

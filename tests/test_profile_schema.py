@@ -10,7 +10,9 @@ from click.testing import CliRunner
 
 from ptplan.cli.main import cli
 from ptplan.planner.errors import PtplanError, SchemaError
+from ptplan.planner.families import FAMILY_NAMES
 from ptplan.planner.profile import SCHEMA, load_profile, profile_from_json, save_profile
+from ptplan.planner.synthetic import synthetic_profile
 from ptplan.profiles import PROFILE_DIR
 
 
@@ -119,6 +121,223 @@ def test_shipped_profiles_are_valid(path):
     if prof.model.family == "vit":  # ImageNet-1k's 1000-class head, as published, not a 2-class stand-in
         assert prof.layers[-1].params == prof.layers[-2].params // 2 * 1000 + 1000, prof.layers[-1].params
 
+
+
+# ---- every field checked on load (the audit: a bad family, memory, measurement or provenance planned, exit 0) ----
+
+SHIPPED = PROFILE_DIR / "bert-tiny_cpu_fp32.json"
+SLICED = PROFILE_DIR / "gpt2_cpu_fp32_slices.json"
+OPTIONAL = {"provenance", "token_slices", "model.config", "device.threads", "whole_model.peak_memory_bytes",
+            "provenance.command", "provenance.device_model", "token_slices.command", "token_slices.timer",
+            "token_slices.forward.per_square", "token_slices.backward.per_square"} | {f"layers[1].{k}" for k in (
+                "backward_weight_s", "optimizer_s", "backward_working_bytes_per_sample", "accumulate_bytes")}
+"""The fields a profile may leave out (``docs/contracts.md``); every other one is required."""
+
+
+def _shipped(path: Path = SHIPPED) -> dict:
+    return json.loads(path.read_text())
+
+
+def _write(tmp_path: Path, d: dict) -> Path:
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def _refused(tmp_path: Path, d: dict) -> SchemaError:
+    """The one error ``load_profile`` gives for ``d`` written to a file: it names the file and carries a fix."""
+    p = _write(tmp_path, d)
+    with pytest.raises(SchemaError) as e:
+        load_profile(p)
+    assert str(e.value).startswith(f"profile {p}: field '{e.value.field}': ") and e.value.fix, str(e.value)
+    return e.value
+
+
+def _records(d: dict) -> list[tuple[str, dict]]:
+    """(path, record) of every record the reader types field by field (``model.config`` and ``measurement`` are
+    free-form objects, checked as a whole and in the keys a command reads)."""
+    out = [("", d)] + [(k, d[k]) for k in ("model", "device", "whole_model", "provenance") if k in d]
+    out.append(("layers[1]", d["layers"][1]))
+    if "token_slices" in d:
+        ts = d["token_slices"]
+        out += [("token_slices", ts), ("token_slices.forward", ts["forward"]),
+                ("token_slices.backward", ts["backward"]), ("token_slices.points[0]", ts["points"][0])]
+    return out
+
+
+def _every_field() -> list[tuple[Path, str]]:
+    out = []
+    for base in (SHIPPED, SLICED):
+        for rec_path, rec in _records(_shipped(base)):
+            for key in rec:
+                path = f"{rec_path}.{key}" if rec_path else key
+                if base == SHIPPED or path.startswith("token_slices"):
+                    out.append((base, path))
+    return out
+
+
+def _at(d: dict, path: str) -> tuple[dict, str]:
+    """The record holding ``path`` and the key in it."""
+    *parts, key = path.replace("[", ".[").split(".")
+    for part in parts:
+        d = d[int(part[1:-1])] if part.startswith("[") else d[part]
+    return d, key
+
+
+@pytest.mark.parametrize("base, path", _every_field(), ids=lambda x: x if isinstance(x, str) else x.stem)
+def test_every_field_is_typed_and_required_unless_optional(tmp_path, base, path):
+    """Table-driven over every field of a shipped profile's records: a value of the wrong type is refused naming
+    that field; left out, it is refused as missing unless the contract makes it optional (then the file loads)."""
+    d = _shipped(base)
+    rec, key = _at(d, path)
+    rec[key] = "text" if isinstance(rec[key], dict) else {"bad": 1}
+    e = _refused(tmp_path, d)
+    assert e.field == path and "got" in e.problem, str(e)
+    d = _shipped(base)
+    rec, key = _at(d, path)
+    del rec[key]
+    if path in OPTIONAL:
+        load_profile(_write(tmp_path, d))
+    else:
+        e = _refused(tmp_path, d)
+        assert e.field == path and e.problem.startswith("missing"), str(e)
+
+
+def _set(path: str, value):
+    def mutate(d: dict) -> None:
+        rec, key = _at(d, path)
+        rec[key] = value
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, field, words", [
+    # 1. a family the planner and executor do not know
+    (_set("model.family", "resnet"), "model.family", ["'resnet'", "bert, vit, gpt2, llama", "backbone's model_type"]),
+    (_set("model.family", ""), "model.family", ["''", "one of bert"]),
+    (_set("model.family", "deberta-v2"), "model.family", ["'deberta-v2'"]),
+    (_set("model.dtype", "int8"), "model.dtype", ["'int8'", "float32"]),
+    # 2. the device's memory: positive bytes; 0 (not known) only for a CPU
+    (_set("device.memory_bytes", -1), "device.memory_bytes", ["is -1", "positive integer", "or 0 for a CPU"]),
+    (_set("device.memory_bytes", -(2**40)), "device.memory_bytes", ["is -1,099,511,627,776"]),
+    (_set("device", {**_shipped()["device"], "kind": "cuda", "memory_bytes": 0}), "device.memory_bytes",
+     ["is 0", "a CUDA device always reports it"]),
+    (_set("device.memory_bytes", 2**61), "device.memory_bytes", ["2,305,843,009,213,693,952", "maximum"]),
+    (_set("device.memory_bytes", 1.5e10), "device.memory_bytes", ["15000000000.0"]),
+    (_set("device.memory_bytes", True), "device.memory_bytes", ["True"]),
+    (_set("device.memory_bytes", "16 GiB"), "device.memory_bytes", ["'16 GiB'"]),
+    # 3. measurement and provenance: missing or of the wrong type; the keys a command reads
+    (lambda d: d.pop("measurement"), "measurement", ["missing", "ptplan profile", "\"measurement\": {}"]),
+    (_set("measurement", []), "measurement", ["expected an object, got list"]),
+    (_set("measurement", "timed"), "measurement", ["expected an object, got str"]),
+    (_set("measurement", None), "measurement", ["expected an object, got NoneType"]),
+    (_set("provenance", ["measured"]), "provenance", ["expected an object, got list"]),
+    (_set("provenance", "measured"), "provenance", ["expected an object, got str"]),
+    (_set("provenance", None), "provenance", ["expected an object, got NoneType"]),
+    (_set("provenance.source", "guessed"), "provenance.source", ["'guessed'", "measured"]),
+    (_set("provenance.source", "projected"), "provenance.device_model", ["is None", "--project"]),
+    (_set("measurement.action_overhead_s", -0.001), "measurement.action_overhead_s", ["-0.001", "minimum"]),
+    (_set("measurement.action_overhead_s", 3600), "measurement.action_overhead_s", ["3600", "maximum"]),
+    (_set("measurement.action_overhead_s", "1e-4"), "measurement.action_overhead_s", ["'1e-4'"]),
+    (_set("measurement.model_arg", 5), "measurement.model_arg", ["got 5"]),
+    (_set("measurement.weights_arg", ["w"]), "measurement.weights_arg", ["['w']"]),
+    (_set("measurement.host_io", "fast"), "measurement.host_io", ["got str"]),
+    (_set("whole_model.peak_memory_bytes", [1, 2]), "whole_model.peak_memory_bytes", ["2 entries for 7"]),
+    (_set("whole_model.peak_memory_bytes", [-1] * 7), "whole_model.peak_memory_bytes[0]", ["-1", "minimum"]),
+    (_set("device.unknown_key", 1), "device.unknown_key", ["unknown key", "memory_bytes"]),
+    (_set("provenance.note", "x"), "provenance.note", ["unknown key"]),
+], ids=lambda x: x[0] if isinstance(x, list) else x if isinstance(x, str) else "")
+def test_bad_values_are_refused_with_the_field_value_and_fix(tmp_path, mutate, field, words):
+    d = _shipped()
+    mutate(d)
+    e = _refused(tmp_path, d)
+    assert e.field == field, str(e)
+    for w in words:
+        assert w in str(e), (w, str(e))
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_known_family_loads(tmp_path, family):
+    d = _shipped()
+    d["model"]["family"] = family
+    assert load_profile(_write(tmp_path, d)).model.family == family
+
+
+def test_what_writers_write_still_loads(tmp_path):
+    """The documented values the rules keep: a CPU's memory 0 (the profiler writes it where the operating system does
+    not report its RAM), a synthetic profile (memory 0, written by ``save_profile`` in tests and benchmarks), a file
+    written before provenance existed (read as measured), an empty measurement, a projected profile."""
+    d = _shipped()
+    d["device"]["memory_bytes"] = 0
+    assert load_profile(_write(tmp_path, d)).device.memory_bytes == 0
+    syn = synthetic_profile(num_blocks=2)
+    save_profile(syn, tmp_path / "syn.json")
+    assert load_profile(tmp_path / "syn.json") == syn and syn.device.memory_bytes == 0
+    d = _shipped()
+    del d["provenance"]
+    d["measurement"] = {}
+    prof = load_profile(_write(tmp_path, d))
+    assert prof.provenance.source == "measured" and prof.measurement == {}
+    prof = load_profile(PROFILE_DIR / "bert-tiny_h100_bf16.json")
+    assert prof.provenance.source == "projected" and prof.provenance.device_model == "h100"
+
+
+def test_the_loaders_bounds_are_the_planners():
+    """The dtypes a profile may name are the ones the cost model prices; the action overhead it accepts is the one
+    the planner charges (``cluster.charged_overheads``)."""
+    from ptplan.planner.cluster import MAX_LATENCY_S
+    from ptplan.planner.costs import DTYPE_BYTES
+    from ptplan.planner.profile import DTYPES, MAX_ACTION_OVERHEAD_S
+
+    assert set(DTYPES) == set(DTYPE_BYTES)
+    assert MAX_ACTION_OVERHEAD_S == MAX_LATENCY_S
+
+
+def test_a_custom_models_profile_loads(tmp_path, one_torch_thread):
+    """docs/models.md's "your own model" flow: a Hugging Face backbone with your head through ``custom_model``,
+    profiled by ``profile_model`` and saved; its family is the backbone's model_type, which the loader takes."""
+    import torch
+    import transformers as tf
+    from torch import nn
+
+    from ptplan.executor.families.models import LayerSpec, backbone_layers, custom_model
+    from ptplan.executor.profiling.profiler import profile_model
+
+    class Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 3)
+
+        def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return self.fc(x.mean(dim=1))
+
+    torch.manual_seed(0)
+    bert = tf.BertModel(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=64, vocab_size=100), add_pooling_layer=False)
+    layers, specs = backbone_layers(bert, "half")
+    model = custom_model(layers + [Head()], specs + [LayerSpec("head", "head", None)],
+                         nn.functional.cross_entropy, name="my-bert-head", config=bert.config, seq_len=8,
+                         num_labels=3)
+    prof = profile_model(model, device="cpu", batch_sizes=[1], warmup=0, repeats=1, progress=False)
+    save_profile(prof, tmp_path / "mine.json")
+    back = load_profile(tmp_path / "mine.json")
+    assert (back.model.name, back.model.family, back.num_blocks) == ("my-bert-head", "bert", 1)
+
+
+@pytest.mark.parametrize("mutate", [_set("model.family", "resnet"),
+                                    _set("device", {**_shipped()["device"], "kind": "cuda", "memory_bytes": 0}),
+                                    lambda d: d.pop("measurement"), _set("provenance", [])],
+                         ids=["family", "memory", "measurement", "provenance"])
+def test_cli_plan_refuses_a_bad_profile_in_one_line(tmp_path, monkeypatch, mutate):
+    """``ptplan plan BAD.json --cluster cpu:2``: exit 2, one line naming the file and the field, no plan written."""
+    d = _shipped()
+    mutate(d)
+    bad = _write(tmp_path, d)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["plan", str(bad), "--cluster", "cpu:2", "--out", "plan.json"])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: profile {bad}: field '"), res.output
+    assert "Traceback" not in res.output and not (tmp_path / "plan.json").exists()
 
 # ---- the CLI -----------------------------------------------------------------------------------
 
