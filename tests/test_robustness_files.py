@@ -7,6 +7,7 @@ through the CLI with ``--dry-run`` or a refused real invocation (no process star
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -199,6 +200,30 @@ def test_a_finished_run_resumed_into_a_new_log_exports_whole(job, tmp_path):
     mask = os.umask(0o022)
     os.umask(mask)
     assert (tmp_path / "export").stat().st_mode & 0o777 == 0o777 & ~mask  # not mkdtemp's 0700
+
+
+def test_a_resumed_export_best_into_another_folder_is_refused(job, tmp_path):
+    """--export-best resumed with another --export than the run's before printed 'exported to' that folder and never
+    wrote it (the best model so far lives in the first folder; an executor audit)."""
+    from ptplan.executor.training.loop import run_training as train
+
+    model, data = job["model"], job["data"]
+    first = job["cfg"](checkpoint_dir=str(tmp_path / "ck"), log=str(tmp_path / "run.jsonl"), epochs=1,
+                       export=str(tmp_path / "e1"), export_best=True, eval_data=job["cfg"]().data)
+
+    def run(cfg):
+        def worker(rank, world):
+            train(cfg, job["plan"], model, data, eval_dataset=data)
+        return run_world(2, worker, tmpdir=str(tmp_path), timeout_s=30, deadline_s=120)
+
+    res = run(first)
+    assert res.ok, res.explain()
+    assert (tmp_path / "e1" / "config.json").is_file()
+    res = run(dataclasses.replace(first, epochs=2, resume=True, export=str(tmp_path / "e2")))
+    assert not res.ok and all("--export-best: the best model so far (step 4) was exported before the resume, and "
+                              f"--export {tmp_path / 'e2'} does not hold it" in e for e in res.errors), res.errors
+    res = run(dataclasses.replace(first, epochs=2, resume=True))
+    assert res.ok, res.explain()
 
 
 def test_two_label_names_reach_the_exported_config(tmp_path):

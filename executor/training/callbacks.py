@@ -324,10 +324,18 @@ class Evaluation(Callback):
 
     def on_start(self, ctx: RunContext) -> None:
         """On a resume at a step that ``eval_every`` evaluated (before its checkpoint), that evaluation is in
-        the log already: the epoch's end at the same step does not run it again."""
+        the log already: the epoch's end at the same step does not run it again. A resume with --export-best whose
+        best model so far is not in --export (another folder than the run's before) is refused on every rank: no
+        later evaluation may beat it, and the run would say it exported a folder it never wrote."""
         step, every = ctx.pos.global_step, ctx.cfg.eval_every
         if ctx.resuming and every and step and step % every == 0:
             self.at.append(step)
+        cfg, best = ctx.cfg, ctx.pos.best_eval
+        if ctx.resuming and cfg.export_best and best and cfg.export:
+            missing = dist.get_rank() == 0 and not os.path.isfile(os.path.join(cfg.export, "config.json"))
+            agree(f"--export-best: the best model so far (step {int(best[-1])}) was exported before the resume, and "
+                  f"--export {cfg.export} does not hold it; resume with the --export folder the run used before"
+                  if missing else None)
 
     def after_step(self, ctx: RunContext) -> None:
         if ctx.cfg.eval_every and ctx.pos.global_step % ctx.cfg.eval_every == 0:
