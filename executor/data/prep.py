@@ -427,21 +427,9 @@ def _class_labels(table: Table, name: str, label_column: str, label_map: str
     return names, labels, _tiny_classes(labels, names, name, label_column)
 
 
-def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_len: int, out: str | os.PathLike,
-                 text_column: str = "text", label_column: str = "label", label_map: str = "auto",
-                 task: str | None = None, split: float = 0.0, eval_out: str | os.PathLike | None = None,
-                 seed: int = 0) -> Prepared:
-    """Tokenize ``src`` (.csv/.jsonl) with the folder ``tokenizer``'s tokenizer into ``out`` (and, with
-    ``split`` > 0, that share of the rows, stratified by class, into ``eval_out``), padded or cut to
-    ``seq_len`` tokens. ``task`` None: from the folder (``default_task``). Each label is classed by
-    ``label_key`` (numbers by value: 1, 1.0 and "1" are one class, in a CSV and a JSONL file alike; lists,
-    objects, blanks and NaN are refused) and the classes map to 0..C-1 by ``label_map``: ``auto`` (the
-    distinct labels, numbers in numeric order, else sorted) or a file (``read_label_map``); a label outside a
-    given map is refused. Empty texts, the text column as the label column and a --seed outside 0..2**32-1
-    are refused. Raises PtplanError before writing anything."""
-    import torch
-
-    task = task or default_task(tokenizer)
+def _check_options(task: str, seq_len: int, split: float, eval_out: str | os.PathLike | None, seed: int,
+                   text_column: str, label_column: str) -> None:
+    """``prepare_data``'s options on their own, before any file is read."""
     if task not in TASKS:
         raise PtplanError(f"unknown --task {task!r}; use one of {', '.join(TASKS)}")
     if not isinstance(seq_len, int) or seq_len < 2:
@@ -457,6 +445,38 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
         raise PtplanError(f"--text-column and --label-column are both {text_column!r}: every text would be its own "
                           f"class; name the label column with --label-column NAME (or --task causal-lm for text "
                           f"without labels)")
+
+
+def _padding_tokenizer(tokenizer: str | os.PathLike, seq_len: int, texts: int) -> Any:
+    """The folder's tokenizer, checked against ``seq_len``, padding on the right (with its end token where it has
+    no padding token, as decoder-only models do: padding is masked out anyway)."""
+    tok = _load_tokenizer(tokenizer)
+    check_seq_len(seq_len, tok, tokenizer, texts)
+    if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise PtplanError(f"--tokenizer {tokenizer}: the tokenizer has neither a padding nor an end token; "
+                              f"add a pad_token to its tokenizer_config.json")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    return tok
+
+
+def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_len: int, out: str | os.PathLike,
+                 text_column: str = "text", label_column: str = "label", label_map: str = "auto",
+                 task: str | None = None, split: float = 0.0, eval_out: str | os.PathLike | None = None,
+                 seed: int = 0) -> Prepared:
+    """Tokenize ``src`` (.csv/.jsonl) with the folder ``tokenizer``'s tokenizer into ``out`` (and, with
+    ``split`` > 0, that share of the rows, stratified by class, into ``eval_out``), padded or cut to
+    ``seq_len`` tokens. ``task`` None: from the folder (``default_task``). Each label is classed by
+    ``label_key`` (numbers by value: 1, 1.0 and "1" are one class, in a CSV and a JSONL file alike; lists,
+    objects, blanks and NaN are refused) and the classes map to 0..C-1 by ``label_map``: ``auto`` (the
+    distinct labels, numbers in numeric order, else sorted) or a file (``read_label_map``); a label outside a
+    given map is refused. Empty texts, the text column as the label column and a --seed outside 0..2**32-1
+    are refused. Raises PtplanError before writing anything."""
+    import torch
+
+    task = task or default_task(tokenizer)
+    _check_options(task, seq_len, split, eval_out, seed, text_column, label_column)
     name = os.fspath(src)
     table = read_table(src)
     texts = _column(table.rows, text_column, "text", table.columns, name, "pass --text-column NAME")
@@ -469,14 +489,7 @@ def prepare_data(src: str | os.PathLike, *, tokenizer: str | os.PathLike, seq_le
     notes: list[str] = []
     if task == "classification":
         names, labels, notes = _class_labels(table, name, label_column, label_map)
-    tok = _load_tokenizer(tokenizer)
-    check_seq_len(seq_len, tok, tokenizer, len(texts))
-    if tok.pad_token_id is None:
-        if tok.eos_token is None:
-            raise PtplanError(f"--tokenizer {tokenizer}: the tokenizer has neither a padding nor an end token; "
-                              f"add a pad_token to its tokenizer_config.json")
-        tok.pad_token = tok.eos_token  # usual for decoder-only models: padding is masked out anyway
-    tok.padding_side = "right"
+    tok = _padding_tokenizer(tokenizer, seq_len, len(texts))
     full = tok(texts, truncation=False, add_special_tokens=True)["input_ids"]
     special = tok.num_special_tokens_to_add(pair=False)
     empty = [line for line, t, ids_ in zip(table.lines, texts, full) if not t.strip() or len(ids_) <= special]
