@@ -278,3 +278,16 @@ def test_run_one_node_resume_continues_the_latest_run_folder(plan_file, tmp_path
     assert "resuming runs/20260102-000000" in r.stderr
     assert "runs/20260102-000000/ckpt/checkpoint.pt; run without --resume" in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path / "runs")) == ["20260101-000000", "20260102-000000"]  # no new folder
+
+
+def test_another_label_count_than_the_profiles_is_named(tmp_path):
+    """`ptplan run k2.json --num-labels 5` said "pass --model bert-tiny" though bert-tiny was the model (a CLI
+    audit): the message now names the first layer that differs (the head) and the fix for the same model."""
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--cluster", "cpu:2", "-K", "2", "--epochs", "2",
+                                 "--samples-per-epoch", "256", "--batch", "32", "--out", str(tmp_path / "k2.json"),
+                                 "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["run", str(tmp_path / "k2.json"), "--num-labels", "5", "--dry-run"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+    assert "first difference: layer 10 (head): 130 parameters in the profile, 325 in the model" in r.output
+    assert "run bert-tiny as it was profiled (the same --num-labels" in r.output and "pass --model" not in r.output

@@ -4,6 +4,8 @@ Every failure is a PtplanError with the numbers and the fix (the CLI prints it a
 """
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 from torch import nn
@@ -89,13 +91,39 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"{world_size} GPUs with `ptplan plan`")
 
 
+def _first_difference(plan: Plan, model: nn.Module) -> str:
+    """Where the model first differs from the plan's profile, layer by layer (name, kind, block, parameters), when
+    the profile file is at hand (``inputs.profile.path``): e.g. the head of another label count. '' otherwise."""
+    from ptplan.planner.profile import load_profile
+
+    path = plan.inputs.profile.path
+    if not path or not os.path.isfile(path):
+        return ""
+    try:
+        layers = load_profile(path).layers
+    except PtplanError:
+        return ""
+    for rec, layer, spec in zip(layers, model.layers, model.specs):
+        n = sum(p.numel() for p in layer.parameters())
+        if (rec.name, rec.kind, rec.block, rec.params) != (spec.name, spec.kind, spec.block, n):
+            what = f"layer {rec.index} ({rec.name}): {rec.params:,} parameters in the profile, {n:,} in the model"
+            if (rec.name, rec.kind) != (spec.name, spec.kind):
+                what = f"layer {rec.index} is {rec.name} ({rec.kind}) in the profile, {spec.name} ({spec.kind}) here"
+            head = " -- the head: another --num-labels than the profile's?" if spec.kind == "head" else ""
+            return f"; first difference: {what}{head}"
+    return ""
+
+
 def check_model(plan: Plan, model: nn.Module) -> None:
     prof = plan.inputs.profile
     have = dict(model=model.name, num_layers=len(model.layers), num_blocks=model.num_blocks,
                 granularity=model.granularity)
     desc = (f"{model.name} ({model.num_blocks} blocks, {len(model.layers)} layers at {model.granularity} "
             f"granularity)")
-    fix = f"pass --model {prof.model} or make a plan for {model.name} (`ptplan profile` then `ptplan plan`)"
+    fix = (f"pass --model {prof.model} or make a plan for {model.name} (`ptplan profile` then `ptplan plan`)"
+           if model.name != prof.model else
+           f"run {model.name} as it was profiled (the same --num-labels, --weights config and image size), or profile "
+           f"it as it is and plan again (`ptplan profile` then `ptplan plan`)")
     for key, value in have.items():
         if getattr(prof, key) != value:
             raise PtplanError(f"the plan is for {prof.model} ({prof.num_blocks} blocks, {prof.num_layers} layers at "
@@ -105,7 +133,7 @@ def check_model(plan: Plan, model: nn.Module) -> None:
     if fp and fp != model_fingerprint(model):
         raise PtplanError(f"the plan's profile fingerprint {fp} does not match {desc} (fingerprint "
                           f"{model_fingerprint(model)}: layer names, kinds or parameter counts differ, e.g. another "
-                          f"--weights config, image size or label count); {fix}")
+                          f"--weights config, image size or label count){_first_difference(plan, model)}; {fix}")
     L = model.num_blocks
     for i, ph in enumerate(plan.phases):
         if ph.frozen_blocks > L:
