@@ -39,6 +39,9 @@ PLAN_RULES: list[Rule] = [
      "lists frozen blocks for --freeze manual; leave it out or use --freeze manual"),
     ("freeze_every", lambda p: p["freeze_policy"] == "none",
      "sets when layers freeze, but --freeze none never freezes any: leave it out or choose a freeze policy"),
+    ("cache", lambda p: p["freeze_policy"] == "none" and p.get("cache") == "on",
+     "on caches the frozen prefix's outputs, but --freeze none never freezes a layer: leave it out or choose a "
+     "freeze policy"),
 ]
 """``ptplan plan`` and ``ptplan ablate`` (the shared options)."""
 

@@ -498,3 +498,14 @@ def test_a_pin_no_phase_can_take_is_refused_before_the_search(tmp_path, args, me
                                  str(tmp_path / "p.json"), "--quiet"])
     assert r.exit_code == 2 and message in r.output and r.output.count("\n") == 1, r.output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_cache_on_with_freeze_none_is_refused(tmp_path):
+    """--cache on caches the frozen prefix; with --freeze none there is none (a CLI audit: accepted, no note)."""
+    args = ["plan", "bert-tiny", "--cluster", "cpu:2", "--freeze", "none", "--out", str(tmp_path / "p.json")]
+    r = CliRunner().invoke(cli, args + ["--cache", "on"])
+    assert r.exit_code == 2 and "--cache on caches the frozen prefix's outputs, but --freeze none never freezes" \
+        in r.output, r.output
+    assert not (tmp_path / "p.json").exists()
+    r = CliRunner().invoke(cli, args + ["--cache", "off", "--quiet"])
+    assert r.exit_code == 0, r.output
