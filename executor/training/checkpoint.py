@@ -20,6 +20,25 @@ Contents (``torch.save`` of a dict; read back with ``weights_only=True``)::
     optim        {parameter name: {state key: tensor}}  (active parameters only)
     position     {epoch, step_in_epoch, cursor, global_step, frozen_blocks, decided_T, norm_sum, norm_count}
     rng          [per-rank torch RNG states]
+    checksums    "zip-crc32" (optional: files written before it lack it and are read unchecked)
+
+Integrity: ``torch.save`` writes a zip archive, one record per tensor storage plus the pickle, and stores each
+record's CRC-32 in it (``save_checkpoint`` turns torch's CRC option on for its write and says so in
+``checksums``): the checksums live inside the one file that is renamed into place, so the atomic write needs
+no second file. ``verify_records`` recomputes them: the launcher's look before launch checks every record
+(``load_checkpoint``'s default); in the workers the ranks that read the file split its records
+(``resume.find_checkpoint``), so each record is checked once whatever the number of ranks. A record whose bytes
+changed after the save (flipped bytes on disk, a bad copy) is one PtplanError naming the file and the record.
+
+Cost, measured on this shared 2-core box (load average 1.8, the file in the page cache): 0.17-0.23 s to check a
+524 MB checkpoint (125 float32 tensors of 1024x1024), about 3 GB/s -- small next to reading the file from a disk
+at all, and split between the readers in the workers. Measured with::
+
+    python -c "import time, torch; from ptplan.executor.training import checkpoint as c;
+    torch.save({f'w{i}': torch.randn(1024, 1024) for i in range(125)}, '/tmp/big.pt');
+    t = time.perf_counter(); c.verify_records('/tmp/big.pt', c.CHECKSUMS); print(time.perf_counter() - t)"
+
+(streaming ``zlib.crc32`` over the same file: 0.15-0.19 s; ``hashlib.blake2b`` 0.58 s; ``sha256`` 0.33 s).
 
 A checkpoint resumes only the run it came from: the same plan (``plan_id``), model, optimizer, world
 size, data size, seed, order and freeze cadence; anything else is refused with what differs.
@@ -30,6 +49,7 @@ import errno
 import hashlib
 import json
 import os
+import zipfile
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +68,9 @@ _POSITION = ("epoch", "step_in_epoch", "cursor", "global_step", "frozen_blocks",
              "norm_count")
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """The errnos of a write that ran out of space."""
+CHECKSUMS = "zip-crc32"
+"""The ``checksums`` field of a checkpoint whose archive records carry their CRC-32 (``verify_records``)."""
+FIX = "delete it (or restore a good copy) and start without --resume"
 
 
 def checkpoint_path(folder: str | os.PathLike) -> str:
@@ -86,9 +109,11 @@ def save_checkpoint(folder: str | os.PathLike, payload: dict[str, Any]) -> str:
     sweep([os.fspath(folder)])
     path = checkpoint_path(folder)
     tmp = f"{path}.tmp.{owner_tag()}"
+    crc = torch.serialization.get_crc32_options()
     try:
+        torch.serialization.set_crc32_options(True)  # the records' CRC-32s ``verify_records`` checks (torch's default)
         with open(tmp, "wb") as f:
-            torch.save({"version": VERSION, **payload}, f)
+            torch.save({"version": VERSION, "checksums": CHECKSUMS, **payload}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -105,6 +130,8 @@ def save_checkpoint(folder: str | os.PathLike, payload: dict[str, Any]) -> str:
                               f"was removed and the previous checkpoint, if any, is kept. Free space or pass "
                               f"another --checkpoint-dir, then resume with --resume") from None
         raise
+    finally:
+        torch.serialization.set_crc32_options(crc)
     return path
 
 
@@ -130,16 +157,19 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def load_checkpoint(folder: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(folder: str | os.PathLike, *, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     """Read and check ``folder/checkpoint.pt``: one PtplanError for a missing, empty, truncated, garbage or
     older-version file, or one whose fields are not what ``save_checkpoint`` writes.
 
-    ``mmap``: map the tensors instead of reading them (cheap: to look at the position only).
+    ``mmap``: map the tensors instead of reading them (cheap: to look at the position only). ``verify``: also
+    check every record's CRC-32 (``verify_records``; a file without ``checksums`` is not checked): the
+    launcher's look before launch. The workers pass False and split the records between the ranks that read
+    the file (``resume.find_checkpoint``).
     """
     path = checkpoint_path(folder)
     if not os.path.exists(path):
         raise PtplanError(f"no checkpoint at {path}; run without --resume to start from scratch")
-    fix = "delete it (or restore a good copy) and start without --resume"
+    fix = FIX
     size = os.path.getsize(path)
     if size == 0:
         raise PtplanError(f"checkpoint {path} is empty (0 bytes): a write that never finished; {fix}")
@@ -162,7 +192,34 @@ def load_checkpoint(folder: str | os.PathLike, *, mmap: bool = False) -> dict[st
     if missing or len(data["rng"]) != data["world_size"]:
         raise PtplanError(f"checkpoint {path}: its position lacks {missing} or its RNG states do not match its "
                           f"world size; {fix}")
+    if verify:
+        verify_records(path, data.get("checksums"))
     return data
+
+
+def verify_records(path: str, checksums: Any, share: tuple[int, int] = (0, 1)) -> None:
+    """Check the CRC-32 of the archive records of checkpoint ``path`` (``checksums``: its field of that name) that
+    are this caller's ``share`` = (k, n): records k, k+n, k+2n, ... in the archive's order (n ranks together check
+    each record once). One PtplanError naming the file and the first damaged record; nothing is checked for a
+    checkpoint written before checksums (no ``checksums`` field)."""
+    if checksums != CHECKSUMS:
+        return
+    k, n = share
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist()[k::n]:
+                try:
+                    with z.open(info) as f:
+                        while f.read(1 << 20):
+                            pass
+                except (zipfile.BadZipFile, EOFError, ValueError) as e:  # "Bad CRC-32 for file ...", a torn record
+                    end = info.header_offset + info.compress_size
+                    raise PtplanError(f"checkpoint {path} is damaged: its record {info.filename} (about bytes "
+                                      f"{info.header_offset}-{end}) does not match the CRC-32 written with it "
+                                      f"({' '.join(str(e).split())[:120] or type(e).__name__}); its bytes changed "
+                                      f"after the save; {FIX}") from None
+    except (zipfile.BadZipFile, OSError) as e:
+        raise PtplanError(f"checkpoint {path} cannot be checked: {type(e).__name__}: {e}; {FIX}") from None
 
 
 def mismatches(data: dict[str, Any], *, plan: Plan, model_name: str, optimizer: str, world_size: int,

@@ -107,14 +107,15 @@ def _my_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run:
     if not (cfg.checkpoint_dir and os.path.exists(ckpt.checkpoint_path(cfg.checkpoint_dir))):
         return None
     try:
-        data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
+        data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True, verify=False)  # its CRCs: ``find_checkpoint``
         problems = ckpt.mismatches(data, plan=plan, model_name=model_name, optimizer=cfg.optimizer,
                                    world_size=world, run=run)
         if problems:
             raise _cannot_resume(cfg, problems, "; resume with the plan and settings it was written with, or "
                                                 "start without --resume (and another --checkpoint-dir)")
         return {"step": int(data["position"]["global_step"]),
-                "frozen_blocks": int(data["position"]["frozen_blocks"]), "id": data.get("id")}
+                "frozen_blocks": int(data["position"]["frozen_blocks"]), "id": data.get("id"),
+                "checksums": data.get("checksums")}
     except PtplanError as e:
         return {"error": str(e)}
 
@@ -132,7 +133,9 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
     a torchrun restart: TORCHELASTIC_RESTART_COUNT > 0), the source is the newest usable checkpoint
     (lowest rank on a tie), whichever node holds it. None: start from scratch (no rank asked, or a
     restart before the first checkpoint). Raises the same PtplanError on every rank when ``--resume``
-    finds no usable checkpoint on any rank.
+    finds no usable checkpoint on any rank, or when the source's file is damaged: the ranks that read it split
+    its records and check their CRC-32s (``checkpoint.verify_records``), each record once whatever the number
+    of ranks, before any rank builds its model.
     """
     cfg = cfg.resolved(plan)  # the optimizer a checkpoint is checked against (``plan``: the plan's)
     if cfg.checkpoint_format == "sharded":  # a sharded checkpoint first (any plan of the profile), else a file
@@ -152,7 +155,9 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
         step, src = min(usable)
         m = got[src][2]
         readers = {r for r, (_, _, o) in enumerate(got) if o and m["id"] is not None and o.get("id") == m["id"]}
-        return Source(rank=src, step=-step, frozen_blocks=m["frozen_blocks"], readers=frozenset(readers | {src}))
+        source = Source(rank=src, step=-step, frozen_blocks=m["frozen_blocks"], readers=frozenset(readers | {src}))
+        _check_records(cfg, source, got[dist.get_rank()][2])
+        return source
     errors = [(r, m["error"]) for r, (_, _, m) in enumerate(got) if m and "error" in m]
     if errors:
         err = PtplanError(errors[0][1])
@@ -165,6 +170,20 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
     return None
 
 
+def _check_records(cfg: RunConfig, source: Source, mine: dict[str, Any] | None) -> None:
+    """The source file's records, each CRC-checked by one of its readers (``mine``: this rank's own checkpoint as
+    ``_my_checkpoint`` saw it); every rank raises the first problem (collective)."""
+    problem = None
+    readers = sorted(source.readers)
+    if cfg.checkpoint_dir and mine is not None and dist.get_rank() in readers:
+        try:
+            ckpt.verify_records(ckpt.checkpoint_path(cfg.checkpoint_dir), mine.get("checksums"),
+                                share=(readers.index(dist.get_rank()), len(readers)))
+        except PtplanError as e:
+            problem = str(e)
+    agree(problem)
+
+
 def _open_source(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: Source, run: dict[str, Any]
                  ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(this rank's mapped checkpoint when it is a reader, else None; the source's position and RNG states),
@@ -174,7 +193,7 @@ def _open_source(cfg: RunConfig, plan: Plan, rt: ElasticRuntime, source: Source,
     if rt.rank in source.readers:
         assert cfg.checkpoint_dir is not None, "a reader of the source checkpoint has its folder"
         try:
-            data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True)
+            data = ckpt.load_checkpoint(cfg.checkpoint_dir, mmap=True, verify=False)  # ``find_checkpoint`` did
             problems = ckpt.mismatches(data, plan=plan, model_name=rt.model.name, optimizer=cfg.optimizer,
                                        world_size=rt.world, run=run)
             if data["position"]["global_step"] != source.step:
