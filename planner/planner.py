@@ -332,7 +332,8 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
         need = max(p.predicted.cache_host_bytes_per_node for p in phases)
         out.append(PlanWarning(code="host-memory-unknown", message=(
             f"cluster {cluster.name} does not say how much host RAM a node has, so the AutoCache's need of up to "
-            f"{need / 2**30:,.1f} GiB per node was not checked; give host_memory_bytes in a cluster file")))
+            f"{need / 2**30:,.1f} GiB per node was not checked; give host_memory_bytes in a cluster file "
+            f"(--cluster FILE; its keys: docs/contracts.md, Cluster)")))
     return out
 
 
