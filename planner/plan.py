@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .cluster import Cluster, cluster_from_json
-from .config import SCHEDULES, TrainingConfig, epoch_order_problem, training_from_json
+from .config import SCHEDULES, TrainingConfig, training_from_json
 from .errors import PtplanError, SchemaError
 from .families import TOKEN_SLICE_FAMILIES
 from .freeze import FreezePolicy, freeze_from_json
@@ -617,66 +617,32 @@ def plan_from_json(obj: Any, source: str = "plan") -> Plan:
         raise SchemaError(source, "schema", f"is {schema!r}, expected {SCHEMA!r}",
                           "Re-create the plan with `ptplan plan` (plans from older versions do not load)")
     inputs = _inputs(top.obj_("inputs"))
-    why = epoch_order_problem(inputs.training.samples_per_epoch, inputs.cluster.gpus_per_node,
-                              inputs.cluster.host_memory_bytes)
-    if why is not None:
-        raise SchemaError(source, "inputs.training.samples_per_epoch", why)
     num_layers, num_blocks = inputs.profile.num_layers, inputs.profile.num_blocks
     seq_len, family = inputs.profile.seq_len, inputs.profile.family
     phases = [_phase(p, num_layers, seq_len, family) for p in top.objs("phases")]
-    if not phases:
-        raise SchemaError(source, "phases", "is empty: the plan has no phase", "Re-run `ptplan plan`")
-    world = phases[0].world
-    if world != inputs.cluster.world_size:
-        raise SchemaError(source, "phases[0]", f"uses K*D*tp = {world} ranks but the cluster has "
-                          f"{inputs.cluster.world_size}")
-    for i, ph in enumerate(phases):
-        if ph.world != world:
-            raise SchemaError(source, f"phases[{i}]", f"uses K*D*tp = {ph.K}*{ph.D}*{ph.tp} = {ph.world} ranks but phase 0 "
-                              f"uses {world}")
-        if ph.frozen_blocks > num_blocks:
-            raise SchemaError(source, f"phases[{i}].frozen_blocks", f"{ph.frozen_blocks} exceeds the model's "
-                              f"{num_blocks} blocks")
-    counts = [p.frozen_blocks for p in phases]
-    if len(set(counts)) != len(counts):
-        raise SchemaError(source, "phases", f"frozen_blocks values repeat: {counts}")
     steps: list[int] = top.ints("freeze_steps", min=0, max=num_blocks)
-    if not steps:
-        raise SchemaError(source, "freeze_steps", "is empty", "Re-run `ptplan plan`")
-    for T, c in enumerate(steps):
-        if c not in counts:
-            raise SchemaError(source, f"freeze_steps[{T}]", f"{c} frozen blocks has no phase (phases: {counts})")
-        if T and c < steps[T - 1]:
-            raise SchemaError(source, f"freeze_steps[{T}]", f"goes down from {steps[T - 1]} to {c}; frozen blocks "
-                              f"never thaw")
-    traj = []
-    for t in top.objs("trajectory"):
-        Fields(t.obj, t.what, t.path, allowed=_names(TrajectoryPoint))
-        pi = t.int("phase", min=0)
-        if pi >= len(phases):
-            raise SchemaError(source, f"{t.path}.phase", f"{pi} but the plan has {len(phases)} phases")
-        fb = t.int("frozen_blocks", min=0)
-        if phases[pi].frozen_blocks != fb:
-            raise SchemaError(source, f"{t.path}.frozen_blocks", f"is {fb} but phase {pi} has "
-                              f"{phases[pi].frozen_blocks}")
-        iters = t.int("iterations", min=0)
-        traj.append(TrajectoryPoint(epoch=t.int("epoch", min=0), step=t.int("step", min=0), frozen_blocks=fb,
-                                    phase=pi, iterations=iters, fill_iterations=t.int("fill_iterations", 0, min=0),
-                                    seconds=t.float("seconds", min=0)))
-        if traj[-1].fill_iterations > iters:
-            raise SchemaError(source, f"{t.path}.fill_iterations", f"{traj[-1].fill_iterations} exceeds the run's "
-                              f"{iters} iterations")
+    traj = [_trajectory_point(t) for t in top.objs("trajectory")]
     b = top.obj_("baseline", allowed=("phase", "seconds"))
     baseline = Baseline(phase=_phase(b.obj_("phase"), num_layers, seq_len, family), seconds=b.float("seconds", min=0))
     warnings = []
     for w in top.objs("warnings") if "warnings" in top.obj else []:
         Fields(w.obj, w.what, w.path, allowed=_names(PlanWarning))
         warnings.append(PlanWarning(code=w.str("code", choices=WARNING_CODES), message=w.str("message")))
-    from .plan_checks import check_phases
-
-    check_phases(source, phases, inputs.training, inputs.cluster)
-    return Plan(inputs=inputs, phases=tuple(phases), freeze_steps=tuple(steps), trajectory=tuple(traj),
+    plan = Plan(inputs=inputs, phases=tuple(phases), freeze_steps=tuple(steps), trajectory=tuple(traj),
                 totals=_totals(top.obj_("totals")), baseline=baseline, warnings=tuple(warnings))
+    from .plan_checks import check_plan
+
+    check_plan(source, plan)  # every relation between the fields, in one place
+    return plan
+
+
+def _trajectory_point(t: Fields) -> TrajectoryPoint:
+    """One trajectory entry, field by field (how it relates to the phases, epochs and freeze steps:
+    ``plan_checks.check_trajectory``)."""
+    Fields(t.obj, t.what, t.path, allowed=_names(TrajectoryPoint))
+    return TrajectoryPoint(epoch=t.int("epoch", min=0), step=t.int("step", min=0), phase=t.int("phase", min=0),
+                           frozen_blocks=t.int("frozen_blocks", min=0), iterations=t.int("iterations", min=0),
+                           fill_iterations=t.int("fill_iterations", 0, min=0), seconds=t.float("seconds", min=0))
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -93,10 +93,15 @@ _ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|F|B|W)(\d*
 
 def parse_action(text: str) -> Action:
     """The inverse of ``str(Action)``: ``"2F0"``, ``"1SEND_F3"``, ``"0ALLREDUCE"``, ``"2F0.1"``."""
-    m = _ACTION_RE.fullmatch(text.strip())
+    t = text.strip()
+    m = _ACTION_RE.fullmatch(t) if t.isascii() else None  # \d alone would take any script's digits
     if m is None:
-        raise ScheduleError(f"cannot parse action {text!r}: expected [stage][kind][micro-batch], e.g. 2F0, "
-                            f"1SEND_F3, 0ALLREDUCE; kinds: {_VALID_KINDS}")
+        stage = t[:len(t) - len(t.lstrip("0123456789"))]
+        why = ("it is empty" if not t else "it holds spaces: one action per token" if len(t.split()) > 1 else
+               "it is not plain ASCII" if not t.isascii() else "it does not start with a stage number" if not stage
+               else f"{t[len(stage):]!r} after stage {stage} is not a kind with its micro-batch")
+        raise ScheduleError(f"cannot parse action {text!r}: {why}; an action is [stage][kind][micro-batch][.slice], "
+                            f"e.g. 2F0, 1SEND_F3, 0ALLREDUCE, 2F0.1; kinds: {_VALID_KINDS}")
     stage, kind, mb, sl = m.groups()
     if kind == "ALLREDUCE":
         if mb or sl:
