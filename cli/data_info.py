@@ -12,7 +12,17 @@ def data_shape(path: str) -> tuple[int, int | None]:
     length is None for images."""
     if not os.path.isfile(path):
         raise PtplanError(f"--data {path}: no such file; give the .pt file `ptplan data` wrote")
-    if path.endswith(".npz"):
+    try:  # with the executor installed: the reader and checks ptplan run uses, so plan refuses what run refuses
+        from ptplan.executor.data.dataset import load_dataset
+    except ImportError:
+        load_dataset = None
+    if load_dataset is not None:
+        try:
+            ds = load_dataset(path)
+        except PtplanError as e:
+            raise PtplanError(f"--data {path}: {e}") from None
+        shape = tuple(ds.inputs.shape)
+    elif path.endswith(".npz"):
         import numpy as np
 
         with np.load(path) as z:

@@ -121,3 +121,24 @@ def test_run_takes_the_model_and_world_size_from_the_plan(minilm_dir, tmp_path):
                                                                      model="nreimers/MiniLM-L6-H384-uncased")))
     with pytest.raises(PtplanError, match="no-such-folder, which is gone.*pass --model NAME_OR_FOLDER"):
         model_from_plan(hub, str(tmp_path / "plan.json"))
+
+
+@pytest.mark.parametrize("case", ["labels-short", "random-bytes"])
+def test_plan_refuses_a_data_file_run_would_refuse(tmp_path, case):
+    """`ptplan plan --data` read only the inputs' shape: a file whose labels were fewer than its inputs planned at
+    exit 0 and `ptplan run` refused it (a CLI audit). plan now reads it with run's reader and checks."""
+    import os
+
+    import torch
+
+    bad = tmp_path / "bad.pt"
+    if case == "labels-short":
+        torch.save({"inputs": torch.randint(1, 1000, (64, 128)), "labels": torch.zeros(10, dtype=torch.long)}, bad)
+        want = "dataset tensors disagree on the number of samples: inputs (64, 128), labels (10,)"
+    else:
+        bad.write_bytes(os.urandom(4096))
+        want = "not a readable .pt file"
+    r = CliRunner().invoke(cli, ["plan", "bert-tiny", "--cluster", "cpu:2", "--data", str(bad), "--out",
+                                 str(tmp_path / "p.json")])
+    assert r.exit_code == 2 and want in r.output and r.output.count("\n") == 1, r.output
+    assert not (tmp_path / "p.json").exists()
