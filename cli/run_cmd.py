@@ -405,9 +405,11 @@ def _check_run_length(cfg, plan, samples: int) -> None:
                        f"{epochs} epochs of {per_epoch} steps", "leave it out (the plan's cadence)")
     most = epochs * (cfg.steps_per_epoch or samples // min(ph.global_batch for ph in plan.phases))
     if cfg.warmup_steps and cfg.warmup_steps >= most:
+        per = (f"--steps-per-epoch {cfg.steps_per_epoch}" if cfg.steps_per_epoch else
+               "the plan's smallest global batch")
         raise PtplanError(f"--warmup-steps {cfg.warmup_steps} is not shorter than the run ({most} steps at most: "
-                          f"{epochs} epochs of the plan's smallest global batch): the learning rate would never reach "
-                          f"its peak; give fewer warm-up steps")
+                          f"{epochs} epochs of {per}): the learning rate would never reach its peak; give fewer "
+                          f"warm-up steps")
 
 
 def _check_synthetic_epoch(cfg, plan, samples: int, nproc_per_node: int) -> None:

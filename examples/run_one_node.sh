@@ -13,7 +13,7 @@ PLAN=${PLAN:-plan.json}
 MODEL=${MODEL:-bert-base}
 NPROC=${NPROC:-4}
 if [[ -z "${OUT:-}" && " $* " == *" --resume "* ]]; then  # continue the latest run folder, not a new one
-  OUT=$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1)
+  OUT=$(ls -d runs/*/ 2>/dev/null | sort | tail -n 1 || true)
   OUT=${OUT%/}
   if [[ -z "$OUT" ]]; then echo "error: --resume but no run folder in runs/; give OUT=<the run's folder>" >&2; exit 2; fi
   echo "resuming $OUT" >&2

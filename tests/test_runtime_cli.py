@@ -278,6 +278,10 @@ def test_run_one_node_resume_continues_the_latest_run_folder(plan_file, tmp_path
     assert "resuming runs/20260102-000000" in r.stderr
     assert "runs/20260102-000000/ckpt/checkpoint.pt; run without --resume" in r.stderr, r.stderr
     assert sorted(os.listdir(tmp_path / "runs")) == ["20260101-000000", "20260102-000000"]  # no new folder
+    (tmp_path / "none").mkdir()  # no runs/ at all: the script's own message (set -o pipefail once hid it)
+    r = subprocess.run(["bash", str(script), "--resume", "--dry-run"], cwd=tmp_path / "none", env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--resume but no run folder in runs/; give OUT=" in r.stderr, r.stderr
 
 
 def test_another_label_count_than_the_profiles_is_named(tmp_path):
