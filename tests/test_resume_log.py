@@ -135,8 +135,8 @@ def test_one_job_writes_a_log_and_a_second_writer_is_refused_until_the_first_is_
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(PtplanError, match=rf"another process \(pid {holder.pid}\) is writing the run log "
-                                              rf".*run\.jsonl: two jobs on one --log"):
+        with pytest.raises(PtplanError, match=rf"another process \(host .*, pid {holder.pid}\) is writing the run "
+                                              rf"log .*run\.jsonl: two jobs on one --log"):
             RunLog(log, append=True)
     finally:
         holder.kill()
@@ -146,3 +146,24 @@ def test_one_job_writes_a_log_and_a_second_writer_is_refused_until_the_first_is_
         RunLog(log)
     mine.close()
     RunLog(log).close()
+    (tmp_path / "folder.jsonl").mkdir()  # a log that cannot be opened leaves no lock behind (a review found one)
+    with pytest.raises(PtplanError, match="cannot open the run log"):
+        RunLog(tmp_path / "folder.jsonl", append=True)
+    (tmp_path / "folder.jsonl").rmdir()
+    RunLog(tmp_path / "folder.jsonl", append=True).close()
+
+
+def test_a_writer_waits_for_a_lock_whose_holder_goes_away(tmp_path):
+    """A lost node's lock on a shared file system lasts until its lease ends: the training loop's writer waits
+    for it (``lock_wait_s``) instead of refusing at once. Here the holder exits after a second."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "run.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\n"
+                               "from ptplan.executor.training.runlog import RunLog\n"
+                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep(1)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    RunLog(log, lock_wait_s=60).close()  # got once the holder exited
+    assert holder.wait(timeout=60) == 0

@@ -198,12 +198,17 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
     # a resume into a log that does not exist yet (another --log) starts it with its header too
     fresh = rank == 0 and cfg.log is not None and (not os.path.exists(cfg.log) or os.path.getsize(cfg.log) == 0)
     try:  # rank 0 alone opens it (a resumed log at once): its refusal raised on every rank
-        log = RunLog(cfg.log if rank == 0 else None, append=source is not None)
+        log = RunLog(cfg.log if rank == 0 else None, append=source is not None,
+                     lock_wait_s=min(cfg.timeout_s, 120.0))
     except PtplanError as e:
         problem = str(e)
     except OSError as e:  # its folder cannot be made (the in-process API; ``ptplan run`` makes it first)
         problem = f"cannot open the run log {cfg.log}: {e.strerror or e}; give a --log path that can be written"
-    agree(problem)
+    try:
+        agree(problem)
+    except PtplanError:
+        log.close()  # another rank's refusal: let the log (and its lock) go with this run
+        raise
     log.defer = True  # from here rank 0 alone writing must not raise alone (``RunLog.defer``): the header, the
     # resume record, every step's, each raised on every rank by the next step's stop flag or the run's end
     ctx = RunContext(cfg=cfg, plan=plan, rt=rt, dataset=dataset, log=log, fs=fs, device=device, run_id=rid,

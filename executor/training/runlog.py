@@ -57,7 +57,7 @@ class RunLog:
     on the same --log and checkpoint folder: the two overwrote each other's log and checkpoints.
     """
 
-    def __init__(self, path: str | os.PathLike | None, *, append: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike | None, *, append: bool = False, lock_wait_s: float = 0.0) -> None:
         self.path = None if path is None else os.fspath(path)
         self._fd: int | None = None
         self._size = 0
@@ -68,11 +68,15 @@ class RunLog:
         d = os.path.dirname(self.path)
         if d:
             os.makedirs(d, exist_ok=True)
-        self._lock = _hold(self.path)
-        if append:
-            self._open(truncate=False)
-        else:
-            self._pending = []
+        self._lock = _hold(self.path, lock_wait_s)
+        try:
+            if append:
+                self._open(truncate=False)
+            else:
+                self._pending = []
+        except BaseException:
+            self.close()
+            raise
 
     def _open(self, *, truncate: bool) -> None:
         assert self.path is not None
@@ -180,31 +184,43 @@ def lock_path(log: str) -> str:
     return os.path.join(d, f".{name}.lock")
 
 
-def _hold(log: str) -> int | None:
-    """An exclusive lock on ``lock_path(log)``, held by the returned descriptor; PtplanError naming the holder's
-    pid when another process holds it. None where the file system has no locks (the log is then unguarded)."""
+def _hold(log: str, wait_s: float = 0.0) -> int | None:
+    """An exclusive lock on ``lock_path(log)``, held by the returned descriptor; PtplanError naming the holder
+    (host and pid) when another process still holds it after ``wait_s`` seconds (polled twice a second: on a
+    shared file system a lost node's lock lasts until its lease ends, about 90 s on NFS, so the training loop
+    waits for it, up to --timeout or 120 s). None where the file system has no locks (the log is unguarded)."""
+    import socket
+    import time
+
     path = lock_path(log)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
         raise PtplanError(f"cannot open the run log's lock file {path}: {e.strerror}; give a --log path that can "
                           f"be written") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise PtplanError(f"another process (pid {holder}) is writing the run log {log}: two jobs on one --log "
-                          f"would overwrite each other's records and checkpoints. A node that joins a running "
-                          f"elastic job can start a job of its own (torchrun 2.13's c10d rendezvous); start the "
-                          f"nodes together, or give this job its own --log and --checkpoint-dir") from None
-    except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            return None
-        raise
+            raise PtplanError(f"another process ({holder}) is writing the run log {log}: two jobs on one --log "
+                              f"would overwrite each other's records and checkpoints. A node that joins a running "
+                              f"elastic job can start a job of its own (torchrun 2.13's c10d rendezvous); start "
+                              f"the nodes together, or give this job its own --log and --checkpoint-dir (a lost "
+                              f"node's lock on a shared file system ends with its lease)") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return None
+            raise
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
     return fd
 
 
