@@ -14,9 +14,10 @@ def data_shape(path: str) -> tuple[int, int | None]:
         raise PtplanError(f"--data {path}: no such file; give the .pt file `ptplan data` wrote")
     try:  # with the executor installed: the reader and checks ptplan run uses, so plan refuses what run refuses
         from ptplan.executor.data.dataset import load_dataset
+        executor = True
     except ImportError:
-        load_dataset = None
-    if load_dataset is not None:
+        executor = False
+    if executor:
         try:
             ds = load_dataset(path)
         except PtplanError as e:
