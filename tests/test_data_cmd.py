@@ -291,3 +291,11 @@ def test_numerically_equal_labels_are_one_class_in_csv_and_jsonl(minilm_dir, tmp
              tmp_path / "twice.json")
     assert r.exit_code == 2 and "the label '1' names classes 0, 1" in r.output, r.output
     assert not (tmp_path / "t.pt").exists()
+
+
+def test_label_key_takes_ascii_numbers_and_never_overflows():
+    """A review: '1e9999999' raised decimal.Overflow (a traceback) and an Arabic-Indic '٣' became class '3'."""
+    from ptplan.executor.data.prep import label_key
+
+    assert label_key("1e9999999") == "1e9999999" and label_key("٣") == "٣" and label_key("3") == "3"
+    assert label_key("1e3") == label_key(1000) == label_key("1000.0") == "1000"

@@ -167,7 +167,7 @@ def default_task(tokenizer_dir: str | os.PathLike) -> str:
     return "causal-lm" if model_type in CAUSAL_MODEL_TYPES else "classification"
 
 
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 """A label that is a decimal number (``3``, ``-0.5``, ``1e3``): classed by its value."""
 _NOT_FINITE = ("nan", "inf", "infinity")
 """Labels (lower case, sign dropped) that are no class: a float NaN or infinity as Python's csv and json write it."""
@@ -205,9 +205,12 @@ def label_key(v: Any) -> str:
         return text
     if d.is_zero():
         return "0"
-    with decimal.localcontext() as ctx:
-        ctx.prec = len(text) + 1  # normalize rounds to the precision: keep every digit of a long integer label
-        d = d.normalize()
+    try:
+        with decimal.localcontext() as ctx:
+            ctx.prec = len(text) + 1  # normalize rounds to the precision: keep every digit of a long integer label
+            d = d.normalize()
+    except decimal.DecimalException:  # an exponent past the context's (1e9999999): the label is its text
+        return text
     return format(d, "f") if -30 < d.adjusted() < 30 else str(d)  # 1E+3 -> 1000, 1.50 -> 1.5; 1E+99 kept short
 
 
