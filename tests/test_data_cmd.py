@@ -299,3 +299,13 @@ def test_label_key_takes_ascii_numbers_and_never_overflows():
 
     assert label_key("1e9999999") == "1e9999999" and label_key("٣") == "٣" and label_key("3") == "3"
     assert label_key("1e3") == label_key(1000) == label_key("1000.0") == "1000"
+
+
+def test_a_class_is_named_as_the_file_first_writes_it(minilm_dir, tmp_path):
+    """Classed by value, named by the file's own spelling: zip codes keep their leading zero in the label names
+    (and so in an export's id2label); a review found them stored as "2134"."""
+    src = tmp_path / "zip.csv"
+    src.write_text("text,label\n" + "".join(f"text {i},{z}\n" for i, z in enumerate(["02134", "10001"] * 3)))
+    r = _run(src, "--tokenizer", minilm_dir, "--seq-len", 8, "--out", tmp_path / "z.pt")
+    assert r.exit_code == 0, r.output
+    assert torch.load(tmp_path / "z.pt", weights_only=True)["meta"]["label_names"] == ["02134", "10001"]

@@ -406,9 +406,11 @@ def _class_labels(table: Table, name: str, label_column: str, label_map: str
                      "pass --label-column NAME, or --task causal-lm for language-modelling text without labels")
     raw: list[str] = []
     bad: list[tuple[int, str]] = []
+    spelled: dict[str, str] = {}  # a class's name: its label as the file first writes it ("02134", not "2134")
     for line, v in zip(table.lines, values):
         try:
             raw.append(label_key(v))
+            spelled.setdefault(raw[-1], str(v).strip() if not isinstance(v, bool) else raw[-1])
         except NotALabel as e:
             bad.append((line, str(e)))
     if bad:
@@ -427,6 +429,8 @@ def _class_labels(table: Table, name: str, label_column: str, label_map: str
     labels = [ids[v] for v in raw]
     if len(names) < 2:
         raise PtplanError(f"{name}: every row has the label {names[0]!r}; classification needs two classes or more")
+    if label_map == "auto":
+        names = [spelled[n] for n in names]
     return names, labels, _tiny_classes(labels, names, name, label_column)
 
 
