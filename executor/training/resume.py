@@ -171,16 +171,23 @@ def find_checkpoint(cfg: RunConfig, plan: Plan, model_name: str, world: int, run
 
 
 def _check_records(cfg: RunConfig, source: Source, mine: dict[str, Any] | None) -> None:
-    """The source file's records, each CRC-checked by one of its readers (``mine``: this rank's own checkpoint as
-    ``_my_checkpoint`` saw it); every rank raises the first problem (collective)."""
+    """The source file's records, each CRC-checked by one of its readers on every node (a node's readers read its
+    own copy, so they share that copy's records; ``mine``: this rank's own checkpoint as ``_my_checkpoint`` saw
+    it); every rank raises the first problem (collective)."""
+    import socket
+
     problem = None
-    readers = sorted(source.readers)
-    if cfg.checkpoint_dir and mine is not None and dist.get_rank() in readers:
+    hosts = agree(None, socket.gethostname())  # each node reads its own copy: its readers share that copy's records
+    me = dist.get_rank()
+    readers = sorted(r for r in source.readers if hosts[r] == hosts[me])
+    if cfg.checkpoint_dir and mine is not None and me in readers:
         try:
             ckpt.verify_records(ckpt.checkpoint_path(cfg.checkpoint_dir), mine.get("checksums"),
-                                share=(readers.index(dist.get_rank()), len(readers)))
+                                share=(readers.index(me), len(readers)))
         except PtplanError as e:
             problem = str(e)
+        except Exception as e:  # noqa: BLE001 -- any failure here is every rank's, never one rank's hang
+            problem = f"cannot check {ckpt.checkpoint_path(cfg.checkpoint_dir)}: {type(e).__name__}: {e}"
     agree(problem)
 
 
