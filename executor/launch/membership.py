@@ -61,7 +61,7 @@ def _checkpoint_meta(cfg: RunConfig) -> dict[str, Any] | None:
     if not (cfg.checkpoint_dir and (cfg.resume or restarted) and os.path.exists(sharded.meta_path(cfg.checkpoint_dir))):
         return None
     try:
-        return sharded.read_meta(cfg.checkpoint_dir)
+        return sharded.read_meta(cfg.checkpoint_dir, files=False)  # its records; the resume checks the files
     except PtplanError:
         return None  # the resume itself names the problem
 

@@ -509,11 +509,12 @@ class ShardedSource(Source):
     folder: str = field(compare=False)
 
 
-def read_meta(folder: str | os.PathLike, *, checksums: bool | None = None) -> dict[str, Any]:
+def read_meta(folder: str | os.PathLike, *, checksums: bool | None = None, files: bool = True) -> dict[str, Any]:
     """``folder/sharded.json``, checked: one PtplanError for a damaged file, a missing DCP folder, or a save
     whose files are missing, truncated (``check_layout``) or, with ``checksums``, not as recorded
     (``checksum_problem``). ``checksums`` None: checked outside a process group (the launcher's look before
-    launch), not in a worker (``find`` splits them between the ranks)."""
+    launch), not in a worker (``find`` splits them between the ranks). ``files`` False: the pointer alone, for a
+    reader of its records that does not resume from it (``membership``: the resume checks the files)."""
     path = meta_path(folder)
     fix = "delete it (or restore a good copy) and start without --resume"
     try:
@@ -526,6 +527,8 @@ def read_meta(folder: str | os.PathLike, *, checksums: bool | None = None) -> di
     data = os.path.join(os.fspath(folder), str(meta.get("folder")))
     if not os.path.exists(os.path.join(data, MD)):
         raise PtplanError(f"sharded checkpoint {path} names {data}, which holds no DCP .metadata; {fix}")
+    if not files:
+        return meta
     check_layout(data)
     if checksums is None:
         checksums = not (dist.is_available() and dist.is_initialized())
