@@ -233,7 +233,7 @@ def _match_cache(plan: Plan, log: RunLog, fix: str) -> None:
     each its own plan's)."""
     if log.memberships:
         return
-    want = [i for i, p in enumerate(plan.phases) if p.cache and p.frozen_layers > 0]
+    want = plan.caching_phases()
     layers = sorted({plan.phases[i].frozen_layers for i in want})
     for r in log.records:
         if r.type == "cache_setup" and (r.fields["phases"] != want or r.fields["frozen_layers"] != layers):
@@ -304,8 +304,8 @@ def model_mismatches(plan: Plan, log: RunLog, segments: Segments | None = None) 
         out.append(f"the AutoCache stored {setup['dtype']} rows ({setup['need_bytes']:,} bytes per node) where the "
                    f"plan priced {want}, its profile's dtype ({setup['plan_bytes_per_node']:,} bytes with the frozen "
                    f"weights; the run's same sum: {setup.get('host_bytes_per_node') or 'not logged'})")
-    caching = sorted({s.phase for s in log.steps if 0 <= s.phase < len(plan.phases) and plan.phases[s.phase].cache
-                      and plan.phases[s.phase].frozen_layers > 0})
+    caching = sorted({s.phase for s in log.steps if 0 <= s.phase < len(plan.phases)
+                      and plan.phases[s.phase].caches_prefix})
     served = setup or any(r.type == "cache" for r in log.records) or any(s.cache_hits is not None for s in log.steps)
     if caching and not served and not log.memberships:
         out.append(f"the plan caches the frozen prefix in phases {caching}, which the run reached, but the run set up "

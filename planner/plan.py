@@ -233,6 +233,11 @@ class Phase:
         return "·".join(parts) or "dp"
 
     @property
+    def caches_prefix(self) -> bool:
+        """The AutoCache serves this phase's frozen prefix: the plan caches it and there is one."""
+        return self.cache and self.frozen_layers > 0
+
+    @property
     def strategy_label(self) -> str:
         """Short text of the strategy, e.g. ``tp2·fsdp·rc``; ``dp`` for plain data parallel. A phase whose
         stages differ lists them in stage order, runs of equal stages as ``×n``: ``tp2 · stages
@@ -374,6 +379,10 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.phases[0].world
+
+    def caching_phases(self) -> list[int]:
+        """Indices of the phases whose frozen prefix the AutoCache serves (``Phase.caches_prefix``)."""
+        return [i for i, ph in enumerate(self.phases) if ph.caches_prefix]
 
     def phase_index(self, frozen_blocks: int) -> int:
         """Index of the phase for a frozen-block count (every count that can occur has one)."""

@@ -67,7 +67,7 @@ def caching_phases(plan: Plan, cfg: RunConfig) -> list[int]:
     """Indices of the phases whose frozen prefix this run caches (none with ``--cache off``)."""
     if cfg.cache == "off":
         return []
-    return [i for i, ph in enumerate(plan.phases) if ph.cache and ph.frozen_layers > 0]
+    return plan.caching_phases()
 
 
 def budget_for(num_samples: int, sample_shape: tuple[int, ...], dtype: torch.dtype,
@@ -132,7 +132,7 @@ class RunCache:
 
     def epoch_end(self, phase: Phase, epoch: int, step: int) -> CacheRecord:
         """Evict rows below this phase's count if it caches; the ``cache`` record (collective)."""
-        if self.creator and phase.cache and phase.frozen_layers > 0:
+        if self.creator and phase.caches_prefix:
             self.cache.evict_below(phase.frozen_layers)
         s = self.cache.stats()
         vals = [getattr(s, k) for k in COUNTERS] + [getattr(s, k) if self.creator else 0 for k in NODE_USAGE]
@@ -190,7 +190,7 @@ def setup_cache(cfg: RunConfig, plan: Plan, model: nn.Module, dataset: Dataset, 
     ``model``, which must then hold every layer."""
     phases = caching_phases(plan, cfg)
     if not phases:
-        if cfg.cache == "off" and any(ph.cache and ph.frozen_layers for ph in plan.phases) and dist.get_rank() == 0:
+        if cfg.cache == "off" and plan.caching_phases() and dist.get_rank() == 0:
             print("ptplan run: note: --cache off: the frozen prefix is recomputed in the phases where the plan "
                   "caches it (same results, slower stage 0)", flush=True)
         return None

@@ -341,7 +341,7 @@ class ElasticRuntime(PhaseState):
 
     def _caches(self, ph: Phase) -> bool:
         """Whether stage 0 of ``ph`` reads the frozen prefix's output from the cache."""
-        return self.cache is not None and ph.cache and ph.frozen_layers > 0
+        return self.cache is not None and ph.caches_prefix
 
     def train_step(self, batch: tuple[Tensor, Tensor, Tensor | None], *, want_norms: bool,
                    ids: Tensor | None = None) -> tuple[float, list[float]]:
