@@ -350,7 +350,7 @@ def check_before_launch(cfg, rdzv, *, worker_log: str | None = None) -> Any:
     if cfg.eval_data is not None and not os.path.exists(cfg.eval_data):
         raise PtplanError(f"--eval-data {cfg.eval_data}: no such file; pass a .pt/.npz file in the --data format")
     model = build_for_plan(plan, cfg, layers=[])  # the module tree only: no weights in the launcher (issue 10)
-    check_model(plan, model)
+    check_model(plan, model, cfg.plan)
     FreezeSchedule(plan, cfg.freeze, num_blocks=model.num_blocks, every=cfg.freeze_every, alpha=cfg.alpha)
     note = None
     if data_file is not None:

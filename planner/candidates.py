@@ -17,13 +17,18 @@ if TYPE_CHECKING:
     from .search import PhaseSearch
 
 
+def valid_lengths(world: int, layers: int) -> list[int]:
+    """The pipeline lengths K a phase can take: a divisor of the GPUs (equal pipelines) of at most its layers."""
+    return [k for k in divisors(world) if k <= layers]
+
+
 def check_pins(cfg: TrainingConfig, world: int, layers: int) -> None:
     """Refuse a pinned K or M that no phase can take, before any search (``PhaseSearch``): K must divide the GPUs
     and be at most the model's layers; M must divide some pipeline's batch (the global batch over a data-parallel
     width that divides the GPUs, or the per-pipeline batch). A pin some phases cannot take is theirs to drop
     (``pipeline_lengths``; the M rule in ``enumerate_candidates``), with a note."""
     if cfg.pin_K is not None:
-        ks = [k for k in divisors(world) if k <= layers]
+        ks = valid_lengths(world, layers)
         if cfg.pin_K not in ks:
             raise PtplanError(f"-K {cfg.pin_K} fits no phase: a pipeline length must divide the {world} GPUs and be "
                               f"at most the model's {layers} layers; valid: {', '.join(map(str, ks))}")
@@ -40,7 +45,7 @@ def check_pins(cfg: TrainingConfig, world: int, layers: int) -> None:
 
 def pipeline_lengths(search: PhaseSearch, f: int, n_active: int, *, free: bool) -> tuple[list[int], list[str]]:
     """Pipeline lengths to try, and notes when a pinned K cannot be used here."""
-    ks = [k for k in divisors(search.W) if k <= n_active]
+    ks = valid_lengths(search.W, n_active)
     cfg = search.cfg
     if cfg.pin_K is not None and not free:
         if cfg.pin_K in ks:

@@ -258,12 +258,13 @@ def _keep_last(records: list[Record]) -> list[Record]:
     return out[::-1]
 
 
-def read_run_log(path: str | os.PathLike) -> RunLog:
+def read_run_log(path: str | os.PathLike, *, require_steps: bool = True) -> RunLog:
     """Read and check ``run.jsonl``; errors name the line and the field. A torn last line is left out
     (with a warning in ``RunLog.warnings``). A ``resume`` record at step s replaces what the log holds
     from step s on (steps, transitions, freeze decisions, cache, eval and export records; ``_replay``): the
     resumed run writes them again (``RunLog.resumes`` says where and how many steps it replaced). A record the
-    resumed run writes again at step s (an epoch's end) replaces the first run's (``_keep_last``)."""
+    resumed run writes again at step s (an epoch's end) replaces the first run's (``_keep_last``). ``require_steps``
+    False: a log with no step yet reads (a run resumed at its last step; the export's model card)."""
     p = os.fspath(path)
     try:
         with open(p, encoding="utf-8", errors="replace") as fh:
@@ -310,7 +311,7 @@ def read_run_log(path: str | os.PathLike) -> RunLog:
                 raise SchemaError(f"run log {p}", f"line {r.line}.memory.per_rank", f"has {len(rows)} entries but the "
                                   f"run's world has {world} ranks (header.world_size or the last membership's)")
             steps[f["step"]] = Step(**f)
-    if not steps:
+    if not steps and require_steps:
         raise PtplanError(f"run log {p} has no step records; was it written by `ptplan run --log`?")
     h = next((r for r in records if r.type == "header"), None)
     header = None if h is None else Header(plan_fingerprint=h.get("plan_fingerprint"), model=h.get("model"),

@@ -166,8 +166,10 @@ def for_world(training: "TrainingConfig", world: int) -> "TrainingConfig":
     """The plan's training settings for ``world`` processes: a --start-K or -K that does not divide it (or exceeds
     it) was the user's choice for the planned world, not for this one, so the search chooses K freely
     (``--start-K 2`` planned for 2 processes cannot start a 1-process job)."""
+    from ptplan.planner.candidates import valid_lengths
+
     def fits(K: int | None) -> bool:
-        return K is None or (K <= world and world % K == 0)
+        return K is None or K in valid_lengths(world, K)
 
     return replace(training, start_K=training.start_K if fits(training.start_K) else None,
                    pin_K=training.pin_K if fits(training.pin_K) else None)

@@ -156,10 +156,8 @@ def model_card(out: Path, *, config: dict[str, Any], plan_path: str, log_path: s
     from ptplan.planner.runlog import read_run_log
 
     plan = load_plan(plan_path)
-    try:
-        log = read_run_log(log_path) if log_path and os.path.isfile(log_path) else None
-    except PtplanError:  # a log this run wrote no step to (resumed at its last step): the card says "not logged"
-        log = None
+    # a log this run wrote no step to (resumed at its last step) reads: the card then says "not logged"
+    log = read_run_log(log_path, require_steps=False) if log_path and os.path.isfile(log_path) else None
     steps = log.steps if log else ()
     ran = sorted({(s.phase, s.frozen_blocks, s.K, s.D) for s in steps})
     evals = [r for r in (log.records if log else ()) if r.type == "eval"]

@@ -4,8 +4,6 @@ Every failure is a PtplanError with the numbers and the fix (the CLI prints it a
 """
 from __future__ import annotations
 
-import os
-
 from typing import Any
 
 from torch import nn
@@ -91,13 +89,15 @@ def check_world(plan: Plan, world_size: int) -> None:
             f"{world_size} GPUs with `ptplan plan`")
 
 
-def _first_difference(plan: Plan, model: nn.Module) -> str:
+def _first_difference(plan: Plan, model: nn.Module, plan_path: str | None) -> str:
     """Where the model first differs from the plan's profile, layer by layer (name, kind, block, parameters), when
-    the profile file is at hand (``inputs.profile.path``): e.g. the head of another label count. '' otherwise."""
+    the profile file is at hand (``replan.profile_file``: as recorded, or beside the plan): e.g. the head of another
+    label count. '' otherwise."""
+    from ptplan.executor.launch.replan import profile_file
     from ptplan.planner.profile import load_profile
 
-    path = plan.inputs.profile.path
-    if not path or not os.path.isfile(path):
+    path = profile_file(plan, plan_path or ".")
+    if path is None:
         return ""
     try:
         layers = load_profile(path).layers
@@ -114,7 +114,7 @@ def _first_difference(plan: Plan, model: nn.Module) -> str:
     return ""
 
 
-def check_model(plan: Plan, model: nn.Module) -> None:
+def check_model(plan: Plan, model: nn.Module, plan_path: str | None = None) -> None:
     prof = plan.inputs.profile
     have = dict(model=model.name, num_layers=len(model.layers), num_blocks=model.num_blocks,
                 granularity=model.granularity)
@@ -133,7 +133,7 @@ def check_model(plan: Plan, model: nn.Module) -> None:
     if fp and fp != model_fingerprint(model):
         raise PtplanError(f"the plan's profile fingerprint {fp} does not match {desc} (fingerprint "
                           f"{model_fingerprint(model)}: layer names, kinds or parameter counts differ, e.g. another "
-                          f"--weights config, image size or label count){_first_difference(plan, model)}; {fix}")
+                          f"--weights config, image size or label count){_first_difference(plan, model, plan_path)}; {fix}")
     L = model.num_blocks
     for i, ph in enumerate(plan.phases):
         if ph.frozen_blocks > L:
