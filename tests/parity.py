@@ -218,3 +218,23 @@ def masked_max_rel_diff(run: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
         if bool((~m).any()):
             outside = max(outside, d[~m].max().item())
     return worst, where, outside, inside / max(total, 1)
+
+
+def two_phase_job(folder: Any, seq_len: int, samples: int) -> tuple[nn.Module, Plan]:
+    """bert-tiny (``seq_len`` tokens, no dropout) with a hand-made two-phase plan (K=2, D=1, M=2 then one frozen
+    block at K=1, D=2, M=1; micro-batches of 2), saved as ``folder/plan.json``, and ``samples`` synthetic samples
+    saved as ``folder/data.pt``: the small job the robustness and checkpoint tests run and damage."""
+    from pathlib import Path
+
+    from ptplan.executor.families.models import build_model
+    from ptplan.executor.handplan import make_plan, spec
+    from ptplan.planner.plan import save_plan
+
+    d = Path(folder)
+    model = build_model("bert-tiny", seq_len=seq_len, dropout=0.0)
+    plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1],
+                     samples_per_epoch=samples)
+    save_plan(plan, d / "plan.json")
+    x, y, m = model.make_batch(samples, generator=torch.Generator().manual_seed(0))
+    torch.save({"inputs": x, "labels": y, "attention_mask": m}, d / "data.pt")
+    return model, plan

@@ -20,15 +20,13 @@ from click.testing import CliRunner
 
 from ptplan.cli.main import cli
 from ptplan.executor.data.dataset import load_dataset
-from ptplan.executor.families.models import build_model
-from ptplan.executor.handplan import make_plan, spec
 from ptplan.executor.launch.local import run_world
 from ptplan.executor.training import checkpoint as ckpt, sharded
 from ptplan.executor.training.config import RunConfig
 from ptplan.executor.training.loop import run_training
 from ptplan.executor.training.runlog import read_records
 from ptplan.planner.errors import PtplanError
-from ptplan.planner.plan import save_plan
+from tests.parity import two_phase_job
 
 SEQ, N = 8, 16
 
@@ -44,12 +42,7 @@ def _one_thread(one_torch_thread):
 def job(tmp_path_factory):
     """A plan, its data and one checkpoint per format (``single``, ``sharded``), each at step 4 of 8."""
     d = tmp_path_factory.mktemp("integrity")
-    model = build_model("bert-tiny", seq_len=SEQ, dropout=0.0)
-    plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1],
-                     samples_per_epoch=N)
-    save_plan(plan, d / "plan.json")
-    x, y, m = model.make_batch(N, generator=torch.Generator().manual_seed(0))
-    torch.save({"inputs": x, "labels": y, "attention_mask": m}, d / "data.pt")
+    model, plan = two_phase_job(d, SEQ, N)
     data = load_dataset(str(d / "data.pt"))
 
     def cfg(fmt, folder, **kw):

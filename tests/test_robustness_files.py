@@ -30,6 +30,7 @@ from ptplan.executor.launch.local import run_world
 from ptplan.executor.training.loop import Hooks, run_training
 from ptplan.planner.plan import save_plan
 from ptplan.planner.runlog import read_run_log
+from tests.parity import two_phase_job
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,12 +74,7 @@ SEQ, N = 8, 16
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     d = tmp_path_factory.mktemp("job")
-    model = build_model("bert-tiny", seq_len=SEQ, dropout=0.0)
-    plan = make_plan(model, [spec(0, K=2, D=1, M=2, b=2), spec(1, K=1, D=2, M=1, b=2)], trajectory=[0, 1],
-                     samples_per_epoch=N)
-    save_plan(plan, d / "plan.json")
-    x, y, m = model.make_batch(N, generator=torch.Generator().manual_seed(0))
-    torch.save({"inputs": x, "labels": y, "attention_mask": m}, d / "data.pt")
+    model, plan = two_phase_job(d, SEQ, N)
 
     def cfg(**kw):
         base = dict(plan=str(d / "plan.json"), model="bert-tiny", num_labels=2, data=str(d / "data.pt"), epochs=2,
