@@ -63,3 +63,17 @@ def test_a_dead_rank_whose_peer_failed_waiting_is_named_with_the_peer(tmp_path):
     out = summarise(1, STARTS, fails, worker_log=_log(tmp_path, 1, -9, 0, 1))
     assert out.message.startswith("rank 1 stopped without an error message (killed by SIGKILL: "), out.message
     assert "the other ranks then failed waiting for it" in out.message
+
+
+def test_a_silent_last_attempt_is_told_with_the_earlier_attempts_reason(tmp_path):
+    """A job refused by the run log's lock (another job writes it), then restarted by torchrun and torn down when
+    the store went away: the summary said only "rank 0 stopped without an error message (attempt 2 ...)". The
+    earlier attempt's reason is told with it."""
+    starts = {(0, 0): {"pid": 1}, (1, 0): {"pid": 2}}
+    fails = {(0, 0): {"kind": "ptplan", "message": "another process (host box, pid 7) is writing the run log x",
+                      "time": 1.0, "type": "PtplanError"}}
+    log = tmp_path / "run.workers.log"
+    log.write_text("")
+    out = summarise(1, starts, fails, worker_log=str(log))
+    assert out.code == 1 and "rank 0 stopped without an error message (attempt 2, after 1 restart)" in out.message
+    assert "; attempt 1 before it: rank 0: another process (host box, pid 7) is writing the run log x" in out.message

@@ -553,6 +553,13 @@ def summarise(rc: int, starts: dict[tuple[int, int], dict[str, Any]], fails: dic
                           + (f": {last}" if last else "") + f"; {where}", worker_log)
     a = max(attempts)
     restarts = f" (attempt {a + 1}, after {a} restart{'s' if a > 1 else ''})" if a else ""
+    told = [(x, f) for (x, _), f in sorted(fails.items()) if x < a and f["kind"] == "ptplan"]
+    if told:  # an earlier attempt said why it stopped; a later one that says nothing is told with it
+        x, f = told[-1]
+        ranks = sorted(r for (y, r), g in fails.items() if y == x and g.get("message") == f["message"])
+        before = f"; attempt {x + 1} before it: {ranks_text(ranks)}: {f['message']}"
+    else:
+        before = ""
     mine = {r: f for (x, r), f in fails.items() if x == a}
     started = {r for (x, r) in starts if x == a}
     ptplan = sorted(((f["time"], r) for r, f in mine.items() if f["kind"] == "ptplan"))
@@ -577,12 +584,12 @@ def summarise(rc: int, starts: dict[tuple[int, int], dict[str, Any]], fails: dic
         torn = [r for r in torn if r not in cause]
         then = f"; torchrun then stopped {ranks_text(torn)} (SIGTERM)" if torn else ""
         return Outcome(1, f"{ranks_text(cause)} stopped without an error message{restarts} ({', '.join(hows)}: "
-                          f"killed, out of memory, or stuck past --timeout){peers}{then}; {where}", worker_log)
+                          f"killed, out of memory, or stuck past --timeout){peers}{then}{before}; {where}", worker_log)
     if mine:
         t, r = min((f["time"], r) for r, f in mine.items())
         f = mine[r]
         return Outcome(1, f"rank {r} failed{restarts}: {f['type']}: {_one_line(f['message'])}; {where}", worker_log)
-    return Outcome(1, f"the workers failed (torchrun exit code {rc}){restarts}; {where}", worker_log)
+    return Outcome(1, f"the workers failed (torchrun exit code {rc}){restarts}{before}; {where}", worker_log)
 
 
 def _one_line(text: str, limit: int = 300) -> str:
