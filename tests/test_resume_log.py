@@ -167,3 +167,31 @@ def test_a_writer_waits_for_a_lock_whose_holder_goes_away(tmp_path):
     assert holder.stdout.readline().strip() == "held"
     RunLog(log, lock_wait_s=60).close()  # got once the holder exited
     assert holder.wait(timeout=60) == 0
+
+
+def test_a_fresh_run_does_not_wait_for_a_held_log(tmp_path):
+    """A fresh start refuses a held log at once; only a resume waits (for a lost node's lease). A joiner that waited
+    took the log over when the first job ended and started it again from step 0 (seen once: 192 steps -> 2). The
+    holder here lets go after 3 s; a run that waited would get the log and succeed."""
+    import subprocess
+    import sys
+
+    from tests.parity import two_phase_job
+
+    model, plan = two_phase_job(tmp_path, 8, 16)
+    log = tmp_path / "run.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import time\n"
+                               "from ptplan.executor.training.runlog import RunLog\n"
+                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep(3)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    cfg = RunConfig(plan=str(tmp_path / "plan.json"), model="bert-tiny", num_labels=2, data=str(tmp_path / "data.pt"),
+                    epochs=1, progress=False, timeout_s=30, log=str(log))
+    data = TensorDataset(**{k: v for k, v in torch.load(tmp_path / "data.pt").items()})
+
+    def worker(rank, world):
+        run_training(cfg, plan, model, data)
+
+    res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=30, deadline_s=120)
+    holder.wait(timeout=60)
+    assert not res.ok and any("is writing the run log" in e for e in res.errors), res.explain()

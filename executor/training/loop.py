@@ -198,8 +198,10 @@ def _prepare(cfg: RunConfig, plan: Plan, model: torch.nn.Module, dataset: Datase
     # a resume into a log that does not exist yet (another --log) starts it with its header too
     fresh = rank == 0 and cfg.log is not None and (not os.path.exists(cfg.log) or os.path.getsize(cfg.log) == 0)
     try:  # rank 0 alone opens it (a resumed log at once): its refusal raised on every rank
+        # a resume (a restart after a lost node) waits for the lost writer's lock to lapse; a fresh start does not:
+        # a second job that waited would take the log over once the first job ended, and start it again from step 0
         log = RunLog(cfg.log if rank == 0 else None, append=source is not None,
-                     lock_wait_s=min(cfg.timeout_s, 120.0))
+                     lock_wait_s=min(cfg.timeout_s, 120.0) if source is not None else 0.0)
     except PtplanError as e:
         problem = str(e)
     except OSError as e:  # its folder cannot be made (the in-process API; ``ptplan run`` makes it first)

@@ -187,8 +187,9 @@ def lock_path(log: str) -> str:
 def _hold(log: str, wait_s: float = 0.0) -> int | None:
     """An exclusive lock on ``lock_path(log)``, held by the returned descriptor; PtplanError naming the holder
     (host and pid) when another process still holds it after ``wait_s`` seconds (polled twice a second: on a
-    shared file system a lost node's lock lasts until its lease ends, about 90 s on NFS, so the training loop
-    waits for it, up to --timeout or 120 s). None where the file system has no locks (the log is unguarded)."""
+    shared file system a lost node's lock lasts until its lease ends, about 90 s on NFS, so a resuming run waits
+    for it, up to --timeout or 120 s; a fresh start does not wait). None where the file system has no locks (the log
+    is unguarded)."""
     import socket
     import time
 
