@@ -123,18 +123,11 @@ def test_one_job_writes_a_log_and_a_second_writer_is_refused_until_the_first_is_
     """A node that joined a running elastic job started a job of its own on the same --log (an audit: the two
     overwrote each other's log and checkpoints). The writer holds a lock from its start; a second writer, here
     another process, is refused naming its pid, and the lock goes with the process (a killed run frees it)."""
-    import subprocess
-    import sys
-
     from ptplan.planner.errors import PtplanError
 
     log = tmp_path / "run.jsonl"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from ptplan.executor.training.runlog import RunLog\n"
-                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = _holding(log, 60)
     try:
-        assert holder.stdout.readline().strip() == "held"
         with pytest.raises(PtplanError, match=rf"another process \(host .*, pid {holder.pid}\) is writing the run "
                                               rf"log .*run\.jsonl: two jobs on one --log"):
             RunLog(log, append=True)
@@ -156,15 +149,8 @@ def test_one_job_writes_a_log_and_a_second_writer_is_refused_until_the_first_is_
 def test_a_writer_waits_for_a_lock_whose_holder_goes_away(tmp_path):
     """A lost node's lock on a shared file system lasts until its lease ends: the training loop's writer waits
     for it (``lock_wait_s``) instead of refusing at once. Here the holder exits after a second."""
-    import subprocess
-    import sys
-
     log = tmp_path / "run.jsonl"
-    holder = subprocess.Popen([sys.executable, "-c", "import time\n"
-                               "from ptplan.executor.training.runlog import RunLog\n"
-                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep(1)"],
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = _holding(log, 1)
     RunLog(log, lock_wait_s=60).close()  # got once the holder exited
     assert holder.wait(timeout=60) == 0
 
@@ -173,18 +159,11 @@ def test_a_fresh_run_does_not_wait_for_a_held_log(tmp_path):
     """A fresh start refuses a held log at once; only a resume waits (for a lost node's lease). A joiner that waited
     took the log over when the first job ended and started it again from step 0 (seen once: 192 steps -> 2). The
     holder here lets go after 3 s; a run that waited would get the log and succeed."""
-    import subprocess
-    import sys
-
     from tests.parity import two_phase_job
 
     model, plan = two_phase_job(tmp_path, 8, 16)
     log = tmp_path / "run.jsonl"
-    holder = subprocess.Popen([sys.executable, "-c", "import time\n"
-                               "from ptplan.executor.training.runlog import RunLog\n"
-                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep(3)"],
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = _holding(log, 3)
     cfg = RunConfig(plan=str(tmp_path / "plan.json"), model="bert-tiny", num_labels=2, data=str(tmp_path / "data.pt"),
                     epochs=1, progress=False, timeout_s=30, log=str(log))
     data = TensorDataset(**{k: v for k, v in torch.load(tmp_path / "data.pt").items()})
@@ -195,3 +174,16 @@ def test_a_fresh_run_does_not_wait_for_a_held_log(tmp_path):
     res = run_world(2, worker, tmpdir=str(tmp_path), timeout_s=30, deadline_s=120)
     holder.wait(timeout=60)
     assert not res.ok and any("is writing the run log" in e for e in res.errors), res.explain()
+
+
+def _holding(log, seconds: int):
+    """Another process that holds ``log``'s writer lock for ``seconds`` (returned once it holds it)."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time\n"
+                               "from ptplan.executor.training.runlog import RunLog\n"
+                               f"RunLog({str(log)!r}); print('held', flush=True); time.sleep({seconds})"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
