@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
+from typing import Sequence
 
 from .errors import PtplanError
 
@@ -784,23 +785,36 @@ def check_schedule(schedule: Schedule) -> None:
     check_message_order(schedule)
 
 
+Message = tuple[str, int, int, int]
+"""A message between two positions: (``F`` activation or ``B`` gradient, the sending stage, micro-batch, slice)."""
+
+
+def message_of(a: Action, stage_to_rank: Sequence[int]) -> tuple[int, int, Message] | None:
+    """(sending position, receiving position, the message) of a send or a receive; None for any other action."""
+    s2r = stage_to_rank
+    if a.kind is ActionKind.SEND_F or a.kind is ActionKind.SEND_B:
+        fwd = a.kind is ActionKind.SEND_F
+        return s2r[a.stage], s2r[a.stage + (1 if fwd else -1)], ("F" if fwd else "B", a.stage, a.mb, a.slice)
+    if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B:
+        fwd = a.kind is ActionKind.RECV_F
+        src = a.stage - 1 if fwd else a.stage + 1
+        return s2r[src], s2r[a.stage], ("F" if fwd else "B", src, a.mb, a.slice)
+    return None
+
+
 def check_message_order(schedule: Schedule) -> None:
     """Raise ScheduleError unless, for every pair of ranks (a, b), b's receives from a come in the order
     a sends them (torch pairs messages between two ranks in order, without tags; so does the executor's step
     interpreter). Part of ``check_schedule``: a schedule the planner accepts is one the runtime can run."""
-    s2r = schedule.stage_to_rank
-    sends: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[str, int, int, int]]] = {}
-    for r, acts in enumerate(schedule.actions):
+    sends: dict[tuple[int, int], list[Message]] = {}
+    recvs: dict[tuple[int, int], list[Message]] = {}
+    for acts in schedule.actions:
         for a in acts:
-            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                fwd = a.kind is ActionKind.SEND_F
-                sends.setdefault((r, s2r[a.stage + (1 if fwd else -1)]), []).append(("F" if fwd else "B", a.stage,
-                                                                                     a.mb, a.slice))
-            elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                fwd = a.kind is ActionKind.RECV_F
-                src = a.stage - 1 if fwd else a.stage + 1
-                recvs.setdefault((s2r[src], r), []).append(("F" if fwd else "B", src, a.mb, a.slice))
+            m = message_of(a, schedule.stage_to_rank)
+            if m is not None:
+                src, dst, msg = m
+                (recvs if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B) else sends).setdefault(
+                    (src, dst), []).append(msg)
     for (a_rank, b_rank), sent in sorted(sends.items()):
         got = recvs.get((a_rank, b_rank), [])
         if got != sent:
@@ -817,6 +831,32 @@ def check_message_order(schedule: Schedule) -> None:
                                 f"sends: message {i} is {text(sent[i] if i < len(sent) else None, False)} on rank "
                                 f"{a_rank} but {text(got[i] if i < len(got) else None, True)} on rank {b_rank}; torch "
                                 f"pairs the messages between two ranks in order, so reorder rank {b_rank}'s receives")
+
+
+def delivered_by(lists: Sequence[Sequence[Action]], stage_to_rank: Sequence[int]) -> dict[Message, Message]:
+    """What each message proves delivered, read from one step's lists (position by position): message X -> the
+    last message its receiver had sent to X's sender that X's sender received before sending X (a message whose
+    sender had received nothing from its receiver yet is not in the result).
+
+    A receive blocks, and two positions' messages arrive in the order they are sent (``check_message_order``);
+    so a position holding X knows that every message it sent to X's sender, up to that one, has arrived: the
+    executor's step interpreter then releases those sends' tensors (``step.Messages.release``) instead of
+    holding every message of a step until its end (M activations and M gradients a stage, which the stage
+    model does not price)."""
+    out: dict[Message, Message] = {}
+    for acts in lists:
+        last: dict[int, Message] = {}
+        """Peer position -> the last message received from it so far in this list."""
+        for a in acts:
+            m = message_of(a, stage_to_rank)
+            if m is None:
+                continue
+            src, dst, msg = m
+            if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B:
+                last[src] = msg
+            elif dst in last:
+                out[msg] = last[dst]
+    return out
 
 
 def unit_time_steps(schedule: Schedule) -> tuple[tuple[int, ...], ...]:

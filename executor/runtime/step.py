@@ -12,7 +12,11 @@ token slices -- at any K, K = 1 included (then the lists hold no messages and no
   last chunk, else the next chunk's input gradient (local) or the received gradient. ``W``: the weight
   gradient (``torch_adapter``; on chunk 0, whose input needs no gradient, the whole backward).
 - ``SEND_F``/``SEND_B``: an asynchronous send to the neighbouring chunk's position; ``RECV_F``/``RECV_B``: a
-  blocking receive (``check_schedule`` proves the lists finish with blocking receives and buffered sends).
+  blocking receive (``check_schedule`` proves the lists finish with blocking receives and buffered sends). A
+  sent tensor is held until a message received from its receiver proves it arrived
+  (``planner.schedule.delivered_by``; ``Messages.release``), then freed -- not at the step's end, which held M
+  activations and M gradients a stage (and, under 2BW on gloo, every send of the phase) beyond what the stage
+  model prices (``tests/test_send_release.py``).
   The first message of each (kind, receiving chunk, micro-batch, slice) carries its shape and dtype in a
   header; after that the receive lands in a buffer kept for the phase (one per message key, as
   torch.distributed.pipelining keeps them: ``memory`` counts them as the planner's "buffers").
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ptplan.planner.errors import PtplanError
-from ptplan.planner.schedule import Action, ActionKind, Schedule
+from ptplan.planner.schedule import Action, ActionKind, Message, Schedule, delivered_by, message_of
 
 from ptplan.executor.runtime import torch_adapter
 
@@ -106,7 +110,9 @@ class Messages:
         """Keys whose header went out (the receiver expects one exactly then)."""
         self.known: dict[Key, tuple[list[int], torch.dtype]] = {}
         self.buffers: dict[Hashable, Tensor] = {}
-        self.pending: list[tuple[Any, Tensor]] = []
+        self.pending: list[tuple[int, Message, Any, Tensor]] = []
+        """Sends not yet known to have arrived: (receiving global rank, the message, its work, its tensor), in the
+        order sent; each holds its tensor until ``release`` or ``reap``."""
 
     def _peer(self, position: int) -> int:
         if self.ranks is not None:
@@ -115,14 +121,15 @@ class Messages:
             raise PtplanError(f"a message to position {position} but this pipeline has no process group (K = 1)")
         return dist.get_global_rank(self.group, position)
 
-    def send(self, t: Tensor, key: Key, position: int) -> None:
+    def send(self, t: Tensor, key: Key, position: int, msg: Message) -> None:
+        """Send ``t`` as message ``msg`` (``planner.schedule.message_of``'s identity) under ``key``."""
         dst = self._peer(position)
         t = t.detach().contiguous()
         if key not in self.sent:
             self.sent.add(key)
             head = encode_head(t, self.device)
-            self.pending.append((dist.isend(head, dst, group=self.group), head))
-        self.pending.append((dist.isend(t, dst, group=self.group), t))
+            self.pending.append((dst, msg, dist.isend(head, dst, group=self.group), head))
+        self.pending.append((dst, msg, dist.isend(t, dst, group=self.group), t))
 
     def recv(self, key: Key, position: int, slot: Hashable | None) -> Tensor:
         """The message ``key`` from ``position``, into the buffer kept at ``slot`` (None: a new tensor)."""
@@ -140,14 +147,30 @@ class Messages:
         dist.recv(buf, src, group=self.group)
         return buf
 
+    def release(self, position: int, msg: Message) -> None:
+        """Position ``position`` has received ``msg`` (``planner.schedule.delivered_by`` proves it): finish that
+        send and every earlier one to it (they arrive in order), so their tensors can be freed. The waits return
+        at once (the data is there); gloo's sends report completion only to ``wait``."""
+        dst = self._peer(position)
+        upto = max((i for i, (d, m, _, _) in enumerate(self.pending) if d == dst and m == msg), default=-1)
+        if upto < 0:
+            return
+        keep = []
+        for i, (d, m, work, t) in enumerate(self.pending):
+            if i <= upto and d == dst:
+                work.wait()
+            else:
+                keep.append((d, m, work, t))
+        self.pending = keep
+
     def reap(self, *, wait: bool) -> None:
         """Wait for every send (``wait``), or forget the completed ones."""
         if wait:
-            for work, _ in self.pending:
+            for _, _, work, _ in self.pending:
                 work.wait()
             self.pending = []
         else:
-            self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
+            self.pending = [p for p in self.pending if not p[2].is_completed()]
 
 
 class ChunkCompute:
@@ -244,8 +267,17 @@ class Flushed:
 
     stale = False
 
+    period: int | None = None
+    """Steps past the lists' window repeat its last stretch shifted by this many micro-batches (None: every step
+    runs the same list)."""
+
     def __init__(self, schedule: Schedule, position: int) -> None:
         self.actions = schedule.actions[position]
+
+    @staticmethod
+    def message_lists(schedule: Schedule) -> list[Sequence[Sequence[Action]]]:
+        """Every position's list for each distinct step (one here): what ``planner.schedule.delivered_by`` reads."""
+        return [schedule.actions]
 
     def step_actions(self) -> Sequence[Action]:
         return self.actions
@@ -291,6 +323,19 @@ class StepInterpreter:
         """(chunk, micro-batch, slice) -> its input's gradient, until sent or used by the previous chunk here."""
         self.backward_scope: Callable[[], ContextManager[Any]] = contextlib.nullcontext
         """Entered around every backward action (``memory.StepMemory`` counts the backward's working set in it)."""
+        self._proves: dict[Message, Message] = {}
+        """A message received -> the last message sent to its sender known to have arrived with it."""
+        steps = self.policy.message_lists(schedule)
+        for lists in steps:
+            self._proves.update(delivered_by(lists, self.s2r))
+        self._last_mb: dict[tuple[str, int, int], int] = {}
+        """(kind, sending stage, slice) -> the largest micro-batch of such a message in the last step's lists."""
+        for acts in steps[-1]:
+            for a in acts:
+                if (m := message_of(a, self.s2r)) is not None:
+                    kind, stage, mb, sl = m[2]
+                    self._last_mb[(kind, stage, sl)] = max(mb, self._last_mb.get((kind, stage, sl), mb))
+        self._draining = False
 
     # ---- the protocol ---------------------------------------------------------------------------
     def run(self, x: Tensor | None, y: Tensor | None, kw: dict[str, Tensor]) -> list[Tensor]:
@@ -315,7 +360,11 @@ class StepInterpreter:
         return losses
 
     def drain(self) -> None:
-        self._execute(self.policy.drain_actions())
+        self._draining = True
+        try:
+            self._execute(self.policy.drain_actions())
+        finally:
+            self._draining = False
         self.msgs.reap(wait=True)
         self.policy.restart()
 
@@ -337,18 +386,39 @@ class StepInterpreter:
             elif k is ActionKind.RECV_F or k is ActionKind.RECV_B:
                 fwd = k is ActionKind.RECV_F
                 key = ("F" if fwd else "B", c, self.policy.mb_key(m), sl)
-                self._got[key] = self.msgs.recv(key, self.s2r[c - 1 if fwd else c + 1], self.policy.slot(key))
+                src = c - 1 if fwd else c + 1
+                self._got[key] = self.msgs.recv(key, self.s2r[src], self.policy.slot(key))
+                arrived = self._arrived((key[0], src, m, sl))
+                if arrived is not None:
+                    self.msgs.release(self.s2r[src], arrived)
             elif k is ActionKind.SEND_F:
-                self.msgs.send(self._outs.pop((c, m, sl)), ("F", c + 1, self.policy.mb_key(m), sl), self.s2r[c + 1])
+                self.msgs.send(self._outs.pop((c, m, sl)), ("F", c + 1, self.policy.mb_key(m), sl), self.s2r[c + 1],
+                               ("F", c, m, sl))
             elif k is ActionKind.SEND_B:
                 g = self._grads.pop((c, m, sl))
                 if g is None:
                     raise PtplanError(f"{a}: stage {c}'s input got no gradient to send")
-                self.msgs.send(g, ("B", c - 1, self.policy.mb_key(m), sl), self.s2r[c - 1])
+                self.msgs.send(g, ("B", c - 1, self.policy.mb_key(m), sl), self.s2r[c - 1], ("B", c, m, sl))
             elif k is ActionKind.ALLREDUCE:
                 self.policy.reduce(self.compute, c)
             else:
                 raise PtplanError(f"the step interpreter cannot run {a}")
+
+    def _arrived(self, msg: Message) -> Message | None:
+        """The last message this position sent to ``msg``'s sender that ``msg`` proves arrived, or None. Past the
+        lists' window (2BW's periodic steps) the proof is the last stretch's, shifted by whole periods."""
+        if self._draining:  # the drain's lists are not the window's: its sends wait for its end
+            return None
+        got = self._proves.get(msg)
+        period, kind, stage, mb, sl = self.policy.period, *msg
+        if got is None and period:
+            hi = self._last_mb.get((kind, stage, sl))
+            if hi is not None and mb > hi:
+                k = -(-(mb - hi) // period)
+                base = self._proves.get((kind, stage, mb - k * period, sl))
+                if base is not None:
+                    got = (base[0], base[1], base[2] + k * period, base[3])
+        return got
 
     def _here(self, c: int) -> bool:
         return self.s2r[c] == self.position

@@ -130,6 +130,17 @@ class TwoBW:
         return p.data.requires_grad_(True)
 
     # ---- which actions ---------------------------------------------------------------------------
+    @property
+    def period(self) -> int:
+        """Steps past the window run its last stretch shifted by M micro-batches a step."""
+        return self.M
+
+    def message_lists(self, schedule: Schedule) -> list[list[list[Action]]]:
+        """Every position's stretch for each of the window's N steps (``step.StepInterpreter`` reads which
+        messages arrived from them)."""
+        cut = [stretches(acts, self.M, self.N)[0] for acts in schedule.actions]
+        return [[parts[t] for parts in cut] for t in range(self.N)]
+
     def step_actions(self) -> list[Action]:
         t = self.steps
         self.steps += 1
