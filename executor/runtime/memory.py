@@ -153,7 +153,10 @@ class StepMemory:
     def _pack(self, t: Tensor) -> Any:
         if not isinstance(t, Tensor):
             return t
-        h = _Holder(t)
+        # detached: a holder of the tensor itself closes a cycle autograd cannot free for a node's own saved output
+        # (node -> saved variable -> holder -> tensor -> grad_fn -> node); a backward run with retain_graph (ZB's
+        # input-gradient B) never releases the nodes only it traverses, so they lived on past their W
+        h = _Holder(t.detach())
         if self._working.key_of(t) is not None:  # made by a backward (recomputation): counted there
             return h
         ptr = self._live.add(t)
