@@ -37,11 +37,13 @@ The partitioner minimises the slowest stage's ``busy`` = forward + backward + bo
 
 Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_mb, after)``
 
-    static  = v · weights Σ param[lo:hi] + gradients Σ grad[lo:hi] + optimizer state
+    static  = v · (weights Σ param[lo:hi] + gradients Σ grad[lo:hi]) + optimizer state
               (``costs.optimizer_state_bytes``, the one function the profiler, the projection and the
               synthetic profiles also call: adamw 2, sgd 1 parameter-sized tensors in the parameters' dtype);
               v = the schedule's weight versions of the active layers: 1, or 2 for PipeDream-2BW
-              (the version in use and the next one; one gradient buffer, one optimizer state)
+              (the version in use and the next one; two gradients: a mini-batch's, held for its update
+              until the next mini-batch but one starts, beside the next one's accumulating on its own
+              version, as ``executor/runtime/twobw.py`` runs it; one optimizer state)
     w       = what the backward in progress holds on top: peak = static + max(inflight · per_mb + w, after).
               The backward's working set: max over the stage's layers of b · working[i] (the bytes layer i's
               backward makes at its peak, per sample: ``LayerRecord.backward_working_bytes_per_sample``,
@@ -67,7 +69,7 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               recomputation only its input, b · out[lo-1] (0 for token ids at layer 0)
     inflight= the schedule's most micro-batches in flight on stage s (``schedule.peak_inflight``)
     So PipeDream-2BW with recomputation on stage 0 of K uniform stages holds 2|W|/K + K·|A_input| plus
-    the gradient, the optimizer state, the buffers and one micro-batch's working set (the paper's
+    two gradients, the optimizer state, the buffers and one micro-batch's working set (the paper's
     memory model, 2|W|/d + d·|A_input(b)|, counts the first two).
     after   = (PipeDream-2BW, which never drains: added to static, not maxed: its update's all-reduce buffer
               lives under the next mini-batch's work, its optimizer's temporaries beside micro-batches in flight;
@@ -243,7 +245,8 @@ class PhaseShape:
     """Chunks (stages) per pipeline position: S = K·V stages, placed by the schedule."""
     optimizer: str = "adamw"
     weight_versions: int = 1
-    """Copies of the active layers' weights a stage keeps: 1, or 2 for PipeDream-2BW (frozen layers keep one)."""
+    """Copies of the active layers' weights and gradients a stage keeps: 1, or 2 for PipeDream-2BW (frozen layers
+    keep one)."""
     recompute: bool = False
     """Activation recomputation: a micro-batch in flight holds only the stage's input, and the backward
     first reruns the stage's forward."""
@@ -348,8 +351,8 @@ class StageModel:
         self.times = table.at(sh.b)
         self.cum_opt_state = self.optimizer_bytes(table.cum_param)
         """Prefix sums of the optimizer state's bytes (one shard's: the table's weights / tp and / D)."""
-        self.cum_state = sh.weight_versions * table.cum_param + self.cum_opt_state + table.cum_grad
-        """Additive lower bound of a stage's memory (prefix sums): weights (every version) + gradients + state."""
+        self.cum_state = sh.weight_versions * (table.cum_param + table.cum_grad) + self.cum_opt_state
+        """Additive lower bound of a stage's memory (prefix sums): weights and gradients (every version) + state."""
         self.cum_time_lb = self.times.cum_fb + (self.times.cum_fwd if sh.recompute and not sh.recompute_layers
                                                 else 0.0)
         """Additive lower bound of a stage's busy time (prefix sums): forward + backward (+ the recomputed
@@ -568,7 +571,7 @@ class StageModel:
         _, static, per_mb, after, infl = self._combine(terms, np.arange(sh.S))
         weights = t.cum_param[hi] - t.cum_param[lo]
         w = sh.weight_versions * weights + (np.arange(sh.S) == 0) * (0.0 if sh.cache else t.cum_param[sh.frozen])
-        g = t.cum_grad[hi] - t.cum_grad[lo]
+        g = sh.weight_versions * (t.cum_grad[hi] - t.cum_grad[lo])
         o = self.optimizer_bytes(weights)
         rc = terms[6] if self._has_working else np.zeros(sh.S)  # recomputation's and the backward's working sets
         total = peak_bytes(static, per_mb, infl, after)

@@ -254,11 +254,12 @@ def test_two_bw_memory_by_hand():
             held = K - s  # micro-batches in flight on stage s, 1F1B and 2BW alike
             full = b * (saved[s] + out[s])
             acts = held * b * a_in[s] + full if recompute else held * (full + (b * a_in[s] if s > 0 else 0))
-            static = 2 * W[s] + G[s] + 2 * W[s] + buffers[s] + (prefix if s == 0 else 0)  # 2 versions + grad + AdamW
+            # 2 versions, 2 gradients (mini-batch t's, held for its update until t+2 starts, beside t+1's), AdamW
+            static = 2 * W[s] + 2 * G[s] + 2 * W[s] + buffers[s] + (prefix if s == 0 else 0)
             # 2BW never drains: its update's temporaries live beside the micro-batches in flight (they add)
             want = static + acts + gpu_temp[s] if not recompute else static + full + held * b * a_in[s] + gpu_temp[s]
             x = two[s]
-            assert (x.weights, x.gradients, x.optimizer, x.buffers) == (2 * W[s] + (prefix if s == 0 else 0), G[s],
+            assert (x.weights, x.gradients, x.optimizer, x.buffers) == (2 * W[s] + (prefix if s == 0 else 0), 2 * G[s],
                                                                           2 * W[s], buffers[s]), (recompute, s)
             assert (x.activations, x.inflight, x.transient) == (acts, held, gpu_temp[s]), (recompute, s)
             assert x.total == want, (recompute, s)

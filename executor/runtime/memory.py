@@ -2,14 +2,17 @@
 
 A rank holds only its stage (``runtime``), so what it holds is what is measured. Per rank, on a
 sampled step (``MemorySampler``: the second step of every phase visit, so the first step's set-up
-is over and the receive buffers exist; the sampled step's time carries the hooks' overhead, so its
+is over and the receive buffers exist; 2BW's fourth, its first with both weight versions and the
+optimizer state; the sampled step's time carries the hooks' overhead, so its
 record says ``memory_sampled`` and ``ptplan compare`` leaves it out of the timing medians), with
 stage.py's term in brackets:
 
 - **params** [weights]: bytes of the stage module's parameters (its active layers, and the frozen
   prefix on stage 0 when it recomputes it), from the tensors: a split or sharded layer's local shard
-  (``hybrid``: active layers and, under tp or FSDP on stage 0, the prefix's twins).
-- **grads** [gradients]: bytes of the ``.grad`` tensors of those parameters after the step.
+  (``hybrid``: active layers and, under tp or FSDP on stage 0, the prefix's twins); under PipeDream-2BW
+  also every weight version's storage (``TwoBW.weight_tensors``: two copies of the active layers).
+- **grads** [gradients]: bytes of the ``.grad`` tensors of those parameters (2BW: and of the versions') after
+  the step.
 - **optimizer** [optimizer]: bytes of the optimizer state tensors of those parameters (AdamW: two
   moments and a 4-byte step counter per parameter tensor, the counters being what stage.py leaves
   out), from ``optimizer.state``.
@@ -140,12 +143,19 @@ class StepMemory:
         self.result: dict[str, int] = {}
 
     # -- CPU bookkeeping ------------------------------------------------------------------------
+    def _weights(self) -> list[Tensor]:
+        """The stage's weights: its parameters and, under PipeDream-2BW, every weight version's leaf tensors (the
+        second copy stage.py counts; the gradients accumulate on the versions), read now (updates make new ones)."""
+        policy = getattr(self.rt.schedule, "policy", None)
+        versions = getattr(policy, "weight_tensors", None)
+        return self.params + (list(versions()) if versions is not None else [])
+
     def _opt_tensors(self) -> list[Tensor]:
         return [v for p in self.params for v in self.rt.opt.state.get(p, {}).values() if isinstance(v, Tensor)]
 
     def _static(self) -> tuple[dict[str, int], set[int]]:
         seen: set[int] = set()
-        params = _sum_unique(self.params, seen)
+        params = _sum_unique(self._weights(), seen)
         optimizer = _sum_unique(self._opt_tensors(), seen)
         buffers = _sum_unique(self.rt.schedule.recv_buffers(), seen) if self.rt.schedule is not None else 0
         return {"params": params, "optimizer": optimizer, "buffers": buffers}, seen
@@ -207,7 +217,7 @@ class StepMemory:
         self._static_bytes, exclude = self._static()
         self._count = LiveCount()
         self._live = _LiveBytes(exclude, self._count)
-        self._working = NewStorages(self._count, "working", ignore=self.params + self._opt_tensors())
+        self._working = NewStorages(self._count, "working", ignore=self._weights() + self._opt_tensors())
         if self.rt.schedule is not None:
             self.rt.schedule.backward_scope = lambda: self._working
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -219,7 +229,7 @@ class StepMemory:
         """End measuring (call right after the step); the result is in ``self.result``."""
         self.rt.memory_hook = None
         seen: set[int] = set()
-        grads = _sum_unique([p.grad for p in self.params], seen)
+        grads = _sum_unique([p.grad for p in self._weights()], seen)
         host = self.rt.held_bytes()["host"]
         if self.cuda:
             torch.cuda.synchronize(self.rt.device)
@@ -236,7 +246,7 @@ class StepMemory:
         static = dict(self._static_bytes)
         static["buffers"] += self._shard_input
         # a first weight gradient that AccumulateGrad kept as .grad is the gradients' term, not working memory
-        kept = {self._working.key_of(p.grad) for p in self.params if p.grad is not None} - {None}
+        kept = {self._working.key_of(p.grad) for p in self._weights() if p.grad is not None} - {None}
         peak, _ = self._count.peaks(skip=kept)
         acts, _ = self._count.peaks(skip=kept, kinds={"activations", "working"})
         _, of = self._count.peaks(skip=kept, kinds={"transient"})
@@ -256,15 +266,18 @@ class StepMemory:
 
 
 class MemorySampler:
-    """Decides which steps to measure: step ``at`` (1-based) of every visit to a phase (same on every rank)."""
+    """Decides which steps to measure: step ``at`` (1-based) of every visit to a phase (same on every rank); under
+    PipeDream-2BW (a stale step) step ``stale_at``: its first update, which makes the optimizer state and the
+    newest weight version, is applied in its third step, so the fourth is the first that holds all a steady step
+    holds."""
 
-    def __init__(self, at: int = 2) -> None:
-        self.at = at
+    def __init__(self, at: int = 2, stale_at: int = 4) -> None:
+        self.at, self.stale_at = at, stale_at
         self._phase: int | None = None
         self._n = 0
 
-    def want(self, phase_index: int) -> bool:
+    def want(self, phase_index: int, *, stale: bool = False) -> bool:
         if phase_index != self._phase:
             self._phase, self._n = phase_index, 0
         self._n += 1
-        return self._n == self.at
+        return self._n == (self.stale_at if stale else self.at)

@@ -158,6 +158,10 @@ class TwoBW:
         return None if key[0] == "F" else ("B", key[1])
 
     # ---- the weight versions ---------------------------------------------------------------------
+    def weight_tensors(self) -> list[Tensor]:
+        """Every version's leaf tensors (``memory.StepMemory`` counts their storages and gradients)."""
+        return [t for version in self.versions.values() for t in version.values()]
+
     def call(self, c: int, g: int, inp: Tensor, kw: dict[str, Tensor]) -> Tensor:
         """Micro-batch g's forward on weight version g // M (finishing the update that makes it, if in flight)."""
         if g // self.M not in self.versions:

@@ -171,15 +171,16 @@ class AutoCache(Callback):
 
 
 class PeakMemory(Callback):
-    """Peak memory on the 2nd step of each phase visit (``executor/runtime/memory.py``), added to that
-    step's record. Collective on the sampled steps."""
+    """Peak memory on the 2nd step of each phase visit (2BW: the 4th; ``executor/runtime/memory.py``), added to
+    that step's record. Collective on the sampled steps."""
 
     def __init__(self) -> None:
         self.sampler = MemorySampler()
         self.mem: StepMemory | None = None
 
     def before_step(self, ctx: RunContext) -> None:
-        self.mem = StepMemory(ctx.rt).start() if self.sampler.want(ctx.rt.phase_index) else None
+        stale = bool(getattr(ctx.rt.schedule, "stale", False))  # this phase's step from its second on
+        self.mem = StepMemory(ctx.rt).start() if self.sampler.want(ctx.rt.phase_index, stale=stale) else None
 
     def on_step(self, ctx: RunContext, result: StepResult) -> None:
         if self.mem is not None:
