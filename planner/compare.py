@@ -17,6 +17,8 @@ __all__ = ["Comparison", "PhaseComparison", "compare", "fill_fractions", "format
 
 INPUT_NOTE_SHARE = 0.05
 """A phase's row notes its input time (``measured_data_s``) when it is at least this share of the measured step."""
+MEMORY_NOTE_SHARE = 0.05
+"""A pipeline position measured above its predicted peak by more than this share is noted (``format_comparison``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,8 +43,9 @@ class PhaseComparison:
     """The fullest rank's measured peak (``executor/runtime/memory.py``), None when not measured."""
     memory_error: float | None
     predicted_stage_memory_bytes: tuple[int, ...] = ()
+    """Per device (pipeline position), its predicted peak (``Predicted.device_peak_memory_bytes``)."""
     measured_stage_memory_bytes: tuple[int, ...] = ()
-    """Per stage, the largest of its data-parallel replicas (empty when not measured per rank)."""
+    """Per pipeline position, the largest of its data-parallel replicas (empty when not measured per rank)."""
     measured_allreduce_s: float | None = None
     """Median seconds rank 0 spent in the data-parallel gradient all-reduce."""
     predicted_allreduce_s: float = 0.0
@@ -65,6 +68,22 @@ class PhaseComparison:
     predicted_cache_s: float = 0.0
     """The plan's seconds for that (``cache_setup_s``, or for fill rows ``fill_cache_setup_s`` weighted by the share
     of rows computed, as the step's prediction is)."""
+
+    @property
+    def stage_memory_errors(self) -> tuple[float, ...]:
+        """Per pipeline position, (predicted - measured) / measured of its peak; empty unless both are per position.
+        The phase's ``memory_error`` compares the fullest device of each side, which can hide a position the plan
+        under-predicts behind another that holds more (a ZB or 2BW last stage behind stage 0)."""
+        pred, meas = self.predicted_stage_memory_bytes, self.measured_stage_memory_bytes
+        if len(pred) != len(meas) or not all(meas):
+            return ()
+        return tuple((p - m) / m for p, m in zip(pred, meas))
+
+    def under_predicted_positions(self, share: float) -> list[tuple[int, int, int, float]]:
+        """(position, measured, predicted bytes, error) of each position measured above its prediction by more than
+        ``share`` of the measurement."""
+        return [(s, self.measured_stage_memory_bytes[s], self.predicted_stage_memory_bytes[s], e)
+                for s, e in enumerate(self.stage_memory_errors) if e < -share]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -476,6 +495,11 @@ def format_comparison(c: Comparison) -> str:
         lines.append("(Nf: phase N's AutoCache fill steps, which computed the frozen prefix and wrote its rows, "
                      "compared with the plan's fill step apart from its steady steps; err: (predicted - measured) / "
                      "measured)")
+    for r in sorted(c.phases + c.fills, key=lambda r: (r.phase, r.kind != "steady")):
+        for s, got, want, e in r.under_predicted_positions(MEMORY_NOTE_SHARE):
+            lines.append(f"note: phase {r.phase if r.kind == 'steady' else f'{r.phase}f'}, pipeline position {s}: "
+                         f"measured {got / 2**20:.2f} MiB against {want / 2**20:.2f} MiB predicted ({e:+.1%}); the "
+                         f"mem err column compares each side's fullest device")
     lines.extend(f"note: {w}" for w in c.warnings + c.mismatches)
     lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
                  f"stopped run logged from there were replaced by the resumed run's (each step counted once)"

@@ -85,6 +85,38 @@ def test_medians_errors_and_left_out_steps(plan, tmp_path):
     assert "median |error|: iteration time 25.0%" in text and "-50.0%" in text and "0 -> 2" in text
 
 
+def test_a_position_over_its_prediction_is_noted_behind_a_fuller_one(plan, tmp_path):
+    """The mem err column compares each side's fullest device; a pipeline position measured above its own
+    prediction while another position is the fullest (ZB-H1's last stage behind stage 0, measured 6 % over) is
+    named with its numbers, and ``stage_memory_errors`` gives every position's error."""
+    p = plan.phases[0]
+    pred = p.predicted.device_peak_memory_bytes
+    full = max(range(p.K), key=lambda s: pred[s])
+    other = next(s for s in range(p.K) if s != full)
+    got = {full: pred[full], other: int(pred[other] * 1.25)}
+    recs = _records(plan, {0: [9.0, 1.0, 1.0]}, {0: max(got.values())})
+
+    def per_rank(total):
+        rows = [None] * (p.K * p.D)
+        for row in p.ranks:
+            for s, rank in enumerate(row):
+                rows[rank] = {"total": total(s)}
+        return {"per_rank": rows}
+
+    recs[2]["memory"] = per_rank(got.get)
+    c = compare(plan, _log(tmp_path, recs))
+    r = c.phases[0]
+    errs = r.stage_memory_errors
+    assert errs[full] == pytest.approx(0.0) and errs[other] == pytest.approx(1 / 1.25 - 1, abs=1e-6)
+    assert [x[0] for x in r.under_predicted_positions(0.05)] == [other]
+    text = format_comparison(c)
+    assert (f"note: phase 0, pipeline position {other}: measured {got[other] / 2**20:.2f} MiB against "
+            f"{pred[other] / 2**20:.2f} MiB predicted (-20.0%)") in text
+    # within 5 %: no note
+    recs[2]["memory"] = per_rank(lambda s: int(pred[s] * 1.04))
+    assert "pipeline position" not in format_comparison(compare(plan, _log(tmp_path, recs)))
+
+
 def test_a_phase_with_only_the_memory_sampled_step_is_timed_on_it(plan, tmp_path):
     c = compare(plan, _log(tmp_path, _records(plan, {0: [9.0, 2.0]}, {0: 1 << 20})))
     r = c.phases[0]
