@@ -496,9 +496,9 @@ def format_comparison(c: Comparison) -> str:
                      "compared with the plan's fill step apart from its steady steps; err: (predicted - measured) / "
                      "measured)")
     for r in sorted(c.phases + c.fills, key=lambda r: (r.phase, r.kind != "steady")):
-        for s, got, want, e in r.under_predicted_positions(MEMORY_NOTE_SHARE):
-            lines.append(f"note: phase {r.phase if r.kind == 'steady' else f'{r.phase}f'}, pipeline position {s}: "
-                         f"measured {got / 2**20:.2f} MiB against {want / 2**20:.2f} MiB predicted ({e:+.1%}); the "
+        for pos, got, want, err in r.under_predicted_positions(MEMORY_NOTE_SHARE):
+            lines.append(f"note: phase {r.phase if r.kind == 'steady' else f'{r.phase}f'}, pipeline position {pos}: "
+                         f"measured {got / 2**20:.2f} MiB against {want / 2**20:.2f} MiB predicted ({err:+.1%}); the "
                          f"mem err column compares each side's fullest device")
     lines.extend(f"note: {w}" for w in c.warnings + c.mismatches)
     lines.extend(f"note: resumed from step {r['step']} (line {r['line']}): {r['replaced_steps']} step record(s) the "
