@@ -1,9 +1,11 @@
-"""Fill a profile's backward working set (``backward_working_bytes_per_sample``, ``accumulate_bytes``) by measuring it.
+"""Fill a profile's backward working set (``backward_working_bytes_per_sample``, ``accumulate_bytes``) and the split
+backward's stash (``backward_stash_bytes_per_sample``) by measuring them.
 
-Profiles written before the profiler measured the backward's working set (``executor/profiling/live_bytes.py``) load
-with 0 there. This re-runs only the profiler's memory pass (``live_bytes.memory_pass``: one forward and two backwards
-per layer, no timing) for each profile's model, on the profile's device kind, at its memory batch size, and writes the
-profile with the two fields filled, everything else as it was; ``measurement.backward_working`` says how. The output
+Profiles written before the profiler measured the backward's working set or the stash (``executor/profiling/
+live_bytes.py``) load with 0 there. This re-runs only the profiler's memory pass (``live_bytes.memory_pass``: one
+forward, two backwards and one split backward per layer, no timing) for each profile's model, on the profile's device
+kind, at its memory batch size, and writes the profile with the three fields filled, everything else as it was;
+``measurement.backward_working`` says how. The output
 and saved-for-backward bytes are measured again beside them and must equal the profile's (the same model, kernels
 and size), or the profile is left alone and the script exits 1.
 
@@ -49,8 +51,9 @@ def fill(path: Path, out: Path, device: str, projected: bool) -> bool:
               f"{[mem.saved[i] for i in bad[:4]]}, profile {[have_saved[i] for i in bad[:4]]}); left alone")
         return False
     d = json.loads(path.read_text())
-    for layer, w, a in zip(d["layers"], mem.working, mem.accumulate):
+    for layer, w, a, st in zip(d["layers"], mem.working, mem.accumulate, mem.stash):
         layer["backward_working_bytes_per_sample"], layer["accumulate_bytes"] = int(w), int(a)
+        layer["backward_stash_bytes_per_sample"] = int(st)
     d["measurement"]["backward_working"] = {
         "method": how, "batch_size": b, "seconds": round(secs, 2), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
@@ -62,7 +65,7 @@ def fill(path: Path, out: Path, device: str, projected: bool) -> bool:
     top = max(range(len(mem.working)), key=lambda i: mem.working[i])
     print(f"{path.name}: b={b}, {secs:.1f} s; largest working set {prof.layers[top].name} "
           f"{mem.working[top] * b / 2**20:.1f} MiB per micro-batch of {b}; largest accumulate "
-          f"{max(mem.accumulate) / 2**20:.1f} MiB -> {out}")
+          f"{max(mem.accumulate) / 2**20:.1f} MiB; largest stash {max(mem.stash) * b / 2**20:.1f} MiB -> {out}")
     return True
 
 

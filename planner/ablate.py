@@ -242,6 +242,8 @@ def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
     t.saved_per_sample = np.where(frozen, 0.0, table.saved_per_sample)
     t.working_per_sample = np.where(frozen, 0.0, table.working_per_sample)
     t.accumulate_bytes = np.where(frozen, 0.0, table.accumulate_bytes)
+    t.stash_per_sample = np.where(frozen, 0.0, table.stash_per_sample)
+    t.cum_stash = _cum(t.stash_per_sample)
     t.set_optimizer(np.where(frozen, 0.0, table.optimizer_s), table.optimizer_call_s)
     t.param_bytes = np.where(frozen, 0.0, table.param_bytes)
     t.cum_param = _cum(t.param_bytes)

@@ -144,6 +144,10 @@ class CostTable:
         """Per layer, its backward's working set per sample (``LayerRecord.backward_working_bytes_per_sample``)."""
         self.accumulate_bytes = np.array([r.accumulate_bytes for r in p.layers], dtype=float)
         """Per layer, what its backward makes more when adding into existing ``.grad`` (``LayerRecord``)."""
+        self.stash_per_sample = np.array([r.backward_stash_bytes_per_sample for r in p.layers], dtype=float)
+        """Per layer, what a split backward's B leaves for its W, per sample (``LayerRecord``)."""
+        self.stash_measured = bool(self.stash_per_sample.any())
+        """Whether the profile records the stash (older profiles do not: zero-bubble plans then leave it out)."""
         self.out_per_sample = np.array([r.output_bytes_per_sample for r in p.layers], dtype=float)
         self.optimizer_measured = all(r.optimizer_s is not None for r in p.layers)
         """Whether the profile measured every layer's optimizer step (older profiles did not)."""
@@ -152,6 +156,7 @@ class CostTable:
         self.cum_param = _cum(self.param_bytes)
         self.cum_grad = _cum(self.grad_bytes)
         self.cum_saved = _cum(self.saved_per_sample)
+        self.cum_stash = _cum(self.stash_per_sample)
         self.cum_sync = self.cum_grad
         """Prefix sums of the bytes a stage's data-parallel gradient sync all-reduces (``strategy.py``
         halves them for FSDP's reduce-scatter)."""

@@ -351,7 +351,7 @@ class Baseline:
 WARNING_CODES = ("cpu-profile-for-gpu-cluster", "synthetic-profile", "projected-profile", "extrapolated-micro-batch",
                  "missing-optimizer-time", "optimizer-time-is-adamw", "pinned-not-possible", "host-memory-unknown",
                  "cache-off-host-memory", "missing-backward-split", "profile-device-differs", "freezing-stopped",
-                 "assumed-cache-host-rates")
+                 "assumed-cache-host-rates", "missing-backward-stash")
 
 
 @dataclass(frozen=True, kw_only=True)

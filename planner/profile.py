@@ -108,6 +108,10 @@ class LayerRecord:
     """Bytes more the same backward allocates when its gradients are added into existing ``.grad`` (a later
     micro-batch's: each weight gradient is made apart first), for the layer (not per sample). 0 where not
     measured."""
+    backward_stash_bytes_per_sample: int = 0
+    """Bytes per sample a split backward's input-gradient half (ZB's B) leaves alive for its weight-gradient half
+    (W): the gradients of the weight operations' outputs (``live_bytes.stash_step``). 0 for the first layer, and
+    in profiles written before the profiler measured it (the planner then prices no stash)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -314,7 +318,7 @@ class Profile:
         if d["token_slices"] is None:  # optional: absent, as in files written before it existed
             del d["token_slices"]
         for layer in d["layers"]:  # likewise a working set not measured
-            for key in ("backward_working_bytes_per_sample", "accumulate_bytes"):
+            for key in ("backward_working_bytes_per_sample", "accumulate_bytes", "backward_stash_bytes_per_sample"):
                 if not layer[key]:
                     del layer[key]
         return {"schema": d.pop("schema"), **d}
@@ -369,6 +373,8 @@ def _layer_records(top: Fields, source: str, n: int, num_blocks: int) -> list[La
             lf.int("backward_working_bytes_per_sample", min=0, max=MAX_BYTES),
             accumulate_bytes=0 if lf.raw("accumulate_bytes", None) is None else
             lf.int("accumulate_bytes", min=0, max=MAX_BYTES),
+            backward_stash_bytes_per_sample=0 if lf.raw("backward_stash_bytes_per_sample", None) is None else
+            lf.int("backward_stash_bytes_per_sample", min=0, max=MAX_BYTES),
         ))
     if not layers:
         raise SchemaError(source, "layers", "is empty")

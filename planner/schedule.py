@@ -717,6 +717,26 @@ def peak_inflight(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
+def peak_stashed(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
+    """Per stage (K·V), the most micro-batches at once whose B (the input gradient) has run and whose W (the weight
+    gradient) has not, in the named schedule's lists: each holds what its B left for its W (the stage model's
+    stash). 0 on every stage of a schedule without W, and on stage 0, whose whole backward the runtime runs in its
+    W (its input needs no gradient: B only keeps the received gradient)."""
+    sched = build_schedule(name, int(K), int(M), int(V))
+    out = [0] * len(sched.stage_to_rank)
+    for acts in sched.actions:
+        split = {(a.stage, a.mb) for a in acts if a.kind is ActionKind.W}
+        held: dict[int, int] = {}
+        for a in acts:
+            if a.kind is ActionKind.B and a.stage > 0 and (a.stage, a.mb) in split:
+                held[a.stage] = held.get(a.stage, 0) + 1
+                out[a.stage] = max(out[a.stage], held[a.stage])
+            elif a.kind is ActionKind.W and a.stage > 0:
+                held[a.stage] = held.get(a.stage, 0) - 1
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
 def _peak_inflight_cached(name: str, K: int, M: int, V: int) -> tuple[int, ...]:
     return _peak_inflight(name, K, M, V)
 

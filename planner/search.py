@@ -47,7 +47,7 @@ from .errors import InfeasibleError, PtplanError
 from .partition import split_stages
 from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
-from .schedule import Schedule, build_schedule, peak_inflight, stage_to_rank
+from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, stage_to_rank
 from .simulate import StageCost, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for
 from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
@@ -185,6 +185,7 @@ class PhaseSearch:
         """The stage model of the candidate's one strategy (``Candidate.strategy``) on every stage."""
         shape = PhaseShape(K=cand.K, M=cand.M, b=cand.b, D=cand.D, frozen=n0, cache=cand.cache, V=cand.V,
                            inflight=peak_inflight(cand.schedule, cand.K, cand.M, cand.V),
+                           stashed=peak_stashed(cand.schedule, cand.K, cand.M, cand.V),
                            optimizer=self.cfg.optimizer, device_is_host=self.c.device_is_host,
                            weight_versions=2 if cand.schedule == "2bw" else 1, own_p2p=cand.schedule == "2bw",
                            action_overhead_s=self.c.action_overhead_s,

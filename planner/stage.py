@@ -253,6 +253,9 @@ class PhaseShape:
     recompute_layers: int = 0
     """With recomputation: only the stage's first r active layers are recomputed (0 = all of them; a stage
     of r layers or fewer recomputes them all)."""
+    stashed: tuple[int, ...] = ()
+    """Per stage, the most micro-batches at once between their B and their W (``schedule.peak_stashed``: zero-bubble
+    schedules), each holding what its B left for its W (Σ stash[lo:hi] per sample); empty: none."""
     own_p2p: bool = False
     """The stage exchanges messages in ptplan's own point-to-point loop (PipeDream-2BW,
     ``executor/runtime/twobw.py``), not torch.distributed.pipelining's: no receive buffer per micro-batch; a
@@ -283,6 +286,8 @@ class PhaseShape:
     def __post_init__(self) -> None:
         if len(self.inflight) != self.S:
             raise PtplanError(f"PhaseShape: {len(self.inflight)} in-flight counts for K*V={self.S} stages")
+        if self.stashed and len(self.stashed) != self.S:
+            raise PtplanError(f"PhaseShape: {len(self.stashed)} stashed counts for K*V={self.S} stages")
         if self.stage_ranks and len(self.stage_ranks) != self.S:
             raise PtplanError(f"PhaseShape: {len(self.stage_ranks)} stage ranks for K*V={self.S} stages")
         if not self.stage_ranks and self.V > 1:
@@ -318,6 +323,24 @@ class Band:
     working: np.ndarray | float = 0.0
     """What a backward in progress holds on top of the micro-batches in flight: with recomputation one micro-batch's
     activations, rebuilt for its backward; and the backward's working set (module docstring)."""
+    stash: np.ndarray | float = 0.0
+    """b · Σ stash[I:J]: what one micro-batch's B leaves for its W (zero-bubble schedules)."""
+
+
+def _stage0_prefix(raw: CostTable, table: CostTable, times: Any, sh: PhaseShape, fill_from: int
+                   ) -> tuple[float, float, float, float, float]:
+    """Stage 0's frozen-prefix terms (static bytes, prefix seconds, cache read and fill set-up seconds, transient
+    bytes after): with the AutoCache, the shard's prefix outputs and the host traffic (priced from the profile's
+    own table ``raw``: the prefix stays whole in host memory); else the prefix's weights and no-grad forward, split
+    and sharded as the stage's layers (``table``, ``times``)."""
+    n0, b, M = sh.frozen, sh.b, sh.M
+    if not sh.cache:  # split (/ tp) and, with FSDP, sharded (/ D); + its all-reduces (tp) and all-gathers (FSDP)
+        return float(table.cum_param[n0]), float(times.cum_nograd[n0]), 0.0, 0.0, 0.0
+    out = table.out_per_sample
+    read = cache_setup_s(raw, n0, M, b, sh.host_io, device_is_host=sh.device_is_host)
+    fill = cache_setup_s(raw, n0, M, b, sh.host_io, device_is_host=sh.device_is_host, fill_from=fill_from)
+    streamed = 0.0 if sh.device_is_host else float(raw.max_param_upto[n0])
+    return float(M * b * out[n0 - 1]), 0.0, read, fill, streamed + float(b * out[:n0].max())
 
 
 class StageModel:
@@ -365,8 +388,7 @@ class StageModel:
         """Prefix sums of their bytes' seconds per sample of the micro-batch."""
         self.ovh = sh.action_overhead_s if sh.K > 1 else 0.0
         self.opt_temp = 0.0 if sh.device_is_host else OPTIMIZER_TEMP_FACTOR_GPU[sh.optimizer]
-        n0, b, M = sh.frozen, sh.b, sh.M
-        out = table.out_per_sample
+        b, M = sh.b, sh.M
         self.fill_from = fill_from
         L = links
         self._lat_in = np.concatenate(([0.0], L.send_lat))
@@ -374,6 +396,8 @@ class StageModel:
         self._lat_out = np.concatenate((L.send_lat, [0.0]))
         self._inv_out = np.concatenate((L.send_inv_bw, [0.0]))
         self._inflight = np.asarray(sh.inflight, dtype=float)
+        self._stashed = np.asarray(sh.stashed, dtype=float) if any(sh.stashed) else None
+        """Per stage, micro-batches between B and W at once (``PhaseShape.stashed``), or None: no stash priced."""
         self._remote_in, self._remote_out = remote_neighbours(sh.stage_ranks or tuple(range(sh.S)))
         self._out_before = np.concatenate(([0.0], table.out_per_sample))
         """``_out_before[i]``: output bytes per sample of layer i - 1 (what a stage starting at i receives)."""
@@ -381,20 +405,8 @@ class StageModel:
         """Per layer, its backward's working set for one micro-batch (adding into ``.grad`` when M > 1); max over a
         stage's layers (``band``)."""
         self._has_working = sh.recompute or bool(self._working)
-        if sh.cache:
-            shard = M * b * out[n0 - 1]
-            self.stage0_static = float(shard)
-            self.prefix_s = 0.0
-            self.read_setup_s = cache_setup_s(self.raw, n0, M, b, sh.host_io, device_is_host=sh.device_is_host)
-            self.fill_setup_s = cache_setup_s(self.raw, n0, M, b, sh.host_io, device_is_host=sh.device_is_host,
-                                              fill_from=fill_from)
-            streamed = 0.0 if sh.device_is_host else float(self.raw.max_param_upto[n0])
-            self.stage0_after = streamed + float(b * out[:n0].max())
-        else:
-            self.stage0_static = float(table.cum_param[n0])  # split (/ tp) and, with FSDP, sharded (/ D)
-            self.prefix_s = float(self.times.cum_nograd[n0])  # + its all-reduces (tp) and all-gathers (FSDP)
-            self.read_setup_s = self.fill_setup_s = 0.0
-            self.stage0_after = 0.0
+        self.stage0_static, self.prefix_s, self.read_setup_s, self.fill_setup_s, self.stage0_after = \
+            _stage0_prefix(self.raw, table, self.times, sh, fill_from)
 
     def optimizer_bytes(self, weight_bytes: Any) -> Any:
         """Optimizer-state bytes of weights of ``weight_bytes`` bytes in the table's dtype:
@@ -437,6 +449,7 @@ class StageModel:
         if self._working:
             bwd = self._working.query(at_I, J)
             bwd = np.where(J == self.n, np.maximum(bwd - b * out_J, 0.0), bwd)
+        stash = b * (t.cum_stash[J] - at_I(t.cum_stash)) if self._stashed is not None else 0.0
         r = self.shape.recompute_layers
         if self.shape.recompute and r:  # the first r layers: their input stashed, the rest's activations kept
             R = np.minimum(at_I(self._index) + r, J)
@@ -447,14 +460,14 @@ class StageModel:
             return Band(I=I, J=J, fb=tm.cum_fb[J] - at_I(tm.cum_fb) + tm.cum_fwd[R] - at_I(tm.cum_fwd),
                         state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
                         per_mb=np.where(whole, in_bytes, part_mb), in_bytes=in_bytes, out_bytes=b * out_J,
-                        working=np.where(whole, full, part_w) + bwd)
+                        working=np.where(whole, full, part_w) + bwd, stash=stash)
         if self.shape.recompute:  # the stashed input per micro-batch; one working set rebuilt at a time
             return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb),
                         state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                        per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd)
+                        per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd, stash=stash)
         return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb),
                     state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                    per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd)
+                    per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd, stash=stash)
 
     def prepare(self, I: np.ndarray, J: np.ndarray) -> tuple[np.ndarray, ...]:
         """The stage-index-free parts of stages [I, J), for ``evaluate`` (the partitioner computes them
@@ -463,8 +476,9 @@ class StageModel:
         after = bd.grad if self.sync else np.zeros_like(bd.grad)  # the flat all-reduce buffer
         if self.opt_temp:
             after = np.maximum(after, self.opt_temp * bd.weights)
-        return (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after,
-                np.broadcast_to(bd.working, np.shape(bd.fb)))
+        terms = (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after,
+                 np.broadcast_to(bd.working, np.shape(bd.fb)))
+        return terms if self._stashed is None else terms + (np.broadcast_to(bd.stash, np.shape(bd.fb)),)
 
     def _combine(self, terms: tuple[np.ndarray, ...], s: int | np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -472,8 +486,11 @@ class StageModel:
         array broadcasting against the terms): the module docstring's formulas, in one place. (The
         number case branches instead of multiplying by 0/1 flags: it runs once per stage index in
         every split search.) Recomputation's working set w joins ``static`` and leaves ``after``
-        (max(after - w, 0)), so that ``peak_bytes`` gives static + max(inflight · per_mb + w, after)."""
+        (max(after - w, 0)), so that ``peak_bytes`` gives static + max(inflight · per_mb + w, after); so does a
+        zero-bubble schedule's stash, stashed[s] · b · Σ stash (``PhaseShape.stashed``)."""
         t, static, per_mb, after, infl = self._combine_raw(terms[:6], s)
+        if self._stashed is not None:
+            static = static + self._stashed[s] * terms[7]
         if self.shape.own_p2p:  # 2BW never drains: its update's transient adds (module docstring: after)
             static, after = static + after, np.zeros_like(after)
         if self._has_working:
@@ -528,13 +545,15 @@ class StageModel:
         position-dependent term on at once (both receive buffers, stage 0's prefix or cache, the most
         micro-batches in flight), each of which only adds."""
         sh = self.shape
-        _, inb, outb, state, per_mb, after, w = terms
+        _, inb, outb, state, per_mb, after, w = terms[:7]
         if sh.own_p2p:
             static = state + outb + self.stage0_static
             per = per_mb if sh.recompute else per_mb + inb
         else:
             static, per = state + sh.M * (inb + outb) + self.stage0_static, per_mb
         static = static + self.extra_static
+        if self._stashed is not None:
+            static = static + float(self._stashed.max()) * terms[7]
         if self.stage0_after:
             after = np.maximum(after, self.stage0_after)
         if sh.own_p2p:  # as ``_combine``: 2BW's transient adds
@@ -574,6 +593,8 @@ class StageModel:
         g = sh.weight_versions * (t.cum_grad[hi] - t.cum_grad[lo])
         o = self.optimizer_bytes(weights)
         rc = terms[6] if self._has_working else np.zeros(sh.S)  # recomputation's and the backward's working sets
+        if self._stashed is not None:  # what the micro-batches between B and W keep for their W
+            rc = rc + self._stashed * terms[7]
         total = peak_bytes(static, per_mb, infl, after)
         raw_after = self._combine_raw(terms[:6], np.arange(sh.S))[3]
         added = raw_after if sh.own_p2p else np.zeros(sh.S)  # 2BW's transient is in ``static`` (``_combine``)

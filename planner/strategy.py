@@ -285,7 +285,8 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     if st.tp > 1:  # a backward's working set divides as the activations it works on
         share = tp_saved_share(table, st.tp, st.sp)
         t.saved_per_sample, t.working_per_sample = table.saved_per_sample * share, table.working_per_sample * share
-        t.cum_saved = _cum(t.saved_per_sample)
+        t.stash_per_sample = table.stash_per_sample * share
+        t.cum_saved, t.cum_stash = _cum(t.saved_per_sample), _cum(t.stash_per_sample)
     sync = G
     if st.fsdp and D > 1:
         ag = (dp_ar[0] + W * dp_ar[1]) / 2.0

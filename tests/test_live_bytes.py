@@ -51,6 +51,18 @@ def test_linear_layers_by_hand():
     assert memory_pass(m, x, labels, None, B) == mem  # the same count every time (storages told apart by object)
 
 
+def test_the_split_backwards_stash_by_hand():
+    """ZB's B (the input gradient alone, ``torch_adapter.backward_input``) keeps, for its W, the gradient of each
+    weight operation's output: a linear layer's B·out·4 bytes (the seed it is given in the middle, the loss's
+    gradient on the last); its input's gradient is sent on, not kept. 0 on the first layer, whose whole backward
+    the runtime runs in W. Measured with W run after, so the layer ends as after a whole backward."""
+    m = _Model()
+    x, labels = torch.randn(B, IN), torch.randn(B, OUT)
+    mem = memory_pass(m, x, labels, None, B)
+    assert mem.stash == [0, HID * 4, OUT * 4]
+    assert all(p.grad is None for p in m.parameters())
+
+
 def test_the_count_frees_what_dies_and_ignores_views_and_in_place_results():
     count = LiveCount()
     keep = torch.zeros(16)

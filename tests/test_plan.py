@@ -247,6 +247,23 @@ def test_zero_bubble_from_a_profile_without_the_backward_split_warns(split):
     assert {p.schedule for p in plan.phases} == {"zb-h1"}
     codes = {w.code for w in plan.warnings}
     assert ("missing-backward-split" in codes) is (not split), codes
+    assert "missing-backward-stash" not in codes  # a projected profile records the stash
+
+
+def test_zero_bubble_from_a_profile_without_the_stash_warns():
+    """A profile written before ptplan measured the split backward's stash prices none, and the plan says so."""
+    prof = load_profile(ROOT / "profiles" / "bert-base_h100_bf16.json")
+    assert any(r.backward_stash_bytes_per_sample for r in prof.layers)
+    old = replace(prof, layers=tuple(replace(r, backward_stash_bytes_per_sample=0) for r in prof.layers))
+    cfg = TrainingConfig(epochs=1, samples_per_epoch=512, batch=64, schedule="zb-h1", pin_K=4, cache="off")
+    plans = {k: make_plan(p, get_preset("dgx-h100"), cfg, FreezePolicy(policy="manual", manual=(0,)))
+             for k, p in (("new", prof), ("old", old))}
+    assert "missing-backward-stash" in {w.code for w in plans["old"].warnings}
+    new, old_ = plans["new"].phases[0], plans["old"].phases[0]
+    assert (new.K, new.M, new.micro_batch_size) == (old_.K, old_.M, old_.micro_batch_size) == (4, new.M, new.micro_batch_size)
+    # the stash is priced on every position but the first (whose whole backward runs in W)
+    a, b = new.predicted.device_peak_memory_bytes, old_.predicted.device_peak_memory_bytes
+    assert a[0] == b[0] and all(x > y for x, y in zip(a[1:], b[1:])), (a, b)
 
 
 def test_cache_beyond_host_memory_is_refused_or_turned_off():

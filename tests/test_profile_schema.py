@@ -130,7 +130,8 @@ SLICED = PROFILE_DIR / "gpt2_cpu_fp32_slices.json"
 OPTIONAL = {"provenance", "token_slices", "model.config", "device.threads", "whole_model.peak_memory_bytes",
             "provenance.command", "provenance.device_model", "token_slices.command", "token_slices.timer",
             "token_slices.forward.per_square", "token_slices.backward.per_square"} | {f"layers[1].{k}" for k in (
-                "backward_weight_s", "optimizer_s", "backward_working_bytes_per_sample", "accumulate_bytes")}
+                "backward_weight_s", "optimizer_s", "backward_working_bytes_per_sample", "accumulate_bytes",
+                "backward_stash_bytes_per_sample")}
 """The fields a profile may leave out (``docs/contracts.md``); every other one is required."""
 
 

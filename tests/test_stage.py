@@ -387,3 +387,37 @@ def test_receive_buffers_only_where_the_neighbouring_stage_is_on_another_rank(sc
         assert x.buffers == want, (s, ranks)
     if K == 1:
         assert all(x.buffers == 0 for x in model.stage_memory(ranges))
+
+
+def test_zero_bubble_stash_by_hand():
+    """ZB-H1 on K = 4, M = 8: stage s > 0 holds up to s + 1 micro-batches between their B and their W
+    (``peak_stashed``: 0 2 3 4; stage 0 runs its whole backward in W), each keeping what its B left for its W,
+    b · Σ stash[lo:hi]; the stage model adds exactly that to the peak, the static and the activations, and nothing
+    else. 1F1B, which has no W, and a profile without the stash price none."""
+    from ptplan.planner.schedule import peak_stashed
+
+    assert peak_stashed("zb-h1", 2, 16) == (0, 2)
+    assert peak_stashed("zb-h1", 4, 8) == (0, 2, 3, 4)
+    assert peak_stashed("zb-v", 4, 8, 2) == (0, 2, 3, 4, 3, 2, 1, 1)
+    assert peak_stashed("1f1b", 4, 8) == (0, 0, 0, 0) == peak_stashed("gpipe", 4, 8)
+    prof = synthetic_profile(num_blocks=6, hidden=64, seq_len=16)
+    rng = random.Random(3)
+    prof = replace(prof, layers=tuple(replace(r, backward_stash_bytes_per_sample=0 if r.index == 0 else
+                                              rng.randrange(100, 5000)) for r in prof.layers))
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=4)
+    K, M, b = 4, 8, 2
+    ranges = random_split(rng, 0, prof.num_layers, K)
+    stashed = peak_stashed("zb-h1", K, M)
+    base = dict(K=K, M=M, b=b, D=1, frozen=0, cache=False, inflight=peak_inflight("zb-h1", K, M),
+                device_is_host=False, action_overhead_s=gpu.action_overhead_s)
+    plain = StageModel(CostTable(prof), PhaseShape(**base), links_for(gpu, K))
+    zb = StageModel(CostTable(prof), PhaseShape(**base, stashed=stashed), links_for(gpu, K))
+    for s, ((lo, hi), x, y) in enumerate(zip(ranges, plain.stage_memory(ranges), zb.stage_memory(ranges))):
+        want = stashed[s] * b * sum(r.backward_stash_bytes_per_sample for r in prof.layers[lo:hi])
+        assert y.total - x.total == want and y.activations - x.activations == want, s
+        assert (y.weights, y.gradients, y.optimizer, y.buffers) == (x.weights, x.gradients, x.optimizer, x.buffers)
+        _, mem = zb.evaluate(s, zb.prepare(np.array([lo]), np.array([hi])))
+        assert int(mem[0]) == y.total  # the partitioner's evaluation is the breakdown's total
+    none = replace(prof, layers=tuple(replace(r, backward_stash_bytes_per_sample=0) for r in prof.layers))
+    assert StageModel(CostTable(none), PhaseShape(**base, stashed=stashed), links_for(gpu, K)).stage_memory(ranges) \
+        == StageModel(CostTable(none), PhaseShape(**base), links_for(gpu, K)).stage_memory(ranges)

@@ -14,7 +14,8 @@ by the profiler, the projection (on fake tensors) and the CPU run's memory count
 - ``NewStorages``: a dispatch mode that adds to a ``LiveCount`` the storage of every tensor an operation returns,
   unless it is one of the operation's inputs' (a view, an in-place result), and subtracts it when the storage
   dies (a weakref on it). It works on any device and under ``FakeTensorMode``;
-- ``memory_pass``: per layer, the output, saved-for-backward and backward-working bytes per sample.
+- ``memory_pass``: per layer, the output, saved-for-backward and backward-working bytes per sample, and what a
+  split backward's input-gradient half (ZB's B) leaves for its weight-gradient half (its W): the **stash**.
 
 On a CUDA device the allocator also sees the kernels' own workspaces, which no operation returns:
 ``bench/backward_working.py`` measured the live count at 35-100 % of ``max_memory_allocated``'s rise for the
@@ -135,6 +136,11 @@ class LayerBytes:
     accumulate: list[int]
     """Bytes more when the backward adds into existing ``.grad`` (a later micro-batch's: each weight gradient is
     made apart first), per layer (not per sample)."""
+    stash: list[int]
+    """Per sample, the bytes a split backward's B (``torch_adapter.backward_input``: the input gradient alone, the
+    graph kept) made and leaves alive for its W, the input's gradient not counted (it is sent on): the gradients
+    of the weight operations' outputs, which W reads. 0 for the first layer, whose B the runtime defers whole to
+    its W."""
 
 
 def layer_step(model: Any, i: int, xin: Tensor, labels: Tensor, mask: Tensor | None, own: set[int],
@@ -172,6 +178,41 @@ def layer_step(model: Any, i: int, xin: Tensor, labels: Tensor, mask: Tensor | N
     return y, saved[0], rise
 
 
+def stash_step(model: Any, i: int, xin: Tensor, labels: Tensor, mask: Tensor | None, params: list[Tensor]) -> int:
+    """Layer i's forward (the loss too on the last), then its split backward under a live count: the bytes its B
+    made that are still alive when its W starts and that W frees (what B left for W), the input's gradient left
+    out; W runs, so the layer ends as after a whole backward."""
+    from ptplan.executor.runtime import torch_adapter
+
+    layer = model.layers[i]
+    count = LiveCount()
+    with NewStorages(count, "working", ignore=params) as mode:
+        y = layer(xin, attention_mask=mask)
+        loss = model.loss(y, labels) if i == len(model.layers) - 1 else None
+        since = count.mark()
+        root = loss if loss is not None else y
+        seed = None if loss is not None else [torch.ones_like(y)]
+        dinputs, groups = torch_adapter.backward_input([root], seed, [xin], iter(list(layer.parameters())))
+        del seed, root, loss, y
+        alive: dict[Any, int] = {}  # storages made since B began, still alive
+        for key, n, _ in count.log[since:]:
+            if n > 0:
+                alive[key] = n
+            else:
+                alive.pop(key, None)
+        if dinputs and dinputs[0] is not None:
+            alive.pop(mode.key_of(dinputs[0]), None)
+        del dinputs
+        xin.grad = None
+        w_began = count.mark()
+        torch_adapter.backward_weight(iter(list(layer.parameters())), groups)
+        del groups
+    # what W used up: a storage B made that lives on after W too (a constant some kernel caches on its first call,
+    # once per process) is not the stash, and counting it would make the number depend on what ran before
+    freed = {key for key, n, _ in count.log[w_began:] if n < 0}
+    return sum(n for key, n in alive.items() if key in freed)
+
+
 def memory_pass(model: Any, x: Tensor, labels: Tensor, mask: Tensor | None, b: int) -> LayerBytes:
     """``LayerBytes`` of ``model``'s layers (a ``LayeredModel``) for the batch ``x`` of b samples, each layer run
     on the previous one's output detached (the last with the loss): once with no ``.grad``, once more adding into
@@ -179,7 +220,7 @@ def memory_pass(model: Any, x: Tensor, labels: Tensor, mask: Tensor | None, b: i
     fake ones (the projection's ``fake_memory_pass``)."""
     params = list(model.parameters())
     own = {id(st) for st in map(_storage, params)}
-    res = LayerBytes(output=[], saved=[], working=[], accumulate=[])
+    res = LayerBytes(output=[], saved=[], working=[], accumulate=[], stash=[])
     h = x
     for p in params:
         p.grad = None
@@ -192,6 +233,10 @@ def memory_pass(model: Any, x: Tensor, labels: Tensor, mask: Tensor | None, b: i
         res.saved.append(-(-saved // b))
         res.working.append(math.ceil(first / b))
         res.accumulate.append(max(again - first, 0))
+        for p in layer.parameters():
+            p.grad = None
+        stash = 0 if i == 0 else stash_step(model, i, h.detach().requires_grad_(True), labels, mask, params)
+        res.stash.append(-(-stash // b))
         for p in layer.parameters():
             p.grad = None
         h = y.detach()

@@ -564,6 +564,8 @@ class _SizeResult:
     """Per layer, the backward's working set per sample (``live_bytes.memory_pass``)."""
     accumulate_bytes: list[int]
     """Per layer, what its backward makes more when adding into existing ``.grad``."""
+    stash_bytes: list[int]
+    """Per layer, what its split backward's B leaves for its W, per sample."""
 
 
 def budget_rounds(budget_s: float, round_s: float, warmup: int, repeats: int, *, first: bool) -> tuple[int, int]:
@@ -627,7 +629,8 @@ def _measure_size(model: LayeredModel, clock: _Clock, dev: torch.device, b: int,
                        backward_weight=[statistics.median(s[i] for s in sw) for i in range(n)],
                        nograd=[statistics.median(s[i] for s in ln) for i in range(n)],
                        whole_forward=statistics.median(wf), whole_forward_backward=statistics.median(wfb),
-                       peak=peak, out_bytes=mem.output, saved_bytes=mem.saved, working_bytes=mem.working, accumulate_bytes=mem.accumulate), \
+                       peak=peak, out_bytes=mem.output, saved_bytes=mem.saved, working_bytes=mem.working, accumulate_bytes=mem.accumulate,
+                       stash_bytes=mem.stash), \
         (warmup, repeats)
 
 
@@ -769,6 +772,7 @@ def _layer_records(model: LayeredModel, results: list[_SizeResult], opt_s: list[
             grad_bytes=nbytes, optimizer_bytes=sum(optimizer_state_bytes(p.numel(), DTYPE_NAMES[p.dtype]) for p in ps),
             output_bytes_per_sample=last.out_bytes[i], saved_bytes_per_sample=last.saved_bytes[i],
             backward_working_bytes_per_sample=last.working_bytes[i], accumulate_bytes=last.accumulate_bytes[i],
+            backward_stash_bytes_per_sample=last.stash_bytes[i],
             forward_s=tuple(r.forward[i] for r in results), backward_s=tuple(r.backward[i] for r in results),
             nograd_forward_s=tuple(r.nograd[i] for r in results),
             backward_weight_s=tuple(weight_share(r.backward_input[i], r.backward_weight[i]) * r.backward[i]

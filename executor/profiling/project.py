@@ -284,6 +284,8 @@ class Counted:
     """Per layer, the backward's working set per sample (``live_bytes``)."""
     accumulate_bytes: tuple[int, ...]
     """Per layer, what its backward makes more when adding into existing ``.grad``."""
+    stash_bytes: tuple[int, ...]
+    """Per layer, what its split backward's B leaves for its W, per sample (``live_bytes.stash_step``)."""
     batch_sizes: tuple[int, ...]
     ops: tuple[tuple[LayerOps, ...], ...]
     """Per batch size, per layer, the recorded operations."""
@@ -316,7 +318,7 @@ def count_model(model: LayeredModel, batch_sizes: Sequence[int]) -> Counted:
                      dtype=dtype, granularity=model.granularity, config=config_summary(model))
     return Counted(info=info, specs=tuple(model.specs), sizes=sizes, out_bytes=tuple(mem.output),
                    saved_bytes=tuple(mem.saved), working_bytes=tuple(mem.working),
-                   accumulate_bytes=tuple(mem.accumulate), batch_sizes=tuple(bs), ops=per_b,
+                   accumulate_bytes=tuple(mem.accumulate), stash_bytes=tuple(mem.stash), batch_sizes=tuple(bs), ops=per_b,
                    memory_batch=mb)
 
 
@@ -351,7 +353,7 @@ def time_counted(counted: Counted, device: DeviceModel, *, command: str = "", da
             grad_bytes=nbytes, optimizer_bytes=int(optimizer_state_bytes(count, dtype)),
             output_bytes_per_sample=c.out_bytes[i],
             saved_bytes_per_sample=c.saved_bytes[i], backward_working_bytes_per_sample=c.working_bytes[i],
-            accumulate_bytes=c.accumulate_bytes[i],
+            accumulate_bytes=c.accumulate_bytes[i], backward_stash_bytes_per_sample=c.stash_bytes[i],
             forward_s=tuple(secs(p[i].forward) for p in per_b), backward_s=tuple(secs(p[i].backward) for p in per_b),
             backward_weight_s=tuple(max(0.0, secs(p[i].backward) - secs(p[i].input_grad)) for p in per_b),
             nograd_forward_s=tuple(secs(p[i].nograd) for p in per_b), optimizer_s=opt))
