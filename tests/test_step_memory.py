@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from torch import nn
 
@@ -39,57 +40,41 @@ def _module() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(approximate="tanh"), nn.Linear(32, 16), nn.Softmax(-1))
 
 
-def _micro_batches(mem: StepMemory, mod: nn.Module, n: int, *, split: bool) -> list[int]:
-    """Forward and backward of n micro-batches of 4 under ``mem``'s hooks; the saved storages still counted after
-    each one's backward."""
+def _measured(n: int, *, split: bool) -> tuple[list[int], StepMemory]:
+    """Forward and backward of n micro-batches of 4 under a ``StepMemory``'s hooks: the saved storages still
+    counted after each one's backward, and the measurement."""
+    mod = _module()
+    mem = StepMemory(_Runtime(mod)).start()
     left = []
-    for m in range(n):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(m)).requires_grad_(True)
-        y = mod(x).pow(2).sum()
-        if split:
-            _, groups = torch_adapter.backward_input([y], None, [x], iter(list(mod.parameters())))
-            torch_adapter.backward_weight(iter(list(mod.parameters())), groups)
-            del groups
-        else:
-            y.backward()
-        del x, y
-        gc.collect()
-        left.append(len(mem._live.refs))
-    return left
-
-
-def test_split_backward_frees_every_saved_tensor_it_measured():
-    """After each micro-batch's B and W, nothing it saved is still counted (before: 2 more a micro-batch)."""
-    mod = _module()
-    mem = StepMemory(_Runtime(mod)).start()
     try:
-        left = _micro_batches(mem, mod, 4, split=True)
+        for m in range(n):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(m)).requires_grad_(True)
+            y = mod(x).pow(2).sum()
+            if split:
+                _, groups = torch_adapter.backward_input([y], None, [x], iter(list(mod.parameters())))
+                torch_adapter.backward_weight(iter(list(mod.parameters())), groups)
+                del groups
+            else:
+                y.backward()
+            del x, y
+            gc.collect()
+            left.append(len(mem._live.refs))
     finally:
         mem.stop()
-    assert left == [0, 0, 0, 0], left
+    return left, mem
 
 
-def test_full_backward_frees_every_saved_tensor_it_measured():
-    mod = _module()
-    mem = StepMemory(_Runtime(mod)).start()
-    try:
-        left = _micro_batches(mem, mod, 4, split=False)
-    finally:
-        mem.stop()
+@pytest.mark.parametrize("split", [True, False])
+def test_every_saved_tensor_it_measured_is_freed(split):
+    """After each micro-batch's backward (ZB's B then W, or a whole one), nothing it saved is still counted (the
+    split one before: 2 more a micro-batch)."""
+    left, _ = _measured(4, split=split)
     assert left == [0, 0, 0, 0], left
 
 
 def test_the_measured_peak_is_one_micro_batch_under_a_split_backward():
     """Micro-batches one after another (each B then its W): the peak of the saved tensors is one micro-batch's,
     the same as under a full backward -- not growing with the count, as the leaked ones made it."""
-    peaks = {}
-    for split in (False, True):
-        for n in (1, 4):
-            mod = _module()
-            mem = StepMemory(_Runtime(mod)).start()
-            try:
-                _micro_batches(mem, mod, n, split=split)
-            finally:
-                mem.stop()
-            peaks[(split, n)] = mem._count.peaks(kinds={"activations"})[0]
+    peaks = {(split, n): _measured(n, split=split)[1]._count.peaks(kinds={"activations"})[0]
+             for split in (False, True) for n in (1, 4)}
     assert peaks[(True, 4)] == peaks[(True, 1)] == peaks[(False, 1)] > 0, peaks
