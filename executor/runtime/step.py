@@ -384,21 +384,21 @@ class StepInterpreter:
             elif k is ActionKind.W:
                 self._backward_weight(c, m, sl)
             elif k is ActionKind.RECV_F or k is ActionKind.RECV_B:
-                fwd = k is ActionKind.RECV_F
-                key = ("F" if fwd else "B", c, self.policy.mb_key(m), sl)
-                src = c - 1 if fwd else c + 1
-                self._got[key] = self.msgs.recv(key, self.s2r[src], self.policy.slot(key))
-                arrived = self._arrived((key[0], src, m, sl))
+                src, _, msg = message_of(a, self.s2r)  # type: ignore[misc]  # a receive is a message
+                key = (msg[0], c, self.policy.mb_key(m), sl)
+                self._got[key] = self.msgs.recv(key, src, self.policy.slot(key))
+                arrived = self._arrived(msg)
                 if arrived is not None:
-                    self.msgs.release(self.s2r[src], arrived)
+                    self.msgs.release(src, arrived)
             elif k is ActionKind.SEND_F:
-                self.msgs.send(self._outs.pop((c, m, sl)), ("F", c + 1, self.policy.mb_key(m), sl), self.s2r[c + 1],
-                               ("F", c, m, sl))
+                _, dst, msg = message_of(a, self.s2r)  # type: ignore[misc]
+                self.msgs.send(self._outs.pop((c, m, sl)), ("F", c + 1, self.policy.mb_key(m), sl), dst, msg)
             elif k is ActionKind.SEND_B:
                 g = self._grads.pop((c, m, sl))
                 if g is None:
                     raise PtplanError(f"{a}: stage {c}'s input got no gradient to send")
-                self.msgs.send(g, ("B", c - 1, self.policy.mb_key(m), sl), self.s2r[c - 1], ("B", c, m, sl))
+                _, dst, msg = message_of(a, self.s2r)  # type: ignore[misc]
+                self.msgs.send(g, ("B", c - 1, self.policy.mb_key(m), sl), dst, msg)
             elif k is ActionKind.ALLREDUCE:
                 self.policy.reduce(self.compute, c)
             else:
