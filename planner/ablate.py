@@ -233,7 +233,7 @@ def frozen_in_place_table(table: CostTable, n0: int) -> CostTable:
     trained weights (so no optimizer state, temporaries or second 2BW version: ``freeze_only_costs`` adds its
     weights back as plain bytes, as the stage model holds a frozen prefix's). Its output stays."""
     t = copy.copy(table)
-    t._cache = {}
+    t._cache, t._derived = {}, {}
     frozen = np.arange(table.n) < n0
     t._fwd = np.where(frozen[:, None], table._nog, table._fwd)
     t._bwd = np.where(frozen[:, None], 0.0, table._bwd)

@@ -7,7 +7,7 @@ stage's total is two lookups whatever its length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -120,6 +120,7 @@ class CostTable:
     time_scale: float = 1.0
     """Factor on every time (the cluster's ``concurrency_slowdown`` when its processes share a CPU)."""
     _cache: dict[int, TimesAt] = field(default_factory=dict, repr=False)
+    _derived: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         p = self.profile
@@ -162,6 +163,14 @@ class CostTable:
         halves them for FSDP's reduce-scatter)."""
         self.max_param_upto = np.concatenate(([0.0], np.maximum.accumulate(self.param_bytes)))
         """``max_param_upto[j]``: the largest single layer's weights among layers ``[0, j)``."""
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per table and ``key`` and kept: what the stage models of one table share (a copy
+        that changes the table's numbers starts empty, as ``_cache`` does)."""
+        got = self._derived.get(key)
+        if got is None:
+            got = self._derived[key] = make()
+        return got
 
     def set_optimizer(self, per_layer: np.ndarray, call_s: float) -> None:
         """Per layer, seconds of one optimizer step over its parameters alone (0: nothing to step), of which

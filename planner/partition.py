@@ -39,9 +39,8 @@ with stage memory sum(memory[lo:hi]) (+ stage0_extra_memory on stage 0) <= memor
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -155,12 +154,13 @@ def split_stages(model: _StageFamily, K: int, memory_limit: float | None = None)
     """
     K, lim = _checked_split(model, K, memory_limit)
     a, n = int(model.start), int(model.n)
+    reach = _position_reach(model, K, lim)
     first, first_ok = _first_stage(model, lim)
     if K == 1:
         if not first_ok[n]:
             raise MemoryInfeasibleError(model, K, lim)
         return _result(model, [a, n])
-    band = _band_limits(model, K, lim, first, first_ok)
+    band = _band_limits(model, K, lim, first, first_ok, reach)
     T, costs = _min_max_pass(model, band, lim, first, first_ok)
     return _result(model, _least_squares_cuts(band, costs, first, first_ok, T))
 
@@ -183,6 +183,45 @@ def _checked_split(model: _StageFamily, K: int, memory_limit: float | None) -> t
             raise PtplanError(f"memory_limit is {memory_limit!r}; it must be a positive number of bytes")
         lim = float(memory_limit) * (1 + _TOL)
     return K, lim
+
+
+def refusal_by_bound(rows: np.ndarray, start: int, memory_limit: float,
+                     build: Callable[[], _StageFamily]) -> "MemoryInfeasibleError | None":
+    """The error ``split_stages`` would raise where a stage family's per-position memory lower bound (``rows``: its
+    ``position_state``) already fits no split of layers [start, n) into ``len(rows)`` stages, found without the
+    family (``build`` makes it, only if the message is read); None where a split may fit."""
+    lim = memory_limit * (1 + _TOL)
+    return None if _chain_end(rows, start, lim) >= rows.shape[1] - 1 else MemoryInfeasibleError(build, len(rows), lim)
+
+
+def _chain_end(A: np.ndarray, a: int, lim: float) -> int:
+    """How far stages at positions 0, 1, ... in turn reach from layer a, each as far as the lower bound ``A[s]``
+    (prefix sums, non-decreasing) lets it within ``lim``: every split's cut after position s is at most this
+    walk's (by induction, as each reach is non-decreasing in the start), so a split exists only if it ends at n."""
+    n = A.shape[1] - 1
+    i = a
+    for row in A:
+        i = min(int(np.searchsorted(row, row[i] + lim, side="right")) - 1, n)
+    return i
+
+
+def _position_reach(model: _StageFamily, K: int, lim: float) -> np.ndarray:
+    """(K, n + 1): ``[s, i]`` the last end j of a stage [i, j) at position s >= 1 within the memory lower bound (the
+    family's ``position_state`` where it has one, else ``cum_state`` at every position; row 0 is not made: stage 0
+    is evaluated exactly for every end). MemoryInfeasibleError where even that bound fits no split
+    (``_chain_end``)."""
+    a, n = int(model.start), int(model.n)
+    rows = getattr(model, "position_state", None)
+    A = np.broadcast_to(model.cum_state, (K, n + 1)) if rows is None else rows
+    assert A.shape == (K, n + 1), f"position_state is {A.shape}, K={K}, n={n}"
+    reach = np.full((K, n + 1), n)
+    if not math.isfinite(lim):
+        return reach
+    if _chain_end(A, a, lim) < n:
+        raise MemoryInfeasibleError(model, K, lim)
+    for s in range(1, K):
+        np.minimum(np.searchsorted(A[s], A[s] + lim, side="right") - 1, n, out=reach[s])
+    return reach
 
 
 def _first_stage(model: _StageFamily, lim: float) -> tuple[np.ndarray, np.ndarray]:
@@ -218,14 +257,16 @@ class _BandLimits:
         return len(self.lo_k) - 1
 
 
-def _band_limits(model: _StageFamily, K: int, lim: float, first: np.ndarray, first_ok: np.ndarray) -> _BandLimits:
-    """Stages from i: the memory lower bound, then the time band below the quick split's bottleneck UB; each
-    stage's ends and starts, and its rows of the band (``_BandLimits``). MemoryInfeasibleError where no stage
-    0 or no chain of stages remains."""
+def _band_limits(model: _StageFamily, K: int, lim: float, first: np.ndarray, first_ok: np.ndarray,
+                 memory_reach: np.ndarray) -> _BandLimits:
+    """Stages from i: the memory lower bound at each position (``_position_reach``), then the time band below the
+    quick split's bottleneck UB; each stage's ends and starts, and its rows of the band (``_BandLimits``; its
+    ``reach`` is the farthest over positions 1..K-1, the band's). MemoryInfeasibleError where no stage 0 or no
+    chain of stages remains."""
     a, n = int(model.start), int(model.n)
-    S, A = model.cum_time_lb, model.cum_state
+    S = model.cum_time_lb
     js = np.arange(n + 1)
-    reach = np.minimum(np.searchsorted(A, A + lim, side="right") - 1, n) if math.isfinite(lim) else np.full(n + 1, n)
+    reach = memory_reach
     UB = _quick_bound(model, K, lim, first, first_ok)
     if math.isfinite(UB):
         reach = np.minimum(reach, np.searchsorted(S, S + UB * (1 + 1e-9), side="right") - 1)
@@ -233,15 +274,16 @@ def _band_limits(model: _StageFamily, K: int, lim: float, first: np.ndarray, fir
     ok0 = first_ok & (first <= UB * (1 + 1e-9)) if math.isfinite(UB) else first_ok
     if not ok0.any():
         raise MemoryInfeasibleError(model, K, lim)
+    at = reach  # at[s]: position s's reach (s >= 1), non-decreasing in the start
+    reach = reach[1:].max(axis=0)
     w = max(1, int((reach[a + 1:n] - js[a + 1:n]).max(initial=1)))
-    rl = reach.tolist()
     top, bot = [0] * (K + 1), [0] * (K + 1)
     top[1] = int(np.flatnonzero(ok0).max())
-    for k in range(2, K + 1):
-        top[k] = rl[top[k - 1]]
+    for k in range(2, K + 1):  # stage k (of 1..K) is at position k - 1
+        top[k] = int(at[k - 1, top[k - 1]])
     bot[K] = n
-    for k in range(K - 1, 0, -1):
-        bot[k] = bisect_left(rl, bot[k + 1], a + 1, n)
+    for k in range(K - 1, 0, -1):  # the first start in [a + 1, n) from which position k reaches bot[k + 1]
+        bot[k] = a + 1 + int(np.searchsorted(at[k, a + 1:n], bot[k + 1], side="left"))
     lo_k = [max(bot[k], a + k) for k in range(K + 1)]
     hi_k = [min(top[k], n - K + k) + 1 for k in range(K + 1)]    # exclusive
     if any(lo_k[k] >= hi_k[k] for k in range(1, K + 1)):
@@ -480,14 +522,17 @@ class MemoryInfeasibleError(InfeasibleError):
     and tries another configuration pays nothing for it.
     """
 
-    def __init__(self, model: _StageFamily, K: int, limit: float) -> None:
+    def __init__(self, model: "_StageFamily | Callable[[], _StageFamily]", K: int, limit: float) -> None:
+        """``model``: the stage family, or a function that builds it (for a candidate rejected before it was
+        built: ``refusal_by_bound``); ``limit`` with its tolerance."""
         super().__init__()
         self.model, self.K, self.limit = model, K, limit
         self._msg: str | None = None
 
     def __str__(self) -> str:
         if self._msg is None:
-            self._msg = _memory_message(self.model, self.K, self.limit / (1 + _TOL))
+            model = self.model() if callable(self.model) else self.model
+            self._msg = _memory_message(model, self.K, self.limit / (1 + _TOL))
         return self._msg
 
 

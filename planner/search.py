@@ -44,7 +44,7 @@ from .cluster import Cluster, charged_overheads, measured_host_io
 from .config import AUTO_SCHEDULES, TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
-from .partition import split_stages
+from .partition import refusal_by_bound, split_stages
 from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, stage_to_rank
@@ -97,6 +97,10 @@ class PhaseSearch:
         self.limit = cluster.gpu_memory_bytes * cfg.memory_fraction
         self._links: dict[tuple[int, str, int] | tuple[int, str, int, int], Links] = {}
         self._stage0: dict[int, int] = {}
+        self._tp_ar: dict[int, tuple[float, float]] = {}
+        self._rows: dict[Candidate, np.ndarray] = {}
+        """Per candidate (without the cache), its stage family's ``position_state``: made with its first model, it
+        lets later phases refuse it without one where even that bound fits nothing (``partition.refusal_by_bound``)."""
         self._fbmax: dict[int | tuple[int, int], np.ndarray] = {}
         self._hint: dict[bool | None, tuple] = {}
         self._split_memo: dict[tuple, tuple] = {}
@@ -122,6 +126,12 @@ class PhaseSearch:
             self._links[key] = links_for(cl, K, stage_to_rank(schedule, K, V))
         return self._links[key]
 
+    def tp_ar(self, tp: int) -> tuple[float, float]:
+        """``strategy.tp_allreduce_coeffs`` on this cluster, once per tp."""
+        if tp not in self._tp_ar:
+            self._tp_ar[tp] = tp_allreduce_coeffs(self.c, tp)
+        return self._tp_ar[tp]
+
     def table_for(self, c: Candidate) -> CostTable:
         """The per-shard cost table of candidate c's strategy (``strategy.strategy_table``; the profile's own
         table for the default strategy). With FSDP chosen per stage: per layer the smaller of the tables
@@ -137,7 +147,7 @@ class PhaseSearch:
         key = (c.tp, c.sp, c.fsdp, c.D, c.K, c.schedule, c.V)
         if key not in self._tables:
             L = self.links(c.K, c.schedule, c.V, c.tp)
-            self._tables[key] = strategy_table(self.t, c.strategy, c.D, tp_allreduce_coeffs(self.c, c.tp),
+            self._tables[key] = strategy_table(self.t, c.strategy, c.D, self.tp_ar(c.tp),
                                                (float(np.mean(L.ar_lat)), float(np.mean(L.ar_per_byte))))
         return self._tables[key]
 
@@ -192,7 +202,7 @@ class PhaseSearch:
                            host_io=self.io,
                            tp=cand.tp, sp=cand.sp, fsdp=cand.fsdp, recompute=cand.recompute,
                            recompute_layers=cand.recompute_layers,
-                           tp_ar=tp_allreduce_coeffs(self.c, cand.tp),
+                           tp_ar=self.tp_ar(cand.tp),
                            stage_ranks=stage_to_rank(cand.schedule, cand.K, cand.V))
         return StageModel(self.t, shape, self.links(cand.K, cand.schedule, cand.V, cand.tp), fill_from=fill_from,
                           shard_table=self.table_for(cand))
@@ -288,10 +298,17 @@ class PhaseSearch:
         if not ok:
             return f"{c.tag}: {why}"
         key = (c, n0, fill_from)
-        model, part = self._split_memo.pop(key, None) or (self.model(c, n0, fill_from), None)
+        lim = self.stage_limit(c, n0, fill_from)  # V > 1: each of a position's V chunks within limit / V
+        memo = self._split_memo.pop(key, None)
+        rows_key = replace(c, cache=False)  # the memory lower bound depends on neither n0 nor the cache
+        if memo is None and rows_key in self._rows:  # a phase before built this candidate's model
+            refused = refusal_by_bound(self._rows[rows_key], n0, lim, lambda: self.model(c, n0, fill_from))
+            if refused is not None:
+                return _Reason(f"{c.tag}: ", refused)
+        model, part = memo or (self.model(c, n0, fill_from), None)
+        self._rows[rows_key] = model.position_state
         try:
-            # V > 1: each of a position's V chunks within limit / V, so that the position fits
-            part = part or split_stages(model, c.S, self.stage_limit(c, n0, fill_from))
+            part = part or split_stages(model, c.S, lim)
         except InfeasibleError as e:
             return _Reason(f"{c.tag}: ", e)
         if not descend:  # ``_branch_and_bound`` may descend from it later
@@ -458,10 +475,9 @@ class _Scorer:
 
     def __call__(self, cuts: tuple[int, ...], best: float) -> float:
         s, c, model = self.s, self.c, self.model
-        lo, hi = np.asarray(cuts[:-1]), np.asarray(cuts[1:])
-        if bool((np.asarray(model.evaluate_split(model.prepare(lo, hi))[1]) > self.limit).any()):
-            return math.inf
         ranges = tuple(zip(cuts[:-1], cuts[1:]))
+        if bool((np.asarray(model.peaks(ranges)) > self.limit).any()):
+            return math.inf
         costs = model.stage_costs(ranges)
         if not c.cache:  # (the fill iteration has its own costs: a cached candidate's splits are all simulated)
             lb = s.split_bound(c, costs) / c.B

@@ -120,7 +120,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from functools import cached_property
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -368,8 +369,7 @@ class StageModel:
             table, st, sh.D, sh.tp_ar, (float(np.mean(links.ar_lat)), float(np.mean(links.ar_per_byte))))
         self.t = table
         self.sync = sh.D > 1 and not sh.fsdp
-        """Whether the stage all-reduces its gradients after the pipeline (FSDP reduce-scatters them in
-        every backward instead)."""
+        """Whether the stage all-reduces its gradients after the pipeline (FSDP reduce-scatters them instead)."""
         self.start, self.n = sh.frozen, table.n
         self.times = table.at(sh.b)
         self.cum_opt_state = self.optimizer_bytes(table.cum_param)
@@ -378,8 +378,7 @@ class StageModel:
         """Additive lower bound of a stage's memory (prefix sums): weights and gradients (every version) + state."""
         self.cum_time_lb = self.times.cum_fb + (self.times.cum_fwd if sh.recompute and not sh.recompute_layers
                                                 else 0.0)
-        """Additive lower bound of a stage's busy time (prefix sums): forward + backward (+ the recomputed
-        forward when the whole stage recomputes)."""
+        """Additive lower bound of a stage's busy time (prefix sums): forward + backward (+ a whole recomputation)."""
         self._index = np.arange(table.n + 1)
         a = splittable(self.raw) if sh.tp > 1 else np.zeros(table.n)
         self._cum_tp_lat = np.concatenate(([0.0], np.cumsum(a * sh.tp_ar[0])))
@@ -401,26 +400,31 @@ class StageModel:
         self._remote_in, self._remote_out = remote_neighbours(sh.stage_ranks or tuple(range(sh.S)))
         self._out_before = np.concatenate(([0.0], table.out_per_sample))
         """``_out_before[i]``: output bytes per sample of layer i - 1 (what a stage starting at i receives)."""
-        self._working = RangeMax(b * table.working_per_sample + (table.accumulate_bytes if M > 1 else 0.0))
+        self._working = table.derived(("working", b, M > 1), lambda: RangeMax(
+            b * table.working_per_sample + (table.accumulate_bytes if M > 1 else 0.0)))
         """Per layer, its backward's working set for one micro-batch (adding into ``.grad`` when M > 1); max over a
         stage's layers (``band``)."""
         self._has_working = sh.recompute or bool(self._working)
         self.stage0_static, self.prefix_s, self.read_setup_s, self.fill_setup_s, self.stage0_after = \
             _stage0_prefix(self.raw, table, self.times, sh, fill_from)
 
+    @cached_property
+    def position_state(self) -> np.ndarray:
+        """(S, n + 1): per position s, prefix sums of per-layer bytes a stage's peak at s is at least: ``cum_state`` +
+        the saved activations per micro-batch in flight at s (recomputation: once). Other terms only add."""
+        times = np.ones(self.shape.S) if self.shape.recompute else self._inflight
+        return self.cum_state[None, :] + times[:, None] * (self.shape.b * self.t.cum_saved)[None, :]
+
     def optimizer_bytes(self, weight_bytes: Any) -> Any:
-        """Optimizer-state bytes of weights of ``weight_bytes`` bytes in the table's dtype:
-        ``costs.optimizer_state_bytes`` of their parameter count (the one function the profiler, the projection
-        and the synthetic profiles call)."""
-        t = self.t
-        return optimizer_state_bytes(weight_bytes / t.dtype_bytes, t.dtype, self.shape.optimizer)
+        """Optimizer-state bytes of ``weight_bytes`` of weights in the table's dtype (``costs.optimizer_state_bytes``,
+        the one function the profiler, the projection and the synthetic profiles call)."""
+        return optimizer_state_bytes(weight_bytes / self.t.dtype_bytes, self.t.dtype, self.shape.optimizer)
 
     @property
     def strategy(self) -> Strategy:
         """The strategy every stage of this model uses."""
         sh = self.shape
-        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, recompute_layers=sh.recompute_layers,
-                        sp=sh.sp)
+        return Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, recompute_layers=sh.recompute_layers, sp=sh.sp)
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
         """Each stage's strategy in a split: this model's one (``StageChoice`` chooses per stage); a stage that
@@ -431,25 +435,23 @@ class StageModel:
         return tuple(whole if r and r >= b - a else st for a, b in zip(lo.tolist(), hi.tolist()))
 
     # ---- vectorised evaluation -------------------------------------------------------------
-    def band(self, I: Any, J: np.ndarray) -> Band:
+    def band(self, I: Any, J: np.ndarray, memo: dict | None = None) -> Band:
         """Index-dependent components of the stages [I, J) (absolute layer indices, I < J). ``I`` may be
-        an index object with ``take_from(arr)`` (the partitioner's strided band) instead of an array."""
+        an index object with ``take_from(arr)`` (the partitioner's strided band) instead of an array. ``memo``:
+        where models of one ``StageChoice`` share what depends only on their table (``_table_band``)."""
         t, b = self.t, self.shape.b
         take = getattr(I, "take_from", None)
 
         def at_I(arr: np.ndarray) -> np.ndarray:
             return take(arr) if take is not None else arr[I]
 
-        grad = t.cum_grad[J] - at_I(t.cum_grad)
-        weights = t.cum_param[J] - at_I(t.cum_param)
-        out_J = t.out_per_sample[J - 1]
-        in_bytes = b * at_I(self._out_before)
-        full = b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J)
-        bwd: np.ndarray | float = 0.0  # the backward's working set; the last stage's output dies with the loss
-        if self._working:
-            bwd = self._working.query(at_I, J)
-            bwd = np.where(J == self.n, np.maximum(bwd - b * out_J, 0.0), bwd)
-        stash = b * (t.cum_stash[J] - at_I(t.cum_stash)) if self._stashed is not None else 0.0
+        if memo is None:
+            got = _table_band(self, at_I, J)
+        else:
+            sh = self.shape
+            key = (id(t), b, sh.M > 1, sh.weight_versions, sh.optimizer, self._stashed is None)
+            got = memo.get(key) or memo.setdefault(key, _table_band(self, at_I, J))
+        grad, weights, state, out_J, in_bytes, full, bwd, stash = got
         r = self.shape.recompute_layers
         if self.shape.recompute and r:  # the first r layers: their input stashed, the rest's activations kept
             R = np.minimum(at_I(self._index) + r, J)
@@ -458,21 +460,20 @@ class StageModel:
             part_mb = in_bytes + b * (t.cum_saved[J] - t.cum_saved[R] + out_J)
             part_w = b * (t.cum_saved[R] - at_I(t.cum_saved) + t.out_per_sample[R - 1])
             return Band(I=I, J=J, fb=tm.cum_fb[J] - at_I(tm.cum_fb) + tm.cum_fwd[R] - at_I(tm.cum_fwd),
-                        state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                        per_mb=np.where(whole, in_bytes, part_mb), in_bytes=in_bytes, out_bytes=b * out_J,
-                        working=np.where(whole, full, part_w) + bwd, stash=stash)
+                        state=state, grad=grad, weights=weights, per_mb=np.where(whole, in_bytes, part_mb),
+                        in_bytes=in_bytes, out_bytes=b * out_J, working=np.where(whole, full, part_w) + bwd,
+                        stash=stash)
         if self.shape.recompute:  # the stashed input per micro-batch; one working set rebuilt at a time
-            return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb),
-                        state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                        per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd, stash=stash)
-        return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb),
-                    state=self.cum_state[J] - at_I(self.cum_state), grad=grad, weights=weights,
-                    per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd, stash=stash)
+            return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb), state=state, grad=grad,
+                        weights=weights, per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd,
+                        stash=stash)
+        return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb), state=state, grad=grad,
+                    weights=weights, per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd, stash=stash)
 
-    def prepare(self, I: np.ndarray, J: np.ndarray) -> tuple[np.ndarray, ...]:
+    def prepare(self, I: np.ndarray, J: np.ndarray, memo: dict | None = None) -> tuple[np.ndarray, ...]:
         """The stage-index-free parts of stages [I, J), for ``evaluate`` (the partitioner computes them
-        once per search and slices them per stage index)."""
-        bd = self.band(I, J)
+        once per search and slices them per stage index); ``memo`` as ``band``'s."""
+        bd = self.band(I, J, memo)
         after = bd.grad if self.sync else np.zeros_like(bd.grad)  # the flat all-reduce buffer
         if self.opt_temp:
             after = np.maximum(after, self.opt_temp * bd.weights)
@@ -582,6 +583,10 @@ class StageModel:
                               f"K*V={self.shape.S} contiguous non-empty stages")
         return np.array([r[0] for r in ranges]), np.array([r[1] for r in ranges])
 
+    def peaks(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+        """Each stage's peak bytes in a split."""
+        return self.evaluate_split(self.prepare(*self.check_ranges(ranges)))[1]
+
     def stage_memory(self, ranges: Sequence[tuple[int, int]]) -> tuple[MemoryBreakdown, ...]:
         """Each stage's peak memory, term by term."""
         lo, hi = self.check_ranges(ranges)
@@ -640,6 +645,21 @@ class StageModel:
                           after_bytes=int(after[i])) for i in range(K)]
 
 
+def _table_band(m: StageModel, at_I: Callable[[np.ndarray], np.ndarray], J: np.ndarray) -> tuple:
+    """What ``StageModel.band`` gives the same for every model of one table, micro-batch size and schedule (whatever
+    its recomputation): gradient, weight and state bytes of the stages, the output's bytes per sample, and per
+    micro-batch the input, the activations and output kept, the backward's working set and the stash."""
+    t, b = m.t, m.shape.b
+    out_J = t.out_per_sample[J - 1]
+    bwd: np.ndarray | float = 0.0  # the backward's working set; the last stage's output dies with the loss
+    if m._working:
+        bwd = m._working.query(at_I, J)
+        bwd = np.where(J == m.n, np.maximum(bwd - b * out_J, 0.0), bwd)
+    return (t.cum_grad[J] - at_I(t.cum_grad), t.cum_param[J] - at_I(t.cum_param), m.cum_state[J] - at_I(m.cum_state),
+            out_J, b * at_I(m._out_before), b * (t.cum_saved[J] - at_I(t.cum_saved) + out_J), bwd,
+            b * (t.cum_stash[J] - at_I(t.cum_stash)) if m._stashed is not None else 0.0)
+
+
 class StageChoice:
     """Per-stage strategies (issue 14): a stage family over several ``StageModel``s of one phase (the same K, M,
     b, D, tp, schedule and cache; each a strategy -- FSDP on or off, recomputation on or off) in which every
@@ -678,35 +698,34 @@ class StageChoice:
         self.cum_state = _cum_min([m.cum_state for m in models])
         """Prefix sums of each layer's least memory lower bound over the models."""
         self._k0 = len(a.prepare(np.array([a.start]), np.array([a.n])))
+        self._last: tuple[tuple, tuple[np.ndarray, tuple[int, ...]]] | None = None
         """How many arrays one model's prepared terms are."""
 
+    @cached_property
+    def position_state(self) -> np.ndarray:
+        """``StageModel.position_state`` of a stage that takes any model: each layer's least bytes over them."""
+        return _cum_min([m.position_state for m in self.models])
+
     def _pick(self, got: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(time, peak, model index) per stage from each model's (time, peak)."""
-        t0, m0 = (np.asarray(x, dtype=float) for x in got[0])
-        shape = np.broadcast_shapes(t0.shape, m0.shape)
-        fits = m0 <= self.limit
-        best_t = np.where(fits, t0, np.inf)
-        best_m = np.broadcast_to(m0, shape).copy()
-        best_i = np.zeros(shape, dtype=np.int64)
-        low_m, low_t, low_i = best_m.copy(), np.broadcast_to(t0, shape).copy(), best_i.copy()
-        for k, (t, m) in enumerate(got[1:], start=1):
-            t, m = np.asarray(t, dtype=float), np.asarray(m, dtype=float)
-            better = (m <= self.limit) & (t < best_t)
-            best_t, best_m, best_i = np.where(better, t, best_t), np.where(better, m, best_m), np.where(better, k, best_i)
-            smaller = m < low_m
-            low_m, low_t, low_i = np.where(smaller, m, low_m), np.where(smaller, t, low_t), np.where(smaller, k, low_i)
-        ok = np.isfinite(best_t)
-        return np.where(ok, best_t, low_t), np.where(ok, best_m, low_m), np.where(ok, best_i, low_i)
+        """(time, peak, model index) per stage from each model's (time, peak): the fastest model that fits (the
+        first of equals), else the smallest peak (the first of equals)."""
+        every = np.array(np.broadcast_arrays(*(x for tm in got for x in tm)), dtype=float)
+        T, P = every[0::2], every[1::2]
+        fit = np.where(P <= self.limit, T, np.inf)
+        i = np.argmin(fit, axis=0)
+        i = np.where(np.isfinite(np.take_along_axis(fit, i[None], 0)[0]), i, np.argmin(P, axis=0))
+        return np.take_along_axis(T, i[None], 0)[0], np.take_along_axis(P, i[None], 0)[0], i.astype(np.int64)
 
     # ---- the partitioner's protocol (``partition._StageFamily``) ------------------------------
     def prepare(self, I: Any, J: np.ndarray) -> tuple[np.ndarray, ...]:
         """The first model's prepared terms when it fits every candidate stage at every position
         (``StageModel.peak_upper``: then it is every stage's choice, being never slower), else every model's:
         one flat tuple of arrays of the band's shape either way (the partitioner may slice each of them)."""
-        t0 = self.models[0].prepare(I, J)
+        memo: dict = {}
+        t0 = self.models[0].prepare(I, J, memo)
         if len(self.models) == 1 or bool(np.all(self.models[0].peak_upper(t0) <= self.limit)):
             return t0
-        return t0 + tuple(x for m in self.models[1:] for x in m.prepare(I, J))
+        return t0 + tuple(x for m in self.models[1:] for x in m.prepare(I, J, memo))
 
     def _split(self, terms: tuple[np.ndarray, ...]) -> list[tuple[np.ndarray, ...]]:
         k = len(terms) // len(self.models)
@@ -733,9 +752,20 @@ class StageChoice:
     # ---- one split -------------------------------------------------------------------------
     def choose(self, ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
         """The model (index into ``models``) each stage of a split takes."""
-        lo, hi = self.models[0].check_ranges(ranges)
-        _, _, idx = self._each(self.prepare(lo, hi), lambda m, x: m.evaluate_split(x))
-        return tuple(int(i) for i in idx)
+        return self._chosen(ranges)[1]
+
+    def peaks(self, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+        """``StageModel.peaks``: each stage's peak bytes under the model it takes."""
+        return self._chosen(ranges)[0]
+
+    def _chosen(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, tuple[int, ...]]:
+        """(peaks, picks) of a split; the last split's kept (a split is scored, then costed, then described)."""
+        key = tuple(map(tuple, ranges))
+        if self._last is None or self._last[0] != key:
+            lo, hi = self.models[0].check_ranges(ranges)
+            _, mem, idx = self._each(self.prepare(lo, hi), lambda m, x: m.evaluate_split(x))
+            self._last = (key, (mem, tuple(int(i) for i in idx)))
+        return self._last[1]
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
         picks = self.choose(ranges)
@@ -754,5 +784,6 @@ class StageChoice:
 
 
 def _cum_min(cums: Sequence[np.ndarray]) -> np.ndarray:
-    """Prefix sums of the per-layer minimum of several prefix-sum arrays' increments."""
-    return np.concatenate(([0.0], np.cumsum(np.min([np.diff(c) for c in cums], axis=0))))
+    """Prefix sums (along the last axis) of the per-layer minimum of several prefix-sum arrays' increments."""
+    inc = np.min([np.diff(c, axis=-1) for c in cums], axis=0)
+    return np.concatenate((np.zeros(inc.shape[:-1] + (1,)), np.cumsum(inc, axis=-1)), axis=-1)

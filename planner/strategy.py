@@ -253,8 +253,12 @@ def tp_allreduce_coeffs(cluster: Cluster, tp: int) -> tuple[float, float]:
 
 
 def splittable(table: CostTable) -> np.ndarray:
-    """Per layer, the all-reduces a Megatron split adds per forward (0: the layer is replicated)."""
-    return np.array([TP_KINDS.get(r.kind, 0) for r in table.profile.layers], dtype=float)
+    """Per layer, the all-reduces a Megatron split adds per forward (0: the layer is replicated); read-only."""
+    def make() -> np.ndarray:
+        a = np.array([TP_KINDS.get(r.kind, 0) for r in table.profile.layers], dtype=float)
+        a.flags.writeable = False
+        return a
+    return table.derived("splittable", make)
 
 
 def gather_bytes(table: CostTable, st: Strategy) -> float:
@@ -273,7 +277,7 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
     if st.tp == 1 and not st.fsdp:
         return table
     t = copy.copy(table)
-    t._cache = {}
+    t._cache, t._derived = {}, {}
     a = splittable(table)
     div = np.where(a > 0, st.tp, 1).astype(float)
     bs = table.batch_sizes[None, :]
@@ -315,7 +319,7 @@ def min_table(a: CostTable, b: CostTable) -> CostTable:
     one's sums, so ``search.PhaseSearch.lower_bound`` stays a lower bound for a candidate whose stages each
     choose their strategy."""
     t = copy.copy(a)
-    t._cache = {}
+    t._cache, t._derived = {}, {}
     for name in ("_fwd", "_bwd", "_nog", "_bww", "param_bytes", "grad_bytes"):
         setattr(t, name, np.minimum(getattr(a, name), getattr(b, name)))
     t.set_optimizer(np.minimum(a.optimizer_s, b.optimizer_s), min(a.optimizer_call_s, b.optimizer_call_s))

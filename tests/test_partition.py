@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from ptplan.planner.errors import InfeasibleError, PtplanError
@@ -413,3 +414,72 @@ def test_every_number_a_memory_message_names_is_a_floor_of_every_split(seed):
                 assert printed == pytest.approx(best, abs=0.0051 * GiB), msg
             checked += 1
     assert checked >= 3
+
+
+# ---- the per-position memory lower bound (``position_state``) proves what it refuses --------------------------------
+
+_VARIANTS = ({}, {"recompute": True}, {"recompute": True, "recompute_layers": 1}, {"fsdp": True},
+             {"recompute_per_stage": True}, {"recompute_per_stage": True, "fsdp_per_stage": True})
+
+
+def _bound_cases(seed: int):
+    """(K, model, build at another frozen count) of the real stage model over small synthetic profiles (some layers
+    with a huge output), every schedule family with a memory term of its own, and every strategy kind, uniform and
+    chosen per stage (``StageChoice``), D = 2 (FSDP shards over it)."""
+    from dataclasses import replace as _replace
+
+    from ptplan.planner.candidate import Candidate
+    from ptplan.planner.cluster import Cluster
+    from ptplan.planner.config import TrainingConfig
+    from ptplan.planner.search import PhaseSearch
+    from ptplan.planner.synthetic import synthetic_profile
+
+    rng = random.Random(seed)
+    prof = synthetic_profile(num_blocks=rng.choice((2, 3)), hidden=1024, seq_len=512, vocab=rng.choice((512, 50257)))
+    big = rng.sample(range(len(prof.layers)), 2)
+    prof = _replace(prof, layers=tuple(_replace(r, output_bytes_per_sample=r.output_bytes_per_sample * 40,
+                                                backward_stash_bytes_per_sample=r.saved_bytes_per_sample // 3)
+                                       if r.index in big else r for r in prof.layers))
+    for _ in range(4):
+        K, M = rng.choice((2, 3, 4)), rng.choice((1, 2, 4, 8))
+        sched = rng.choice(("1f1b", "gpipe", "zb-h1", "2bw")) if M >= K else "gpipe"
+        cfg = TrainingConfig(epochs=1, samples_per_epoch=64, batch=M * 4, schedule=sched)
+        search = PhaseSearch(prof, Cluster.uniform(nodes=1, gpus_per_node=2 * K), cfg)
+        n0, other = rng.sample((0, 1, 2), 2)
+        cand = Candidate(K=K, D=2, M=M, b=2, cache=False, schedule=sched, **rng.choice(_VARIANTS))
+        if len(prof.layers) - max(n0, other) >= K:
+            yield K, search.model(cand, n0), search.model(cand, other)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_position_bound_is_a_floor_and_refuses_only_what_fits_nowhere(seed):
+    """``position_state`` row s is additive per layer and at most the exact peak of every stage at position s, in
+    every split (brute force); ``refusal_by_bound`` refuses a limit only where no split fits it, and
+    ``split_stages`` (which checks it first) finds a split exactly where the brute force does. The bound is the
+    same for a candidate at any frozen count (the search keeps it across phases to refuse without a model)."""
+    from ptplan.planner.partition import refusal_by_bound, split_stages
+
+    checked = refused = 0
+    for K, model, elsewhere in _bound_cases(seed):
+        rows = model.position_state
+        np.testing.assert_array_equal(rows, elsewhere.position_state)
+        splits = list(_every_split(model, K))
+        for sp in splits:
+            for s, lo, hi, mem in sp:
+                assert rows[s, hi] - rows[s, lo] <= mem * (1 + 1e-12), (s, lo, hi)
+        best = min(max(m for *_, m in sp) for sp in splits)
+        for limit in (best * 1.0001, best * 0.999, best * 0.8, best * 0.5, best * 0.2):
+            err = refusal_by_bound(rows, model.start, limit, lambda: model)
+            fits = best <= limit * (1 + 1e-12)
+            assert not (fits and err is not None), limit
+            refused += err is not None
+            if err is not None:
+                assert "GiB" in str(err)  # the message builds the model it was given lazily
+            try:
+                got = split_stages(model, K, limit)
+            except InfeasibleError:
+                assert not fits
+            else:
+                assert fits and max(got.stage_memory) <= limit * (1 + 1e-9)
+            checked += 1
+    assert checked >= 20 and refused >= 1
