@@ -38,6 +38,7 @@ from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.plan import save_plan
 from ptplan.planner.planner import TrainingConfig, make_plan
 from ptplan.planner.profile import load_profile
+from ptplan.planner.schedule import splits_backward
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "zb-v")
@@ -97,7 +98,7 @@ def print_predictions(rows: list[dict]) -> None:
     print(f"{'model':<10} {'profile':<9} {'K':>2} {'M':>3} {'schedule':<17} {'V':>2} {'iter ms':>10} "
           f"{'bubble':>7} {'vs 1F1B':>8} {'peak GiB':>9}")
     for r in rows:
-        src = r["source"] + ("" if r["backward_split"] or not r["schedule"].startswith("zb") else "*")
+        src = r["source"] + ("" if r["backward_split"] or not splits_backward(r["schedule"]) else "*")
         head = f"{r['model']:<10} {src:<9} {r['K']:>2} {r['M']:>3} {r['schedule']:<17}"
         if "error" in r:
             print(f"{head}    {r['error']}")

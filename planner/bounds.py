@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING, Sequence
 
 from .candidate import Candidate
-from .schedule import stage_to_rank
+from .schedule import splits_backward, stage_to_rank
 from .simulate import StageCost
 from .stage import cache_setup_s
 
@@ -50,7 +50,7 @@ def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_fr
     t = search.table_for(c)
     tm = t.at(c.b)
     K, M, S = c.K, c.M, c.S
-    zb = c.schedule.startswith("zb")
+    zb = splits_backward(c.schedule)
     ovh = search.c.action_overhead_s if K > 1 else 0.0
     n = search.n
     prefix = 0.0 if c.cache else float(tm.cum_nograd[n0])
@@ -98,7 +98,7 @@ def split_bound(c: Candidate, costs: Sequence[StageCost], step_overhead_s: float
     """A lower bound on the simulated iteration once the split is known (the same arguments as
     ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
     S, M, K = len(costs), c.M, c.K
-    zb = c.schedule.startswith("zb")
+    zb = splits_backward(c.schedule)
     f = [x.forward_s + x.prefix_s for x in costs]
     b = [x.backward_s for x in costs]
     path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b

@@ -39,6 +39,7 @@ from .freeze import FreezePolicy, freeze_table
 from .plan import (Baseline, Phase, Plan, PlanInputs, PlanWarning, Prediction, ProfileRef, TimelineEvent, Totals,
                    TrajectoryPoint)
 from .profile import Profile, profile_from_json
+from .schedule import splits_backward
 from .search import Choice, PhaseSearch, Visit
 from .simulate import simulate
 from .stage import Links
@@ -307,7 +308,7 @@ def _warnings(profile: Profile, cluster: Cluster, training: TrainingConfig, sear
     elif training.optimizer != "adamw":
         out.append(PlanWarning(code="optimizer-time-is-adamw", message=(
             f"the profile timed AdamW's step; the plan charges the same time for {training.optimizer}")))
-    split = sorted({p.schedule for p in phases if p.schedule.startswith("zb")})
+    split = sorted({p.schedule for p in phases if splits_backward(p.schedule)})
     if split and not search.t.backward_split_measured:
         out.append(PlanWarning(code="missing-backward-split", message=(
             f"schedule {', '.join(split)} splits the backward into B (input gradient) and W (weight gradient), but "

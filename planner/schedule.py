@@ -621,6 +621,17 @@ _GENERATORS = {"gpipe": _gpipe_v, "1f1b": _one_f_one_b_v, "interleaved-1f1b": in
                "zb-h1": _zb_h1_v, "looped-bfs": looped_bfs, "zb-v": _zb_v_v, "2bw": _two_bw_v}
 SCHEDULE_NAMES = tuple(_GENERATORS)
 """Every schedule ``build_schedule`` makes (``stage_to_rank`` gives each one's placement)."""
+SPLIT_BACKWARD_SCHEDULES = frozenset({"zb-h1", "zb-v"})
+"""The schedules whose lists split a backward into B (input gradient) and W (weight gradient) actions: they need the
+profile's weight-gradient share, their critical path carries only B, and their stages hold what B keeps for W
+(``splits_backward``; ``tests/test_schedule.py`` holds every generated list to this set)."""
+
+
+def splits_backward(name: str) -> bool:
+    """Whether the named schedule's lists run W actions (``SPLIT_BACKWARD_SCHEDULES``)."""
+    return name in SPLIT_BACKWARD_SCHEDULES
+
+
 LOOP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "looped-bfs", "2bw")
 """The schedules that place chunk c on rank c % K; "zb-v" folds back (rank r holds stages r and 2K-1-r).
 ``stage.links_for`` and ``plan.Phase.stage_to_rank`` take the placement from ``stage_to_rank`` / the
@@ -722,6 +733,8 @@ def peak_stashed(name: str, K: int, M: int, V: int = 1) -> tuple[int, ...]:
     gradient) has not, in the named schedule's lists: each holds what its B left for its W (the stage model's
     stash). 0 on every stage of a schedule without W, and on stage 0, whose whole backward the runtime runs in its
     W (its input needs no gradient: B only keeps the received gradient)."""
+    if not splits_backward(name):  # no W: nothing to build
+        return (0,) * len(stage_to_rank(name, int(K), int(V)))
     sched = build_schedule(name, int(K), int(M), int(V))
     out = [0] * len(sched.stage_to_rank)
     for acts in sched.actions:

@@ -47,7 +47,7 @@ from .errors import InfeasibleError, PtplanError
 from .partition import refusal_by_bound, split_stages
 from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
-from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, stage_to_rank
+from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
 from .simulate import StageCost, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for
 from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
@@ -115,7 +115,7 @@ class PhaseSearch:
         the profile split the backward into its input- and weight-gradient parts)."""
         if self.cfg.schedule != "auto":
             return (self.cfg.schedule,)
-        return tuple(s for s in AUTO_SCHEDULES if not s.startswith("zb") or self.t.backward_split_measured)
+        return tuple(s for s in AUTO_SCHEDULES if not splits_backward(s) or self.t.backward_split_measured)
 
     def links(self, K: int, schedule: str = "1f1b", V: int = 1, tp: int = 1) -> Links:
         """Links of K positions; with tp > 1 each position is a tp-wide group of one node, laid out as one
@@ -512,7 +512,7 @@ class _Scorer:
                         if m.sync and flush else 0.0) + m.t.optimizer_range_s(lo, hi) for m in ms], axis=0)
         work = c.M * L + done
         head = np.max(np.cumsum(L, axis=1) - L + c.M * L, axis=1) + done[:, 0] \
-            if flush and not c.schedule.startswith("zb") else -np.inf
+            if flush and not splits_backward(c.schedule) else -np.inf
         if flush:  # stage s's first forward waits for micro-batch 0's forwards on the stages before it
             Fw = np.min([m.times.cum_fwd[hi] - m.times.cum_fwd[lo] for m in ms], axis=0) + min(m.ovh for m in ms)
             Fw[:, 0] += min(m.prefix_s for m in ms)

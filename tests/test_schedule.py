@@ -131,6 +131,23 @@ def test_build_schedule_names():
         build_schedule("looped-bfs", 2, 5, 0)
 
 
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_splits_backward_is_what_the_lists_run(name):
+    """``splits_backward`` (what the bounds, the profile check, the schedule set and the stash read) says exactly
+    whether the generated lists run W actions, for every schedule at several shapes; ``peak_stashed`` of a schedule
+    without W is all zeros without building it (a new schedule with W must join ``SPLIT_BACKWARD_SCHEDULES``)."""
+    from ptplan.planner.schedule import peak_stashed, splits_backward
+
+    for K, M in ((2, 4), (3, 6), (4, 8)):
+        V = 2 if name in ("interleaved-1f1b", "looped-bfs", "zb-v") else 1
+        sched = build_schedule(name, K, M, V)
+        has_w = any(a.kind is ActionKind.W for acts in sched.actions for a in acts)
+        assert splits_backward(name) == has_w, (name, K, M)
+        stashed = peak_stashed(name, K, M, V)
+        assert len(stashed) == len(sched.stage_to_rank)
+        assert any(stashed) == has_w, (name, K, M, stashed)
+
+
 @pytest.mark.parametrize("name, K, M, V, match", [
     ("gpipe", 2, 4, 2, r"gpipe holds one stage per rank: V must be 1, got V=2; use 'interleaved-1f1b'"),
     ("1f1b", 2, 4, 3, r"1f1b holds one stage per rank: V must be 1, got V=3"),
