@@ -465,8 +465,9 @@ class _Scorer:
     """``resplit.best_split``'s score of one candidate's splits: the phase's seconds per sample (the
     simulator's steady iteration, and with the AutoCache its fill iteration, weighted as ``_seconds_per_sample``);
     infinite where a stage breaks the memory limit; the split's lower bound (``PhaseSearch.split_bound``) per
-    sample instead, where that already loses to the best so far or to the search's cutoff (never below the
-    simulated objective, so no such split is taken over a simulated one)."""
+    sample instead, where that already loses to the best split so far (never below the simulated objective, so no
+    such split is taken over a simulated one). Not where it loses only to the search's cutoff: the descent may have
+    to pass through such a split, and a bound under its best would be taken for the split's score."""
 
     def __init__(self, search: PhaseSearch, c: Candidate, model: StageModel | StageChoice, sched: Schedule,
                  visit: Visit, cutoff: float) -> None:
@@ -481,8 +482,8 @@ class _Scorer:
         costs = model.stage_costs(ranges)
         if not c.cache:  # (the fill iteration has its own costs: a cached candidate's splits are all simulated)
             lb = s.split_bound(c, costs) / c.B
-            if lb > min(best, self.cutoff) * (1 + 1e-12):
-                return lb
+            if lb > best * (1 + 1e-12):  # not ``min(best, cutoff)``: a bound under ``best`` would read as a score,
+                return lb                # and the descent would step onto it (issue 22's audit, 2026-11-28)
         steady = simulate(self.sched, costs, step_overhead_s=s.c.step_overhead_s).iteration_s
         fill = steady
         if c.cache:
