@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from .plan import MemoryBreakdown
 from .simulate import SimResult, StageCost
@@ -115,8 +116,9 @@ class Choice:
     links: Links | None = field(default=None, repr=False)
 
 
-def seconds_per_sample(c: Candidate, steady: float, fill: float, visit: Visit, N: int) -> float:
-    """Expected seconds per sample of the phase: one fill pass over the data, then steady iterations."""
+def seconds_per_sample(c: Candidate, steady: Any, fill: Any, visit: Visit, N: int) -> Any:
+    """Expected seconds per sample of the phase: one fill pass over the data, then steady iterations (``steady`` and
+    ``fill``: seconds, or numpy arrays of them, one per split: elementwise)."""
     if not c.cache:
         return steady / c.B
     fill_samples = min(visit.samples, float(N // c.B * c.B))

@@ -10,8 +10,11 @@ last backward (stage 0's after the whole pipeline), and a stage's position sets 
 ends. So the proxy's optimum can be slower than another split (issue 22: bert-large on cpu:4, 17 frozen,
 K=2: (35,36)|(36,51) 1.25x slower than (35,41)|(41,51)).
 
-``best_split`` scores every split where a candidate has at most ``ENUMERATE_UP_TO`` (and at most
-``ENUMERATE_LAYERS`` active layers: exact); otherwise it
+``best_split`` scores every split (exact) where the caller can score many at once (``many``: the search does for a
+candidate with one strategy on every stage and a schedule with a flush, ``simulate.iterations``, one pass of the
+event loop over numpy columns) and there are at most ``ENUMERATE_MANY``; else where there are at most
+``ENUMERATE_UP_TO`` and at most ``ENUMERATE_LAYERS`` active layers. In both, splits go in ascending order of
+their lower bounds and stop at the first that cannot win. Otherwise it
 starts from the proxy's optimum and descends on the simulated objective: every move of one
 cut by up to ``RADIUS`` layers, every shift of two neighbouring cuts together by one, every move of
 one layer across a stage (a cut moved one way, the next the other way), and every shift by one of all the
@@ -28,6 +31,7 @@ simulator) holds the search's chosen phase to the best simulated one.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Callable, Sequence
@@ -52,6 +56,12 @@ ENUMERATE_UP_TO = 1024
 """Where a candidate has at most this many splits, every one is scored (exact) instead of the descent ..."""
 ENUMERATE_LAYERS = 16
 """... and at most this many active layers (a large model's K = 2 would otherwise score every cut of it)."""
+ENUMERATE_MANY = 50_000
+"""Where the caller scores many splits at once (``many``: one simulation pass for all of them), every split is scored
+up to this many splits, whatever the number of layers."""
+CHUNK = 2048
+"""Splits scored per ``many`` call (in ascending order of their bounds: a chunk whose bounds lose to the best so far
+ends the enumeration)."""
 
 
 def neighbours(cuts: Sequence[int], radius: int = RADIUS) -> list[tuple[int, ...]]:
@@ -87,19 +97,25 @@ def neighbours(cuts: Sequence[int], radius: int = RADIUS) -> list[tuple[int, ...
     return list(dict.fromkeys(out))
 
 
-def enumerable(a: int, n: int, S: int, up_to: int | None = None) -> bool:
+def enumerable(a: int, n: int, S: int, up_to: int | None = None, *, batched: bool = False) -> bool:
     """Whether ``best_split`` scores every split of layers [a, n) into S stages (instead of the descent);
-    ``up_to`` default ``ENUMERATE_UP_TO``."""
-    return n - a <= ENUMERATE_LAYERS and math.comb(n - a - 1, S - 1) <= (ENUMERATE_UP_TO if up_to is None else up_to)
+    ``up_to`` default ``ENUMERATE_UP_TO``, or with ``batched`` (the caller scores many splits at once)
+    ``ENUMERATE_MANY`` and any number of layers."""
+    count = math.comb(n - a - 1, S - 1)
+    if batched:
+        return count <= (ENUMERATE_MANY if up_to is None else up_to)
+    return n - a <= ENUMERATE_LAYERS and count <= (ENUMERATE_UP_TO if up_to is None else up_to)
 
 
 Bounds = Callable[[np.ndarray], np.ndarray]
 """Lower bounds of the scores of many splits at once (rows of cuts), cheap (numpy): infinite where one does not fit."""
+Many = Callable[[np.ndarray], np.ndarray]
+"""The scores of many splits at once (rows of cuts): what ``score`` gives each, infinite where one does not fit."""
 
 
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
-               radius: int = RADIUS, max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None,
-               give_up: float = math.inf, cutoff: float = math.inf,
+               many: Many | None = None, radius: int = RADIUS, max_rounds: int = MAX_ROUNDS,
+               enumerate_up_to: int | None = None, give_up: float = math.inf, cutoff: float = math.inf,
                max_flat: int = MAX_FLAT, wide: bool = True) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
@@ -107,7 +123,9 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     lower-bounds scores, so that splits whose bound loses are not scored: the enumeration scores splits in
     ascending order of their bounds and stops at the first that cannot win: whose bound is not below the best
     score so far, or is over ``cutoff`` (a score the caller already has elsewhere: a split over it is of no use
-    to the caller, one equal to it still is). The descent is not started where ``cuts`` scores above ``give_up``.
+    to the caller, one equal to it still is). ``many`` (optional) scores many splits at once: the enumeration then
+    reaches ``ENUMERATE_MANY`` splits of any number of layers and scores them ``CHUNK`` at a time. The descent is not
+    started where ``cuts`` scores above ``give_up``.
     ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones): a local refinement, for a caller
     whose every score is a full search and simulation with no bound to skip it."""
     cur = tuple(cuts)
@@ -115,19 +133,8 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     if len(cur) <= 2:
         return cur, best
     a, n, S = cur[0], cur[-1], len(cur) - 1
-    if enumerable(a, n, S, enumerate_up_to):
-        X = np.array([(a, *inner, n) for inner in itertools.combinations(range(a + 1, n), S - 1)], dtype=np.int64)
-        lb = bounds(X) if bounds is not None else np.zeros(len(X))
-        stop = cutoff * (1 + 1e-12)
-        for i in np.argsort(lb, kind="stable").tolist():
-            if not (lb[i] < best * (1 - 1e-12) and lb[i] <= stop):
-                break
-            x = tuple(X[i].tolist())
-            if x != cur:
-                v = score(x, best)
-                if v < best * (1 - 1e-12):
-                    cur, best = x, v
-        return cur, best
+    if enumerable(a, n, S, enumerate_up_to, batched=many is not None):
+        return _every_split(cur, best, score, bounds, many, cutoff)
     seen: dict[tuple[int, ...], float] = {cur: best}
     if not best <= give_up:
         return cur, best
@@ -178,3 +185,41 @@ def far(cuts: Sequence[int], d: int) -> list[tuple[int, ...]]:
             out.append(c[:i] + [v + sgn for v in c[i:S]] + c[S:])
             out.append(c[:1] + [v + sgn for v in c[1:i + 1]] + c[i + 1:])
     return list(dict.fromkeys(tuple(x) for x in out if all(p < q for p, q in zip(x, x[1:]))))
+
+
+def _every_split(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...], float], float],
+                 bounds: Bounds | None, many: Many | None, cutoff: float) -> tuple[tuple[int, ...], float]:
+    """``best_split``'s enumeration: every split of ``cur``'s layers into as many stages, scored in ascending order of
+    their bounds until the next bound cannot win (one at a time by ``score``, or ``CHUNK`` at a time by ``many``)."""
+    X = _every_cut(cur[-1] - cur[0], len(cur) - 1) + cur[0]
+    lb = bounds(X) if bounds is not None else np.zeros(len(X))
+    stop = cutoff * (1 + 1e-12)
+    order = np.argsort(lb, kind="stable")
+    if many is not None:
+        for at in range(0, len(order), CHUNK):
+            idx = order[at:at + CHUNK]
+            idx = idx[(lb[idx] < best * (1 - 1e-12)) & (lb[idx] <= stop)]
+            if not len(idx):  # the bounds ascend: no later chunk can win either
+                break
+            scores = many(X[idx])
+            j = int(np.argmin(scores))
+            if scores[j] < best * (1 - 1e-12):
+                cur, best = tuple(X[idx[j]].tolist()), float(scores[j])
+        return cur, best
+    for i in order.tolist():
+        if not (lb[i] < best * (1 - 1e-12) and lb[i] <= stop):
+            break
+        x = tuple(X[i].tolist())
+        if x != cur:
+            v = score(x, best)
+            if v < best * (1 - 1e-12):
+                cur, best = x, v
+    return cur, best
+
+
+@functools.lru_cache(maxsize=32)
+def _every_cut(m: int, S: int) -> np.ndarray:
+    """Every split of m layers into S stages, as rows of cuts from 0 to m (kept: phases and candidates share them)."""
+    X = np.array([(0, *inner, m) for inner in itertools.combinations(range(1, m), S - 1)], dtype=np.int64)
+    X.flags.writeable = False
+    return X

@@ -48,8 +48,8 @@ from .partition import refusal_by_bound, split_stages
 from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
-from .simulate import StageCost, simulate
-from .stage import Links, PhaseShape, StageChoice, StageModel, links_for
+from .simulate import StageCost, iterations, simulate
+from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
 from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
 from .tp_split import tp_refusal
 
@@ -314,8 +314,9 @@ class PhaseSearch:
         if not descend:  # ``_branch_and_bound`` may descend from it later
             self._split_memo[key] = (model, part)
         sched = self.schedule(c)
-        cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)],
-                                 sc := _Scorer(self, c, model, sched, visit, cutoff), bounds=sc.bounds,
+        sc = _Scorer(self, c, model, sched, visit, cutoff)
+        cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)], sc, bounds=sc.bounds,
+                                 many=sc.many if self.batched(c) else None,
                                  give_up=(cutoff * (1 + GIVE_UP) if give_up is None else give_up) if descend
                                  else -math.inf, cutoff=cutoff)
         if score > cutoff * (1 + 1e-12):
@@ -336,6 +337,11 @@ class PhaseSearch:
                       memory=tuple(model.stage_memory(ranges)), strategies=model.stage_strategies(ranges),
                       links=self.links(c.K, c.schedule, c.V, c.tp),
                       objective=_seconds_per_sample(c, sim.iteration_s, fill_s, visit, self.cfg.samples_per_epoch))
+
+    def batched(self, c: Candidate) -> bool:
+        """Whether the candidate's splits are scored many at once (``_Scorer.many``): a schedule with a flush
+        (``simulate.iterations``)."""
+        return self.schedule(c).minibatches == 1
 
     def search(self, f: int, visit: Visit, *, free: bool = False, cache: bool | None = None) -> Choice:
         """The best configuration for f frozen blocks (``free``: ignore start_K and the pins; ``cache``:
@@ -410,7 +416,8 @@ def _branch_and_bound(search: PhaseSearch, f: int, n0: int, visit: Visit, *, fre
         return reasons
     # the descent, for the candidates whose AutoPipe split is near the best (``resplit.GIVE_UP``)
     for ch in sorted(near, key=_order):
-        if ch.objective <= best.objective * (1 + GIVE_UP) and not enumerable(n0, search.n, ch.cand.S):
+        if ch.objective <= best.objective * (1 + GIVE_UP) and not enumerable(n0, search.n, ch.cand.S,
+                                                                             batched=search.batched(ch.cand)):
             consider(ch.cand, True)
     search._split_memo.clear()
     search._hint[cache] = (best.cand.K, best.cand.M, best.cand.cache, best.cand.schedule, best.cand.V,
@@ -490,6 +497,21 @@ class _Scorer:
             fill = simulate(self.sched, model.stage_costs(ranges, fill=True), step_overhead_s=s.c.step_overhead_s
                             ).iteration_s
         return _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
+
+    def many(self, X: np.ndarray) -> np.ndarray:
+        """``__call__`` of the splits in the rows of X at once, every one simulated (``simulate.iterations``, equal to
+        ``simulate``'s to the last bit); for a schedule with a flush (``PhaseSearch.batched``)."""
+        c, m, s = self.c, self.model, self.s
+        lo, hi = X[:, :-1], X[:, 1:]
+        fits = (m.evaluate_split(m.prepare(lo, hi))[1] <= self.limit).all(axis=1)
+        out = np.full(len(X), math.inf)
+        if fits.any():
+            lo, hi = lo[fits], hi[fits]
+            steady = iterations(self.sched, stage_times(m, lo, hi), step_overhead_s=s.c.step_overhead_s)
+            fill = iterations(self.sched, stage_times(m, lo, hi, fill=True), step_overhead_s=s.c.step_overhead_s
+                              ) if c.cache else steady
+            out[fits] = _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
+        return out
 
     def bounds(self, X: np.ndarray) -> np.ndarray:
         """Lower bounds of ``__call__`` for the splits in the rows of X (``resplit.Bounds``), cheap (numpy): the

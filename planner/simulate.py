@@ -687,6 +687,59 @@ def simulate(schedule: Schedule, costs: Sequence[StageCost], *, events: bool = F
                      events=_events(schedule, prog, costs, dur, clocks.start, T, D, opt, iteration) if events else ())
 
 
+class StageTimes(NamedTuple):
+    """The seconds of ``StageCost`` for many splits at once: each field an array (N, K), row i one split's stages
+    (``stage.stage_times`` makes them; ``iterations`` simulates them)."""
+
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    backward_weight_s: np.ndarray
+    prefix_s: np.ndarray
+    setup_s: np.ndarray
+    send_forward_s: np.ndarray
+    send_backward_s: np.ndarray
+    allreduce_s: np.ndarray
+    optimizer_s: np.ndarray
+    send_forward_latency_s: np.ndarray
+    send_backward_latency_s: np.ndarray
+    tp_comm_s: np.ndarray
+    tp_comm_latency_s: np.ndarray
+
+
+def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.0) -> np.ndarray:
+    """``simulate(schedule, costs).iteration_s`` of N splits at once (``x``: their stages' seconds, (N, K)), for a
+    schedule with a flush and no token slices: ``_run_program``'s event loop with a numpy column per clock, the same
+    additions and maxima in the same order, so that every entry equals the one-split simulation's to the last bit
+    (``tests/test_simulate.py``). One pass of the program costs what one simulation does, whatever N is: the search
+    scores every split of a candidate this way (``resplit.best_split``)."""
+    prog = _compile(schedule)
+    if prog.marks or schedule.slices != 1:
+        raise PtplanError(f"iterations: schedule {schedule.name!r} has no flush or has token slices; use simulate")
+    N, K = np.shape(x.forward_s)
+    if K != schedule.K:
+        raise PtplanError(f"iterations: costs of {K} stages for a schedule with K={schedule.K} stages")
+    w = np.minimum(x.backward_weight_s, x.backward_s)  # the table ``_durations`` makes, one column per slot
+    cols = np.stack((x.forward_s + x.prefix_s, x.backward_s, x.backward_s - w, w, x.send_forward_s,
+                     x.send_backward_s, x.allreduce_s, x.optimizer_s), axis=-1).reshape(N, K * _NSLOT).T.copy()
+    R, s2r = schedule.num_ranks, schedule.stage_to_rank
+    zero = np.zeros(N)
+    T, opt = [zero] * R, [zero] * R
+    for s in range(K):
+        T[s2r[s]] = T[s2r[s]] + x.setup_s[:, s]
+        opt[s2r[s]] = opt[s2r[s]] + x.optimizer_s[:, s]
+    D, L, A = [zero] * R, [zero] * prog.num_links, [zero] * prog.num_msgs
+    for o, r, d, ch, mg in zip(prog.op, prog.rank, prog.slot, prog.chan, prog.msg):
+        if o == 0:  # compute
+            T[r] = T[r] + cols[d]
+        elif o == 1:  # send: wait for the link, not for the receiver
+            L[ch] = A[mg] = np.maximum(T[r], L[ch]) + cols[d]
+        elif o == 2:  # receive: block until the data has arrived
+            T[r] = np.maximum(T[r], A[mg])
+        elif o == 3:  # all-reduce, on its own channel
+            D[r] = np.maximum(T[r], D[r]) + cols[d]
+    return np.max([np.maximum(t, dd) + op for t, dd, op in zip(T, D, opt)], axis=0) + step_overhead_s
+
+
 def _rank_memory(prog: _Program, costs: Sequence[StageCost]) -> tuple[int, ...]:
     """Per rank: the module docstring's rank rule."""
     rank_memory = []

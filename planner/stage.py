@@ -130,7 +130,7 @@ from .costs import OPTIMIZER_SLOTS, CostTable, RangeMax, optimizer_state_bytes
 from .errors import PtplanError
 from .plan import MemoryBreakdown
 from .replicate import layout
-from .simulate import StageCost, peak_bytes
+from .simulate import StageCost, StageTimes, peak_bytes
 from .strategy import Strategy, gather_bytes, splittable, strategy_table
 
 OPTIMIZER_STATE_FACTOR = {k: float(v) for k, v in OPTIMIZER_SLOTS.items()}
@@ -210,21 +210,19 @@ def remote_neighbours(ranks: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
 
 def once_per_rank(ranks: Sequence[int], opt: np.ndarray, call_s: float, ar: np.ndarray, ar_lat: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Per stage (chunk), its optimizer and all-reduce seconds (``opt``, ``ar``) with the optimizer call's fixed
-    part (``call_s``) and the all-reduce's latency (``ar_lat``) paid once per rank, on its first chunk that has them:
-    a rank steps one optimizer and all-reduces one flat buffer over all its chunks (``ranks``: each chunk's)."""
-    opt, ar = opt.copy(), ar.copy()
-    paid_opt: set[int] = set()
-    paid_ar: set[int] = set()
+    """Per stage (chunk), its optimizer and all-reduce seconds (``opt``, ``ar``: (..., S), one split or a row per
+    split) with the optimizer call's fixed part (``call_s``) and the all-reduce's latency (``ar_lat``) paid once per
+    rank, on its first chunk that has them: a rank steps one optimizer and all-reduces one flat buffer over all its
+    chunks (``ranks``: each chunk's)."""
+    opt, ar = np.array(opt, dtype=float), np.array(ar, dtype=float)
+    paid_opt: dict[int, np.ndarray] = {}
+    paid_ar: dict[int, np.ndarray] = {}
     for i, r in enumerate(ranks):
-        if opt[i] > 0:
-            if r in paid_opt:
-                opt[i] = max(opt[i] - call_s, 0.0)
-            paid_opt.add(r)
-        if ar[i] > 0:
-            if r in paid_ar:
-                ar[i] = max(ar[i] - ar_lat[i], 0.0)
-            paid_ar.add(r)
+        for x, paid, fixed in ((opt, paid_opt, call_s), (ar, paid_ar, ar_lat[i])):
+            has = x[..., i] > 0
+            before = paid.get(r, False)
+            x[..., i] = np.where(has & before, np.maximum(x[..., i] - fixed, 0.0), x[..., i])
+            paid[r] = has | before
     return opt, ar
 
 
@@ -612,37 +610,46 @@ class StageModel:
     def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
         """The simulator's per-stage costs for a split (``fill``: an iteration that fills the cache)."""
         lo, hi = self.check_ranges(ranges)
-        sh, L, tm, t = self.shape, self.links, self.times, self.t
-        K = sh.S
-        terms = self.prepare(lo, hi)
-        _, static, per_mb, after, _ = self._combine(terms, np.arange(K))
-        _, inb, outb = terms[0], terms[1], terms[2]
-        s = np.arange(K)
-        send_f = (s < K - 1) * (self._lat_out + outb * self._inv_out)
-        send_b = (s > 0) * (self._lat_in + inb * self._inv_in)
-        ar = (L.ar_lat + (t.cum_sync[hi] - t.cum_sync[lo]) * L.ar_per_byte) if self.sync else np.zeros(K)
-        fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + self.ovh
-        bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + self.ovh
-        if sh.recompute:  # the backward reruns the (first r layers' of the) stage's forward first
-            upto = np.minimum(lo + sh.recompute_layers, hi) if sh.recompute_layers else hi
-            bwd = bwd + (tm.cum_fwd[upto] - tm.cum_fwd[lo])
-        bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
-        opt = t.optimizer_range_s(lo, hi)
-        if sh.V > 1:
-            opt, ar = once_per_rank(sh.stage_ranks, opt, t.optimizer_call_s, ar, L.ar_lat)
-        setup = (self.fill_setup_s if fill else self.read_setup_s) if sh.cache else 0.0
-        tp_lat = self._cum_tp_lat[hi] - self._cum_tp_lat[lo]
-        tp_comm = tp_lat + sh.b * (self._cum_tp_per_sample[hi] - self._cum_tp_per_sample[lo])
-        lat_f, lat_b = (s < K - 1) * self._lat_out, (s > 0) * self._lat_in
-        return [StageCost(forward_s=float(fwd[i]), backward_s=float(bwd[i]),
-                          send_forward_latency_s=float(lat_f[i]), send_backward_latency_s=float(lat_b[i]),
-                          tp_comm_s=float(tp_comm[i]), tp_comm_latency_s=float(tp_lat[i]), overhead_s=self.ovh,
-                          backward_weight_s=min(float(bww[i]), float(bwd[i])),
-                          prefix_s=self.prefix_s if i == 0 else 0.0,
-                          setup_s=setup if i == 0 else 0.0, send_forward_s=float(send_f[i]),
-                          send_backward_s=float(send_b[i]), allreduce_s=float(ar[i]), optimizer_s=float(opt[i]),
+        _, static, per_mb, after, _ = self._combine(self.prepare(lo, hi), np.arange(self.shape.S))
+        cols = [a.tolist() for a in stage_times(self, lo, hi, fill=fill)]
+        return [StageCost(**{f: col[i] for f, col in zip(StageTimes._fields, cols)}, overhead_s=self.ovh,
                           fixed_bytes=int(static[i]), activation_bytes_per_mb=int(per_mb[i]),
-                          after_bytes=int(after[i])) for i in range(K)]
+                          after_bytes=int(after[i])) for i in range(self.shape.S)]
+
+
+def stage_times(m: StageModel | StageChoice, lo: np.ndarray, hi: np.ndarray, *, fill: bool = False) -> StageTimes:
+    """The simulator's per-stage seconds (the module docstring's time formulas, in one place) of one split (lo, hi:
+    (S,)) or of many at once (rows of (N, S)): ``StageModel.stage_costs`` reads one split's, ``simulate.iterations``
+    simulates many (``fill``: an iteration that fills the cache). A ``StageChoice``'s stages each take the times of
+    the model they choose (``StageChoice.stage_costs``)."""
+    if isinstance(m, StageChoice):
+        return m.stage_times(lo, hi, fill=fill)
+    sh, L, tm, t = m.shape, m.links, m.times, m.t
+    K = sh.S
+    s = np.arange(K)
+    inb, outb = sh.b * m._out_before[lo], sh.b * t.out_per_sample[hi - 1]
+    send_f = (s < K - 1) * (m._lat_out + outb * m._inv_out)
+    send_b = (s > 0) * (m._lat_in + inb * m._inv_in)
+    ar = (L.ar_lat + (t.cum_sync[hi] - t.cum_sync[lo]) * L.ar_per_byte) if m.sync else np.zeros(np.shape(lo))
+    fwd = tm.cum_fwd[hi] - tm.cum_fwd[lo] + m.ovh
+    bwd = tm.cum_bwd[hi] - tm.cum_bwd[lo] + m.ovh
+    if sh.recompute:  # the backward reruns the (first r layers' of the) stage's forward first
+        upto = np.minimum(lo + sh.recompute_layers, hi) if sh.recompute_layers else hi
+        bwd = bwd + (tm.cum_fwd[upto] - tm.cum_fwd[lo])
+    bww = tm.cum_bwd_weight[hi] - tm.cum_bwd_weight[lo]
+    opt = t.optimizer_range_s(lo, hi)
+    if sh.V > 1:
+        opt, ar = once_per_rank(sh.stage_ranks, opt, t.optimizer_call_s, ar, L.ar_lat)
+    setup = (m.fill_setup_s if fill else m.read_setup_s) if sh.cache else 0.0
+    tp_lat = m._cum_tp_lat[hi] - m._cum_tp_lat[lo]
+    first = np.broadcast_to(s == 0, np.shape(lo))
+    return StageTimes(forward_s=fwd, backward_s=bwd, backward_weight_s=np.minimum(bww, bwd),
+                      prefix_s=first * m.prefix_s, setup_s=first * setup, send_forward_s=send_f,
+                      send_backward_s=send_b, allreduce_s=ar, optimizer_s=opt,
+                      send_forward_latency_s=np.broadcast_to((s < K - 1) * m._lat_out, np.shape(lo)),
+                      send_backward_latency_s=np.broadcast_to((s > 0) * m._lat_in, np.shape(lo)),
+                      tp_comm_s=tp_lat + sh.b * (m._cum_tp_per_sample[hi] - m._cum_tp_per_sample[lo]),
+                      tp_comm_latency_s=tp_lat)
 
 
 def _table_band(m: StageModel, at_I: Callable[[np.ndarray], np.ndarray], J: np.ndarray) -> tuple:
@@ -771,6 +778,16 @@ class StageChoice:
         picks = self.choose(ranges)
         each = {i: self.models[i].stage_strategies(ranges) for i in set(picks)}
         return tuple(each[i][s] for s, i in enumerate(picks))
+
+    def stage_times(self, lo: np.ndarray, hi: np.ndarray, *, fill: bool = False) -> StageTimes:
+        """``stage.stage_times`` of many splits at once (rows of lo, hi): each stage's from the model it takes."""
+        _, _, idx = self._each(self.prepare(lo, hi), lambda m, x: m.evaluate_split(x))
+        out: StageTimes | None = None
+        for i in np.unique(idx).tolist():
+            x = stage_times(self.models[i], lo, hi, fill=fill)
+            out = x if out is None else StageTimes(*(np.where(idx == i, a, b) for a, b in zip(x, out)))
+        assert out is not None
+        return out
 
     def stage_costs(self, ranges: Sequence[tuple[int, int]], *, fill: bool = False) -> list[StageCost]:
         picks = self.choose(ranges)

@@ -66,7 +66,7 @@ def test_freeze_only_costs_are_the_stage_models_where_it_describes_the_phase(ber
 def test_the_rows_iteration_is_the_stage_models_phase(bert):
     """``_freeze_only`` (the row) simulates the stage model's costs: at a frozen count whose frozen layers all sit
     on the static split's stage 0, its iteration is the stage model's phase's, simulated."""
-    cfg = replace(TRAIN, start_K=4, cache="off", epochs=3)
+    cfg = replace(TRAIN, start_K=2, cache="off", epochs=3)
     plan = make_plan(bert, get_preset("paper"), cfg, FreezePolicy(policy="geometric", alpha=1 / 3))
     base = plan.baseline.phase
     search = PhaseSearch(bert, get_preset("paper"), cfg)

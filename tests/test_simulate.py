@@ -30,8 +30,10 @@ from ptplan.planner.schedule import (
 from ptplan.planner.simulate import (
     SimResult,
     StageCost,
+    StageTimes,
     gpipe_closed_form,
     interleaved_1f1b_closed_form,
+    iterations,
     one_f_one_b_closed_form,
     simulate,
     two_bw_closed_form,
@@ -572,3 +574,32 @@ def test_two_bw_timeline_shows_the_updates_between_mini_batches():
     assert len(ups) == N - 1 and all(e.end - e.start == pytest.approx(0.5) for e in ups)
     first_f = {e.mb: e.start for e in r.events if e.kind == "F" and e.rank == 0}
     assert ups[0].end <= first_f[2 * M] + 1e-12 and ups[0].start >= first_f[2 * M - 1]
+
+
+@pytest.mark.parametrize("name,K,M,V", [
+    ("gpipe", 3, 5, 1), ("gpipe", 4, 2, 1), ("1f1b", 4, 6, 1), ("interleaved-1f1b", 2, 4, 2),
+    ("interleaved-1f1b", 3, 6, 3), ("zb-h1", 4, 8, 1), ("looped-bfs", 3, 4, 2), ("zb-v", 3, 7, 2),
+])
+def test_iterations_of_many_splits_equal_the_simulation_of_each(name, K, M, V):
+    """``iterations`` (every split of a candidate at once, as the search scores them) gives each row's
+    ``simulate(...).iteration_s`` to the last bit: random seconds in every field the event loop reads (the cache's
+    set-up and the prefix on stage 0, sends, all-reduces, optimizer steps, a W part), on every schedule with a
+    flush; one with no flush is refused."""
+    import numpy as np
+
+    rng = random.Random(K * 100 + M * 10 + V)
+    S, N = K * V, 40
+    rows = []
+    for _ in range(N):
+        rows.append([StageCost(forward_s=rng.uniform(0.1, 2), backward_s=(b := rng.uniform(0.1, 4)),
+                               backward_weight_s=rng.uniform(0, b), prefix_s=rng.uniform(0, 1) * (s == 0),
+                               setup_s=rng.uniform(0, 3) * (s == 0), send_forward_s=rng.uniform(0, 0.5) * (s < S - 1),
+                               send_backward_s=rng.uniform(0, 0.5) * (s > 0), allreduce_s=rng.uniform(0, 2),
+                               optimizer_s=rng.uniform(0, 0.3)) for s in range(S)])
+    x = StageTimes(**{f: np.array([[getattr(c, f) for c in row] for row in rows]) for f in StageTimes._fields})
+    sc = build_schedule(name, K, M, V)
+    got = iterations(sc, x, step_overhead_s=0.25)
+    want = [simulate(sc, row, step_overhead_s=0.25).iteration_s for row in rows]
+    assert got.tolist() == want
+    with pytest.raises(PtplanError, match="no flush"):
+        iterations(build_schedule("2bw", K, max(M, K), 1), x)
