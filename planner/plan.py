@@ -109,6 +109,13 @@ class Prediction:
         """The fullest device's predicted peak (0 for a phase without a prediction)."""
         return max(self.device_peak_memory_bytes, default=0)
 
+    @property
+    def fill_extra_s(self) -> float:
+        """What a fill iteration costs over a steady one, at least 0: the two are simulated apart, and where the
+        fill's extra work is off the critical path (PipeDream-2BW's period) they differ only by rounding, which
+        may fall either way."""
+        return max(self.fill_iteration_s - self.iteration_s, 0.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Phase:
@@ -330,7 +337,8 @@ class Totals:
     """Predicted training seconds (transitions not included; ``ptplan compare`` measures them)."""
     samples: float
     fill_seconds: float = 0.0
-    """Of ``seconds``, the extra that AutoCache fill iterations cost over steady ones."""
+    """Of ``seconds``, the extra that AutoCache fill iterations cost over steady ones (each phase's at least 0:
+    ``Prediction.fill_extra_s``)."""
     baseline_seconds: float
     speedup: float
     """baseline_seconds / seconds."""

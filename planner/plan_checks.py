@@ -208,12 +208,11 @@ def check_totals(source: str, plan: "Plan") -> None:
     """The totals the report prints are the trajectory's and the baseline's."""
     t, phases = plan.totals, plan.phases
     seconds = sum(p.seconds for p in plan.trajectory)
-    fill = sum(p.fill_iterations * (phases[p.phase].predicted.fill_iteration_s - phases[p.phase].predicted.iteration_s)
-               for p in plan.trajectory)
+    fill = sum(p.fill_iterations * phases[p.phase].predicted.fill_extra_s for p in plan.trajectory)
     for key, have, want, what in (
             ("seconds", t.seconds, seconds, "the trajectory's seconds add up to {}"),
             ("fill_seconds", t.fill_seconds, fill, "the trajectory's fill iterations add {} (fill_iterations x "
-                                                   "(fill_iteration_s - iteration_s) of their phase)"),
+                                                   "max(fill_iteration_s - iteration_s, 0) of their phase)"),
             ("baseline_seconds", t.baseline_seconds, plan.baseline.seconds, "baseline.seconds is {}")):
         if not math.isclose(have, want, rel_tol=1e-6, abs_tol=1e-9):
             raise SchemaError(source, f"totals.{key}", f"is {have:.6g} but {what.format(f'{want:.6g}')}", FIX)

@@ -350,8 +350,7 @@ def _totals(search: PhaseSearch, phases: list[Phase], base_phase: Phase, points:
     (searched freely when the user pinned K or M, else the baseline itself)."""
     total_s = sum(p.seconds for p in points)
     samples = float(sum(p.iterations * phases[p.phase].global_batch for p in points))
-    fill_s = sum(p.fill_iterations * (phases[p.phase].predicted.fill_iteration_s
-                                      - phases[p.phase].predicted.iteration_s) for p in points)
+    fill_s = sum(p.fill_iterations * phases[p.phase].predicted.fill_extra_s for p in points)
 
     def static_seconds(ph: Phase) -> float:
         return training.epochs * (training.samples_per_epoch // ph.global_batch) * ph.predicted.iteration_s

@@ -339,9 +339,9 @@ class PhaseSearch:
                       objective=_seconds_per_sample(c, sim.iteration_s, fill_s, visit, self.cfg.samples_per_epoch))
 
     def batched(self, c: Candidate) -> bool:
-        """Whether the candidate's splits are scored many at once (``_Scorer.many``): a schedule with a flush
-        (``simulate.iterations``)."""
-        return self.schedule(c).minibatches == 1
+        """Whether the candidate's splits are scored many at once (``_Scorer.many``): a schedule without token
+        slices (``simulate.iterations``)."""
+        return self.schedule(c).slices == 1
 
     def search(self, f: int, visit: Visit, *, free: bool = False, cache: bool | None = None) -> Choice:
         """The best configuration for f frozen blocks (``free``: ignore start_K and the pins; ``cache``:
@@ -500,7 +500,7 @@ class _Scorer:
 
     def many(self, X: np.ndarray) -> np.ndarray:
         """``__call__`` of the splits in the rows of X at once, every one simulated (``simulate.iterations``, equal to
-        ``simulate``'s to the last bit); for a schedule with a flush (``PhaseSearch.batched``)."""
+        ``simulate``'s to the last bit); for a schedule without token slices (``PhaseSearch.batched``)."""
         c, m, s = self.c, self.model, self.s
         lo, hi = X[:, :-1], X[:, 1:]
         fits = (m.evaluate_split(m.prepare(lo, hi))[1] <= self.limit).all(axis=1)

@@ -708,13 +708,14 @@ class StageTimes(NamedTuple):
 
 def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.0) -> np.ndarray:
     """``simulate(schedule, costs).iteration_s`` of N splits at once (``x``: their stages' seconds, (N, K)), for a
-    schedule with a flush and no token slices: ``_run_program``'s event loop with a numpy column per clock, the same
-    additions and maxima in the same order, so that every entry equals the one-split simulation's to the last bit
-    (``tests/test_simulate.py``). One pass of the program costs what one simulation does, whatever N is: the search
-    scores every split of a candidate this way (``resplit.best_split``)."""
+    schedule without token slices: ``_run_program``'s event loop with a numpy column per clock, and a flush-free
+    schedule's period as ``_flush_free_result`` takes it, the same additions and maxima in the same order, so that
+    every entry equals the one-split simulation's to the last bit (``tests/test_simulate.py``). One pass of the
+    program costs what one simulation does, whatever N is: the search scores every split of a candidate this way
+    (``resplit.best_split``)."""
     prog = _compile(schedule)
-    if prog.marks or schedule.slices != 1:
-        raise PtplanError(f"iterations: schedule {schedule.name!r} has no flush or has token slices; use simulate")
+    if schedule.slices != 1:
+        raise PtplanError(f"iterations: schedule {schedule.name!r} has token slices; use simulate")
     N, K = np.shape(x.forward_s)
     if K != schedule.K:
         raise PtplanError(f"iterations: costs of {K} stages for a schedule with K={schedule.K} stages")
@@ -727,9 +728,12 @@ def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.
     for s in range(K):
         T[s2r[s]] = T[s2r[s]] + x.setup_s[:, s]
         opt[s2r[s]] = opt[s2r[s]] + x.optimizer_s[:, s]
-    D, L, A = [zero] * R, [zero] * prog.num_links, [zero] * prog.num_msgs
-    for o, r, d, ch, mg in zip(prog.op, prog.rank, prog.slot, prog.chan, prog.msg):
+    D, L, A, U = [zero] * R, [zero] * prog.num_links, [zero] * prog.num_msgs, [zero] * prog.num_updates
+    marks, start = set(prog.marks), {}
+    for i, (o, r, d, ch, mg) in enumerate(zip(prog.op, prog.rank, prog.slot, prog.chan, prog.msg)):
         if o == 0:  # compute
+            if i in marks:
+                start[i] = T[r]
             T[r] = T[r] + cols[d]
         elif o == 1:  # send: wait for the link, not for the receiver
             L[ch] = A[mg] = np.maximum(T[r], L[ch]) + cols[d]
@@ -737,7 +741,22 @@ def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.
             T[r] = np.maximum(T[r], A[mg])
         elif o == 3:  # all-reduce, on its own channel
             D[r] = np.maximum(T[r], D[r]) + cols[d]
-    return np.max([np.maximum(t, dd) + op for t, dd, op in zip(T, D, opt)], axis=0) + step_overhead_s
+            if mg >= 0:
+                U[mg] = D[r]
+        else:  # update (flush-free): the optimizer step, once its all-reduce has ended
+            T[r] = np.maximum(T[r], U[mg]) + cols[d]
+    if not prog.marks:
+        return np.max([np.maximum(t, dd) + op for t, dd, op in zip(T, D, opt)], axis=0) + step_overhead_s
+    M = schedule.minibatches  # ``_busy`` (no token slices) and ``_flush_free_result``
+    work, channel = [zero] * R, [zero] * R
+    for s in range(K):
+        busy = x.setup_s[:, s] + prog.count_f[s] * cols[s * _NSLOT] + prog.count_b[s] * cols[s * _NSLOT + 1] \
+            + prog.count_bi[s] * cols[s * _NSLOT + 2] + prog.count_w[s] * cols[s * _NSLOT + 3]
+        work[s2r[s]] = work[s2r[s]] + (x.setup_s[:, s] + (busy - x.setup_s[:, s]) / M + x.optimizer_s[:, s])
+        channel[s2r[s]] = channel[s2r[s]] + x.allreduce_s[:, s]
+    back = min(3, M - 2)
+    slope = (start[prog.marks[-1]] - start[prog.marks[-1 - back]]) / back
+    return np.maximum(np.maximum(slope, np.max(work, axis=0)), np.max(channel, axis=0)) + step_overhead_s
 
 
 def _rank_memory(prog: _Program, costs: Sequence[StageCost]) -> tuple[int, ...]:

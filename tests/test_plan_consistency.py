@@ -270,3 +270,21 @@ def test_checks_raise_only_schema_errors():
         except PtplanError as e:  # pragma: no cover - the failure message
             pytest.fail(f"{name}: {type(e).__name__}: {e}")
         pytest.fail(f"{name}: accepted")
+
+
+def test_a_fill_that_ties_the_steady_iteration_writes_a_plan(tmp_path):
+    """PipeDream-2BW's iteration is its steady period, on which the AutoCache's fill changes nothing: the fill and
+    steady iterations are simulated apart and may differ by rounding either way (bert-large on cpu:4, batch 64:
+    fill_iteration_s fell 2e-17 s under iteration_s in 5 phases, and ``totals.fill_seconds`` at -2e-14 s failed
+    the plan's own check before writing). What a fill adds is at least 0 (``Prediction.fill_extra_s``), everywhere
+    it is summed."""
+    from ptplan.planner.plan import save_plan
+
+    prof = load_profile(shipped("bert-large_a100_bf16"))
+    plan = make_plan(prof, get_preset("cpu:4"), TrainingConfig(epochs=10, samples_per_epoch=50_000, batch=64,
+                                                                schedule="2bw"), FreezePolicy())
+    cached = [p.predicted for p in plan.phases if p.cache]
+    assert cached and all(p.fill_extra_s >= 0.0 for p in cached)
+    assert plan.totals.fill_seconds >= 0.0
+    save_plan(plan, tmp_path / "plan.json")
+    assert load_plan(tmp_path / "plan.json").totals.fill_seconds == plan.totals.fill_seconds

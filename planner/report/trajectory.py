@@ -101,9 +101,8 @@ def _fill_trace(plan: Plan, runs: Sequence[Run]) -> go.Scatter | None:
     fcd: list[list[Any] | None] = []
     for r in fills:
         ph = plan.phases[r.phase]
-        extra = r.fill_iterations * (ph.predicted.fill_iteration_s - ph.predicted.iteration_s)
         row = [r.fill_iterations, _duration(ph.predicted.fill_iteration_s), _duration(ph.predicted.iteration_s),
-               _duration(max(extra, 0.0))]
+               _duration(r.fill_iterations * ph.predicted.fill_extra_s)]
         fx += [r.x0, max(r.x_fill, r.x0), None]
         fy += [r.frozen_blocks, r.frozen_blocks, None]
         fcd += [row, row, None]
