@@ -14,7 +14,12 @@ K=2: (35,36)|(36,51) 1.25x slower than (35,41)|(41,51)).
 candidate with one strategy on every stage and a schedule with a flush, ``simulate.iterations``, one pass of the
 event loop over numpy columns) and there are at most ``ENUMERATE_MANY``; else where there are at most
 ``ENUMERATE_UP_TO`` and at most ``ENUMERATE_LAYERS`` active layers. In both, splits go in ascending order of
-their lower bounds and stop at the first that cannot win. Otherwise it
+their lower bounds and stop at the first that cannot win. Where there are more, the search's lower bound taken
+stage by stage (``Proof``: the bound is a maximum of per-stage terms, so the least bound of any completion of a
+partial split is a dynamic programme over the stages) finds every split that can still beat AutoPipe's split,
+or failing that the descent's, without listing the others (``under``); where they are at most
+``ENUMERATE_MANY`` they are scored as above, and the split is proven the best. Otherwise (too many splits under
+the bound, or no ``many``) it
 starts from the proxy's optimum and descends on the simulated objective: every move of one
 cut by up to ``RADIUS`` layers, every shift of two neighbouring cuts together by one, every move of
 one layer across a stage (a cut moved one way, the next the other way), and every shift by one of all the
@@ -111,12 +116,18 @@ Bounds = Callable[[np.ndarray], np.ndarray]
 """Lower bounds of the scores of many splits at once (rows of cuts), cheap (numpy): infinite where one does not fit."""
 Many = Callable[[np.ndarray], np.ndarray]
 """The scores of many splits at once (rows of cuts): what ``score`` gives each, infinite where one does not fit."""
+Proof = Callable[[], np.ndarray]
+"""Per-stage lower bounds G (S, m + 1, m + 1) of the m active layers: G[s, i, j] bounds from below the bound
+(``Bounds``) of every split whose stage s holds layers [a + i, a + j) of them, so that max over s of G[s, c_s,
+c_s+1] is at most a split's bound (infinite where i >= j or the stage does not fit)."""
+PROOF_SLACK = 1e-9
+"""Relative room ``under`` leaves over the score to beat: G's prefix sums round apart from the bound's own."""
 
 
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
-               many: Many | None = None, radius: int = RADIUS, max_rounds: int = MAX_ROUNDS,
-               enumerate_up_to: int | None = None, give_up: float = math.inf, cutoff: float = math.inf,
-               max_flat: int = MAX_FLAT, wide: bool = True) -> tuple[tuple[int, ...], float]:
+               many: Many | None = None, proof: Proof | None = None, radius: int = RADIUS,
+               max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None, give_up: float = math.inf,
+               cutoff: float = math.inf, max_flat: int = MAX_FLAT, wide: bool = True) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
     where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
@@ -124,8 +135,11 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     ascending order of their bounds and stops at the first that cannot win: whose bound is not below the best
     score so far, or is over ``cutoff`` (a score the caller already has elsewhere: a split over it is of no use
     to the caller, one equal to it still is). ``many`` (optional) scores many splits at once: the enumeration then
-    reaches ``ENUMERATE_MANY`` splits of any number of layers and scores them ``CHUNK`` at a time. The descent is not
-    started where ``cuts`` scores above ``give_up``.
+    reaches ``ENUMERATE_MANY`` splits of any number of layers and scores them ``CHUNK`` at a time. With ``many``,
+    ``proof`` (optional) gives per-stage lower bounds (``Proof``): where more splits than that exist, those whose
+    bound can still win are found stage by stage (``under``) and, if there are at most ``ENUMERATE_MANY``, scored
+    as the enumeration scores all of them: exact, before the descent (with ``cuts``' score to beat) or after it
+    (with the descent's). The descent is not started where ``cuts`` scores above ``give_up``.
     ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones): a local refinement, for a caller
     whose every score is a full search and simulation with no bound to skip it."""
     cur = tuple(cuts)
@@ -134,10 +148,26 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
         return cur, best
     a, n, S = cur[0], cur[-1], len(cur) - 1
     if enumerable(a, n, S, enumerate_up_to, batched=many is not None):
-        return _every_split(cur, best, score, bounds, many, cutoff)
-    seen: dict[tuple[int, ...], float] = {cur: best}
+        X = _every_cut(n - a, S) + a
+        return _score_rows(cur, best, X, score, bounds, many, cutoff)
     if not best <= give_up:
         return cur, best
+    G = proof() if proof is not None and many is not None else None
+    for attempt in range(2):  # the stage-by-stage bound with AutoPipe's split to beat, then with the descent's
+        rows = under(G, min(best, cutoff) * (1 + PROOF_SLACK), ENUMERATE_MANY) if G is not None else None
+        if rows is not None:  # every split that may win: none, or the best of them
+            return _score_rows(cur, best, rows + a, score, bounds, many, cutoff) if len(rows) else (cur, best)
+        if attempt == 0:
+            cur, best = _descend(cur, best, score, bounds, radius, max_rounds, max_flat, wide)
+    return cur, best
+
+
+def _descend(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...], float], float],
+             bounds: Bounds | None, radius: int, max_rounds: int, max_flat: int, wide: bool
+             ) -> tuple[tuple[int, ...], float]:
+    """``best_split``'s descent from ``cur`` (score ``best``): the module docstring's moves."""
+    a, n = cur[0], cur[-1]
+    seen: dict[tuple[int, ...], float] = {cur: best}
 
     def best_of(nb: list[tuple[int, ...]], base: float) -> tuple[tuple[int, ...] | None, float, tuple | None]:
         """The best unseen split of ``nb`` under ``base`` (None if none), and one that ties ``base``."""
@@ -174,6 +204,28 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     return home, best
 
 
+def under(G: np.ndarray, bar: float, cap: int) -> np.ndarray | None:
+    """Every split whose stage-by-stage bound is below ``bar`` (``Proof``: max over s of G[s, c_s, c_s+1]), as rows of
+    cuts from 0 to m, or None where there are more than ``cap``: stage by stage, each partial split extended by every
+    next cut after which some completion stays below ``bar`` (the least bound of any completion, by dynamic
+    programming from the last stage), so no partial split is kept that has no split below ``bar``."""
+    S, m1 = G.shape[0], G.shape[1]
+    suf = np.full((S + 1, m1), np.inf)
+    suf[S, m1 - 1] = -np.inf
+    for s in range(S - 1, -1, -1):  # suf[s][i]: the least bound of stages s.. starting at cut i
+        suf[s] = np.min(np.maximum(G[s], suf[s + 1][None, :]), axis=1)
+    paths, top = np.zeros((1, 1), dtype=np.int64), np.full(1, -np.inf)
+    for s in range(S):
+        if not len(paths):
+            break
+        lo = paths[:, -1]
+        row, hi = np.nonzero(np.maximum(np.maximum(top[:, None], G[s][lo]), suf[s + 1][None, :]) < bar)
+        if len(row) > cap:
+            return None
+        paths, top = np.column_stack((paths[row], hi)), np.maximum(top[row], G[s][lo[row], hi])
+    return paths
+
+
 def far(cuts: Sequence[int], d: int) -> list[tuple[int, ...]]:
     """Splits d layers away: one cut moved by d, or all the cuts after (before) a stage shifted by d."""
     c = list(cuts)
@@ -187,11 +239,11 @@ def far(cuts: Sequence[int], d: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(tuple(x) for x in out if all(p < q for p, q in zip(x, x[1:]))))
 
 
-def _every_split(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...], float], float],
-                 bounds: Bounds | None, many: Many | None, cutoff: float) -> tuple[tuple[int, ...], float]:
-    """``best_split``'s enumeration: every split of ``cur``'s layers into as many stages, scored in ascending order of
-    their bounds until the next bound cannot win (one at a time by ``score``, or ``CHUNK`` at a time by ``many``)."""
-    X = _every_cut(cur[-1] - cur[0], len(cur) - 1) + cur[0]
+def _score_rows(cur: tuple[int, ...], best: float, X: np.ndarray, score: Callable[[tuple[int, ...], float], float],
+                bounds: Bounds | None, many: Many | None, cutoff: float) -> tuple[tuple[int, ...], float]:
+    """``best_split``'s enumeration: the splits in the rows of X (all of them, or all that may win) scored in
+    ascending order of their bounds until the next bound cannot win (one at a time by ``score``, or ``CHUNK`` at a
+    time by ``many``); ``cur`` (score ``best``) where none beats it."""
     lb = bounds(X) if bounds is not None else np.zeros(len(X))
     stop = cutoff * (1 + 1e-12)
     order = np.argsort(lb, kind="stable")

@@ -316,7 +316,7 @@ class PhaseSearch:
         sched = self.schedule(c)
         sc = _Scorer(self, c, model, sched, visit, cutoff)
         cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)], sc, bounds=sc.bounds,
-                                 many=sc.many if self.batched(c) else None,
+                                 many=sc.many if self.batched(c) else None, proof=sc.stage_bounds,
                                  give_up=(cutoff * (1 + GIVE_UP) if give_up is None else give_up) if descend
                                  else -math.inf, cutoff=cutoff)
         if score > cutoff * (1 + 1e-12):
@@ -528,17 +528,12 @@ class _Scorer:
         c, model, s = self.c, self.model, self.s
         ms = model.models if isinstance(model, StageChoice) else (model,)
         lo, hi = X[:, :-1], X[:, 1:]
-        L = model.cum_time_lb[hi] - model.cum_time_lb[lo] + 2 * min(m.ovh for m in ms)
-        L[:, 0] += min(m.prefix_s for m in ms)
+        L, done, Fw = self._stage_terms(lo, hi, np.arange(X.shape[1] - 1))
         flush = c.schedule != "2bw"
-        done = np.min([(m.links.ar_lat + (m.t.cum_sync[hi] - m.t.cum_sync[lo]) * m.links.ar_per_byte
-                        if m.sync and flush else 0.0) + m.t.optimizer_range_s(lo, hi) for m in ms], axis=0)
         work = c.M * L + done
         head = np.max(np.cumsum(L, axis=1) - L + c.M * L, axis=1) + done[:, 0] \
             if flush and not splits_backward(c.schedule) else -np.inf
         if flush:  # stage s's first forward waits for micro-batch 0's forwards on the stages before it
-            Fw = np.min([m.times.cum_fwd[hi] - m.times.cum_fwd[lo] for m in ms], axis=0) + min(m.ovh for m in ms)
-            Fw[:, 0] += min(m.prefix_s for m in ms)
             head = np.maximum(head, np.max(np.cumsum(Fw, axis=1) - Fw + work, axis=1))
 
         def iteration(setup: float) -> np.ndarray:  # the cache's set-up delays stage 0's rank, and so every stage
@@ -553,6 +548,58 @@ class _Scorer:
             _, mem = model.evaluate(st, model.prepare(lo[:, st], hi[:, st]))
             lb = np.where(np.asarray(mem) > self.limit, np.inf, lb)
         return lb
+
+    def stage_bounds(self) -> np.ndarray:
+        """``bounds`` stage by stage (``resplit.Proof``): [s, i, j] bounds from below ``bounds`` of every split whose
+        stage s holds layers [a + i, a + j) (a the first active layer). Each of ``bounds``' terms is one stage's
+        (its work, and its head: the stages before it through their layers' least prefix sums, and for stage 0's
+        all-reduce and step, their least over stage 0's ends), and the weighted steady and fill iterations are
+        bounded by the largest weighted sum of one stage's terms. Infinite where the stage does not fit."""
+        c, model, s = self.c, self.model, self.s
+        ms = model.models if isinstance(model, StageChoice) else (model,)
+        a, S = model.start, c.S
+        i, j = np.triu_indices(model.n - a + 1, k=1)
+        lo, hi, st = i + a, j + a, np.arange(S)[:, None]
+        L, done, Fw = self._stage_terms(lo[None, :], hi[None, :], st)  # (S, pairs)
+        ovh, prefix = min(x.ovh for x in ms), min(x.prefix_s for x in ms)
+        first = np.concatenate(([0.0], np.cumsum(np.min([np.diff(x.times.cum_fwd) for x in ms], axis=0))))
+        before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * ovh * st + (st > 0) * prefix
+        before_F = first[lo] - first[a] + ovh * st + (st > 0) * prefix
+        work, flush = c.M * L + done, c.schedule != "2bw"
+        done0 = float(done[0][lo == a].min())
+
+        def iteration(setup: float) -> np.ndarray:
+            t = work + (st == 0) * setup
+            if flush and not splits_backward(c.schedule):
+                t = np.maximum(t, before_L + c.M * L + done0 + setup)
+            if flush:
+                t = np.maximum(t, before_F + work + setup)
+            return t + s.c.step_overhead_s
+        N = s.cfg.samples_per_epoch
+        steady = iteration(min(x.read_setup_s for x in ms))
+        g = (_seconds_per_sample(c, 1.0, 0.0, self.visit, N) * steady + _seconds_per_sample(c, 0.0, 1.0, self.visit, N)
+             * (iteration(min(x.fill_setup_s for x in ms)) if c.cache else steady))
+        terms = model.prepare(lo, hi)
+        for k in range(S):
+            g[k] = np.where(np.asarray(model.evaluate(k, terms)[1]) > self.limit, np.inf, g[k])
+        G = np.full((S, len(model.cum_time_lb) - a, len(model.cum_time_lb) - a), np.inf)
+        G[:, i, j] = g
+        return G
+
+    def _stage_terms(self, lo: np.ndarray, hi: np.ndarray, st: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``bounds``' per-stage terms of the stages [lo, hi) at stage indices st (arrays that broadcast): the least
+        busy time l (with the two actions' overheads and stage 0's prefix), the all-reduce and optimizer step after
+        it, and micro-batch 0's forward, each the least over the stage's choices of strategy."""
+        c, model = self.c, self.model
+        ms = model.models if isinstance(model, StageChoice) else (model,)
+        ovh, prefix = min(m.ovh for m in ms), min(m.prefix_s for m in ms)
+        L = model.cum_time_lb[hi] - model.cum_time_lb[lo] + 2 * ovh + (st == 0) * prefix
+        flush = c.schedule != "2bw"
+        done = np.min(np.broadcast_arrays(*((m.links.ar_lat[st] + (m.t.cum_sync[hi] - m.t.cum_sync[lo])
+                                             * m.links.ar_per_byte[st] if m.sync and flush else 0.0)
+                                            + m.t.optimizer_range_s(lo, hi) for m in ms)), axis=0)
+        Fw = np.min([m.times.cum_fwd[hi] - m.times.cum_fwd[lo] for m in ms], axis=0) + ovh + (st == 0) * prefix
+        return L, done, Fw
 
 
 class _Reason:
