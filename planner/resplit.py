@@ -205,24 +205,22 @@ def _descend(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...]
 
 
 def under(G: np.ndarray, bar: float, cap: int) -> np.ndarray | None:
-    """Every split whose stage-by-stage bound is below ``bar`` (``Proof``: max over s of G[s, c_s, c_s+1]), as rows of
-    cuts from 0 to m, or None where there are more than ``cap``: stage by stage, each partial split extended by every
-    next cut after which some completion stays below ``bar`` (the least bound of any completion, by dynamic
-    programming from the last stage), so no partial split is kept that has no split below ``bar``."""
+    """Every split whose stage-by-stage bound is below ``bar`` (``Proof``: max over s of G[s, c_s, c_s+1], so every
+    stage's term below it), as rows of cuts from 0 to m, or None where there are more than ``cap``. Their number
+    first, by dynamic programming from the last stage (the splits below ``bar`` of stages s.. from each cut); then
+    stage by stage, each partial split extended by every next cut that some completion below ``bar`` follows."""
+    ok = G < bar
     S, m1 = G.shape[0], G.shape[1]
-    suf = np.full((S + 1, m1), np.inf)
-    suf[S, m1 - 1] = -np.inf
-    for s in range(S - 1, -1, -1):  # suf[s][i]: the least bound of stages s.. starting at cut i
-        suf[s] = np.min(np.maximum(G[s], suf[s + 1][None, :]), axis=1)
-    paths, top = np.zeros((1, 1), dtype=np.int64), np.full(1, -np.inf)
+    ways = np.zeros((S + 1, m1))
+    ways[S, m1 - 1] = 1.0
+    for s in range(S - 1, -1, -1):  # float counts: exact up to 2**53, and only compared with cap beyond
+        ways[s] = ok[s] @ ways[s + 1]
+    if ways[0, 0] > cap:
+        return None
+    paths = np.zeros((1, 1), dtype=np.int64)
     for s in range(S):
-        if not len(paths):
-            break
-        lo = paths[:, -1]
-        row, hi = np.nonzero(np.maximum(np.maximum(top[:, None], G[s][lo]), suf[s + 1][None, :]) < bar)
-        if len(row) > cap:
-            return None
-        paths, top = np.column_stack((paths[row], hi)), np.maximum(top[row], G[s][lo[row], hi])
+        row, hi = np.nonzero(ok[s][paths[:, -1]] & (ways[s + 1] > 0)[None, :])
+        paths = np.column_stack((paths[row], hi))
     return paths
 
 
