@@ -10,9 +10,9 @@ last backward (stage 0's after the whole pipeline), and a stage's position sets 
 ends. So the proxy's optimum can be slower than another split (issue 22: bert-large on cpu:4, 17 frozen,
 K=2: (35,36)|(36,51) 1.25x slower than (35,41)|(41,51)).
 
-``best_split`` scores every split (exact) where the caller can score many at once (``many``: the search does for a
-candidate with one strategy on every stage and a schedule with a flush, ``simulate.iterations``, one pass of the
-event loop over numpy columns) and there are at most ``ENUMERATE_MANY``; else where there are at most
+``best_split`` scores every split (exact) where the caller can score many at once (``many``: the search does for
+every candidate without token slices, ``simulate.iterations``, one pass of the event loop over numpy columns) and
+there are at most ``ENUMERATE_MANY``; else where there are at most
 ``ENUMERATE_UP_TO`` and at most ``ENUMERATE_LAYERS`` active layers. In both, splits go in ascending order of
 their lower bounds and stop at the first that cannot win. Where there are more, the search's lower bound taken
 stage by stage (``Proof``: the bound is a maximum of per-stage terms, so the least bound of any completion of a
