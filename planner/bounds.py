@@ -1,13 +1,15 @@
 """Lower bounds on a candidate's simulated iteration (step 2 of ``search.py``): one that needs no split
-(``iteration_lower_bound``), and one from a split's stage costs (``split_bound``)."""
+(``iteration_lower_bound``), and one from a split's stage costs (``split_bound``, ``split_bounds``)."""
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
+
 from .candidate import Candidate
 from .schedule import splits_backward, stage_to_rank
-from .simulate import StageCost
+from .simulate import StageCost, StageTimes
 from .stage import cache_setup_s
 
 if TYPE_CHECKING:
@@ -96,37 +98,38 @@ def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_fr
 
 def split_bound(c: Candidate, costs: Sequence[StageCost], step_overhead_s: float) -> float:
     """A lower bound on the simulated iteration once the split is known (the same arguments as
-    ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates."""
-    S, M, K = len(costs), c.M, c.K
+    ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates:
+    ``split_bounds`` of one split."""
+    x = StageTimes(*(np.array([[getattr(st, f) for st in costs]], dtype=float) for f in StageTimes._fields))
+    return float(split_bounds(c, x, step_overhead_s)[0])
+
+
+def split_bounds(c: Candidate, x: StageTimes, step_overhead_s: float) -> np.ndarray:
+    """``split_bound`` of many splits at once (rows of ``x``'s (N, S) arrays). It never decreases when a duration
+    the simulator reads grows (forward, backward and its B and W parts, messages, set-up, all-reduce, step), so a
+    stage given each duration's least over several models bounds every choice among them (``assign.py``)."""
+    M, K = c.M, c.K
+    S = np.shape(x.forward_s)[-1]
     zb = splits_backward(c.schedule)
-    f = [x.forward_s + x.prefix_s for x in costs]
-    b = [x.backward_s for x in costs]
-    path_b = [x.backward_s - x.backward_weight_s for x in costs] if zb else b
-    T = sum(f) + sum(path_b) + costs[0].setup_s + sum(x.send_forward_s + x.send_backward_s for x in costs)
-    s2r = stage_to_rank(c.schedule, K, c.V)
-    load = [0.0] * K
-    done = [0.0] * K
-    for s, x in enumerate(costs):
-        load[s2r[s]] += x.setup_s + M * (f[s] + b[s])
-        done[s2r[s]] += x.allreduce_s + x.optimizer_s
+    f = x.forward_s + x.prefix_s
+    b = x.backward_s
+    path_b = x.backward_s - x.backward_weight_s if zb else b
+    T = f.sum(-1) + path_b.sum(-1) + x.setup_s[:, 0] + (x.send_forward_s + x.send_backward_s).sum(-1)
+    s2r = np.asarray(stage_to_rank(c.schedule, K, c.V))
+    rank = (s2r[:, None] == np.arange(K)[None, :]).astype(float)   # (S, K): each stage's rank
+    load = (x.setup_s + M * (f + b)) @ rank
     if c.schedule == "2bw":  # the steady state: each rank's work (and all-reduces) once per period
-        opt, ar = [0.0] * K, [0.0] * K
-        for s, x in enumerate(costs):
-            opt[s2r[s]] += x.optimizer_s
-            ar[s2r[s]] += x.allreduce_s
-        return max(max(ld + o for ld, o in zip(load, opt)), max(ar)) + step_overhead_s
-    pipe = max(T, max(load))
+        return np.maximum((load + x.optimizer_s @ rank).max(-1), (x.allreduce_s @ rank).max(-1)) + step_overhead_s
+    done = (x.allreduce_s + x.optimizer_s) @ rank
+    pipe = np.maximum(T, load.max(-1))
     if c.schedule == "gpipe":
-        pipe = max(pipe, T + (M - 1) * max(x + y for x, y in zip(f, b)))
+        pipe = np.maximum(pipe, T + (M - 1) * (f + b).max(-1))
     elif c.schedule == "1f1b":
-        pipe = max(pipe, T + max((M - 1) * f[s] + max(0, M - S + s) * b[s] for s in range(S)))
+        pipe = np.maximum(pipe, T + ((M - 1) * f + np.maximum(0, M - S + np.arange(S)) * b).max(-1))
     if not zb:  # head and tail of every stage
-        head = tail_b = 0.0
-        for s in range(S):
-            pipe = max(pipe, costs[0].setup_s + head + M * (f[s] + b[s]) + tail_b)
-            head += f[s]
-            tail_b += b[s]
-    tail = max(ld + dn for ld, dn in zip(load, done))
+        head, tail_b = np.cumsum(f, -1) - f, np.cumsum(b, -1) - b
+        pipe = np.maximum(pipe, (x.setup_s[:, :1] + head + M * (f + b) + tail_b).max(-1))
+    tail = (load + done).max(-1)
     if zb:
-        return max(pipe, tail) + step_overhead_s
-    return max(pipe + costs[0].allreduce_s + costs[0].optimizer_s, tail) + step_overhead_s
+        return np.maximum(pipe, tail) + step_overhead_s
+    return np.maximum(pipe + x.allreduce_s[:, 0] + x.optimizer_s[:, 0], tail) + step_overhead_s

@@ -42,7 +42,7 @@ class Candidate:
     recompute: bool = False
     """Recomputation on every stage (with ``recompute_per_stage``: False)."""
     fsdp_per_stage: bool = False
-    """Each stage chooses FSDP on or off (``stage.StageChoice``: the fastest that fits its memory)."""
+    """Each stage chooses FSDP on or off (``stage.StageChoice``; the assignment by the simulated iteration)."""
     recompute_per_stage: bool = False
     """Each stage chooses recomputation on or off, likewise, and how many of its first layers to recompute
     (``PhaseSearch.model``)."""

@@ -127,7 +127,8 @@ PROOF_SLACK = 1e-9
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
                many: Many | None = None, proof: Proof | None = None, radius: int = RADIUS,
                max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None, give_up: float = math.inf,
-               cutoff: float = math.inf, max_flat: int = MAX_FLAT, wide: bool = True) -> tuple[tuple[int, ...], float]:
+               cutoff: float = math.inf, max_flat: int = MAX_FLAT, wide: bool = True, start: float | None = None
+               ) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
     where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
@@ -141,13 +142,16 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     as the enumeration scores all of them: exact, before the descent (with ``cuts``' score to beat) or after it
     (with the descent's). The descent is not started where ``cuts`` scores above ``give_up``.
     ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones): a local refinement, for a caller
-    whose every score is a full search and simulation with no bound to skip it."""
+    whose every score is a full search and simulation with no bound to skip it. ``start`` (optional): a score that
+    some configuration of ``cuts`` reaches (not below its ``score``), cheaper than ``score``: the enumeration with
+    ``many`` starts from it, and scores ``cuts`` with the rest; elsewhere ``cuts`` is scored first."""
     cur = tuple(cuts)
-    best = score(cur, math.inf)
-    if len(cur) <= 2:
-        return cur, best
     a, n, S = cur[0], cur[-1], len(cur) - 1
-    if enumerable(a, n, S, enumerate_up_to, batched=many is not None):
+    listed = S > 1 and enumerable(a, n, S, enumerate_up_to, batched=many is not None)
+    best = start if start is not None and listed and many is not None else score(cur, math.inf)
+    if S <= 1:
+        return cur, best
+    if listed:
         X = _every_cut(n - a, S) + a
         return _score_rows(cur, best, X, score, bounds, many, cutoff)
     if not best <= give_up:

@@ -11,8 +11,8 @@ Steps, all pure functions of the profile, the cluster and the training settings:
    pipeline's batch (M >= K for 1F1B; the pinned M where possible), b inside the profile's
    measured sizes unless extrapolation is allowed, the AutoCache where the mode and the nodes'
    host memory allow; with ``strategies="auto"`` also every tp inside a node and, for FSDP and for
-   recomputation, off / on for every stage / chosen per stage (each stage the fastest that fits:
-   ``stage.StageChoice``; FSDP only where D > 1). There is no cap on M: memory and the batch bound it.
+   recomputation, off / on for every stage / chosen per stage (``stage.StageChoice``; each split's assignment
+   of strategies to stages the best by the simulated iteration, ``assign.py``; FSDP only where D > 1). There is no cap on M: memory and the batch bound it.
    With ``--schedule 2bw`` (PipeDream-2BW) an iteration is one mini-batch of the flush-free steady
    state, stages keep two weight versions of their active layers, and M >= K.
 2. ``lower_bound`` (``bounds.py``): a bound on the simulated iteration that needs no partition (the stages' total
@@ -35,7 +35,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .bounds import iteration_lower_bound, split_bound
+from .assign import best_assignments, options
+from .bounds import iteration_lower_bound, split_bound, split_bounds
 from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
@@ -108,6 +109,8 @@ class PhaseSearch:
         self.schedules = self._schedules()
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
+        self.unproven = 0
+        """Per-stage strategy searches that stopped at ``assign.MAX_COLUMNS`` with the best found (for benchmarks)."""
 
     # ---- shared pieces -------------------------------------------------------------------------
     def _schedules(self) -> tuple[str, ...]:
@@ -315,13 +318,16 @@ class PhaseSearch:
             self._split_memo[key] = (model, part)
         sched = self.schedule(c)
         sc = _Scorer(self, c, model, sched, visit, cutoff)
-        cuts, score = best_split([part.ranges[0][0], *(hi for _, hi in part.ranges)], sc, bounds=sc.bounds,
+        first = (part.ranges[0][0], *(hi for _, hi in part.ranges))
+        cuts, score = best_split(first, sc, bounds=sc.bounds, start=sc.start(first),
                                  many=sc.many if self.batched(c) else None, proof=sc.stage_bounds,
                                  give_up=(cutoff * (1 + GIVE_UP) if give_up is None else give_up) if descend
                                  else -math.inf, cutoff=cutoff)
         if score > cutoff * (1 + 1e-12):
             return None
         ranges = tuple(zip(cuts[:-1], cuts[1:]))
+        if isinstance(model, StageChoice):  # each stage's strategy: the split's best assignment, not its busy pick
+            model.fix(ranges, sc.chosen(np.array([cuts]))[1][0])
         costs = tuple(model.stage_costs(ranges))
         sim = simulate(sched, costs, step_overhead_s=self.c.step_overhead_s)
         fill_costs: tuple[StageCost, ...] = ()
@@ -470,8 +476,9 @@ def _order(ch: Choice) -> tuple:
 
 class _Scorer:
     """``resplit.best_split``'s score of one candidate's splits: the phase's seconds per sample (the
-    simulator's steady iteration, and with the AutoCache its fill iteration, weighted as ``_seconds_per_sample``);
-    infinite where a stage breaks the memory limit; the split's lower bound (``PhaseSearch.split_bound``) per
+    simulator's steady iteration, and with the AutoCache its fill iteration, weighted as ``_seconds_per_sample``;
+    where stages choose their strategy, under the split's best assignment, ``chosen``); infinite where a stage
+    breaks the memory limit; the split's lower bound (``PhaseSearch.split_bound``) per
     sample instead, where that already loses to the best split so far (never below the simulated objective, so no
     such split is taken over a simulated one). Not where it loses only to the search's cutoff: the descent may have
     to pass through such a split, and a bound under its best would be taken for the split's score."""
@@ -483,6 +490,8 @@ class _Scorer:
 
     def __call__(self, cuts: tuple[int, ...], best: float) -> float:
         s, c, model = self.s, self.c, self.model
+        if isinstance(model, StageChoice):  # the split's least over its stages' strategies (``assign``)
+            return float(self.chosen(np.array([cuts]), bar=best)[0][0])
         ranges = tuple(zip(cuts[:-1], cuts[1:]))
         if bool((np.asarray(model.peaks(ranges)) > self.limit).any()):
             return math.inf
@@ -500,8 +509,11 @@ class _Scorer:
 
     def many(self, X: np.ndarray) -> np.ndarray:
         """``__call__`` of the splits in the rows of X at once, every one simulated (``simulate.iterations``, equal to
-        ``simulate``'s to the last bit); for a schedule without token slices (``PhaseSearch.batched``)."""
+        ``simulate``'s to the last bit); for a schedule without token slices (``PhaseSearch.batched``). Where stages
+        choose their strategy, ``chosen``'s: the least entry is the least over every split and assignment."""
         c, m, s = self.c, self.model, self.s
+        if isinstance(m, StageChoice):
+            return self.chosen(X)[0]
         lo, hi = X[:, :-1], X[:, 1:]
         fits = (m.evaluate_split(m.prepare(lo, hi))[1] <= self.limit).all(axis=1)
         out = np.full(len(X), math.inf)
@@ -512,6 +524,54 @@ class _Scorer:
                               ) if c.cache else steady
             out[fits] = _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
         return out
+
+    def start(self, cuts: tuple[int, ...]) -> float | None:
+        """``best_split``'s ``start``: where stages choose their strategy, the split's objective with each stage's
+        fastest busy time that fits (one simulation; ``__call__`` simulates every assignment); None otherwise."""
+        m, c, s = self.model, self.c, self.s
+        if not isinstance(m, StageChoice):
+            return None
+        ranges = tuple(zip(cuts[:-1], cuts[1:]))
+        if bool((np.asarray(m.peaks(ranges)) > self.limit).any()):
+            return math.inf
+        steady = simulate(self.sched, m.stage_costs(ranges), step_overhead_s=s.c.step_overhead_s).iteration_s
+        fill = simulate(self.sched, m.stage_costs(ranges, fill=True), step_overhead_s=s.c.step_overhead_s
+                        ).iteration_s if c.cache else steady
+        return _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
+
+    def chosen(self, X: np.ndarray, bar: float = math.inf) -> tuple[np.ndarray, np.ndarray]:
+        """(objective, assignment) of the splits in the rows of X whose stages each choose their strategy
+        (``StageChoice``), by the simulated iteration (``assign.best_assignments``, from each stage's fastest busy
+        time that fits): the least entry is the least over every split and every assignment of models to its
+        stages, or at least ``bar``; infinite (assignment -1) where a stage fits no model. With a ``bar`` (the
+        descent's best), a split whose bound over every assignment (``split_bounds`` of its ideal stages, as
+        ``__call__`` bounds one model's) is over it gets that bound (assignment -1). Counts in
+        ``PhaseSearch.unproven`` the calls that left assignments unsearched (``assign.MAX_COLUMNS``)."""
+        c, m, s = self.c, self.model, self.s
+        assert isinstance(m, StageChoice)
+        lo, hi = X[:, :-1], X[:, 1:]
+        busy, peak = m.each(lo, hi)
+        fits = peak <= self.limit
+        ok = fits.any(axis=0).all(axis=1)
+        out, picks = np.full(len(X), math.inf), np.full(lo.shape, -1, dtype=np.int64)
+        lo, hi, busy, peak = lo[ok], hi[ok], busy[:, ok], peak[:, ok]
+        N, ovh, rows = s.cfg.samples_per_epoch, s.c.step_overhead_s, np.flatnonzero(ok)
+        if not len(rows):
+            return out, picks
+        o = options([stage_times(x, lo, hi) for x in m.models],
+                    [stage_times(x, lo, hi, fill=True) for x in m.models] if c.cache else None, fits[:, ok])
+        if math.isfinite(bar):  # the splits' bounds over every assignment first, as ``__call__``'s for one model
+            st, fl = (None if y is None else split_bounds(c, y, ovh) for y in o.ideal())
+            out[rows] = lb = _seconds_per_sample(c, st, st if fl is None else fl, self.visit, N)
+            go = lb <= bar * (1 + 1e-12)
+            if not go.all():
+                rows, busy, peak, o = rows[go], busy[:, go], peak[:, go], o.take(go)
+        if len(rows):
+            out[rows], picks[rows], proven = best_assignments(
+                self.sched, o, m.fastest(busy, peak), lambda st, fl: _seconds_per_sample(c, st, fl, self.visit, N),
+                step_overhead_s=ovh, bar=bar)
+            s.unproven += not proven
+        return out, picks
 
     def bounds(self, X: np.ndarray) -> np.ndarray:
         """Lower bounds of ``__call__`` for the splits in the rows of X (``resplit.Bounds``), cheap (numpy): the

@@ -739,6 +739,7 @@ def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.
             L[ch] = A[mg] = np.maximum(T[r], L[ch]) + cols[d]
         elif o == 2:  # receive: block until the data has arrived
             T[r] = np.maximum(T[r], A[mg])
+            A[mg] = zero  # received once: its column is let go (memory: the messages in flight, not all of them)
         elif o == 3:  # all-reduce, on its own channel
             D[r] = np.maximum(T[r], D[r]) + cols[d]
             if mg >= 0:

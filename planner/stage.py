@@ -104,8 +104,9 @@ exactly this; ``tests/test_stage_strategy_runtime.py`` counts the saved bytes wi
 
 One ``StageModel`` prices every stage with one strategy. ``StageChoice`` prices stages whose strategies
 differ (issue 14, per stage): over one ``StageModel`` per strategy of the same phase, each candidate stage
-takes the fastest strategy that fits the memory limit, so the partitioner's exact split chooses the split
-and every stage's strategy together; after the split each stage's costs and memory are its chosen model's.
+takes, for the partitioner (AutoPipe's min-max split, where the search starts), the fastest strategy that fits
+the memory limit; the search chooses every split's assignment by the simulated iteration instead
+(``assign.py``, ``StageChoice.fix``); each stage's costs and memory are its chosen model's.
 
 Not modelled (each small, or outside a training step): AdamW's step counter (4 bytes per
 parameter tensor); what a rank holds *during* a phase transition (what it keeps, what it has
@@ -670,7 +671,7 @@ def _table_band(m: StageModel, at_I: Callable[[np.ndarray], np.ndarray], J: np.n
 class StageChoice:
     """Per-stage strategies (issue 14): a stage family over several ``StageModel``s of one phase (the same K, M,
     b, D, tp, schedule and cache; each a strategy -- FSDP on or off, recomputation on or off) in which every
-    stage takes the fastest strategy whose peak fits ``limit``.
+    stage takes the fastest strategy whose peak fits ``limit``, or the model ``fix`` gives it.
 
     As ``partition.split_stages``'s family, a candidate stage [I, J) at position s costs the least busy time
     of the strategies that fit there (its peak is that strategy's); where none fits, the smallest peak of
@@ -681,8 +682,11 @@ class StageChoice:
     recomputation). In 1F1B stage 0 keeps K micro-batches in flight and the last stage one, so recomputation,
     or FSDP's sharded state, is often needed on the first stages only.
 
-    After the split, ``stage_costs``, ``stage_memory`` and ``stage_strategies`` give each stage's numbers from
-    the model it chose, exactly as that model alone gives them (the simulator takes per-stage costs).
+    The busy time leaves out what comes after a stage's last backward: FSDP has no all-reduce there and shards
+    the optimizer step, which end a flushed iteration on stage 0. So the search (``search._Scorer.chosen``) scores
+    each split by its best assignment under the simulator (``assign.best_assignments``, from ``each`` and
+    ``fastest``) and ``fix``es the chosen split's; ``stage_costs``, ``stage_memory`` and ``stage_strategies`` then
+    give each stage's numbers from the model it takes, exactly as that model alone gives them.
 
     ``models[0]`` must never be slower than the others on any stage (the search gives the simplest first: no
     FSDP, no recomputation); then where it fits every candidate stage at every position (``peak_upper``) the
@@ -766,13 +770,34 @@ class StageChoice:
         return self._chosen(ranges)[0]
 
     def _chosen(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, tuple[int, ...]]:
-        """(peaks, picks) of a split; the last split's kept (a split is scored, then costed, then described)."""
+        """(peaks, picks) of a split: as ``fix`` set them, else the fastest busy time that fits; the last split's
+        kept (a split is scored, then costed, then described)."""
         key = tuple(map(tuple, ranges))
         if self._last is None or self._last[0] != key:
             lo, hi = self.models[0].check_ranges(ranges)
             _, mem, idx = self._each(self.prepare(lo, hi), lambda m, x: m.evaluate_split(x))
             self._last = (key, (mem, tuple(int(i) for i in idx)))
         return self._last[1]
+
+    def fix(self, ranges: Sequence[tuple[int, int]], picks: Sequence[int]) -> None:
+        """Each stage of this split takes the model ``picks`` gives it (the search's choice by the simulated
+        iteration, ``assign.best_assignments``) until another split is asked for."""
+        lo, hi = self.models[0].check_ranges(ranges)
+        _, peaks = self.each(lo, hi)
+        picks = tuple(int(i) for i in picks)
+        self._last = (tuple(map(tuple, ranges)), (peaks[list(picks), 0, np.arange(len(picks))], picks))
+
+    def each(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(busy time, peak) of every model on the stages of many splits (rows of lo, hi): (P, N, S) each."""
+        lo, hi = np.atleast_2d(lo), np.atleast_2d(hi)
+        memo: dict = {}
+        got = [m.evaluate_split(m.prepare(lo, hi, memo)) for m in self.models]
+        return (np.array([np.broadcast_to(t, lo.shape) for t, _ in got], dtype=float),
+                np.array([np.broadcast_to(p, lo.shape) for _, p in got], dtype=float))
+
+    def fastest(self, busy: np.ndarray, peak: np.ndarray) -> np.ndarray:
+        """(N, S): each stage's fastest model by busy time that fits (``each``' arrays), else its smallest peak."""
+        return self._pick(list(zip(busy, peak)))[2]
 
     def stage_strategies(self, ranges: Sequence[tuple[int, int]]) -> tuple[Strategy, ...]:
         picks = self.choose(ranges)

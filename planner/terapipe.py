@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -449,8 +449,6 @@ def sliced_phase(profile, *, K: int, M: int, b: int, D: int = 1, frozen_blocks: 
     prices its measured layers at that length). ``tp``: every stage split over tp GPUs of a node (Megatron; the
     stage model's shard costs, each slice paying its own all-reduces) -- planned here, but not run by the executor
     (``slice_refusal``)."""
-    from dataclasses import replace
-
     from .cluster import charged_overheads, cpu_cluster, measured_host_io
     from .config import TrainingConfig
     from .costs import CostTable
@@ -642,7 +640,10 @@ def _sliced_split(search, choice, phase):
     K, M, b = phase.K, phase.M, phase.micro_batch_size
     if choice.cand.cache:
         return choice.ranges, choice.costs, choice.memory, _best_slicing(search, choice.ranges, choice.costs, K, M, b)
-    model = search.model(choice.cand, choice.ranges[0][0])
+    # the phase's one strategy on every stage (slices run with neither FSDP nor recomputation): a candidate whose
+    # stages chose theirs would choose again on another split, under costs its strategies would not name
+    model = search.uniform_model(replace(choice.cand, fsdp_per_stage=False, recompute_per_stage=False),
+                                 choice.ranges[0][0])
     limit = search.stage_limit(choice.cand) * (1 + 1e-12)
     scored: dict[tuple[int, ...], tuple[float, tuple[int, ...]] | None] = {}
 
@@ -682,8 +683,6 @@ def token_slice_phase(search, choice, phase, *, keep_timeline: bool = False, max
     (messages, prefix, cache, all-reduce, optimizer, memory). It is taken only when its iteration is strictly
     faster than the phase's predicted one and its peak memory fits the device (every micro-batch in flight, as
     GPipe)."""
-    from dataclasses import replace
-
     from .plan import Prediction
     from .schedule import terapipe
     from .simulate import simulate

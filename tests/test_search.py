@@ -12,7 +12,9 @@ from ptplan.planner.config import TrainingConfig
 from ptplan.planner.errors import InfeasibleError
 from ptplan.planner.profile import load_profile
 from ptplan.planner import resplit
+from ptplan.planner.candidate import seconds_per_sample
 from ptplan.planner.search import Choice, PhaseSearch, Visit, _Scorer, exhaustive
+from ptplan.planner.simulate import simulate
 from ptplan.planner.synthetic import synthetic_profile
 from tests.test_stage import random_profile
 
@@ -164,6 +166,19 @@ def test_splits_scored_many_at_once_equal_each_scored_alone(seed):
             one = _Scorer(s, c, s.model(c, n0), s.schedule(c), visit, math.inf)
             X = np.array([[n0, *sorted(rng.sample(range(n0 + 1, s.n), c.S - 1)), s.n] for _ in range(20)])
             assert one.many(X).tolist() == [one(tuple(x), math.inf) for x in X.tolist()], c.tag
+            if c.per_stage:  # each split's value is its stages' chosen models simulated one split at a time
+                got, picks = one.chosen(X)
+                for x, v, pk in zip(X.tolist(), got.tolist(), picks):
+                    if math.isfinite(v):
+                        ranges = tuple(zip(x[:-1], x[1:]))
+                        one.model.fix(ranges, pk)
+                        steady = simulate(one.sched, one.model.stage_costs(ranges),
+                                          step_overhead_s=s.c.step_overhead_s).iteration_s
+                        fill = simulate(one.sched, one.model.stage_costs(ranges, fill=True),
+                                        step_overhead_s=s.c.step_overhead_s).iteration_s if c.cache else steady
+                        assert v == seconds_per_sample(c, steady, fill, visit, cfg.samples_per_epoch), c.tag
+                    else:
+                        assert (pk == -1).all()
             checked += 1
             shapes.add((c.V > 1, c.D > 1, c.cache, c.per_stage))
     assert checked >= 20 and all(any(x[i] for x in shapes) for i in range(4)), shapes
