@@ -12,7 +12,8 @@ Steps, all pure functions of the profile, the cluster and the training settings:
    measured sizes unless extrapolation is allowed, the AutoCache where the mode and the nodes'
    host memory allow; with ``strategies="auto"`` also every tp inside a node and, for FSDP and for
    recomputation, off / on for every stage / chosen per stage (``stage.StageChoice``; each split's assignment
-   of strategies to stages the best by the simulated iteration, ``assign.py``; FSDP only where D > 1). There is no cap on M: memory and the batch bound it.
+   of strategies to stages the best by the simulated iteration, ``assign.py``; FSDP only where D > 1). There is
+   no cap on M: memory and the batch bound it.
    With ``--schedule 2bw`` (PipeDream-2BW) an iteration is one mini-batch of the flush-free steady
    state, stages keep two weight versions of their active layers, and M >= K.
 2. ``lower_bound`` (``bounds.py``): a bound on the simulated iteration that needs no partition (the stages' total
@@ -109,8 +110,7 @@ class PhaseSearch:
         self.schedules = self._schedules()
         self.evaluated = 0
         """Candidates split and simulated so far (for benchmarks)."""
-        self.unproven = 0
-        """Per-stage strategy searches that stopped at ``assign.MAX_COLUMNS`` with the best found (for benchmarks)."""
+        self.unproven = 0  # per-stage strategy searches stopped at ``assign.MAX_COLUMNS`` (for benchmarks)
 
     # ---- shared pieces -------------------------------------------------------------------------
     def _schedules(self) -> tuple[str, ...]:
@@ -552,7 +552,7 @@ class _Scorer:
         lo, hi = X[:, :-1], X[:, 1:]
         busy, peak = m.each(lo, hi)
         fits = peak <= self.limit
-        ok = fits.any(axis=0).all(axis=1)
+        ok = np.all(np.any(fits, axis=0), axis=1)
         out, picks = np.full(len(X), math.inf), np.full(lo.shape, -1, dtype=np.int64)
         lo, hi, busy, peak = lo[ok], hi[ok], busy[:, ok], peak[:, ok]
         N, ovh, rows = s.cfg.samples_per_epoch, s.c.step_overhead_s, np.flatnonzero(ok)

@@ -394,8 +394,9 @@ def test_run_check_accepts_layerwise_recomputation_but_not_in_two_bw_phases(bert
 def test_best_assignments_branch_and_bound_equals_every_assignment_simulated(seed, monkeypatch):
     """``assign.best_assignments`` on random stage times (3 models, 4 stages, random fits, the AutoCache's fill in
     half the cases), with ``MAX_COLUMNS`` at 27 so that it bounds and branches stage by stage rather than listing
-    the 81 assignments (at least 3 of 30 cases branch and end proven): where it says proven, its least entry is the least over every split and every fitting
-    assignment simulated one by one, and each entry is what its assignment simulates to."""
+    the 81 assignments (at least 3 of 30 cases branch and end proven): where it says proven, its least entry is the
+    least over every split and every fitting assignment simulated one by one, and each entry is what its assignment
+    simulates to."""
     import ptplan.planner.assign as assign
     from ptplan.planner.schedule import build_schedule
     from ptplan.planner.simulate import StageTimes, iterations
