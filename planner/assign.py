@@ -20,10 +20,10 @@ whose bound (every stage ideal) does not beat the best of them or the caller's b
 its fronts have more than ``MAX_COLUMNS`` assignments; else one call costs what two would). Where the assignments
 left are at most ``MAX_COLUMNS``, it simulates them all at once (one column each of one ``simulate.iterations``
 call); otherwise it fixes the next stage in every way its front allows, bounds each partial assignment the same
-way (one call), drops those that do not beat the bar, and so on. What it returns for the best split is that split's least objective over
-every assignment (proven, to within ``SLACK``); for another split, a value reached by one of its assignments and not
-below the best split's. PipeDream-2BW's period (a difference of two start times) is not monotone, and the search
-offers 2BW no per-stage strategies (``candidates.py``): refused.
+way (one call), drops those that do not beat the bar, and so on. What it returns for the best split is that
+split's least objective over every assignment (proven, to within ``SLACK``); for another split, a value reached by
+one of its assignments and not below the best split's. PipeDream-2BW's period (a difference of two start times) is
+not monotone, and the search offers 2BW no per-stage strategies (``candidates.py``): refused.
 """
 from __future__ import annotations
 
