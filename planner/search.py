@@ -489,9 +489,15 @@ class _Scorer:
         self.limit = search.stage_limit(c, model.start, visit.fill_from if c.cache else 0) * (1 + 1e-12)
 
     def __call__(self, cuts: tuple[int, ...], best: float) -> float:
-        s, c, model = self.s, self.c, self.model
+        model = self.model
         if isinstance(model, StageChoice):  # the split's least over its stages' strategies (``assign``)
             return float(self.chosen(np.array([cuts]), bar=best)[0][0])
+        return self._simulated(cuts, best)
+
+    def _simulated(self, cuts: tuple[int, ...], best: float) -> float:
+        """``__call__`` of one split under the model's own choice of each stage's costs (a ``StageChoice``: each
+        stage's fastest busy time that fits, or the assignment ``fix`` gave it)."""
+        s, c, model = self.s, self.c, self.model
         ranges = tuple(zip(cuts[:-1], cuts[1:]))
         if bool((np.asarray(model.peaks(ranges)) > self.limit).any()):
             return math.inf
@@ -528,16 +534,7 @@ class _Scorer:
     def start(self, cuts: tuple[int, ...]) -> float | None:
         """``best_split``'s ``start``: where stages choose their strategy, the split's objective with each stage's
         fastest busy time that fits (one simulation; ``__call__`` simulates every assignment); None otherwise."""
-        m, c, s = self.model, self.c, self.s
-        if not isinstance(m, StageChoice):
-            return None
-        ranges = tuple(zip(cuts[:-1], cuts[1:]))
-        if bool((np.asarray(m.peaks(ranges)) > self.limit).any()):
-            return math.inf
-        steady = simulate(self.sched, m.stage_costs(ranges), step_overhead_s=s.c.step_overhead_s).iteration_s
-        fill = simulate(self.sched, m.stage_costs(ranges, fill=True), step_overhead_s=s.c.step_overhead_s
-                        ).iteration_s if c.cache else steady
-        return _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
+        return self._simulated(cuts, math.inf) if isinstance(self.model, StageChoice) else None
 
     def chosen(self, X: np.ndarray, bar: float = math.inf) -> tuple[np.ndarray, np.ndarray]:
         """(objective, assignment) of the splits in the rows of X whose stages each choose their strategy
