@@ -32,12 +32,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from .assign import best_assignments, options
-from .bounds import iteration_lower_bound, split_bound, split_bounds
+from .bounds import Least, iteration_lower_bound, least_terms, split_bound, split_bounds
 from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
@@ -51,7 +51,7 @@ from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
 from .simulate import StageCost, iterations, simulate
-from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
+from .stage import Links, PhaseShape, StageChoice, StageModel, _cum_min, links_for, stage_times
 from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
 from .tp_split import tp_refusal
 
@@ -572,20 +572,20 @@ class _Scorer:
 
     def bounds(self, X: np.ndarray) -> np.ndarray:
         """Lower bounds of ``__call__`` for the splits in the rows of X (``resplit.Bounds``), cheap (numpy): the
-        terms of ``PhaseSearch.split_bound`` from each stage's least busy time l_s (the stage family's
-        ``cum_time_lb``: its layers' forward and backward, no messages) plus its two actions' overheads and stage
-        0's prefix. Every rank runs its M forwards and backwards one at a time, then its all-reduce and optimizer
-        step (M·l_s + ar_s + opt_s); with a flush, stage s starts only after micro-batch 0's forwards f_s' on the
-        stages before it (Σ_{s'<s} f_s' + M·l_s + ar_s + opt_s), and without W it also ends only before their
-        last backwards, after which stage 0's all-reduce and step come (Σ_{s'<s} l_s' + M·l_s + ar_0 + opt_0).
-        With the AutoCache stage 0's set-up comes first (reading, or in a fill iteration filling, the cache); then
-        the step overhead; steady and fill iterations weighted as the objective weighs them
-        (``_seconds_per_sample``). Infinite where a stage breaks the memory limit. Where stages choose their
-        strategy (``StageChoice``), each term is the least over the choices."""
-        c, model, s = self.c, self.model, self.s
-        ms = model.models if isinstance(model, StageChoice) else (model,)
-        lo, hi = X[:, :-1], X[:, 1:]
-        L, done, Fw = self._stage_terms(lo, hi, np.arange(X.shape[1] - 1))
+        terms of ``PhaseSearch.split_bound`` from each stage's least durations over the models that fit it
+        (``bounds.least_terms``): its busy time l_s (its layers' forward and backward, no messages, plus its two
+        actions' overheads and stage 0's prefix), all-reduce and step d_s, and forward f_s. Every rank runs its
+        M forwards and backwards one at a time, then its all-reduce and optimizer step (M·l_s + d_s); with a flush,
+        stage s starts only after micro-batch 0's forwards on the stages before it (Σ_{s'<s} f_s' + M·l_s + d_s),
+        and without W it also ends only before their last backwards, after which stage 0's all-reduce and step
+        come (Σ_{s'<s} l_s' + M·l_s + d_0). With the AutoCache stage 0's set-up comes first (reading, or in a fill
+        iteration filling, the cache); then the step overhead; steady and fill iterations weighted as the
+        objective weighs them (``_seconds_per_sample``). Infinite where no model fits a stage."""
+        c, lo, hi = self.c, X[:, :-1], X[:, 1:]
+        x = Least(*np.stack([least_terms(c, self.model, self.limit, lo[:, k], hi[:, k], k)
+                             for k in range(X.shape[1] - 1)], axis=-1))
+        fits = np.isfinite(x.busy).all(axis=1)  # (such a split is infinite, not nan)
+        L, done, Fw = (np.where(fits[:, None], v, 0.0) for v in x)
         flush = c.schedule != "2bw"
         work = c.M * L + done
         head = np.max(np.cumsum(L, axis=1) - L + c.M * L, axis=1) + done[:, 0] \
@@ -595,31 +595,39 @@ class _Scorer:
 
         def iteration(setup: float) -> np.ndarray:  # the cache's set-up delays stage 0's rank, and so every stage
             return np.maximum(np.maximum(work[:, 0] + setup, np.max(work, axis=1)), head + setup) \
-                + s.c.step_overhead_s
+                + self.s.c.step_overhead_s
+        return np.where(fits, self._weighted(iteration), np.inf)
+
+    def _weighted(self, iteration: Callable[[float], np.ndarray]) -> np.ndarray:
+        """The objective's weighting (``_seconds_per_sample``) of a steady and (with the AutoCache) a fill
+        iteration, given as ``iteration(stage 0's set-up)``, each set-up its least over the models."""
+        c, s = self.c, self.s
+        ms = self.model.models if isinstance(self.model, StageChoice) else (self.model,)
         steady = iteration(min(m.read_setup_s for m in ms))
         fill = iteration(min(m.fill_setup_s for m in ms)) if c.cache else steady
         N = s.cfg.samples_per_epoch  # the objective is linear in the two iterations: its two weights
-        lb = (_seconds_per_sample(c, 1.0, 0.0, self.visit, N) * steady
-              + _seconds_per_sample(c, 0.0, 1.0, self.visit, N) * fill)
-        for st in range(X.shape[1] - 1):
-            _, mem = model.evaluate(st, model.prepare(lo[:, st], hi[:, st]))
-            lb = np.where(np.asarray(mem) > self.limit, np.inf, lb)
-        return lb
+        ws, wf = _seconds_per_sample(c, 1.0, 0.0, self.visit, N), _seconds_per_sample(c, 0.0, 1.0, self.visit, N)
+        out = np.zeros(np.shape(steady))
+        for weight, it in ((ws, steady), (wf, fill)):
+            if weight:  # (not 0 x inf where a stage fits nothing)
+                out = out + weight * it
+        return out
 
     def stage_bounds(self) -> np.ndarray:
         """``bounds`` stage by stage (``resplit.Proof``): [s, i, j] bounds from below ``bounds`` of every split whose
         stage s holds layers [a + i, a + j) (a the first active layer). Each of ``bounds``' terms is one stage's
-        (its work, and its head: the stages before it through their layers' least prefix sums, and for stage 0's
-        all-reduce and step, their least over stage 0's ends), and the weighted steady and fill iterations are
-        bounded by the largest weighted sum of one stage's terms. Infinite where the stage does not fit."""
-        c, model, s = self.c, self.model, self.s
+        (its work, and its head: the stages before it through their layers' least prefix sums over every model,
+        and for stage 0's all-reduce and step, their least over stage 0's ends), and the weighted steady and fill
+        iterations are bounded by the largest weighted sum of one stage's terms. Infinite where the stage does
+        not fit."""
+        c, model = self.c, self.model
         ms = model.models if isinstance(model, StageChoice) else (model,)
-        a, S = model.start, c.S
-        i, j = np.triu_indices(model.n - a + 1, k=1)
+        a, n, S = model.start, model.n, c.S
+        i, j = np.triu_indices(n - a + 1, k=1)
         lo, hi, st = i + a, j + a, np.arange(S)[:, None]
-        L, done, Fw = self._stage_terms(lo[None, :], hi[None, :], st)  # (S, pairs)
-        ovh, prefix = min(x.ovh for x in ms), min(x.prefix_s for x in ms)
-        first = np.concatenate(([0.0], np.cumsum(np.min([np.diff(x.times.cum_fwd) for x in ms], axis=0))))
+        L, done, _ = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
+        ovh, prefix = min(m.ovh for m in ms), min(m.prefix_s for m in ms)
+        first = _cum_min([m.times.cum_fwd for m in ms])
         before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * ovh * st + (st > 0) * prefix
         before_F = first[lo] - first[a] + ovh * st + (st > 0) * prefix
         work, flush = c.M * L + done, c.schedule != "2bw"
@@ -631,32 +639,10 @@ class _Scorer:
                 t = np.maximum(t, before_L + c.M * L + done0 + setup)
             if flush:
                 t = np.maximum(t, before_F + work + setup)
-            return t + s.c.step_overhead_s
-        N = s.cfg.samples_per_epoch
-        steady = iteration(min(x.read_setup_s for x in ms))
-        g = (_seconds_per_sample(c, 1.0, 0.0, self.visit, N) * steady + _seconds_per_sample(c, 0.0, 1.0, self.visit, N)
-             * (iteration(min(x.fill_setup_s for x in ms)) if c.cache else steady))
-        terms = model.prepare(lo, hi)
-        for k in range(S):
-            g[k] = np.where(np.asarray(model.evaluate(k, terms)[1]) > self.limit, np.inf, g[k])
-        G = np.full((S, len(model.cum_time_lb) - a, len(model.cum_time_lb) - a), np.inf)
-        G[:, i, j] = g
+            return t + self.s.c.step_overhead_s
+        G = np.full((S, n - a + 1, n - a + 1), np.inf)
+        G[:, i, j] = self._weighted(iteration)
         return G
-
-    def _stage_terms(self, lo: np.ndarray, hi: np.ndarray, st: np.ndarray) -> tuple[np.ndarray, ...]:
-        """``bounds``' per-stage terms of the stages [lo, hi) at stage indices st (arrays that broadcast): the least
-        busy time l (with the two actions' overheads and stage 0's prefix), the all-reduce and optimizer step after
-        it, and micro-batch 0's forward, each the least over the stage's choices of strategy."""
-        c, model = self.c, self.model
-        ms = model.models if isinstance(model, StageChoice) else (model,)
-        ovh, prefix = min(m.ovh for m in ms), min(m.prefix_s for m in ms)
-        L = model.cum_time_lb[hi] - model.cum_time_lb[lo] + 2 * ovh + (st == 0) * prefix
-        flush = c.schedule != "2bw"
-        done = np.min(np.broadcast_arrays(*((m.links.ar_lat[st] + (m.t.cum_sync[hi] - m.t.cum_sync[lo])
-                                             * m.links.ar_per_byte[st] if m.sync and flush else 0.0)
-                                            + m.t.optimizer_range_s(lo, hi) for m in ms)), axis=0)
-        Fw = np.min([m.times.cum_fwd[hi] - m.times.cum_fwd[lo] for m in ms], axis=0) + ovh + (st == 0) * prefix
-        return L, done, Fw
 
 
 class _Reason:

@@ -212,13 +212,14 @@ def test_bert_large_on_cpu4_takes_the_faster_split():
 @pytest.mark.parametrize("seed", range(3))
 def test_cheap_bounds_never_exceed_the_score(seed):
     """``_Scorer.bounds`` (numpy, many splits at once) is a lower bound of the simulated objective of every split,
-    infinite exactly where a stage breaks the memory limit: the enumeration and the descent skip splits on it."""
+    infinite exactly where a stage breaks the memory limit: the enumeration and the descent skip splits on it.
+    Strategies uniform and chosen per stage: there each stage's terms are the least over the models that fit it."""
     from ptplan.planner.search import _Scorer
     rng = random.Random(200 + seed)
-    checked = 0
-    for _ in range(6):
+    checked = per_stage = 0
+    for i in range(8):
         prof, cluster, cfg = random_case(rng)
-        s = PhaseSearch(prof, cluster, cfg)
+        s = PhaseSearch(prof, cluster, cfg, strategies=("off", "auto")[i % 2])
         f = rng.randint(0, prof.num_blocks)
         n0 = prof.frozen_boundary(f)
         visit = Visit(samples=rng.choice([0.5, 1.0, 3.0 * cfg.samples_per_epoch]), fill_from=rng.randint(0, n0))
@@ -232,7 +233,8 @@ def test_cheap_bounds_never_exceed_the_score(seed):
                 assert lb <= v * (1 + 1e-9), (c, x, lb, v)
                 assert math.isinf(lb) == math.isinf(v), (c, x)
                 checked += 1
-    assert checked >= 100
+                per_stage += c.per_stage
+    assert checked >= 100 and per_stage >= 40
 
 
 @pytest.mark.parametrize("seed", range(2))
