@@ -153,8 +153,8 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
     """``Least`` of the stages [lo, hi) (arrays of one shape) at stage index k, under the memory ``limit``. A stage
     runs one of its models, one that fits it, so each of its durations is at least that duration's least over
     the models that fit; not over every model: where memory rules out the fastest models of a stage (its
-    recomputation-free ones), those would bound it from far below (issue 22: up to 6.6 % under the best split of
-    Llama 3.1 70B's 8-stage candidates, too loose to prove their split)."""
+    recomputation-free ones), those would bound it from far below (issue 22: Llama 3.1 70B's 8-stage candidates'
+    best splits up to 6.6 % above the bound, too loose to prove them)."""
     ms = model.models if isinstance(model, StageChoice) else (model,)
     flush = c.schedule != "2bw"
     out = np.full((3,) + np.shape(lo), np.inf)

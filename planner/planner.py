@@ -210,10 +210,7 @@ def phase_from_choice(search: PhaseSearch, f: int, ch: Choice, keep_timeline: bo
         timeline = simulate(search.schedule(c), ch.costs, events=True,
                             step_overhead_s=search.c.step_overhead_s).events
     totals = tuple(m.total for m in ch.memory)
-    # within a few bytes: with tp > 1 the stage model's terms are fractional bytes, which its breakdown (term by term)
-    # and the simulator (the sum) round apart (e.g. vit-base cpu fp32, tp=2, M=4: 5,344,116,310 vs ...308)
-    assert all(abs(a - b) <= 8 for a, b in zip(totals, sim.stage_peak_memory_bytes)), \
-        "simulator and stage model disagree on memory"
+    assert totals == sim.stage_peak_memory_bytes, "simulator and stage model disagree on memory"
     notes = list(ch.notes)
     lo_b, hi_b = search.t.measured_range
     if search.t.extrapolated(c.b):

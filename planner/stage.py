@@ -599,7 +599,10 @@ class StageModel:
         rc = terms[6] if self._has_working else np.zeros(sh.S)  # recomputation's and the backward's working sets
         if self._stashed is not None:  # what the micro-batches between B and W keep for their W
             rc = rc + self._stashed * terms[7]
-        total = peak_bytes(static, per_mb, infl, after)
+        # the simulator's peak of ``stage_costs``' whole bytes (int() of each term), so that the two agree to the
+        # byte; from the fractional terms (tp > 1) they differ by up to the micro-batches in flight (118 bytes at
+        # GPipe's M = 128)
+        total = peak_bytes(np.trunc(static), np.trunc(per_mb), infl, np.trunc(after))
         raw_after = self._combine_raw(terms[:6], np.arange(sh.S))[3]
         added = raw_after if sh.own_p2p else np.zeros(sh.S)  # 2BW's transient is in ``static`` (``_combine``)
         return tuple(MemoryBreakdown(weights=int(w[s]), gradients=int(g[s]), optimizer=int(o[s]),
