@@ -114,8 +114,10 @@ def enumerable(a: int, n: int, S: int, up_to: int | None = None, *, batched: boo
 
 Bounds = Callable[[np.ndarray], np.ndarray]
 """Lower bounds of the scores of many splits at once (rows of cuts), cheap (numpy): infinite where one does not fit."""
-Many = Callable[[np.ndarray], np.ndarray]
-"""The scores of many splits at once (rows of cuts): what ``score`` gives each, infinite where one does not fit."""
+Many = Callable[..., np.ndarray]
+"""``many(X, bar=inf)``: the scores of many splits at once (rows of cuts): what ``score`` gives each, infinite where
+one does not fit; with a finite ``bar``, as ``score``'s ``best``: any number not below it where a split cannot beat
+it."""
 Proof = Callable[[], np.ndarray]
 """Per-stage lower bounds G (S, m + 1, m + 1) of the m active layers: G[s, i, j] bounds from below the bound
 (``Bounds``) of every split whose stage s holds layers [a + i, a + j) of them, so that max over s of G[s, c_s,
@@ -162,25 +164,32 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
         if rows is not None:  # every split that may win: none, or the best of them
             return _score_rows(cur, best, rows + a, score, bounds, many, cutoff) if len(rows) else (cur, best)
         if attempt == 0:
-            cur, best = _descend(cur, best, score, bounds, radius, max_rounds, max_flat, wide)
+            cur, best = _descend(cur, best, score, bounds, radius, max_rounds, max_flat, wide, many)
     return cur, best
 
 
 def _descend(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...], float], float],
-             bounds: Bounds | None, radius: int, max_rounds: int, max_flat: int, wide: bool
+             bounds: Bounds | None, radius: int, max_rounds: int, max_flat: int, wide: bool, many: Many | None = None
              ) -> tuple[tuple[int, ...], float]:
-    """``best_split``'s descent from ``cur`` (score ``best``): the module docstring's moves."""
+    """``best_split``'s descent from ``cur`` (score ``best``): the module docstring's moves. With ``many``, each
+    round's moves whose bound may still improve on or tie ``best`` are scored in one call (the same scores as
+    ``score``'s, to the last bit, so the same moves are taken), not one by one."""
     a, n = cur[0], cur[-1]
     seen: dict[tuple[int, ...], float] = {cur: best}
 
     def best_of(nb: list[tuple[int, ...]], base: float) -> tuple[tuple[int, ...] | None, float, tuple | None]:
         """The best unseen split of ``nb`` under ``base`` (None if none), and one that ties ``base``."""
         nb = [x for x in nb if x not in seen]
-        lbs = bounds(np.array(nb, dtype=np.int64)).tolist() if bounds is not None and nb else [0.0] * len(nb)
+        X = np.array(nb, dtype=np.int64)
+        lbs = bounds(X).tolist() if bounds is not None and nb else [0.0] * len(nb)
+        got: dict[int, float] = {}
+        if many is not None and nb:  # every move that may improve or tie, in one call
+            go = np.flatnonzero(np.array(lbs) <= base * (1 + TIE))
+            got = dict(zip(go.tolist(), many(X[go], base * (1 + TIE)).tolist())) if len(go) else {}
         step, step_score, tie = None, base, None
-        for x, lo in zip(nb, lbs):
+        for k, (x, lo) in enumerate(zip(nb, lbs)):
             bar = (base if step is None else step_score) * (1 + TIE)
-            v = seen[x] = lo if lo > bar else score(x, bar)
+            v = seen[x] = lo if lo > bar else got[k] if many is not None else score(x, bar)
             if v < step_score * (1 - 1e-12):
                 step, step_score = x, v
             elif tie is None and v <= base * (1 + TIE) and v < math.inf:

@@ -513,16 +513,21 @@ class _Scorer:
                             ).iteration_s
         return _seconds_per_sample(c, steady, fill, self.visit, s.cfg.samples_per_epoch)
 
-    def many(self, X: np.ndarray) -> np.ndarray:
+    def many(self, X: np.ndarray, bar: float = math.inf) -> np.ndarray:
         """``__call__`` of the splits in the rows of X at once, every one simulated (``simulate.iterations``, equal to
         ``simulate``'s to the last bit); for a schedule without token slices (``PhaseSearch.batched``). Where stages
-        choose their strategy, ``chosen``'s: the least entry is the least over every split and assignment."""
+        choose their strategy, ``chosen``'s: the least entry is the least over every split and assignment. With a
+        ``bar``, as ``__call__``'s ``best``: a split whose bound (``split_bounds``) is over it gets the bound."""
         c, m, s = self.c, self.model, self.s
         if isinstance(m, StageChoice):
-            return self.chosen(X)[0]
+            return self.chosen(X, bar)[0]
         lo, hi = X[:, :-1], X[:, 1:]
-        fits = (m.evaluate_split(m.prepare(lo, hi))[1] <= self.limit).all(axis=1)
+        fits: np.ndarray = np.asarray((m.evaluate_split(m.prepare(lo, hi))[1] <= self.limit).all(axis=1))
         out = np.full(len(X), math.inf)
+        if fits.any() and math.isfinite(bar) and not c.cache:  # (as ``_simulated``: the fill has its own costs)
+            rows = np.flatnonzero(fits)
+            out[rows] = lb = split_bounds(c, stage_times(m, lo[rows], hi[rows]), s.c.step_overhead_s) / c.B
+            fits[rows[lb > bar * (1 + 1e-12)]] = False
         if fits.any():
             lo, hi = lo[fits], hi[fits]
             steady = iterations(self.sched, stage_times(m, lo, hi), step_overhead_s=s.c.step_overhead_s)

@@ -109,6 +109,41 @@ def test_descent_alone_is_near_the_best(seed, monkeypatch):
     assert sum(r > 1 + 1e-9 for r in ratios) <= len(ratios) // 10, ratios
 
 
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_descent_scoring_each_rounds_moves_at_once_takes_the_same_moves(seed, monkeypatch):
+    """The descent with ``many`` (each round's moves whose bound may improve or tie, scored in one
+    ``simulate.iterations`` call, with ``split_bounds`` for the hopeless) ends where the descent scoring one move at a
+    time ends, with the same score, on random profiles, clusters, schedules, the AutoCache and strategies uniform and
+    per stage: the scores are equal to the last bit, so every move, tie and sideways step is the same."""
+    from ptplan.planner.partition import split_stages
+    from ptplan.planner.search import _Scorer
+
+    monkeypatch.setattr(resplit, "ENUMERATE_MANY", 0)
+    rng = random.Random(300 + seed)
+    compared = moved = 0
+    for i in range(8):
+        prof, cluster, cfg = random_case(rng)
+        s = PhaseSearch(prof, cluster, cfg, strategies=("off", "auto")[i % 2])
+        f = rng.randint(0, prof.num_blocks)
+        n0 = prof.frozen_boundary(f)
+        visit = Visit(samples=float(cfg.samples_per_epoch), fill_from=rng.randint(0, n0))
+        cands = [c for c in s.candidates(f, n0)[0] if s.batched(c) and s.n - n0 > c.S > 1]
+        for c in rng.sample(cands, min(5, len(cands))):
+            model = s.model(c, n0, visit.fill_from if c.cache else 0)
+            sc = _Scorer(s, c, model, s.schedule(c), visit, math.inf)
+            try:
+                part = split_stages(model, c.S, s.stage_limit(c, n0, visit.fill_from if c.cache else 0))
+            except Exception:
+                continue
+            first = (part.ranges[0][0], *(hi for _, hi in part.ranges))
+            one = resplit.best_split(first, sc, bounds=sc.bounds, enumerate_up_to=0, give_up=math.inf)
+            batched = resplit.best_split(first, sc, bounds=sc.bounds, many=sc.many, give_up=math.inf)
+            assert batched == one, (c.tag, first, one, batched)
+            compared += 1
+            moved += one[0] != first
+    assert compared >= 20 and moved >= 5, (compared, moved)
+
 def test_neighbours_keep_every_stage():
     cuts = (3, 4, 6, 9)
     got = resplit.neighbours(cuts, radius=2)
