@@ -135,7 +135,6 @@ def split_bounds(c: Candidate, x: StageTimes, step_overhead_s: float) -> np.ndar
     return np.maximum(pipe + x.allreduce_s[:, 0] + x.optimizer_s[:, 0], tail) + step_overhead_s
 
 
-
 class Least(NamedTuple):
     """A stage's durations, each the least over the models that fit the stage at its position (infinite where none
     fits): what ``_Scorer.bounds`` and ``_Scorer.stage_bounds`` (``search.py``) read of a stage."""

@@ -51,7 +51,7 @@ from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
 from .simulate import StageCost, iterations, simulate
-from .stage import Links, PhaseShape, StageChoice, StageModel, _cum_min, links_for, stage_times
+from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
 from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
 from .tp_split import tp_refusal
 
@@ -632,7 +632,7 @@ class _Scorer:
         lo, hi, st = i + a, j + a, np.arange(S)[:, None]
         L, done, _ = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
         ovh, prefix = min(m.ovh for m in ms), min(m.prefix_s for m in ms)
-        first = _cum_min([m.times.cum_fwd for m in ms])
+        first = np.concatenate(([0.0], np.cumsum(np.min([np.diff(m.times.cum_fwd) for m in ms], axis=0))))
         before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * ovh * st + (st > 0) * prefix
         before_F = first[lo] - first[a] + ovh * st + (st > 0) * prefix
         work, flush = c.M * L + done, c.schedule != "2bw"
