@@ -150,7 +150,10 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     cur = tuple(cuts)
     a, n, S = cur[0], cur[-1], len(cur) - 1
     listed = S > 1 and enumerable(a, n, S, enumerate_up_to, batched=many is not None)
-    best = start if start is not None and listed and many is not None else score(cur, math.inf)
+    if start is not None and listed and many is not None:
+        best = start
+    else:  # a score over the cutoff (enumerated) or over ``give_up`` (descended) is of no use: its bound will do
+        best = score(cur, cutoff if listed or S <= 1 else max(give_up, cutoff))
     if S <= 1:
         return cur, best
     if listed:
