@@ -110,6 +110,16 @@ def test_descent_alone_is_near_the_best(seed, monkeypatch):
 
 
 
+
+def _random_searches(rng: random.Random, count: int):
+    """``count`` random cases (``random_case``), strategies off and auto in turn: (search, frozen blocks, first
+    active layer) of each."""
+    for i in range(count):
+        prof, cluster, cfg = random_case(rng)
+        s = PhaseSearch(prof, cluster, cfg, strategies=("off", "auto")[i % 2])
+        f = rng.randint(0, prof.num_blocks)
+        yield s, f, prof.frozen_boundary(f)
+
 @pytest.mark.parametrize("seed", range(2))
 def test_the_descent_scoring_each_rounds_moves_at_once_takes_the_same_moves(seed, monkeypatch):
     """The descent with ``many`` (each round's moves whose bound may improve or tie, scored in one
@@ -122,12 +132,8 @@ def test_the_descent_scoring_each_rounds_moves_at_once_takes_the_same_moves(seed
     monkeypatch.setattr(resplit, "ENUMERATE_MANY", 0)
     rng = random.Random(300 + seed)
     compared = moved = 0
-    for i in range(8):
-        prof, cluster, cfg = random_case(rng)
-        s = PhaseSearch(prof, cluster, cfg, strategies=("off", "auto")[i % 2])
-        f = rng.randint(0, prof.num_blocks)
-        n0 = prof.frozen_boundary(f)
-        visit = Visit(samples=float(cfg.samples_per_epoch), fill_from=rng.randint(0, n0))
+    for s, f, n0 in _random_searches(rng, 8):
+        visit = Visit(samples=float(s.cfg.samples_per_epoch), fill_from=rng.randint(0, n0))
         cands = [c for c in s.candidates(f, n0)[0] if s.batched(c) and s.n - n0 > c.S > 1]
         for c in rng.sample(cands, min(5, len(cands))):
             model = s.model(c, n0, visit.fill_from if c.cache else 0)
@@ -252,12 +258,8 @@ def test_cheap_bounds_never_exceed_the_score(seed):
     from ptplan.planner.search import _Scorer
     rng = random.Random(200 + seed)
     checked = per_stage = 0
-    for i in range(8):
-        prof, cluster, cfg = random_case(rng)
-        s = PhaseSearch(prof, cluster, cfg, strategies=("off", "auto")[i % 2])
-        f = rng.randint(0, prof.num_blocks)
-        n0 = prof.frozen_boundary(f)
-        visit = Visit(samples=rng.choice([0.5, 1.0, 3.0 * cfg.samples_per_epoch]), fill_from=rng.randint(0, n0))
+    for s, f, n0 in _random_searches(rng, 8):
+        visit = Visit(samples=rng.choice([0.5, 1.0, 3.0 * s.cfg.samples_per_epoch]), fill_from=rng.randint(0, n0))
         cands, _, _ = s.candidates(f, n0)
         for c in rng.sample(cands, min(6, len(cands))):
             model = s.model(c, n0, visit.fill_from if c.cache else 0)
