@@ -146,7 +146,9 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones): a local refinement, for a caller
     whose every score is a full search and simulation with no bound to skip it. ``start`` (optional): a score that
     some configuration of ``cuts`` reaches (not below its ``score``), cheaper than ``score``: the enumeration with
-    ``many`` starts from it, and scores ``cuts`` with the rest; elsewhere ``cuts`` is scored first."""
+    ``many`` starts from it, and scores ``cuts`` with the rest; elsewhere ``cuts`` is scored first, with ``cutoff``
+    (``give_up`` where the descent would start from it) as its ``best``: over that its bound may stand for its
+    score."""
     cur = tuple(cuts)
     a, n, S = cur[0], cur[-1], len(cur) - 1
     listed = S > 1 and enumerable(a, n, S, enumerate_up_to, batched=many is not None)
