@@ -50,7 +50,7 @@ from .partition import refusal_by_bound, split_stages
 from .resplit import GIVE_UP, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
-from .simulate import StageCost, iterations, simulate
+from .simulate import StageCost, StageTimes, iterations, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
 from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
 from .tp_split import tp_refusal
@@ -526,7 +526,7 @@ class _Scorer:
         out = np.full(len(X), math.inf)
         if fits.any() and math.isfinite(bar) and not c.cache:  # (as ``_simulated``: the fill has its own costs)
             rows = np.flatnonzero(fits)
-            out[rows] = lb = split_bounds(c, stage_times(m, lo[rows], hi[rows]), s.c.step_overhead_s) / c.B
+            out[rows] = lb = self._split_bounds(stage_times(m, lo[rows], hi[rows]), None)
             fits[rows[lb > bar * (1 + 1e-12)]] = False
         if fits.any():
             lo, hi = lo[fits], hi[fits]
@@ -563,8 +563,7 @@ class _Scorer:
         o = options([stage_times(x, lo, hi) for x in m.models],
                     [stage_times(x, lo, hi, fill=True) for x in m.models] if c.cache else None, fits[:, ok])
         if math.isfinite(bar):  # the splits' bounds over every assignment first, as ``__call__``'s for one model
-            st, fl = (None if y is None else split_bounds(c, y, ovh) for y in o.ideal())
-            out[rows] = lb = _seconds_per_sample(c, st, st if fl is None else fl, self.visit, N)
+            out[rows] = lb = self._split_bounds(*o.ideal())
             go = lb <= bar * (1 + 1e-12)
             if not go.all():
                 rows, busy, peak, o = rows[go], busy[:, go], peak[:, go], o.take(go)
@@ -574,6 +573,14 @@ class _Scorer:
                 step_overhead_s=ovh, bar=bar)
             s.unproven += not proven
         return out, picks
+
+    def _split_bounds(self, steady: StageTimes, fill: StageTimes | None) -> np.ndarray:
+        """The objective's lower bound of splits from their stages' times (``bounds.split_bounds`` of the steady
+        and, with the AutoCache, the fill iteration, weighted per sample as the objective weighs them)."""
+        c, ovh = self.c, self.s.c.step_overhead_s
+        st = split_bounds(c, steady, ovh)
+        return _seconds_per_sample(c, st, st if fill is None else split_bounds(c, fill, ovh), self.visit,
+                                   self.s.cfg.samples_per_epoch)
 
     def bounds(self, X: np.ndarray) -> np.ndarray:
         """Lower bounds of ``__call__`` for the splits in the rows of X (``resplit.Bounds``), cheap (numpy): the
