@@ -66,11 +66,12 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               weights stay in host memory; see ``cache.py``)
     per_mb  = b · (Σ saved-for-backward[lo:hi] + out[hi-1]): what a micro-batch in flight holds
               until its backward (the saved activations and the stage's output); with
-              recomputation only its input, b · out[lo-1] (0 for token ids at layer 0)
+              recomputation its input and its output, b · (out[lo-1] + out[hi-1]) (the input 0 for token
+              ids at layer 0; the runtime keeps each micro-batch's output until its backward either way)
     inflight= the schedule's most micro-batches in flight on stage s (``schedule.peak_inflight``)
-    So PipeDream-2BW with recomputation on stage 0 of K uniform stages holds 2|W|/K + K·|A_input| plus
-    two gradients, the optimizer state, the buffers and one micro-batch's working set (the paper's
-    memory model, 2|W|/d + d·|A_input(b)|, counts the first two).
+    So PipeDream-2BW with recomputation on stage s of K uniform stages holds 2|W|/K + (K-s)·(|A_input| +
+    |A_output|) plus two gradients, the optimizer state, the buffers and one micro-batch's working set (the
+    paper's memory model, 2|W|/d + d·|A_input(b)|, counts the weights and the inputs).
     after   = (PipeDream-2BW, which never drains: added to static, not maxed: its update's all-reduce buffer
               lives under the next mini-batch's work, its optimizer's temporaries beside micro-batches in flight;
               an upper bound, as the temporaries meet no backward) the largest transient once the
@@ -248,8 +249,8 @@ class PhaseShape:
     """Copies of the active layers' weights and gradients a stage keeps: 1, or 2 for PipeDream-2BW (frozen layers
     keep one)."""
     recompute: bool = False
-    """Activation recomputation: a micro-batch in flight holds only the stage's input, and the backward
-    first reruns the stage's forward."""
+    """Activation recomputation: a micro-batch in flight holds only the stage's input and output, and the
+    backward first reruns the stage's forward."""
     recompute_layers: int = 0
     """With recomputation: only the stage's first r active layers are recomputed (0 = all of them; a stage
     of r layers or fewer recomputes them all)."""
@@ -462,9 +463,9 @@ class StageModel:
                         state=state, grad=grad, weights=weights, per_mb=np.where(whole, in_bytes, part_mb),
                         in_bytes=in_bytes, out_bytes=b * out_J, working=np.where(whole, full, part_w) + bwd,
                         stash=stash)
-        if self.shape.recompute:  # the stashed input per micro-batch; one working set rebuilt at a time
+        if self.shape.recompute:  # the stashed input and the output per micro-batch; one working set rebuilt at a time
             return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb), state=state, grad=grad,
-                        weights=weights, per_mb=in_bytes, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd,
+                        weights=weights, per_mb=in_bytes + b * out_J, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd,
                         stash=stash)
         return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb), state=state, grad=grad,
                     weights=weights, per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd, stash=stash)

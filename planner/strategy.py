@@ -136,7 +136,7 @@ class Strategy:
     fsdp: bool = False
     """Sharded data parallel (ZeRO-3) over the D replicas instead of plain all-reduce DP."""
     recompute: bool = False
-    """Activation recomputation: keep only the stage's input per micro-batch."""
+    """Activation recomputation: keep only the stage's input (and its output) per micro-batch."""
     recompute_layers: int = 0
     """With recomputation, Galvatron's layer-wise choice: only the stage's first r active layers are
     recomputed (one checkpoint unit), the others keep their activations; 0 = every layer of the stage."""

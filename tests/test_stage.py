@@ -264,11 +264,13 @@ def test_two_bw_memory_by_hand():
         for s in range(K):
             held = K - s  # micro-batches in flight on stage s, 1F1B and 2BW alike
             full = b * (saved[s] + out[s])
-            acts = held * b * a_in[s] + full if recompute else held * (full + (b * a_in[s] if s > 0 else 0))
+            # with recomputation, each micro-batch in flight keeps its input and its output (held until its backward)
+            acts = held * b * (a_in[s] + out[s]) + full if recompute else held * (full + (b * a_in[s] if s > 0 else 0))
             # 2 versions, 2 gradients (mini-batch t's, held for its update until t+2 starts, beside t+1's), AdamW
             static = 2 * W[s] + 2 * G[s] + 2 * W[s] + buffers[s] + (prefix if s == 0 else 0)
             # 2BW never drains: its update's temporaries live beside the micro-batches in flight (they add)
-            want = static + acts + gpu_temp[s] if not recompute else static + full + held * b * a_in[s] + gpu_temp[s]
+            want = static + acts + gpu_temp[s] if not recompute else \
+                static + full + held * b * (a_in[s] + out[s]) + gpu_temp[s]
             x = two[s]
             assert (x.weights, x.gradients, x.optimizer, x.buffers) == (2 * W[s] + (prefix if s == 0 else 0), 2 * G[s],
                                                                           2 * W[s], buffers[s]), (recompute, s)
@@ -285,7 +287,8 @@ def test_two_bw_with_recomputation_is_the_papers_formula():
     uniform stages (no frozen layers, one block per stage): weights twice, and the stage's input for
     each of the K micro-batches in flight; the stage model adds what the paper leaves out (gradient,
     optimizer state, receive buffers, one micro-batch rebuilt for its backward, the update's temporaries, which
-    2BW's steady state never drains before) — checked term by term."""
+    2BW's steady state never drains before, and each micro-batch's output, which the runtime keeps until its
+    backward) — checked term by term."""
     prof = synthetic_profile(num_blocks=8, hidden=64, seq_len=16)
     t = CostTable(prof)
     gpu = Cluster.uniform(nodes=1, gpus_per_node=4)
@@ -299,13 +302,15 @@ def test_two_bw_with_recomputation_is_the_papers_formula():
         lo, hi = ranges[s]
         W_d = float(t.cum_param[hi] - t.cum_param[lo])
         A_in = b * float(t.out_per_sample[lo - 1])
+        A_out = b * float(t.out_per_sample[hi - 1])
         full = b * float(t.cum_saved[hi] - t.cum_saved[lo] + t.out_per_sample[hi - 1])
         x = mem[s]
         paper = 2 * W_d + (K - s) * A_in
         assert x.inflight == K - s
-        assert x.weights + x.activations - full == pytest.approx(paper)
-        assert x.total == pytest.approx(paper + x.gradients + x.optimizer + x.buffers + full + x.transient)
-        assert costs[s].activation_bytes_per_mb == int(A_in)
+        assert x.weights + x.activations - full - (K - s) * A_out == pytest.approx(paper)
+        assert x.total == pytest.approx(paper + (K - s) * A_out + x.gradients + x.optimizer + x.buffers + full
+                                        + x.transient)
+        assert costs[s].activation_bytes_per_mb == int(A_in + A_out)
     # recomputation trades the backward's time for memory: the stage's forward runs again before it
     plain = model_for(prof, gpu, K=K, M=M, b=b, f=0, schedule="2bw").stage_costs(ranges)
     for a, c in zip(plain, costs):
