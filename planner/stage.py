@@ -54,6 +54,10 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               first micro-batch's gradients become ``.grad`` without a copy). With recomputation,
               also one micro-batch's working set b · (Σ saved[lo:hi] + out[hi-1]), rebuilt from the stashed
               input.
+            + under a zero-bubble schedule, each micro-batch between its B and its W (at most
+              ``schedule.peak_stashed`` of them) holds what its B left for its W, b · Σ stash[lo:hi]; with
+              recomputation B rebuilds the stage's graph and W reads it, so b · (Σ saved[lo:hi] + out[hi-1] +
+              Σ stash[lo:hi]) (``executor/runtime/step.ChunkCompute``'s rebuild)
             + receive buffers, where a neighbouring stage is on another rank (``PhaseShape.stage_ranks``;
               consecutive chunks of one rank pass tensors in place): one activation buffer per micro-batch
               for the stage before and one gradient buffer per micro-batch for the stage after,
@@ -464,9 +468,10 @@ class StageModel:
                         in_bytes=in_bytes, out_bytes=b * out_J, working=np.where(whole, full, part_w) + bwd,
                         stash=stash)
         if self.shape.recompute:  # the stashed input and the output per micro-batch; one working set rebuilt at a time
+            # (a split backward's B rebuilds the graph that its W reads: between them a micro-batch holds it whole)
             return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb), state=state, grad=grad,
-                        weights=weights, per_mb=in_bytes + b * out_J, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd,
-                        stash=stash)
+                        weights=weights, per_mb=in_bytes + b * out_J, in_bytes=in_bytes, out_bytes=b * out_J,
+                        working=full + bwd, stash=stash + full if self._stashed is not None else stash)
         return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb), state=state, grad=grad,
                     weights=weights, per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd, stash=stash)
 

@@ -27,15 +27,16 @@ layers, bit for bit (``tests/test_stage_build.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase
-from ptplan.planner.schedule import Schedule
+from ptplan.planner.schedule import Schedule, splits_backward
 
 from ptplan.executor.runtime.step import ChunkCompute, StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST
@@ -192,6 +193,15 @@ class StageModule(nn.Module):
             x = layer(x, attention_mask=attention_mask)
         return x
 
+    @contextlib.contextmanager
+    def without_checkpoint(self) -> Iterator[None]:
+        """Run the active layers as plain layers (``step.ChunkCompute``'s rebuild under a split backward)."""
+        was, self.recompute = self.recompute, False
+        try:
+            yield
+        finally:
+            self.recompute = was
+
 
 class RecomputedLayers(nn.Module):
     """Consecutive layers of a stage run as one ``torch.utils.checkpoint`` unit (non-reentrant): a
@@ -282,7 +292,9 @@ def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Sched
             raise PtplanError("a token-sliced phase's step needs the model (its layers run slice by slice)")
         compute = sliced_compute(model, phase, position, cached_prefix=cached_prefix)
     else:
-        compute = ChunkCompute(chunks, loss_fn, M=phase.M, last=schedule.K - 1)
+        compute = ChunkCompute(chunks, loss_fn, M=phase.M, last=schedule.K - 1,
+                               rebuild={c: mod.without_checkpoint for c, mod in chunks.items()
+                                        if c > 0 and splits_backward(phase.schedule) and getattr(mod, "recompute", False)})
         if phase.schedule == "2bw":
             if update is None or len(chunks) != 1:
                 raise PtplanError(f"a 2BW phase runs one chunk per position with an update function, got chunks "

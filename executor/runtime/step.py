@@ -177,12 +177,26 @@ class ChunkCompute:
     """Forward and backward of whole micro-batches on this position's chunks (modules by chunk index).
 
     ``call(c, m, input, kwargs)`` runs chunk c (default: the module; 2BW: on micro-batch m's weight version).
+
+    ``rebuild``: chunks that recompute their activations under a split backward (chunk index -> a context in
+    which the module runs without its own checkpoint). A checkpointed graph recomputes the forward in every
+    backward pass that reaches it, and a split backward makes one pass for B and one per parameter group for W
+    (9 on a bert-tiny stage of 6 layers: 10 forwards per micro-batch where the plan prices 2). So such a chunk's
+    F runs under ``no_grad`` (keeping, as recomputation does, only its input and output), and its B first
+    rebuilds the graph -- the forward once more, on the same random-number state -- which B and W then share
+    (``planner/stage.py``: the rebuilt activations are held from B to W).
     """
 
     def __init__(self, chunks: Mapping[int, nn.Module], loss_fn: Callable[[Tensor, Tensor], Tensor], *, M: int,
-                 last: int, call: Callable[[int, int, Tensor, dict[str, Tensor]], Tensor] | None = None) -> None:
+                 last: int, call: Callable[[int, int, Tensor, dict[str, Tensor]], Tensor] | None = None,
+                 rebuild: Mapping[int, Callable[[], ContextManager[Any]]] | None = None) -> None:
         self.chunks, self.loss_fn, self.M, self.last = chunks, loss_fn, M, last
         self.call = call or (lambda c, m, inp, kw: self.chunks[c](inp, **kw))
+        self.rebuild = dict(rebuild or {})
+        if 0 in self.rebuild:
+            raise PtplanError("chunk 0 runs its whole backward in W: it recomputes through its checkpoint")
+        self._rng: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
+        """(chunk, micro-batch) -> the random-number state its forward began with (``rebuild`` chunks)."""
         self.fwd: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         """(chunk, micro-batch) -> (its input, its output; the loss on the last chunk) until its backward."""
         self.pending: dict[tuple[int, int], Any] = {}
@@ -215,26 +229,55 @@ class ChunkCompute:
         else:
             assert inp is not None, f"chunk {c}'s input for micro-batch {m}"
             inp = inp.detach().requires_grad_(True)
+        if c in self.rebuild:
+            self._rng[(c, m)] = _rng_state(inp.device)
+            with torch.no_grad():
+                out = self._run(c, m, inp)
+        else:
+            out = self._run(c, m, inp)
+        if c == self.last:
+            self._losses[m] = out.detach()
+        self.fwd[(c, m)] = (inp if c > 0 else None, out)
+        return out
+
+    def _run(self, c: int, m: int, inp: Tensor) -> Tensor:
+        """Chunk c's forward of micro-batch m, and on the last chunk its loss."""
+        i = m % self.M
         out = self.call(c, m, inp, self._kw[i])
         if c == self.last:
             y = self._ys[i]
             if y is None:
                 raise PtplanError("the last stage needs the batch's targets")
             out = self.loss_fn(out, y)
-            self._losses[m] = out.detach()
-        self.fwd[(c, m)] = (inp if c > 0 else None, out)
         return out
+
+    def _graph(self, c: int, m: int) -> tuple[Tensor | None, Tensor]:
+        """Chunk c's (input, output) of micro-batch m for its backward: as its forward left them, or for a
+        ``rebuild`` chunk the forward run again with autograd, on the state its forward began with."""
+        inp, out = self.fwd.pop((c, m))
+        if c not in self.rebuild:
+            return inp, out
+        assert inp is not None
+        del out
+        cpu, dev = self._rng.pop((c, m))
+        devices = [inp.device] if dev is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=inp.device.type), self.rebuild[c](), \
+                torch.enable_grad():
+            torch.set_rng_state(cpu)
+            if dev is not None:
+                torch.cuda.set_rng_state(dev, inp.device)
+            return inp, self._run(c, m, inp)
 
     def backward(self, c: int, m: int, sl: int, grad: Tensor | None, *, full: bool) -> Tensor | None:
         """Chunk c's backward of micro-batch m; its input's gradient (None on chunk 0)."""
         if full:
-            inp, out = self.fwd.pop((c, m))
+            inp, out = self._graph(c, m)
             torch.autograd.backward(out, grad_tensors=grad)
             return None if inp is None else inp.grad
         if c == 0:  # torch's first stage: the input needs no gradient, so W runs the whole backward
             self.pending[(c, m)] = grad
             return None
-        inp, out = self.fwd.pop((c, m))
+        inp, out = self._graph(c, m)
         assert inp is not None, f"chunk {c} > 0 keeps its input"
         dinputs, groups = torch_adapter.backward_input([out], None if grad is None else [grad], [inp],
                                                        self.chunks[c].parameters())
@@ -259,6 +302,11 @@ class ChunkCompute:
         out = [self._losses[m] for m in sorted(self._losses)]
         self._losses = {}
         return out
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The CPU random-number state and, on a CUDA device, the device's (what ``torch.utils.checkpoint`` keeps)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
 class Flushed:
