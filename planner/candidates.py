@@ -3,6 +3,7 @@ allow. Functions of the ``PhaseSearch`` they are given, which subclasses may nar
 ``modes``, ``schedules``)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .candidate import Candidate
@@ -10,6 +11,7 @@ from .config import INTERLEAVED_V
 from .errors import PtplanError
 from .replicate import divisors
 from .schedule import ScheduleError, check_sizes, stage_to_rank
+from .strategy import runtime_refusal
 from .tp_split import sp_refusal
 
 if TYPE_CHECKING:
@@ -91,6 +93,20 @@ def sp_runs(search: PhaseSearch, tp: int, name: str, K: int, V: int) -> bool:
     return all(a != b for a, b in zip(ranks, ranks[1:]))
 
 
+def _left_out(cand: Candidate) -> str | None:
+    """Why a candidate is not searched: a stage strategy it must offer that the executor does not run
+    (``strategy.runtime_refusal``; a per-stage choice of which one option is refused would only repeat the uniform
+    candidate), or 2BW with recomputation chosen per stage (``assign.py`` chooses stage strategies by a bound that
+    2BW's steady state does not obey)."""
+    if cand.schedule == "2bw" and cand.recompute_per_stage:
+        return "2bw with recomputation chosen per stage left out (the search does not choose 2BW's strategies per stage)"
+    for st in cand.options:
+        why = runtime_refusal(cand.schedule, st, cand.D)
+        if why is not None:
+            return f"{cand.schedule} with {st.label} left out: {why}"
+    return None
+
+
 def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = False, pin_k: bool = True,
                          cache: bool | None = None) -> tuple[list[Candidate], list[str], list[str]]:
     """(candidates, reasons some K or M were left out, notes for the phase). ``cache``: only
@@ -134,16 +150,14 @@ def enumerate_candidates(search: PhaseSearch, f: int, n0: int, *, free: bool = F
             for name, V in search.shapes(K, M, n_active):
                 if sp and not sp_runs(search, tp, name, K, V):
                     continue
-                if name == "2bw" and (tp > 1 or fm or rm == 2):  # what executor/runtime/twobw.py cannot run
-                    why = (f"K={K}: 2bw with tp={tp}, FSDP or layer-wise recomputation left out (the executor's "
-                           f"2BW loop runs plain stages, whole-stage recomputation at most)")
-                    if why not in reasons:
-                        reasons.append(why)
+                cand = Candidate(K=K, D=D, M=M, b=bp // M, cache=False, schedule=name, V=V, tp=tp, sp=sp, fsdp=fm == 1,
+                                 recompute=rm == 1, fsdp_per_stage=fm == 2, recompute_per_stage=rm == 2)
+                why = _left_out(cand)
+                if why is not None:
+                    if f"K={K}: {why}" not in reasons:
+                        reasons.append(f"K={K}: {why}")
                     continue
-                for cache in caches:
-                    out.append(Candidate(K=K, D=D, M=M, b=bp // M, cache=cache, schedule=name, V=V,
-                                         tp=tp, sp=sp, fsdp=fm == 1, recompute=rm == 1, fsdp_per_stage=fm == 2,
-                                         recompute_per_stage=rm == 2))
+                out += [replace(cand, cache=cache) for cache in caches]
     if not pin_m_used:
         notes.append(f"pinned M={cfg.pin_M} not possible here; M chosen freely")
     return out, reasons, notes

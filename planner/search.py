@@ -52,7 +52,8 @@ from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
 from .simulate import StageCost, StageTimes, iterations, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
-from .strategy import Strategy, min_table, search_modes, search_strategies, strategy_table, tp_allreduce_coeffs
+from .strategy import Strategy, min_table, runtime_refusal, search_modes, search_strategies, strategy_table
+from .strategy import tp_allreduce_coeffs
 from .tp_split import tp_refusal
 
 __all__ = ["Candidate", "Choice", "PhaseSearch", "Visit", "exhaustive", "iteration_bound_holds",
@@ -185,13 +186,13 @@ class PhaseSearch:
     def stage_options(self, cand: Candidate, n0: int) -> list[Strategy]:
         """The strategies ``StageChoice`` offers each stage of a per-stage candidate: ``Candidate.options``, and
         where recomputation is chosen per stage also recomputing only the first r layers (Galvatron's
-        layer-wise choice, r = 1, 2, 4, ... below the active layers), before recomputing them all."""
+        layer-wise choice, r = 1, 2, 4, ... below the active layers), before recomputing them all; each one the
+        executor runs with the candidate's schedule (``strategy.runtime_refusal``)."""
         out: list[Strategy] = []
-        n_active = self.n - n0
         for st in cand.options:
-            if st.recompute and cand.recompute_per_stage:
-                out += [replace(st, recompute_layers=r) for r in LAYERWISE if r < n_active]
-            out.append(st)
+            more = [replace(st, recompute_layers=r) for r in LAYERWISE if r < self.n - n0] \
+                if st.recompute and cand.recompute_per_stage else []
+            out += [x for x in more if runtime_refusal(cand.schedule, x, cand.D) is None] + [st]
         return out
 
     def uniform_model(self, cand: Candidate, n0: int, fill_from: int = 0) -> StageModel:

@@ -83,6 +83,7 @@ import numpy as np
 from .cluster import Cluster
 from .costs import CostTable
 from .errors import PtplanError
+from .schedule import splits_backward
 
 TP_KINDS = {"attention": 1, "mlp": 1, "block": 2}
 """Megatron all-reduces per forward (and as many per backward) of a layer of this kind."""
@@ -188,6 +189,27 @@ class Strategy:
     @property
     def is_default(self) -> bool:
         return self.tp == 1 and not self.fsdp and not self.recompute
+
+
+def runtime_refusal(schedule: str, st: Strategy, D: int) -> str | None:
+    """Why the executor does not run a stage with strategy ``st`` under ``schedule`` with D replicas (None: it does).
+    The one list of these: the search leaves such candidates and per-stage options out
+    (``candidates.enumerate_candidates``, ``search.PhaseSearch.stage_options``), and ``ptplan run`` refuses a plan
+    that has one (``executor/training/validate.check_strategies``)."""
+    if schedule == "2bw" and (st.tp > 1 or st.fsdp):
+        return (f"2bw with {st.label} is not run by the executor (its 2BW loop runs plain stages, whole-stage "
+                f"recomputation at most: FSDP's and DTensor's hooks are not wired into it)")
+    if schedule == "2bw" and st.recompute_layers:
+        return ("2bw recomputes whole stages only (its loop checkpoints each micro-batch's call on its weight "
+                "version), not the first layers of one")
+    if splits_backward(schedule) and st.fsdp and D > 1:
+        return (f"FSDP with a split backward ({schedule}) is not run by the executor (torch's weight-gradient pass "
+                f"does not see FSDP's gradient hooks)")
+    if splits_backward(schedule) and st.recompute_layers:
+        return (f"recomputing the first {st.recompute_layers} layers of a stage with a split backward ({schedule}) is "
+                f"not run by the executor (a checkpointed unit recomputes in every backward pass that reaches it: B's "
+                f"and each of W's; a whole recomputing stage rebuilds its graph once for both)")
+    return None
 
 
 Mode = tuple[int, int, int, bool]

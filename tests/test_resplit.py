@@ -258,10 +258,11 @@ def test_cheap_bounds_never_exceed_the_score(seed):
     from ptplan.planner.search import _Scorer
     rng = random.Random(200 + seed)
     checked = per_stage = 0
-    for s, f, n0 in _random_searches(rng, 8):
+    for s, f, n0 in _random_searches(rng, 12):
         visit = Visit(samples=rng.choice([0.5, 1.0, 3.0 * s.cfg.samples_per_epoch]), fill_from=rng.randint(0, n0))
         cands, _, _ = s.candidates(f, n0)
-        for c in rng.sample(cands, min(6, len(cands))):
+        per, uniform = [c for c in cands if c.per_stage], [c for c in cands if not c.per_stage]
+        for c in rng.sample(per, min(5, len(per))) + rng.sample(uniform, min(3, len(uniform))):
             model = s.model(c, n0, visit.fill_from if c.cache else 0)
             sc = _Scorer(s, c, model, s.schedule(c), visit, math.inf)
             X = np.array([(n0, *i, s.n) for i in itertools.combinations(range(n0 + 1, s.n), c.S - 1)][:40])

@@ -10,6 +10,7 @@ from torch import nn
 
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase, Plan
+from ptplan.planner.strategy import Strategy, runtime_refusal
 from ptplan.planner.profile import structure_fingerprint
 from ptplan.planner.tp_split import tp_refusal
 
@@ -46,14 +47,15 @@ def batch_policy_of(plan: Plan) -> str:
 
 
 def check_strategies(plan: Plan) -> None:
-    """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14).
+    """Refuse the strategies the executor does not run (``ptplan plan --strategies auto``, issue 14): tensor
+    parallelism for a family ``hybrid.tp_families`` does not name, and any stage ``planner.strategy.runtime_refusal``
+    refuses under the phase's schedule (the list the search also leaves out, so `ptplan plan` never writes them).
 
     Runs: recomputation (``Phase.recompute``, on every stage or per stage) with every schedule (2BW's loop
-    checkpoints each micro-batch's ``functional_call`` on its weight version); FSDP (``Phase.fsdp``, on every
-    stage or per stage) with GPipe, 1F1B and interleaved 1F1B (not with a split backward: zb-h1, zb-v); tensor
-    parallelism (``Phase.tp``), alone or
-    with FSDP on a 2-D mesh, with or without the AutoCache, for the families ``hybrid.tp_families`` names.
-    Not with 2BW: FSDP's and DTensor's hooks are not wired into its own loop."""
+    checkpoints each micro-batch's ``functional_call`` on its weight version; under a split backward a whole
+    recomputing stage rebuilds its graph once in B); FSDP (``Phase.fsdp``, on every stage or per stage) with GPipe,
+    1F1B and interleaved 1F1B; tensor parallelism (``Phase.tp``), alone or with FSDP on a 2-D mesh, with or without
+    the AutoCache."""
     from ptplan.executor.runtime.hybrid import tp_families
 
     family = plan.inputs.profile.family
@@ -63,18 +65,13 @@ def check_strategies(plan: Plan) -> None:
         if ph.tp > 1 and family not in tp_families():
             raise PtplanError(f"{what}: the executor splits {', '.join(tp_families())} layers for tensor parallelism "
                               f"but this plan's model is a {family}; {fix}")
-        if ph.any_fsdp and ph.D > 1 and ph.schedule in ("zb-h1", "zb-v"):
-            raise PtplanError(f"{what}: FSDP with a split backward ({ph.schedule}) is not run by the executor (torch's "
-                              f"weight-gradient pass does not see FSDP's gradient hooks); make the plan with --schedule "
-                              f"1f1b, gpipe or interleaved-1f1b, or with `ptplan plan --strategies off`")
-        if ph.schedule == "2bw" and ph.recompute_layers:
-            raise PtplanError(f"{what}: 2bw recomputes whole stages only (its loop checkpoints each micro-batch's "
-                              f"call on its weight version), not the first layers of one; make the plan with another "
-                              f"--schedule or with `ptplan plan --strategies off`")
-        if ph.schedule == "2bw" and (ph.tp > 1 or ph.any_fsdp):
-            raise PtplanError(f"{what}: 2bw with {ph.strategy_label} is not run by the executor; make the plan with "
-                              f"another --schedule (gpipe, 1f1b, zb-h1, interleaved-1f1b) or with "
-                              f"`ptplan plan --strategies off`")
+        for s in range(ph.K * ph.V):
+            st = Strategy(tp=ph.tp, fsdp=ph.fsdp_at(s), recompute=ph.recompute_at(s),
+                          recompute_layers=ph.recompute_layers_at(s), sp=ph.sp)
+            why = runtime_refusal(ph.schedule, st, ph.D)
+            if why is not None:
+                raise PtplanError(f"{what}, stage {s}: {why}; make the plan again with this ptplan (`ptplan plan` "
+                                  f"leaves these out), with another --schedule, or with `ptplan plan --strategies off`")
 
 
 def check_world(plan: Plan, world_size: int) -> None:

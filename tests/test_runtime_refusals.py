@@ -1,0 +1,74 @@
+"""What the executor does not run is one list (``planner.strategy.runtime_refusal``): the search leaves it out, and
+``ptplan run`` refuses a plan that has it.
+
+Before, the search had its own list (2BW's) and the executor another (2BW's and FSDP under a split backward), so
+``ptplan plan --schedule zb-h1 --strategies auto`` wrote FSDP phases that ``ptplan run`` refused, and layer-wise
+recomputation under ZB-H1 and ZB-V ran with a checkpointed unit that recomputed in every backward pass (B's and each
+of W's parameter groups')."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ptplan.executor.training.validate import check_strategies
+from ptplan.planner.cluster import get_preset
+from ptplan.planner.config import TrainingConfig
+from ptplan.planner.errors import PtplanError
+from ptplan.planner.freeze import FreezePolicy
+from ptplan.planner.planner import make_plan
+from ptplan.planner.profile import load_profile
+from ptplan.planner.schedule import splits_backward
+from ptplan.planner.strategy import Strategy, runtime_refusal
+
+PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "bert-base_a100_bf16.json"
+
+
+@pytest.mark.parametrize("schedule,fraction", [("zb-h1", 0.02), ("zb-h1", 0.004), ("zb-v", 0.02), ("zb-v", 0.006),
+                                               ("2bw", 0.01), ("1f1b", 0.004)])
+def test_every_plan_the_search_writes_passes_the_executors_strategy_check(schedule, fraction):
+    """bert-base on 8 A100s with a share of their memory small enough that the search needs tensor parallelism,
+    FSDP or recomputation (on every stage or per stage): every phase's every stage passes ``check_strategies``.
+    On adf136d the zb-h1 and zb-v plans at 2 % had FSDP phases that it refused, and at 0.4-0.6 % layer-wise
+    recomputation that it ran as a checkpoint recomputed in every pass."""
+    prof = load_profile(PROFILE)
+    cfg = TrainingConfig(batch=256, schedule=schedule, memory_fraction=fraction, epochs=4, samples_per_epoch=4096)
+    plan = make_plan(prof, get_preset("dgx-a100"), cfg, FreezePolicy(), strategies="auto")
+    check_strategies(plan)
+    strategies = {ph.strategy_label for ph in plan.phases}
+    assert strategies - {"dp"}, strategies  # the memory share made the search use a strategy
+    for ph in plan.phases:
+        if splits_backward(ph.schedule):
+            assert not any(ph.recompute_layers_at(s) for s in range(ph.K * ph.V)), ph.strategy_label
+
+
+def test_each_refusal_by_hand():
+    rc2 = Strategy(recompute=True, recompute_layers=2)
+    assert runtime_refusal("2bw", Strategy(tp=2), 1) is not None
+    assert runtime_refusal("2bw", Strategy(fsdp=True), 2) is not None
+    assert runtime_refusal("2bw", rc2, 1) is not None
+    assert runtime_refusal("2bw", Strategy(recompute=True), 1) is None
+    for zb in ("zb-h1", "zb-v"):
+        assert runtime_refusal(zb, Strategy(fsdp=True), 2) is not None
+        assert runtime_refusal(zb, Strategy(fsdp=True), 1) is None
+        assert runtime_refusal(zb, rc2, 1) is not None
+        assert runtime_refusal(zb, Strategy(tp=2, recompute=True), 4) is None
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"):
+        for st in (Strategy(tp=2, fsdp=True), rc2, Strategy(fsdp=True, recompute=True)):
+            assert runtime_refusal(name, st, 2) is None
+
+
+def test_run_refuses_a_plan_with_layer_wise_recomputation_under_a_split_backward():
+    """A plan written by hand (or by an older ptplan) with stage 1 recomputing its first 2 layers under ZB-H1:
+    ``check_strategies`` names the phase, the stage and why."""
+    prof = load_profile(PROFILE)
+    cfg = TrainingConfig(batch=64, schedule="zb-h1", epochs=2, samples_per_epoch=1024, pin_K=2)
+    plan = make_plan(prof, get_preset("dgx-a100"), cfg, FreezePolicy(policy="none"))
+    ph = plan.phases[0]
+    assert ph.K == 2 and ph.schedule == "zb-h1"
+    bad = dataclasses.replace(ph, recompute=(False, True), recompute_layers=(0, 2))
+    with pytest.raises(PtplanError, match=r"stage 1: recomputing the first 2 layers .* split backward \(zb-h1\)"):
+        check_strategies(dataclasses.replace(plan, phases=(bad, *plan.phases[1:])))
+    check_strategies(dataclasses.replace(plan, phases=(dataclasses.replace(bad, recompute_layers=(0, 0)),
+                                                       *plan.phases[1:])))
