@@ -3,8 +3,9 @@ as the same schedule without it.
 
 A checkpointed stage recomputes its forward in every backward pass that reaches it, and a split backward makes one
 pass for its B and one per parameter group for its W: on this bert-tiny's last stage (6 layers) each micro-batch
-ran its forward 10 times (1 + 9) where the stage model prices 2, and held every pass's recomputed activations at
-once (2,573,376 bytes measured against 1,849,666 predicted: ``tests/test_send_release.py``). The runtime now runs
+ran its forward 20 times (80 a step at M = 4; 28 on ZB-V's chunks) where the stage model prices 2, and held the
+recomputed activations of many passes at once (at M = 16, 2,573,376 bytes measured against 1,849,666 predicted:
+``tests/test_send_release.py``). The runtime now runs
 such a stage's F without autograd and lets its B rebuild the graph once, on the random-number state its F began
 with (``executor/runtime/step.ChunkCompute``'s ``rebuild``); B and W share it.
 """

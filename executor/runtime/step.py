@@ -181,7 +181,7 @@ class ChunkCompute:
     ``rebuild``: chunks that recompute their activations under a split backward (chunk index -> a context in
     which the module runs without its own checkpoint). A checkpointed graph recomputes the forward in every
     backward pass that reaches it, and a split backward makes one pass for B and one per parameter group for W
-    (9 on a bert-tiny stage of 6 layers: 10 forwards per micro-batch where the plan prices 2). So such a chunk's
+    (a bert-tiny stage of 6 layers ran 20 forwards per micro-batch where the plan prices 2). So such a chunk's
     F runs under ``no_grad`` (keeping, as recomputation does, only its input and output), and its B first
     rebuilds the graph -- the forward once more, on the same random-number state -- which B and W then share
     (``planner/stage.py``: the rebuilt activations are held from B to W).
