@@ -56,8 +56,9 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               input.
             + under a zero-bubble schedule, each micro-batch between its B and its W (at most
               ``schedule.peak_stashed`` of them) holds what its B left for its W, b · Σ stash[lo:hi]; with
-              recomputation B rebuilds the stage's graph and W reads it, so b · (Σ saved[lo:hi] + out[hi-1] +
-              Σ stash[lo:hi]) (``executor/runtime/step.ChunkCompute``'s rebuild)
+              recomputation B rebuilds the stage's graph and W reads it, and the F's input and output (per_mb,
+              counted among the micro-batches in flight) are let go: b · Σ stash[lo:hi] + max(b · Σ saved[lo:hi] -
+              per_mb, 0) (``executor/runtime/step.ChunkCompute``'s rebuild)
             + receive buffers, where a neighbouring stage is on another rank (``PhaseShape.stage_ranks``;
               consecutive chunks of one rank pass tensors in place): one activation buffer per micro-batch
               for the stage before and one gradient buffer per micro-batch for the stage after,
@@ -468,10 +469,13 @@ class StageModel:
                         in_bytes=in_bytes, out_bytes=b * out_J, working=np.where(whole, full, part_w) + bwd,
                         stash=stash)
         if self.shape.recompute:  # the stashed input and the output per micro-batch; one working set rebuilt at a time
-            # (a split backward's B rebuilds the graph that its W reads: between them a micro-batch holds it whole)
+            per_mb = in_bytes + b * out_J
+            if self._stashed is not None:  # a split backward's B rebuilds the graph its W reads, and lets go of the
+                # F's input and output: between B and W a micro-batch holds the rebuilt activations, not per_mb
+                stash = stash + np.maximum(full - b * out_J - per_mb, 0.0)
             return Band(I=I, J=J, fb=self.cum_time_lb[J] - at_I(self.cum_time_lb), state=state, grad=grad,
-                        weights=weights, per_mb=in_bytes + b * out_J, in_bytes=in_bytes, out_bytes=b * out_J,
-                        working=full + bwd, stash=stash + full if self._stashed is not None else stash)
+                        weights=weights, per_mb=per_mb, in_bytes=in_bytes, out_bytes=b * out_J, working=full + bwd,
+                        stash=stash)
         return Band(I=I, J=J, fb=self.times.cum_fb[J] - at_I(self.times.cum_fb), state=state, grad=grad,
                     weights=weights, per_mb=full, in_bytes=in_bytes, out_bytes=b * out_J, working=bwd, stash=stash)
 

@@ -149,17 +149,20 @@ def _run(tmp, plan, steps: int, *, log_pending: bool):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("schedule,recompute,M", [("1f1b", False, 16), ("gpipe", False, 16), ("2bw", False, 16),
                                                   ("1f1b", True, 16), ("gpipe", True, 64), ("2bw", True, 16),
-                                                  ("zb-h1", True, 16)])
+                                                  ("zb-h1", False, 16), ("zb-h1", True, 16)])
 def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thread, schedule, recompute, M):
     """K = 2, M micro-batches of 1, with and without recomputation: every rank's measured peak
     (``memory.StepMemory``) at most the stage model's; also no further under it than the backward's accumulate term
-    (``tests/test_runtime_memory.py``'s bound), and the static terms exact. Held sends put 1F1B's last stage over
+    (``tests/test_runtime_memory.py``'s bound; under ZB-H1 plus the stash of the most micro-batches between B and
+    W), and the static terms exact. Held sends put 1F1B's last stage over
     it before (1,869,604 bytes against 1,845,554). 2BW (sampled at its 4th step, the first with its optimizer
     state and both weight versions) was measured with one weight version and no optimizer state, and priced with
     one gradient where it holds two. A recomputing stage was priced with its input per micro-batch in flight but
     not its output, which the runtime holds until the micro-batch's backward: GPipe's stage 0 at M = 64 measured
     3,709,076 bytes against 3,641,888. Under ZB-H1 a recomputing stage's B rebuilds the graph its W reads (before,
-    every backward pass recomputed it: the last stage measured 2,573,376 bytes against 1,849,666). GPipe's activations without recomputation are over-predicted here (by
+    every backward pass recomputed it: the last stage measured 2,573,376 bytes against 1,849,666); and its W
+    frees each parameter group's weight gradients before the next group's are made (torch's one call kept two
+    groups' at once: the last stage without recomputation measured 2,038,272 bytes against 2,004,892). GPipe's activations without recomputation are over-predicted here (by
     8-10 %, the safe side; not this test's class), so only its upper bound is checked."""
     model = build_model("bert-tiny", seq_len=SEQ, granularity="half", dropout=0.0, seed=0)
     steps = 5 if schedule == "2bw" else 2
@@ -183,7 +186,11 @@ def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thre
         s = next(row.index(rank) for row in ph.ranks if rank in row)
         lo, hi = ph.partition[s]
         counters = 4 * sum(1 for i in range(lo, hi) for _ in model.layers[i].parameters())
-        slack = float(table.accumulate_bytes[lo:hi].max())
+        # the peak need not fall where a backward accumulates, nor (zero-bubble) where the most micro-batches wait
+        # between B and W, each holding what its B left for its W (the stage model adds both at their largest)
+        stashed = peak_stashed(ph.schedule, ph.K, ph.M)[s]
+        slack = float(table.accumulate_bytes[lo:hi].max()) + stashed * ph.micro_batch_size * float(
+            table.stash_per_sample[lo:hi].sum())
         want = predicted[s]
         where = (schedule, recompute, rank)
         assert (got["params"], got["grads"], got["optimizer"] - counters, got["buffers"]) == (

@@ -55,11 +55,16 @@ def backward_input(outputs: list[Tensor], grads: list[Tensor] | None, inputs: li
 
 
 def backward_weight(weights: Iterator[Parameter], groups: list[dict[str, Any]]) -> None:
-    """The weights' gradients (zero-bubble W), accumulated into ``.grad``, from ``backward_input``'s groups."""
+    """The weights' gradients (zero-bubble W), accumulated into ``.grad``, from ``backward_input``'s groups: one group
+    a call, so that a group's gradients are freed once added, before the next group's are made (torch's one call
+    keeps the previous group's beside them: two weights' gradients at once on a bert-tiny MLP half, where the stage
+    model prices the largest one, ``accumulate``)."""
     check_torch()
     from torch.distributed.pipelining._backward import stage_backward_weight
 
-    stage_backward_weight(weights, groups)
+    weights = list(weights)
+    for group in groups:
+        stage_backward_weight(iter(weights), [group])
 
 
 def torch_action(token: str) -> Any:
