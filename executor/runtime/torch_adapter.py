@@ -62,9 +62,9 @@ def backward_weight(weights: Iterator[Parameter], groups: list[dict[str, Any]]) 
     check_torch()
     from torch.distributed.pipelining._backward import stage_backward_weight
 
-    weights = list(weights)
+    params = list(weights)
     for group in groups:
-        stage_backward_weight(iter(weights), [group])
+        stage_backward_weight(iter(params), [group])
 
 
 def torch_action(token: str) -> Any:
