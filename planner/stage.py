@@ -459,15 +459,13 @@ class StageModel:
         grad, weights, state, out_J, in_bytes, full, bwd, stash = got
         r = self.shape.recompute_layers
         if self.shape.recompute and r:  # the first r layers: their input stashed, the rest's activations kept
-            R = np.minimum(at_I(self._index) + r, J)
-            whole = R >= J
+            R = np.minimum(at_I(self._index) + r, J)  # R = J: the whole stage, as below
             tm = self.times
-            part_mb = in_bytes + b * (t.cum_saved[J] - t.cum_saved[R] + out_J)
-            part_w = b * (t.cum_saved[R] - at_I(t.cum_saved) + t.out_per_sample[R - 1])
             return Band(I=I, J=J, fb=tm.cum_fb[J] - at_I(tm.cum_fb) + tm.cum_fwd[R] - at_I(tm.cum_fwd),
-                        state=state, grad=grad, weights=weights, per_mb=np.where(whole, in_bytes, part_mb),
-                        in_bytes=in_bytes, out_bytes=b * out_J, working=np.where(whole, full, part_w) + bwd,
-                        stash=stash)
+                        state=state, grad=grad, weights=weights,
+                        per_mb=in_bytes + b * (t.cum_saved[J] - t.cum_saved[R] + out_J), in_bytes=in_bytes,
+                        out_bytes=b * out_J, stash=stash,
+                        working=b * (t.cum_saved[R] - at_I(t.cum_saved) + t.out_per_sample[R - 1]) + bwd)
         if self.shape.recompute:  # the stashed input and the output per micro-batch; one working set rebuilt at a time
             per_mb = in_bytes + b * out_J
             if self._stashed is not None:  # a split backward's B rebuilds the graph its W reads, and lets go of the

@@ -238,6 +238,22 @@ def test_a_split_that_fits_only_by_each_stage_own_in_flight_count_is_found():
 
 
 # ---- PipeDream-2BW: two weight versions, with and without recomputation ----------------------------
+def test_a_stage_of_r_layers_or_fewer_recomputing_its_first_r_is_priced_as_recomputing_them_all():
+    """``recompute_layers`` r at least a stage's length: the runtime recomputes the whole stage
+    (``stage_strategies`` gives it 0), so its time and memory are whole-stage recomputation's, term by term, in
+    every schedule (before: its micro-batches in flight were priced without their outputs)."""
+    prof = synthetic_profile(num_blocks=6, hidden=128, seq_len=32)
+    gpu = Cluster.uniform(nodes=1, gpus_per_node=2)
+    ranges = [(0, 5), (5, prof.num_layers)]  # 5 layers, then the rest
+    for schedule, M in (("1f1b", 4), ("gpipe", 8)):
+        whole = model_for(prof, gpu, K=2, M=M, b=2, f=0, schedule=schedule, recompute=True)
+        r = replace(whole.shape, recompute_layers=prof.num_layers)
+        first_r = StageModel(whole.t, r, whole.links)
+        assert first_r.stage_strategies(ranges) == whole.stage_strategies(ranges)
+        assert first_r.stage_memory(ranges) == whole.stage_memory(ranges), schedule
+        assert first_r.stage_costs(ranges) == whole.stage_costs(ranges), schedule
+
+
 def test_two_bw_memory_by_hand():
     """K=2, M=4, b=2, 3 frozen blocks, AdamW, one node of 2 GPUs (D=1): every term of every stage
     computed here from the profile's per-layer numbers, against the stage model."""
