@@ -96,6 +96,41 @@ def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_fr
     return max(max(pipe, big, stage0) + last0, tail) + search.c.step_overhead_s
 
 
+CHAINED = ("gpipe", "1f1b")
+"""The schedules whose lower bounds chain the stages' last backwards (``last_backward``, ``chain_ends``): one stage per
+rank, and each micro-batch's whole backward on a stage (no W) after its backward on the next stage."""
+
+
+def last_backward(schedule: str, M: int, S: int, st: np.ndarray, head: np.ndarray, busy: np.ndarray,
+                  fwd: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """A lower bound on the end of stage ``st``'s last backward (of S stages, M micro-batches) from its micro-batch 0's
+    arrival ``head``, its forward plus backward ``busy`` and forward ``fwd`` per micro-batch, and ``after``: one
+    micro-batch's forwards and backwards on the later stages and the messages between (arrays of one shape).
+
+    Its M forwards and backwards run one at a time after the arrival (head + M·busy). In a ``CHAINED`` schedule also:
+    its last forward (micro-batch M-1) comes after the other M-1 forwards and r backwards (1F1B: r = M-S+st, the
+    backwards before it; GPipe: none), and micro-batch M-1's backward reaches it only after ``after``, so it ends at
+    least at head + M·fwd + r·bwd + after + bwd = head + after + (r+1)·busy + (M-1-r)·fwd (GPipe: r = M-1, its
+    remaining backwards follow)."""
+    own = head + M * busy
+    if schedule not in CHAINED:
+        return own
+    r = M - 1 if schedule == "gpipe" else np.maximum(0, M - S + st)
+    rest = M - 1 - r  # forwards not paired with a backward (0 x inf is not a bound: where a stage fits nothing)
+    return np.maximum(own, head + after + (r + 1) * busy + rest * np.where(rest > 0, fwd, 0.0))
+
+
+def chain_ends(ends: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Lower bounds on every stage's last backward (rows of (N, S)) from each stage's own (``last_backward``) and
+    ``step``, a lower bound on stage s's backward plus the message into it from stage s + 1: in a ``CHAINED``
+    schedule the micro-batch whose backward ends stage s + 1's work then still runs its backward on stage s, so
+    E_s >= E_{s+1} + step_s (and so E_s >= E_p + the steps of s..p-1 for every later p)."""
+    out = np.array(ends, dtype=float, copy=True)
+    for s in range(out.shape[-1] - 2, -1, -1):
+        out[..., s] = np.maximum(out[..., s], out[..., s + 1] + step[..., s])
+    return out
+
+
 def split_bound(c: Candidate, costs: Sequence[StageCost], step_overhead_s: float) -> float:
     """A lower bound on the simulated iteration once the split is known (the same arguments as
     ``PhaseSearch.lower_bound`` with each stage's own times), to skip simulating hopeless candidates:
@@ -130,6 +165,14 @@ def split_bounds(c: Candidate, x: StageTimes, step_overhead_s: float) -> np.ndar
         head, tail_b = np.cumsum(f, -1) - f, np.cumsum(b, -1) - b
         pipe = np.maximum(pipe, (x.setup_s[:, :1] + head + M * (f + b) + tail_b).max(-1))
     tail = (load + done).max(-1)
+    if c.schedule in CHAINED:  # each stage's all-reduce and step after its own last backward
+        sf, sb = x.send_forward_s, x.send_backward_s
+        head = x.setup_s[:, :1] + np.cumsum(f + sf, -1) - (f + sf)
+        later = np.cumsum((f + b + sb)[:, ::-1], -1)[:, ::-1] - (f + b + sb)  # Σ_{i>s}
+        after = later + np.cumsum(sf[:, ::-1], -1)[:, ::-1]  # and the forward messages from stage s on
+        ends = last_backward(c.schedule, M, S, np.arange(S), head, f + b, f, after)
+        step = b + np.concatenate((sb[:, 1:], np.zeros_like(sb[:, :1])), axis=-1)
+        tail = np.maximum(tail, (chain_ends(ends, step) + x.allreduce_s + x.optimizer_s).max(-1))
     if zb:
         return np.maximum(pipe, tail) + step_overhead_s
     return np.maximum(pipe + x.allreduce_s[:, 0] + x.optimizer_s[:, 0], tail) + step_overhead_s
@@ -145,6 +188,23 @@ class Least(NamedTuple):
     """The all-reduce (with a flush) and the optimizer step after the stage's last backward."""
     forward: np.ndarray
     """One forward, its overhead and stage 0's prefix."""
+
+
+class Chain(NamedTuple):
+    """What ``_Scorer``'s bounds (``search.py``) read of the active layers besides each stage's ``Least``, each its
+    least over the models."""
+    ovh: float
+    """The per-action overhead."""
+    prefix: float
+    """Stage 0's frozen prefix per micro-batch."""
+    cum_fwd: np.ndarray
+    """Prefix sums of the layers' forwards."""
+    cum_bwd: np.ndarray
+    """Prefix sums of the layers' backwards."""
+    link: np.ndarray
+    """(S,): each link's least message, stage s to s + 1 (0 after the last stage)."""
+    sent: np.ndarray
+    """(S + 1,): prefix sums of ``link``."""
 
 
 def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo: np.ndarray, hi: np.ndarray,

@@ -15,8 +15,8 @@ every candidate without token slices, ``simulate.iterations``, one pass of the e
 there are at most ``ENUMERATE_MANY``; else where there are at most
 ``ENUMERATE_UP_TO`` and at most ``ENUMERATE_LAYERS`` active layers. In both, splits go in ascending order of
 their lower bounds and stop at the first that cannot win. Where there are more, the search's lower bound taken
-stage by stage (``Proof``: the bound is a maximum of per-stage terms, so the least bound of any completion of a
-partial split is a dynamic programme over the stages) finds every split that can still beat AutoPipe's split,
+stage by stage (``Proof``: the bound is a maximum of per-stage terms and of sums of a stage's and a later stage's
+terms, so whether a partial split has a completion under a bar is a dynamic programme over the stages) finds every split that can still beat AutoPipe's split,
 or failing that the descent's, without listing the others (``under``); where they are at most
 ``ENUMERATE_MANY`` they are scored as above, and the split is proven the best. Otherwise (too many splits under
 the bound, or no ``many``) it
@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -118,10 +118,19 @@ Many = Callable[..., np.ndarray]
 """``many(X, bar=inf)``: the scores of many splits at once (rows of cuts): what ``score`` gives each, infinite where
 one does not fit; with a finite ``bar``, as ``score``'s ``best``: any number not below it where a split cannot beat
 it."""
-Proof = Callable[[], np.ndarray]
-"""Per-stage lower bounds G (S, m + 1, m + 1) of the m active layers: G[s, i, j] bounds from below the bound
-(``Bounds``) of every split whose stage s holds layers [a + i, a + j) of them, so that max over s of G[s, c_s,
-c_s+1] is at most a split's bound (infinite where i >= j or the stage does not fit)."""
+class StageTerms(NamedTuple):
+    """Lower bounds of a candidate's splits stage by stage, over its m active layers, arrays (S, m + 1, m + 1)
+    indexed [s, i, j] for stage s holding layers [a + i, a + j) of them: the bound of a split with cuts c is
+    max over s of G[s, c_s, c_s+1], and with ``A`` and ``B`` also max over s <= p of A[p, c_p, c_p+1] + B[s, c_s,
+    c_s+1] (a stage's term paired with every later stage's). At most the split's ``Bounds``; infinite where i >= j
+    or the stage does not fit."""
+    G: np.ndarray
+    A: np.ndarray | None = None
+    B: np.ndarray | None = None
+
+
+Proof = Callable[[], StageTerms]
+"""The stage-by-stage bounds (``StageTerms``) of a candidate's splits."""
 PROOF_SLACK = 1e-9
 """Relative room ``under`` leaves over the score to beat: G's prefix sums round apart from the bound's own."""
 
@@ -163,9 +172,9 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
         return _score_rows(cur, best, X, score, bounds, many, cutoff)
     if not best <= give_up:
         return cur, best
-    G = proof() if proof is not None and many is not None else None
+    P = proof() if proof is not None and many is not None else None
     for attempt in range(2):  # the stage-by-stage bound with AutoPipe's split to beat, then with the descent's
-        rows = under(G, min(best, cutoff) * (1 + PROOF_SLACK), ENUMERATE_MANY) if G is not None else None
+        rows = under(P, min(best, cutoff) * (1 + PROOF_SLACK), ENUMERATE_MANY) if P is not None else None
         if rows is not None:  # every split that may win: none, or the best of them
             return _score_rows(cur, best, rows + a, score, bounds, many, cutoff) if len(rows) else (cur, best)
         if attempt == 0:
@@ -222,13 +231,16 @@ def _descend(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...]
     return home, best
 
 
-def under(G: np.ndarray, bar: float, cap: int) -> np.ndarray | None:
-    """Every split whose stage-by-stage bound is below ``bar`` (``Proof``: max over s of G[s, c_s, c_s+1], so every
-    stage's term below it), as rows of cuts from 0 to m, or None where there are more than ``cap``. Their number
-    first, by dynamic programming from the last stage (the splits below ``bar`` of stages s.. from each cut); then
-    stage by stage, each partial split extended by every next cut that some completion below ``bar`` follows."""
-    ok = G < bar
-    S, m1 = G.shape[0], G.shape[1]
+def under(P: StageTerms, bar: float, cap: int) -> np.ndarray | None:
+    """Every split whose stage-by-stage bound (``StageTerms``) is below ``bar``, as rows of cuts from 0 to m, or None
+    where there are more than ``cap``. Without pairs: their number first, by dynamic programming from the last
+    stage (the splits below ``bar`` of stages s.. from each cut); then stage by stage, each partial split extended
+    by every next cut that some completion below ``bar`` follows. With pairs (``_under_pairs``) the same, the
+    partial splits carrying the largest B of their stages."""
+    if P.A is not None and P.B is not None:
+        return _under_pairs(P.G < bar, bar - P.A, P.B, cap)
+    ok = P.G < bar
+    S, m1 = ok.shape[0], ok.shape[1]
     ways = np.zeros((S + 1, m1))
     ways[S, m1 - 1] = 1.0
     for s in range(S - 1, -1, -1):  # float counts: exact up to 2**53, and only compared with cap beyond
@@ -239,6 +251,48 @@ def under(G: np.ndarray, bar: float, cap: int) -> np.ndarray | None:
     for s in range(S):
         row, hi = np.nonzero(ok[s][paths[:, -1]] & (ways[s + 1] > 0)[None, :])
         paths = np.column_stack((paths[row], hi))
+    return paths
+
+
+def stage_bound(P: StageTerms, X: np.ndarray) -> np.ndarray:
+    """The stage-by-stage bound (``StageTerms``) of the splits in the rows of X (cuts from 0 to m): what ``under``
+    compares with its bar."""
+    S = X.shape[1] - 1
+    at = (np.arange(S)[None, :], X[:, :-1], X[:, 1:])
+    out = np.max(P.G[at], axis=1)
+    if P.A is not None and P.B is not None:  # max over s <= p of A_p + B_s: A_p plus the largest B up to p
+        out = np.maximum(out, np.max(P.A[at] + np.maximum.accumulate(P.B[at], axis=1), axis=1))
+    return out
+
+
+def _under_pairs(ok: np.ndarray, room: np.ndarray, B: np.ndarray, cap: int) -> np.ndarray | None:
+    """``under`` with pairs: a split is below the bar where every stage is (``ok``) and max over s <= p of
+    B[s] < room[p] (room = bar - A). A partial split of stages ..s-1 carrying beta (the largest B of its stages)
+    extends by stage s = [lo, hi) where max(beta, B[s, lo, hi]) < C[s, lo, hi] = min(room[s, lo, hi], top[s + 1,
+    hi]), top[s, lo] being the largest beta from which stages s.. can still be completed from lo (a larger beta
+    only removes completions): top[S, m] = inf, top[s, lo] = max of C[s, lo, hi] over the hi that stage s may
+    take (B[s, lo, hi] < C). Every partial split kept has a completion, so more than ``cap`` of them at any stage
+    means more than ``cap`` splits: None, without listing the rest."""
+    S, m1 = ok.shape[0], ok.shape[1]
+    top = np.full((S + 1, m1), -np.inf)
+    top[S, m1 - 1] = np.inf
+
+    def room_at(s: int, lo: np.ndarray) -> np.ndarray:
+        return np.where(ok[s][lo], np.minimum(room[s][lo], top[s + 1][None, :]), -np.inf)
+    every = np.arange(m1)
+    for s in range(S - 1, -1, -1):
+        C = room_at(s, every)
+        top[s] = np.where(B[s] < C, C, -np.inf).max(axis=1)
+    paths, beta = np.zeros((1, 1), dtype=np.int64), np.full(1, -np.inf)
+    if not top[0, 0] > -np.inf:
+        return np.zeros((0, S + 1), dtype=np.int64)
+    for s in range(S):
+        lo = paths[:, -1]
+        C, b = room_at(s, lo), B[s][lo]
+        row, hi = np.nonzero((b < C) & (beta[:, None] < C))
+        if len(row) > cap:
+            return None
+        paths, beta = np.column_stack((paths[row], hi)), np.maximum(beta[row], b[row, hi])
     return paths
 
 

@@ -29,6 +29,7 @@ Steps, all pure functions of the profile, the cluster and the training settings:
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import replace
@@ -37,7 +38,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .assign import best_assignments, options
-from .bounds import Least, iteration_lower_bound, least_terms, split_bound, split_bounds
+from .bounds import CHAINED, Chain, Least, chain_ends, iteration_lower_bound, last_backward, least_terms, split_bound
+from .bounds import split_bounds
 from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
@@ -47,7 +49,7 @@ from .config import AUTO_SCHEDULES, TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
 from .partition import refusal_by_bound, split_stages
-from .resplit import GIVE_UP, best_split, enumerable
+from .resplit import GIVE_UP, StageTerms, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
 from .simulate import StageCost, StageTimes, iterations, simulate
@@ -591,7 +593,9 @@ class _Scorer:
         M forwards and backwards one at a time, then its all-reduce and optimizer step (M·l_s + d_s); with a flush,
         stage s starts only after micro-batch 0's forwards on the stages before it (Σ_{s'<s} f_s' + M·l_s + d_s),
         and without W it also ends only before their last backwards, after which stage 0's all-reduce and step
-        come (Σ_{s'<s} l_s' + M·l_s + d_0). With the AutoCache stage 0's set-up comes first (reading, or in a fill
+        come (Σ_{s'<s} l_s' + M·l_s + d_0), each with the least messages on the links between (``Chain``). In a
+        ``CHAINED`` schedule also every stage's last backward (``last_backward``, ``chain_ends``), then its d_s.
+        With the AutoCache stage 0's set-up comes first (reading, or in a fill
         iteration filling, the cache); then the step overhead; steady and fill iterations weighted as the
         objective weighs them (``_seconds_per_sample``). Infinite where no model fits a stage."""
         c, lo, hi = self.c, X[:, :-1], X[:, 1:]
@@ -599,12 +603,18 @@ class _Scorer:
                              for k in range(X.shape[1] - 1)], axis=-1))
         fits = np.isfinite(x.busy).all(axis=1)  # (such a split is infinite, not nan)
         L, done, Fw = (np.where(fits[:, None], v, 0.0) for v in x)
-        flush = c.schedule != "2bw"
-        work = c.M * L + done
-        head = np.max(np.cumsum(L, axis=1) - L + c.M * L, axis=1) + done[:, 0] \
+        flush, p, S = c.schedule != "2bw", self._chain, X.shape[1] - 1
+        work, sent = c.M * L + done, p.sent[:S]
+        head = np.max(np.cumsum(L, axis=1) - L + 2 * sent + c.M * L, axis=1) + done[:, 0] \
             if flush and not splits_backward(c.schedule) else -np.inf
-        if flush:  # stage s's first forward waits for micro-batch 0's forwards on the stages before it
-            head = np.maximum(head, np.max(np.cumsum(Fw, axis=1) - Fw + work, axis=1))
+        arrive = np.cumsum(Fw, axis=1) - Fw + sent  # micro-batch 0 through the stages before
+        if flush:
+            head = np.maximum(head, np.max(arrive + work, axis=1))
+        if c.schedule in CHAINED:  # each stage's all-reduce and step after its own last backward (``chain_ends``)
+            after = np.cumsum(L[:, ::-1], axis=1)[:, ::-1] - L + 2 * (p.sent[S] - p.sent[:S])
+            ends = last_backward(c.schedule, c.M, S, np.arange(S), arrive, L, Fw, after)
+            step = p.cum_bwd[hi] - p.cum_bwd[lo] + p.ovh + p.link
+            head = np.maximum(head, np.max(chain_ends(ends, step) + done, axis=1))
 
         def iteration(setup: float) -> np.ndarray:  # the cache's set-up delays stage 0's rank, and so every stage
             return np.maximum(np.maximum(work[:, 0] + setup, np.max(work, axis=1)), head + setup) \
@@ -626,23 +636,43 @@ class _Scorer:
                 out = out + weight * it
         return out
 
-    def stage_bounds(self) -> np.ndarray:
-        """``bounds`` stage by stage (``resplit.Proof``): [s, i, j] bounds from below ``bounds`` of every split whose
+    @functools.cached_property
+    def _chain(self) -> Chain:
+        """What the bounds read of the active layers besides each stage's ``Least``, each its least over the models:
+        the per-action overhead, stage 0's prefix, the forward and backward prefix sums per layer, and each link's
+        least message, stage s to s + 1 (its latency and the smallest boundary's bytes; none where a schedule's
+        stages are not one chain of ranks)."""
+        c, model = self.c, self.model
+        ms = model.models if isinstance(model, StageChoice) else (model,)
+        a, n, S = model.start, model.n, c.S
+
+        def least_cum(name: str) -> np.ndarray:
+            return np.concatenate(([0.0], np.cumsum(np.min([np.diff(getattr(m.times, name)) for m in ms], axis=0))))
+        link = np.zeros(S)
+        if c.V == 1 and S > 1 and c.schedule != "zb-v":
+            least_out = c.b * float(np.min([m.t.out_per_sample[a:n - 1].min() for m in ms]))
+            link[:-1] = np.min([m.links.send_lat + least_out * m.links.send_inv_bw for m in ms], axis=0)
+        return Chain(ovh=min(m.ovh for m in ms), prefix=min(m.prefix_s for m in ms), cum_fwd=least_cum("cum_fwd"),
+                     cum_bwd=least_cum("cum_bwd"), link=link, sent=np.concatenate(([0.0], np.cumsum(link))))
+
+    def stage_bounds(self) -> StageTerms:
+        """``bounds`` stage by stage (``resplit.Proof``): G[s, i, j] bounds from below ``bounds`` of every split whose
         stage s holds layers [a + i, a + j) (a the first active layer). Each of ``bounds``' terms is one stage's
         (its work, and its head: the stages before it through their layers' least prefix sums over every model,
         and for stage 0's all-reduce and step, their least over stage 0's ends), and the weighted steady and fill
         iterations are bounded by the largest weighted sum of one stage's terms. Infinite where the stage does
-        not fit."""
-        c, model = self.c, self.model
-        ms = model.models if isinstance(model, StageChoice) else (model,)
+        not fit. In a ``CHAINED`` schedule also the pairs (``StageTerms``): stage s's all-reduce and step follow
+        the last backward of every stage p >= s and then the backwards of stages s..p-1 (``chain_ends``): A_p
+        + B_s, A_p stage p's last backward (``last_backward``) plus the backwards before it from the first active
+        layer, B_s stage s's all-reduce and step less the backwards before it."""
+        c, model, p = self.c, self.model, self._chain
         a, n, S = model.start, model.n, c.S
         i, j = np.triu_indices(n - a + 1, k=1)
         lo, hi, st = i + a, j + a, np.arange(S)[:, None]
-        L, done, _ = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
-        ovh, prefix = min(m.ovh for m in ms), min(m.prefix_s for m in ms)
-        first = np.concatenate(([0.0], np.cumsum(np.min([np.diff(m.times.cum_fwd) for m in ms], axis=0))))
-        before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * ovh * st + (st > 0) * prefix
-        before_F = first[lo] - first[a] + ovh * st + (st > 0) * prefix
+        L, done, Fw = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
+        sent = p.sent[:S, None]
+        before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * p.ovh * st + (st > 0) * p.prefix + 2 * sent
+        before_F = p.cum_fwd[lo] - p.cum_fwd[a] + p.ovh * st + (st > 0) * p.prefix + sent
         work, flush = c.M * L + done, c.schedule != "2bw"
         done0 = float(done[0][lo == a].min())
 
@@ -653,9 +683,19 @@ class _Scorer:
             if flush:
                 t = np.maximum(t, before_F + work + setup)
             return t + self.s.c.step_overhead_s
-        G = np.full((S, n - a + 1, n - a + 1), np.inf)
-        G[:, i, j] = self._weighted(iteration)
-        return G
+
+        def grid(v: np.ndarray) -> np.ndarray:
+            out = np.full((S, n - a + 1, n - a + 1), np.inf)
+            out[:, i, j] = v
+            return out
+        if c.schedule not in CHAINED:
+            return StageTerms(grid(self._weighted(iteration)))
+        after = model.cum_time_lb[n] - model.cum_time_lb[hi] + 2 * p.ovh * (S - 1 - st) + 2 * (p.sent[S] - sent)
+        chain = p.cum_bwd[lo] - p.cum_bwd[a] + p.ovh * st + sent  # the backwards (and messages) before each stage
+        ends = last_backward(c.schedule, c.M, S, st, before_F, L, Fw, after) + chain
+        A = self._weighted(lambda setup: ends + setup + self.s.c.step_overhead_s)
+        B = self._weighted(lambda setup: done - chain)
+        return StageTerms(grid(np.maximum(self._weighted(iteration), A + B)), grid(A), grid(B))
 
 
 class _Reason:

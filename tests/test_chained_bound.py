@@ -1,0 +1,60 @@
+"""The split bound's chain of last backwards (``planner/bounds.py``: ``last_backward``, ``chain_ends``; issue 22
+item 4): in GPipe and 1F1B every stage's all-reduce and optimizer step follow its own last backward, which follows
+the later stages' last backwards. The bound must never exceed the simulated iteration (random stage costs,
+messages, set-up, prefix), and on uniform stages it is the iteration whichever stage's all-reduce ends it (before
+the chain, only stage 0's was placed after the pipeline, so a middle stage's all-reduce was bounded from far
+below, and the search could not prove splits whose iteration such an all-reduce ends)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ptplan.planner.bounds import split_bound
+from ptplan.planner.candidate import Candidate
+from ptplan.planner.schedule import build_schedule
+from ptplan.planner.simulate import StageCost, simulate
+
+
+def _iteration(schedule: str, K: int, M: int, costs: list[StageCost], step: float = 0.0) -> float:
+    return simulate(build_schedule(schedule, K, M), costs, step_overhead_s=step).iteration_s
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_the_split_bound_never_exceeds_the_simulated_iteration(schedule):
+    rng = random.Random(hash(schedule) % 1000)
+    checked = 0
+    for _ in range(150):
+        K = rng.randint(2, 6)
+        M = rng.randint(K, 3 * K) if schedule != "gpipe" else rng.randint(1, 3 * K)
+        costs = []
+        for s in range(K):
+            b = rng.uniform(0.1, 3.0)
+            costs.append(StageCost(
+                forward_s=rng.uniform(0.05, 2.0), backward_s=b, backward_weight_s=rng.uniform(0.0, b),
+                prefix_s=rng.uniform(0.0, 1.0) if s == 0 else 0.0, setup_s=rng.uniform(0.0, 3.0) if s == 0 else 0.0,
+                send_forward_s=rng.uniform(0.0, 0.5) if s < K - 1 else 0.0,
+                send_backward_s=rng.uniform(0.0, 0.5) if s > 0 else 0.0,
+                allreduce_s=rng.choice([0.0, rng.uniform(0.0, 5.0), rng.uniform(0.0, 40.0)]),
+                optimizer_s=rng.uniform(0.0, 0.5)))
+        c = Candidate(K=K, D=2, M=M, b=1, cache=False, schedule=schedule)
+        step = rng.uniform(0.0, 0.2)
+        sim = _iteration(schedule, K, M, costs, step)
+        assert split_bound(c, costs, step) <= sim * (1 + 1e-12), (K, M, costs)
+        checked += 1
+    assert checked == 150
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("K,M", [(4, 4), (4, 8), (8, 16), (6, 7)])
+def test_on_uniform_stages_the_bound_is_the_iteration_whichever_stages_all_reduce_ends_it(schedule, K, M):
+    f, b, ar = 1.0, 2.0, 25.0
+    c = Candidate(K=K, D=2, M=M, b=1, cache=False, schedule=schedule)
+    for j in range(K):
+        costs = [StageCost(forward_s=f, backward_s=b, allreduce_s=ar if s == j else 0.0) for s in range(K)]
+        sim = _iteration(schedule, K, M, costs)
+        # every stage's last backward: the last stage's after its M forwards and backwards behind the others' first
+        # forwards, then one backward a stage towards stage 0 (so stage j's all-reduce ends (K - 1 - j) b later)
+        last = (K - 1) * f + M * (f + b) if schedule == "1f1b" else (M + K - 1) * f + M * b
+        assert sim == pytest.approx(last + (K - 1 - j) * b + ar, rel=1e-12), j
+        assert split_bound(c, costs, 0.0) == pytest.approx(sim, rel=1e-12), j
