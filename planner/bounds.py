@@ -2,13 +2,14 @@
 (``iteration_lower_bound``), and one from a split's stage costs (``split_bound``, ``split_bounds``)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 
 from .candidate import Candidate
-from .schedule import splits_backward, stage_to_rank
+from .schedule import COMPUTE_KINDS, ActionKind, build_schedule, splits_backward, stage_to_rank
 from .simulate import StageCost, StageTimes
 from .stage import StageChoice, StageModel, cache_setup_s
 
@@ -96,35 +97,69 @@ def iteration_lower_bound(search: PhaseSearch, c: Candidate, n0: int, *, fill_fr
     return max(max(pipe, big, stage0) + last0, tail) + search.c.step_overhead_s
 
 
-CHAINED = ("gpipe", "1f1b")
-"""The schedules whose lower bounds chain the stages' last backwards (``last_backward``, ``chain_ends``): one stage per
-rank, and each micro-batch's whole backward on a stage (no W) after its backward on the next stage."""
+class Counts(NamedTuple):
+    """What a schedule's action lists say of each stage's last actions (``chain_counts``), arrays (S,)."""
+    b_before: np.ndarray
+    """Backwards (B) before the stage's last forward."""
+    w_before: np.ndarray
+    """Weight-gradient actions (W) before the stage's last forward."""
+    b_path: np.ndarray
+    """Backwards bounded after the path of a micro-batch through the later stages and back: 1 (its last forward's
+    micro-batch's), or, where every stage runs all its forwards before any backward and begins its backwards with
+    the same micro-batch (fill-drain, GPipe), every backward (the first waits for that path, the rest follow)."""
+    w_tail: np.ndarray
+    """W's after the stage's last B."""
 
 
-def last_backward(schedule: str, M: int, S: int, st: np.ndarray, head: np.ndarray, busy: np.ndarray,
-                  fwd: np.ndarray, after: np.ndarray) -> np.ndarray:
-    """A lower bound on the end of stage ``st``'s last backward (of S stages, M micro-batches) from its micro-batch 0's
-    arrival ``head``, its forward plus backward ``busy`` and forward ``fwd`` per micro-batch, and ``after``: one
-    micro-batch's forwards and backwards on the later stages and the messages between (arrays of one shape).
+@functools.lru_cache(maxsize=4096)
+def chain_counts(name: str, K: int, M: int, V: int = 1) -> Counts | None:
+    """``Counts`` of the named schedule, read from its action lists; None where its stages' last backwards do not
+    chain (``chain_ends``): several stages on a rank, token slices, or no flush."""
+    if V != 1 or name in ("2bw", "terapipe"):
+        return None
+    sched = build_schedule(name, K, M, V)
+    if sched.stage_to_rank != tuple(range(K)) or sched.slices != 1 or sched.minibatches != 1:
+        return None
+    rows, first = [], []
+    for s in range(K):
+        kinds = [a.kind for a in sched.actions[s] if a.kind in COMPUTE_KINDS]
+        mbs = [a.mb for a in sched.actions[s] if a.kind in COMPUTE_KINDS]
+        last_f = max(i for i, k in enumerate(kinds) if k is ActionKind.F)
+        last_b = max(i for i, k in enumerate(kinds) if k is ActionKind.B)
+        rows.append((kinds[:last_f].count(ActionKind.B), kinds[:last_f].count(ActionKind.W),
+                     kinds[last_b:].count(ActionKind.W)))
+        first.append(next(m for k, m in zip(kinds[last_f:], mbs[last_f:]) if k is ActionKind.B))
+    b_before, w_before, w_tail = (np.array(v, dtype=float) for v in zip(*rows))
+    fill_drain = not b_before.any() and len(set(first)) == 1
+    return Counts(b_before, w_before, np.full(K, float(M) if fill_drain else 1.0), w_tail)
 
-    Its M forwards and backwards run one at a time after the arrival (head + M·busy). In a ``CHAINED`` schedule also:
-    its last forward (micro-batch M-1) comes after the other M-1 forwards and r backwards (1F1B: r = M-S+st, the
-    backwards before it; GPipe: none), and micro-batch M-1's backward reaches it only after ``after``, so it ends at
-    least at head + M·fwd + r·bwd + after + bwd = head + after + (r+1)·busy + (M-1-r)·fwd (GPipe: r = M-1, its
-    remaining backwards follow)."""
-    own = head + M * busy
-    if schedule not in CHAINED:
-        return own
-    r = M - 1 if schedule == "gpipe" else np.maximum(0, M - S + st)
-    rest = M - 1 - r  # forwards not paired with a backward (0 x inf is not a bound: where a stage fits nothing)
-    return np.maximum(own, head + after + (r + 1) * busy + rest * np.where(rest > 0, fwd, 0.0))
+
+def last_backward(n: Counts, M: int, head: np.ndarray, fwd: np.ndarray, path: np.ndarray, weight: np.ndarray,
+                  after: np.ndarray, busy: np.ndarray | None = None) -> np.ndarray:
+    """A lower bound on the end of each stage's last backward (B), from ``chain_counts``: micro-batch 0 arrives at
+    ``head``; the stage runs its M forwards (``fwd`` each), the B's (``path``: the backward, less its W part where
+    the schedule splits it) and W's (``weight``) its list has before its last forward; that forward's micro-batch
+    then goes through the later stages and back (``after``: their forwards and B's and the messages between)
+    before its B on this stage, and (fill-drain) the other B's follow. Arrays of one shape, stages on the last
+    axis (``n``'s arrays broadcast along it). ``busy`` (optional, where the backward is not split): a lower bound on
+    a forward and a B together, at least fwd + path where one model's, so k of the M forwards may take it."""
+    k = n.b_before + n.b_path
+    out = head + after + M * fwd + count_times(k, path) + count_times(n.w_before, weight)
+    if busy is not None:
+        out = np.maximum(out, head + after + count_times(k, busy) + count_times(M - k, fwd))
+    return out
+
+
+def count_times(count: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """count x v, 0 where count is 0 (0 x inf is not a bound: where a stage fits nothing)."""
+    return count * np.where(count > 0, v, 0.0)
 
 
 def chain_ends(ends: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """Lower bounds on every stage's last backward (rows of (N, S)) from each stage's own (``last_backward``) and
-    ``step``, a lower bound on stage s's backward plus the message into it from stage s + 1: in a ``CHAINED``
-    schedule the micro-batch whose backward ends stage s + 1's work then still runs its backward on stage s, so
-    E_s >= E_{s+1} + step_s (and so E_s >= E_p + the steps of s..p-1 for every later p)."""
+    """Lower bounds on every stage's last B (rows of (N, S)) from each stage's own (``last_backward``) and ``step``, a
+    lower bound on stage s's B plus the message into it from stage s + 1: where the last B's chain
+    (``chain_counts``), the micro-batch of stage s + 1's last B then still runs its B on stage s, so E_s >= E_{s+1}
+    + step_s (and so E_s >= E_p + the steps of s..p-1 for every later p)."""
     out = np.array(ends, dtype=float, copy=True)
     for s in range(out.shape[-1] - 2, -1, -1):
         out[..., s] = np.maximum(out[..., s], out[..., s + 1] + step[..., s])
@@ -148,7 +183,8 @@ def split_bounds(c: Candidate, x: StageTimes, step_overhead_s: float) -> np.ndar
     zb = splits_backward(c.schedule)
     f = x.forward_s + x.prefix_s
     b = x.backward_s
-    path_b = x.backward_s - x.backward_weight_s if zb else b
+    w = np.minimum(x.backward_weight_s, b) if zb else np.zeros_like(b)  # a W's seconds, as the simulator takes them
+    path_b = b - w
     T = f.sum(-1) + path_b.sum(-1) + x.setup_s[:, 0] + (x.send_forward_s + x.send_backward_s).sum(-1)
     s2r = np.asarray(stage_to_rank(c.schedule, K, c.V))
     rank = (s2r[:, None] == np.arange(K)[None, :]).astype(float)   # (S, K): each stage's rank
@@ -165,14 +201,15 @@ def split_bounds(c: Candidate, x: StageTimes, step_overhead_s: float) -> np.ndar
         head, tail_b = np.cumsum(f, -1) - f, np.cumsum(b, -1) - b
         pipe = np.maximum(pipe, (x.setup_s[:, :1] + head + M * (f + b) + tail_b).max(-1))
     tail = (load + done).max(-1)
-    if c.schedule in CHAINED:  # each stage's all-reduce and step after its own last backward
+    n = chain_counts(c.schedule, K, M, c.V) if S == K else None
+    if n is not None:  # each stage's all-reduce and step after its own last B and W's, and the later stages' B's
         sf, sb = x.send_forward_s, x.send_backward_s
         head = x.setup_s[:, :1] + np.cumsum(f + sf, -1) - (f + sf)
-        later = np.cumsum((f + b + sb)[:, ::-1], -1)[:, ::-1] - (f + b + sb)  # Σ_{i>s}
+        later = np.cumsum((f + path_b + sb)[:, ::-1], -1)[:, ::-1] - (f + path_b + sb)  # Σ_{i>s}
         after = later + np.cumsum(sf[:, ::-1], -1)[:, ::-1]  # and the forward messages from stage s on
-        ends = last_backward(c.schedule, M, S, np.arange(S), head, f + b, f, after)
-        step = b + np.concatenate((sb[:, 1:], np.zeros_like(sb[:, :1])), axis=-1)
-        tail = np.maximum(tail, (chain_ends(ends, step) + x.allreduce_s + x.optimizer_s).max(-1))
+        step = path_b + np.concatenate((sb[:, 1:], np.zeros_like(sb[:, :1])), axis=-1)
+        ends = chain_ends(last_backward(n, M, head, f, path_b, w, after), step) + count_times(n.w_tail, w)
+        tail = np.maximum(tail, (ends + x.allreduce_s + x.optimizer_s).max(-1))
     if zb:
         return np.maximum(pipe, tail) + step_overhead_s
     return np.maximum(pipe + x.allreduce_s[:, 0] + x.optimizer_s[:, 0], tail) + step_overhead_s
@@ -188,6 +225,10 @@ class Least(NamedTuple):
     """The all-reduce (with a flush) and the optimizer step after the stage's last backward."""
     forward: np.ndarray
     """One forward, its overhead and stage 0's prefix."""
+    path: np.ndarray
+    """One B: the backward and its overhead, less its W part where the schedule splits the backward."""
+    weight: np.ndarray
+    """One W (0 where the schedule does not split the backward)."""
 
 
 class Chain(NamedTuple):
@@ -199,8 +240,8 @@ class Chain(NamedTuple):
     """Stage 0's frozen prefix per micro-batch."""
     cum_fwd: np.ndarray
     """Prefix sums of the layers' forwards."""
-    cum_bwd: np.ndarray
-    """Prefix sums of the layers' backwards."""
+    cum_path: np.ndarray
+    """Prefix sums of the layers' B's (backwards, less their W parts where the schedule splits the backward)."""
     link: np.ndarray
     """(S,): each link's least message, stage s to s + 1 (0 after the last stage)."""
     sent: np.ndarray
@@ -215,8 +256,8 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
     recomputation-free ones), those would bound it from far below (issue 22: Llama 3.1 70B's 8-stage candidates'
     best splits up to 6.6 % above the bound, too loose to prove them)."""
     ms = model.models if isinstance(model, StageChoice) else (model,)
-    flush = c.schedule != "2bw"
-    out = np.full((3,) + np.shape(lo), np.inf)
+    flush, zb = c.schedule != "2bw", splits_backward(c.schedule)
+    out = np.full((5,) + np.shape(lo), np.inf)
     memo: dict = {}
     for m in ms:
         fits = np.asarray(m.evaluate(k, m.prepare(lo, hi, memo))[1]) <= limit
@@ -227,6 +268,8 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
         done = m.t.optimizer_range_s(lo, hi) + ((m.links.ar_lat[k] + (m.t.cum_sync[hi] - m.t.cum_sync[lo])
                                                   * m.links.ar_per_byte[k]) if sync else 0.0)
         forward = m.times.cum_fwd[hi] - m.times.cum_fwd[lo] + m.ovh + pre
-        for i, v in enumerate((busy, done, forward)):
+        bwd = m.times.cum_bwd[hi] - m.times.cum_bwd[lo] + m.ovh  # (recomputation's forward left out: still below)
+        weight = np.minimum(m.times.cum_bwd_weight[hi] - m.times.cum_bwd_weight[lo], bwd) if zb else 0.0 * bwd
+        for i, v in enumerate((busy, done, forward, bwd - weight, weight)):
             out[i] = np.where(fits, np.minimum(out[i], v), out[i])
     return Least(*out)

@@ -38,8 +38,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .assign import best_assignments, options
-from .bounds import CHAINED, Chain, Least, chain_ends, iteration_lower_bound, last_backward, least_terms, split_bound
-from .bounds import split_bounds
+from .bounds import Chain, Counts, Least, chain_counts, chain_ends, count_times, iteration_lower_bound, last_backward
+from .bounds import least_terms, split_bound, split_bounds
 from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
@@ -594,7 +594,8 @@ class _Scorer:
         stage s starts only after micro-batch 0's forwards on the stages before it (Σ_{s'<s} f_s' + M·l_s + d_s),
         and without W it also ends only before their last backwards, after which stage 0's all-reduce and step
         come (Σ_{s'<s} l_s' + M·l_s + d_0), each with the least messages on the links between (``Chain``). In a
-        ``CHAINED`` schedule also every stage's last backward (``last_backward``, ``chain_ends``), then its d_s.
+        schedule whose stages' last B's chain (``bounds.chain_counts``) also every stage's last B (``last_backward``,
+        ``chain_ends``) and the W's after it, then its d_s.
         With the AutoCache stage 0's set-up comes first (reading, or in a fill
         iteration filling, the cache); then the step overhead; steady and fill iterations weighted as the
         objective weighs them (``_seconds_per_sample``). Infinite where no model fits a stage."""
@@ -602,7 +603,7 @@ class _Scorer:
         x = Least(*np.stack([least_terms(c, self.model, self.limit, lo[:, k], hi[:, k], k)
                              for k in range(X.shape[1] - 1)], axis=-1))
         fits = np.isfinite(x.busy).all(axis=1)  # (such a split is infinite, not nan)
-        L, done, Fw = (np.where(fits[:, None], v, 0.0) for v in x)
+        L, done, Fw, PB, Wt = (np.where(fits[:, None], v, 0.0) for v in x)
         flush, p, S = c.schedule != "2bw", self._chain, X.shape[1] - 1
         work, sent = c.M * L + done, p.sent[:S]
         head = np.max(np.cumsum(L, axis=1) - L + 2 * sent + c.M * L, axis=1) + done[:, 0] \
@@ -610,11 +611,14 @@ class _Scorer:
         arrive = np.cumsum(Fw, axis=1) - Fw + sent  # micro-batch 0 through the stages before
         if flush:
             head = np.maximum(head, np.max(arrive + work, axis=1))
-        if c.schedule in CHAINED:  # each stage's all-reduce and step after its own last backward (``chain_ends``)
-            after = np.cumsum(L[:, ::-1], axis=1)[:, ::-1] - L + 2 * (p.sent[S] - p.sent[:S])
-            ends = last_backward(c.schedule, c.M, S, np.arange(S), arrive, L, Fw, after)
-            step = p.cum_bwd[hi] - p.cum_bwd[lo] + p.ovh + p.link
-            head = np.maximum(head, np.max(chain_ends(ends, step) + done, axis=1))
+        n = chain_counts(c.schedule, c.K, c.M, c.V) if S == c.K else None
+        if n is not None:  # each stage's all-reduce and step after its own last B and W's (``chain_ends``)
+            zb = splits_backward(c.schedule)
+            path = Fw + PB if zb else L  # one micro-batch's forward and B on a later stage
+            after = np.cumsum(path[:, ::-1], axis=1)[:, ::-1] - path + 2 * (p.sent[S] - sent)
+            ends = last_backward(n, c.M, arrive, Fw, PB, Wt, after, None if zb else L)
+            ends = chain_ends(ends, PB + p.link) + count_times(n.w_tail, Wt)
+            head = np.maximum(head, np.max(ends + done, axis=1))
 
         def iteration(setup: float) -> np.ndarray:  # the cache's set-up delays stage 0's rank, and so every stage
             return np.maximum(np.maximum(work[:, 0] + setup, np.max(work, axis=1)), head + setup) \
@@ -652,8 +656,11 @@ class _Scorer:
         if c.V == 1 and S > 1 and c.schedule != "zb-v":
             least_out = c.b * float(np.min([m.t.out_per_sample[a:n - 1].min() for m in ms]))
             link[:-1] = np.min([m.links.send_lat + least_out * m.links.send_inv_bw for m in ms], axis=0)
+        zb = splits_backward(c.schedule)
+        path = np.min([np.diff(m.times.cum_bwd - (m.times.cum_bwd_weight if zb else 0.0)) for m in ms], axis=0)
         return Chain(ovh=min(m.ovh for m in ms), prefix=min(m.prefix_s for m in ms), cum_fwd=least_cum("cum_fwd"),
-                     cum_bwd=least_cum("cum_bwd"), link=link, sent=np.concatenate(([0.0], np.cumsum(link))))
+                     cum_path=np.concatenate(([0.0], np.cumsum(path))), link=link,
+                     sent=np.concatenate(([0.0], np.cumsum(link))))
 
     def stage_bounds(self) -> StageTerms:
         """``bounds`` stage by stage (``resplit.Proof``): G[s, i, j] bounds from below ``bounds`` of every split whose
@@ -661,15 +668,16 @@ class _Scorer:
         (its work, and its head: the stages before it through their layers' least prefix sums over every model,
         and for stage 0's all-reduce and step, their least over stage 0's ends), and the weighted steady and fill
         iterations are bounded by the largest weighted sum of one stage's terms. Infinite where the stage does
-        not fit. In a ``CHAINED`` schedule also the pairs (``StageTerms``): stage s's all-reduce and step follow
-        the last backward of every stage p >= s and then the backwards of stages s..p-1 (``chain_ends``): A_p
-        + B_s, A_p stage p's last backward (``last_backward``) plus the backwards before it from the first active
-        layer, B_s stage s's all-reduce and step less the backwards before it."""
+        not fit. Where the stages' last B's chain (``bounds.chain_counts``) also the pairs (``StageTerms``): stage s's
+        all-reduce and step follow the last B of every stage p >= s, then the B's of stages s..p-1 (``chain_ends``)
+        and stage s's W's after its last B: A_p + B_s, A_p stage p's last B (``last_backward``) plus the B's before
+        it from the first active layer, B_s stage s's W's after its last B, all-reduce and step, less the B's before
+        it."""
         c, model, p = self.c, self.model, self._chain
         a, n, S = model.start, model.n, c.S
         i, j = np.triu_indices(n - a + 1, k=1)
         lo, hi, st = i + a, j + a, np.arange(S)[:, None]
-        L, done, Fw = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
+        L, done, Fw, PB, Wt = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
         sent = p.sent[:S, None]
         before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * p.ovh * st + (st > 0) * p.prefix + 2 * sent
         before_F = p.cum_fwd[lo] - p.cum_fwd[a] + p.ovh * st + (st > 0) * p.prefix + sent
@@ -688,13 +696,18 @@ class _Scorer:
             out = np.full((S, n - a + 1, n - a + 1), np.inf)
             out[:, i, j] = v
             return out
-        if c.schedule not in CHAINED:
+        cn = chain_counts(c.schedule, c.K, c.M, c.V) if S == c.K else None
+        if cn is None:
             return StageTerms(grid(self._weighted(iteration)))
-        after = model.cum_time_lb[n] - model.cum_time_lb[hi] + 2 * p.ovh * (S - 1 - st) + 2 * (p.sent[S] - sent)
-        chain = p.cum_bwd[lo] - p.cum_bwd[a] + p.ovh * st + sent  # the backwards (and messages) before each stage
-        ends = last_backward(c.schedule, c.M, S, st, before_F, L, Fw, after) + chain
+        zb = splits_backward(c.schedule)
+        later = p.cum_fwd[n] - p.cum_fwd[hi] + p.cum_path[n] - p.cum_path[hi] if zb else \
+            model.cum_time_lb[n] - model.cum_time_lb[hi]
+        after = later + 2 * p.ovh * (S - 1 - st) + 2 * (p.sent[S] - sent)
+        chain = p.cum_path[lo] - p.cum_path[a] + p.ovh * st + sent  # the B's (and messages) before each stage
+        n_st = Counts(*(v[:, None] for v in cn))
+        ends = last_backward(n_st, c.M, before_F, Fw, PB, Wt, after, None if zb else L) + chain
         A = self._weighted(lambda setup: ends + setup + self.s.c.step_overhead_s)
-        B = self._weighted(lambda setup: done - chain)
+        B = self._weighted(lambda setup: done + count_times(n_st.w_tail, Wt) - chain)
         return StageTerms(grid(np.maximum(self._weighted(iteration), A + B)), grid(A), grid(B))
 
 

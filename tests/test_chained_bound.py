@@ -1,6 +1,6 @@
-"""The split bound's chain of last backwards (``planner/bounds.py``: ``last_backward``, ``chain_ends``; issue 22
-item 4): in GPipe and 1F1B every stage's all-reduce and optimizer step follow its own last backward, which follows
-the later stages' last backwards. The bound must never exceed the simulated iteration (random stage costs,
+"""The split bound's chain of last backwards (``planner/bounds.py``: ``chain_counts``, ``last_backward``,
+``chain_ends``; issue 22 item 4): in GPipe, 1F1B and ZB-H1 every stage's all-reduce and optimizer step follow its own
+last backward (and ZB-H1's W's after it), which follows the later stages' last backwards. The bound must never exceed the simulated iteration (random stage costs,
 messages, set-up, prefix), and on uniform stages it is the iteration whichever stage's all-reduce ends it (before
 the chain, only stage 0's was placed after the pipeline, so a middle stage's all-reduce was bounded from far
 below, and the search could not prove splits whose iteration such an all-reduce ends)."""
@@ -45,16 +45,37 @@ def test_the_split_bound_never_exceeds_the_simulated_iteration(schedule):
     assert checked == 150
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("K,M", [(4, 4), (4, 8), (8, 16), (6, 7)])
 def test_on_uniform_stages_the_bound_is_the_iteration_whichever_stages_all_reduce_ends_it(schedule, K, M):
-    f, b, ar = 1.0, 2.0, 25.0
+    f, b, w, ar = 1.0, 2.0, 1.0, 25.0
     c = Candidate(K=K, D=2, M=M, b=1, cache=False, schedule=schedule)
     for j in range(K):
-        costs = [StageCost(forward_s=f, backward_s=b, allreduce_s=ar if s == j else 0.0) for s in range(K)]
+        costs = [StageCost(forward_s=f, backward_s=b, backward_weight_s=w, allreduce_s=ar if s == j else 0.0)
+                 for s in range(K)]
         sim = _iteration(schedule, K, M, costs)
-        # every stage's last backward: the last stage's after its M forwards and backwards behind the others' first
-        # forwards, then one backward a stage towards stage 0 (so stage j's all-reduce ends (K - 1 - j) b later)
-        last = (K - 1) * f + M * (f + b) if schedule == "1f1b" else (M + K - 1) * f + M * b
-        assert sim == pytest.approx(last + (K - 1 - j) * b + ar, rel=1e-12), j
+        if schedule != "zb-h1":
+            # every stage's last backward: the last stage's after its M forwards and backwards behind the others'
+            # first forwards, then one backward a stage towards stage 0 (stage j's all-reduce (K - 1 - j) b later)
+            last = (K - 1) * f + M * (f + b) if schedule == "1f1b" else (M + K - 1) * f + M * b
+            assert sim == pytest.approx(last + (K - 1 - j) * b + ar, rel=1e-12), j
         assert split_bound(c, costs, 0.0) == pytest.approx(sim, rel=1e-12), j
+
+
+def test_the_counts_are_read_from_the_action_lists():
+    """``chain_counts``: 1F1B's stage s runs M - K + s backwards before its last forward; GPipe none, and every
+    backward waits for the path (fill-drain); ZB-H1's stage s holds back s W's, so s + 1 follow its last B; several
+    stages a rank (interleaved) or no flush (2BW) do not chain."""
+    import numpy as np
+
+    from ptplan.planner.bounds import chain_counts
+
+    K, M = 4, 8
+    one = chain_counts("1f1b", K, M)
+    assert one is not None and one.b_before.tolist() == [M - K + s for s in range(K)] and not one.w_tail.any()
+    gp = chain_counts("gpipe", K, M)
+    assert gp is not None and not gp.b_before.any() and (gp.b_path == M).all()
+    zb = chain_counts("zb-h1", K, M)
+    assert zb is not None and zb.w_tail.tolist() == [s + 1 for s in range(K)]
+    assert np.array_equal(zb.b_before, one.b_before) and (zb.w_before == M - K).all()
+    assert chain_counts("interleaved-1f1b", K, M, 2) is None and chain_counts("2bw", K, M) is None
