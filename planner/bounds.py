@@ -113,25 +113,25 @@ class Counts(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def chain_counts(name: str, K: int, M: int, V: int = 1) -> Counts | None:
-    """``Counts`` of the named schedule, read from its action lists; None where its stages' last backwards do not
-    chain (``chain_ends``): several stages on a rank, token slices, or no flush."""
-    if V != 1 or name in ("2bw", "terapipe"):
+    """``Counts`` of the named schedule's K·V stages, read from their actions in the ranks' lists; None where the
+    stages' last backwards do not chain (``chain_ends``): token slices, or no flush (PipeDream-2BW)."""
+    if name in ("2bw", "terapipe"):
         return None
     sched = build_schedule(name, K, M, V)
-    if sched.stage_to_rank != tuple(range(K)) or sched.slices != 1 or sched.minibatches != 1:
+    if sched.slices != 1 or sched.minibatches != 1:
         return None
     rows, first = [], []
-    for s in range(K):
-        kinds = [a.kind for a in sched.actions[s] if a.kind in COMPUTE_KINDS]
-        mbs = [a.mb for a in sched.actions[s] if a.kind in COMPUTE_KINDS]
+    for s, r in enumerate(sched.stage_to_rank):
+        acts = [(a.kind, a.mb) for a in sched.actions[r] if a.stage == s and a.kind in COMPUTE_KINDS]
+        kinds = [k for k, _ in acts]
         last_f = max(i for i, k in enumerate(kinds) if k is ActionKind.F)
         last_b = max(i for i, k in enumerate(kinds) if k is ActionKind.B)
         rows.append((kinds[:last_f].count(ActionKind.B), kinds[:last_f].count(ActionKind.W),
                      kinds[last_b:].count(ActionKind.W)))
-        first.append(next(m for k, m in zip(kinds[last_f:], mbs[last_f:]) if k is ActionKind.B))
+        first.append(next(m for k, m in acts[last_f:] if k is ActionKind.B))
     b_before, w_before, w_tail = (np.array(v, dtype=float) for v in zip(*rows))
     fill_drain = not b_before.any() and len(set(first)) == 1
-    return Counts(b_before, w_before, np.full(K, float(M) if fill_drain else 1.0), w_tail)
+    return Counts(b_before, w_before, np.full(len(rows), float(M) if fill_drain else 1.0), w_tail)
 
 
 def last_backward(n: Counts, M: int, head: np.ndarray, fwd: np.ndarray, path: np.ndarray, weight: np.ndarray,
@@ -201,9 +201,10 @@ def split_bounds(c: Candidate, x: StageTimes, step_overhead_s: float) -> np.ndar
         head, tail_b = np.cumsum(f, -1) - f, np.cumsum(b, -1) - b
         pipe = np.maximum(pipe, (x.setup_s[:, :1] + head + M * (f + b) + tail_b).max(-1))
     tail = (load + done).max(-1)
-    n = chain_counts(c.schedule, K, M, c.V) if S == K else None
+    n = chain_counts(c.schedule, K, M, c.V)
     if n is not None:  # each stage's all-reduce and step after its own last B and W's, and the later stages' B's
-        sf, sb = x.send_forward_s, x.send_backward_s
+        one = c.V == 1  # (several stages a rank: a message may stay on the rank, unsent; none counted)
+        sf, sb = (x.send_forward_s, x.send_backward_s) if one else (np.zeros_like(f), np.zeros_like(f))
         head = x.setup_s[:, :1] + np.cumsum(f + sf, -1) - (f + sf)
         later = np.cumsum((f + path_b + sb)[:, ::-1], -1)[:, ::-1] - (f + path_b + sb)  # Σ_{i>s}
         after = later + np.cumsum(sf[:, ::-1], -1)[:, ::-1]  # and the forward messages from stage s on
@@ -226,9 +227,10 @@ class Least(NamedTuple):
     forward: np.ndarray
     """One forward, its overhead and stage 0's prefix."""
     path: np.ndarray
-    """One B: the backward and its overhead, less its W part where the schedule splits the backward."""
+    """One B: the backward and its overhead, less its W part where the schedule splits the backward (0 with several
+    stages a rank, where the search reads no chain)."""
     weight: np.ndarray
-    """One W (0 where the schedule does not split the backward)."""
+    """One W (0 where the schedule does not split the backward, or as ``path``)."""
 
 
 class Chain(NamedTuple):
@@ -268,8 +270,11 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
         done = m.t.optimizer_range_s(lo, hi) + ((m.links.ar_lat[k] + (m.t.cum_sync[hi] - m.t.cum_sync[lo])
                                                   * m.links.ar_per_byte[k]) if sync else 0.0)
         forward = m.times.cum_fwd[hi] - m.times.cum_fwd[lo] + m.ovh + pre
-        bwd = m.times.cum_bwd[hi] - m.times.cum_bwd[lo] + m.ovh  # (recomputation's forward left out: still below)
-        weight = np.minimum(m.times.cum_bwd_weight[hi] - m.times.cum_bwd_weight[lo], bwd) if zb else 0.0 * bwd
+        if c.V == 1:  # (what ``_Scorer``'s chain reads; 0, a bound all the same, where it reads none)
+            bwd = m.times.cum_bwd[hi] - m.times.cum_bwd[lo] + m.ovh  # (recomputation's forward left out: still below)
+            weight = np.minimum(m.times.cum_bwd_weight[hi] - m.times.cum_bwd_weight[lo], bwd) if zb else 0.0 * bwd
+        else:
+            bwd = weight = 0.0 * busy
         for i, v in enumerate((busy, done, forward, bwd - weight, weight)):
             out[i] = np.where(fits, np.minimum(out[i], v), out[i])
     return Least(*out)

@@ -220,7 +220,7 @@ def test_stage_bounds_are_below_every_splits_bound_and_under_finds_exactly_the_s
     assert checked >= 300 and compared >= 20 and pairs >= 5, (checked, compared, pairs)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_where_too_many_splits_to_score_the_bound_proves_the_best_one(schedule, monkeypatch):
     """Where a candidate has more splits than the search scores (here ``ENUMERATE_MANY`` lowered to 300, against
     19,600 splits of bert-large's 51 layers into 4 stages, on dgx-a100 at batch 256), the splits whose
