@@ -16,8 +16,9 @@ there are at most ``ENUMERATE_MANY``; else where there are at most
 ``ENUMERATE_UP_TO`` and at most ``ENUMERATE_LAYERS`` active layers. In both, splits go in ascending order of
 their lower bounds and stop at the first that cannot win. Where there are more, the search's lower bound taken
 stage by stage (``Proof``: the bound is a maximum of per-stage terms and of sums of a stage's and a later stage's
-terms, so whether a partial split has a completion under a bar is a dynamic programme over the stages) finds every split that can still beat AutoPipe's split,
-or failing that the descent's, without listing the others (``under``); where they are at most
+terms, so whether a partial split has a completion under a bar is a dynamic programme over the stages) finds
+every split that can still beat AutoPipe's split, or failing that the descent's, without listing the others
+(``under``); where they are at most
 ``ENUMERATE_MANY`` they are scored as above, and the split is proven the best. Otherwise (too many splits under
 the bound, or no ``many``) it
 starts from the proxy's optimum and descends on the simulated objective: every move of one

@@ -1,9 +1,10 @@
 """The split bound's chain of last backwards (``planner/bounds.py``: ``chain_counts``, ``last_backward``,
-``chain_ends``; issue 22 item 4): in GPipe, 1F1B and ZB-H1 every stage's all-reduce and optimizer step follow its own
-last backward (and ZB-H1's W's after it), which follows the later stages' last backwards. The bound must never exceed the simulated iteration (random stage costs,
-messages, set-up, prefix), and on uniform stages it is the iteration whichever stage's all-reduce ends it (before
-the chain, only stage 0's was placed after the pipeline, so a middle stage's all-reduce was bounded from far
-below, and the search could not prove splits whose iteration such an all-reduce ends)."""
+``chain_ends``; issue 22 item 4): every stage's all-reduce and optimizer step follow its own last backward (and the
+W's its list holds back after it), which follows the later stages' last backwards. The bound must never exceed the
+simulated iteration (random stage costs, messages, set-up, prefix; every flushed schedule), and on uniform stages
+it is the iteration whichever stage's all-reduce ends it (GPipe, 1F1B, ZB-H1; before the chain only stage 0's
+all-reduce was placed after the pipeline, so a middle stage's was bounded from far below, and the search could not
+prove splits whose iteration such an all-reduce ends)."""
 from __future__ import annotations
 
 import random
