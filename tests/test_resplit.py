@@ -295,3 +295,34 @@ def test_per_stage_strategies_take_the_best_simulated_split(seed, monkeypatch):
             assert got.objective <= ref[0] * (1 + 1e-9), (got.cand, got.ranges, ref)
             compared += 1
     assert compared >= 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_under_with_pairs_finds_exactly_the_splits_below_the_bar_or_says_there_are_more_than_cap(seed):
+    """``resplit.under`` with pairs (``StageTerms`` A, B: a stage's term with every later stage's) on random terms,
+    some infinite: the rows are exactly the splits whose ``stage_bound`` is below the bar (every split listed and
+    filtered), and with ``cap`` one under their number it answers None, at their number the rows."""
+    rng = np.random.default_rng(seed)
+    compared = 0
+    for _ in range(40):
+        S, m = int(rng.integers(2, 5)), int(rng.integers(4, 10))
+        if S > m:
+            continue
+        shape = (S, m + 1, m + 1)
+        G, A, B = rng.uniform(0, 1, shape), rng.uniform(0, 1, shape), rng.uniform(-0.5, 0.5, shape)
+        G[rng.uniform(0, 1, shape) < 0.1] = np.inf
+        G[:, ~np.triu(np.ones((m + 1, m + 1), dtype=bool), k=1)] = np.inf  # (the contract: no stage of no layers)
+        P = resplit.StageTerms(G, A, B)
+        X = resplit._every_cut(m, S)
+        bound = resplit.stage_bound(P, X)
+        u = np.unique(bound[np.isfinite(bound)])  # the bar between two bounds (at one, rounding may go either way)
+        k = int(rng.integers(0, len(u))) if len(u) else 0
+        bar = float((u[k] + u[k + 1]) / 2) if k + 1 < len(u) else float(u[-1] + 1.0) if len(u) else 1.0
+        want = sorted(map(tuple, X[bound < bar].tolist()))
+        got = resplit.under(P, bar, 10**6)
+        assert got is not None and sorted(map(tuple, got.tolist())) == want
+        if want:
+            assert resplit.under(P, bar, len(want) - 1) is None
+            assert len(resplit.under(P, bar, len(want))) == len(want)
+        compared += 1
+    assert compared >= 30
