@@ -220,33 +220,42 @@ def test_stage_bounds_are_below_every_splits_bound_and_under_finds_exactly_the_s
     assert checked >= 300 and compared >= 20 and pairs >= 5, (checked, compared, pairs)
 
 
+def _proofs(monkeypatch, s: PhaseSearch, visit: Visit, keep) -> list:
+    """(candidate, its evaluation, its scorer, every split's simulated objective, whether the stage-by-stage bound
+    proved its split: ``resplit.under``'s first answer listed the splits) for each candidate at no freezing that
+    ``keep`` admits."""
+    import numpy as np
+
+    found: list = []
+    under = resplit.under
+    monkeypatch.setattr(resplit, "under", lambda P, bar, cap: found.append(under(P, bar, cap)) or found[-1])
+    out = []
+    for c in s.candidates(0, 0)[0]:
+        if not keep(c):
+            continue
+        found.clear()
+        got = s.evaluate(c, 0, visit, give_up=math.inf)
+        assert isinstance(got, Choice), c.tag
+        sc = _Scorer(s, c, s.model(c, 0), s.schedule(c), visit, math.inf)
+        least = float(np.min(sc.many(resplit._every_cut(s.n, c.S))))
+        out.append((c, got, sc, least, bool(found) and found[0] is not None))
+    return out
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_where_too_many_splits_to_score_the_bound_proves_the_best_one(schedule, monkeypatch):
     """Where a candidate has more splits than the search scores (here ``ENUMERATE_MANY`` lowered to 300, against
     19,600 splits of bert-large's 51 layers into 4 stages, on dgx-a100 at batch 256), the splits whose
     stage-by-stage bound can still win are found without listing the others (``resplit.under``: 4-200 of them),
     all scored: the candidate's split is the least of every split's simulated objective."""
-    import numpy as np
-
     monkeypatch.setattr(resplit, "ENUMERATE_MANY", 300)
-    found = []
-    under = resplit.under
-    monkeypatch.setattr(resplit, "under", lambda G, bar, cap: found.append(under(G, bar, cap)) or found[-1])
     prof = load_profile(ROOT / "profiles" / "bert-large_a100_bf16.json")
     cfg = TrainingConfig(epochs=2, samples_per_epoch=6400, batch=256, schedule=schedule)
     s = PhaseSearch(prof, get_preset("dgx-a100"), cfg)
-    visit = Visit(samples=6400.0)
-    proven = 0
-    for c in s.candidates(0, 0)[0]:
-        if c.K != 4 or c.M not in (16, 32, 64):
-            continue
-        found.clear()
-        got = s.evaluate(c, 0, visit, give_up=math.inf)
-        every = _Scorer(s, c, s.model(c, 0), s.schedule(c), visit, math.inf).many(resplit._every_cut(s.n, c.S))
-        assert isinstance(got, Choice) and got.objective == pytest.approx(float(np.min(every)), rel=1e-12), c.tag
-        proven += found[0] is not None
-    assert proven >= 3
-
+    got = _proofs(monkeypatch, s, Visit(samples=6400.0), lambda c: c.K == 4 and c.M in (16, 32, 64))
+    for c, choice, _, least, _ in got:
+        assert choice.objective == pytest.approx(least, rel=1e-12), c.tag
+    assert sum(p for *_, p in got) >= 3
 
 
 @pytest.mark.parametrize("pairs", [True, False])
@@ -258,31 +267,18 @@ def test_where_a_later_stages_all_reduce_ends_the_iteration_the_chained_bound_pr
     proven the least of every split's simulated objective. Without the pairs (``pairs=False``, the bound before
     2026-11-28 with only stage 0's all-reduce after the pipeline) 626 of them stay under it at M = 8: the search
     falls back to the descent (issue 22 item 4: 13 candidates of the 96-block plan on 4,096 GPUs did)."""
-    import numpy as np
-
     monkeypatch.setattr(resplit, "ENUMERATE_MANY", 200)
     if not pairs:
         full = _Scorer.stage_bounds
         monkeypatch.setattr(_Scorer, "stage_bounds", lambda self: resplit.StageTerms(full(self).G))
-    found: list = []
-    under = resplit.under
-    monkeypatch.setattr(resplit, "under", lambda P, bar, cap: found.append(under(P, bar, cap)) or found[-1])
     prof = synthetic_profile(num_blocks=24, hidden=1024, batch_sizes=(1, 2, 4, 8, 16, 32, 64))
     cluster = Cluster.uniform(nodes=512, gpus_per_node=8, like="dgx-h100")
     s = PhaseSearch(prof, cluster, TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=8 * 4096,
                                                   schedule="1f1b"))
-    visit = Visit(samples=1e6)
-    proven = []
-    for c in s.candidates(0, 0)[0]:
-        if c.K != 4 or c.M not in (8, 16, 32):
-            continue
-        found.clear()
-        got = s.evaluate(c, 0, visit, give_up=math.inf)
-        every = _Scorer(s, c, s.model(c, 0), s.schedule(c), visit, math.inf).many(resplit._every_cut(s.n, c.S))
-        assert isinstance(got, Choice), c.tag
-        proven.append(found[0] is not None)
-        if proven[-1]:
-            assert got.objective == float(np.min(every)), c.tag
+    got = _proofs(monkeypatch, s, Visit(samples=1e6), lambda c: c.K == 4 and c.M in (8, 16, 32))
+    for c, choice, _, least, proven in got:
+        assert not proven or choice.objective == least, c.tag
+    proven = [p for *_, p in got]
     assert len(proven) == 3
     assert all(proven) if pairs else not all(proven)
 
@@ -295,29 +291,19 @@ def test_where_memory_rules_out_a_stages_fastest_models_the_bound_still_proves_t
     and no assignment search is left unproven. With the least over every model (the bound before 2026-11-28)
     more than 300 splits stayed under the bound and the search fell back to the descent (issue 22: 15 of the
     Llama 3.1 70B plan's 8-stage candidates, up to 6.6 % under their best split)."""
-    import numpy as np
-
     monkeypatch.setattr(resplit, "ENUMERATE_MANY", 300)
-    found = []
-    under = resplit.under
-    monkeypatch.setattr(resplit, "under", lambda G, bar, cap: found.append(under(G, bar, cap)) or found[-1])
     prof = load_profile(ROOT / "profiles" / "bert-large_a100_bf16.json")
     cluster = replace(get_preset("dgx-a100"), gpu_memory_bytes=2 << 30)
     s = PhaseSearch(prof, cluster, TrainingConfig(epochs=2, samples_per_epoch=6400, batch=256, schedule="1f1b"),
                     strategies="auto")
-    visit = Visit(samples=6400.0)
     tight = 0
-    for c in s.candidates(0, 0)[0]:
-        if c.K != 4 or c.M != 8 or not c.per_stage:
-            continue
-        found.clear()
-        got = s.evaluate(c, 0, visit, give_up=math.inf)
-        sc = _Scorer(s, c, s.model(c, 0), s.schedule(c), visit, math.inf)
-        every = sc.many(resplit._every_cut(s.n, c.S))
-        assert isinstance(got, Choice) and got.objective == float(np.min(every)), c.tag
-        assert found and found[0] is not None, c.tag  # proven by the bound, no descent
-        tight += any(sc.model.choose(got.ranges))  # some stage could not take the fastest model
+    for c, choice, sc, least, proven in _proofs(monkeypatch, s, Visit(samples=6400.0),
+                                                lambda c: c.K == 4 and c.M == 8 and c.per_stage):
+        assert choice.objective == least, c.tag
+        assert proven, c.tag  # proven by the bound, no descent
+        tight += any(sc.model.choose(choice.ranges))  # some stage could not take the fastest model
     assert tight >= 2 and s.unproven == 0
+
 
 def test_two_bw_bounds_hold_and_search_matches_exhaustive():
     """PipeDream-2BW (asked for by name): its partition-free and split bounds stay below the simulated
