@@ -227,8 +227,8 @@ class Least(NamedTuple):
     forward: np.ndarray
     """One forward, its overhead and stage 0's prefix."""
     path: np.ndarray
-    """One B: the backward and its overhead, less its W part where the schedule splits the backward (0 with several
-    stages a rank, where the search reads no chain)."""
+    """One B: the backward and its overhead, less its W part where the schedule splits the backward (0 where the
+    caller reads no chain: ``least_terms``' ``chain``)."""
     weight: np.ndarray
     """One W (0 where the schedule does not split the backward, or as ``path``)."""
 
@@ -251,12 +251,13 @@ class Chain(NamedTuple):
 
 
 def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo: np.ndarray, hi: np.ndarray,
-                k: int) -> Least:
+                k: int, *, chain: bool = True) -> Least:
     """``Least`` of the stages [lo, hi) (arrays of one shape) at stage index k, under the memory ``limit``. A stage
     runs one of its models, one that fits it, so each of its durations is at least that duration's least over
     the models that fit; not over every model: where memory rules out the fastest models of a stage (its
     recomputation-free ones), those would bound it from far below (issue 22: Llama 3.1 70B's 8-stage candidates'
-    best splits up to 6.6 % above the bound, too loose to prove them)."""
+    best splits up to 6.6 % above the bound, too loose to prove them). ``chain``: also each stage's B and W
+    (``Least.path``, ``Least.weight``, what ``chained`` reads; without it they are 0)."""
     ms = model.models if isinstance(model, StageChoice) else (model,)
     flush, zb = c.schedule != "2bw", splits_backward(c.schedule)
     out = np.full((5,) + np.shape(lo), np.inf)
@@ -270,7 +271,7 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
         done = m.t.optimizer_range_s(lo, hi) + ((m.links.ar_lat[k] + (m.t.cum_sync[hi] - m.t.cum_sync[lo])
                                                   * m.links.ar_per_byte[k]) if sync else 0.0)
         forward = m.times.cum_fwd[hi] - m.times.cum_fwd[lo] + m.ovh + pre
-        if c.V == 1:  # (what ``_Scorer``'s chain reads; 0, a bound all the same, where it reads none)
+        if chain:  # (what ``chained`` reads; 0, a bound all the same, where the caller reads no chain)
             bwd = m.times.cum_bwd[hi] - m.times.cum_bwd[lo] + m.ovh  # (recomputation's forward left out: still below)
             weight = np.minimum(m.times.cum_bwd_weight[hi] - m.times.cum_bwd_weight[lo], bwd) if zb else 0.0 * bwd
         else:

@@ -153,8 +153,8 @@ class Phase:
     per stage (chunk), K·V entries. A tuple is truthy: read it with ``fsdp_at(stage)``, ``any_fsdp`` or
     ``stage_fsdp``. A per-stage tuple whose entries are all equal is stored as that one value."""
     recompute: bool | tuple[bool, ...] = False
-    """Activation recomputation: a stage keeps only its input (and its output) per micro-batch. One value, or one per stage
-    like ``fsdp``; read it with ``recompute_at(stage)``, ``any_recompute`` or ``stage_recompute``."""
+    """Activation recomputation: a stage keeps only its input (and its output) per micro-batch. One value, or one per
+    stage like ``fsdp``; read it with ``recompute_at(stage)``, ``any_recompute`` or ``stage_recompute``."""
     recompute_layers: tuple[int, ...] = ()
     """Galvatron's layer-wise recomputation: per stage (K·V entries), how many of its first active layers it
     recomputes (one checkpoint unit; the rest keep their activations), 0 = all of them (or no recomputation);

@@ -599,8 +599,8 @@ class _Scorer:
         With the AutoCache stage 0's set-up comes first (reading, or in a fill
         iteration filling, the cache); then the step overhead; steady and fill iterations weighted as the
         objective weighs them (``_seconds_per_sample``). Infinite where no model fits a stage."""
-        c, lo, hi = self.c, X[:, :-1], X[:, 1:]
-        x = Least(*np.stack([least_terms(c, self.model, self.limit, lo[:, k], hi[:, k], k)
+        c, lo, hi, chain = self.c, X[:, :-1], X[:, 1:], self._counts is not None
+        x = Least(*np.stack([least_terms(c, self.model, self.limit, lo[:, k], hi[:, k], k, chain=chain)
                              for k in range(X.shape[1] - 1)], axis=-1))
         fits = np.isfinite(x.busy).all(axis=1)  # (such a split is infinite, not nan)
         L, done, Fw, PB, Wt = (np.where(fits[:, None], v, 0.0) for v in x)
@@ -611,7 +611,7 @@ class _Scorer:
         arrive = np.cumsum(Fw, axis=1) - Fw + sent  # micro-batch 0 through the stages before
         if flush:
             head = np.maximum(head, np.max(arrive + work, axis=1))
-        n = chain_counts(c.schedule, c.K, c.M, c.V) if c.V == 1 else None  # (as ``stage_bounds``)
+        n = self._counts
         if n is not None:  # each stage's all-reduce and step after its own last B and W's (``chain_ends``)
             zb = splits_backward(c.schedule)
             path = Fw + PB if zb else L  # one micro-batch's forward and B on a later stage
@@ -641,6 +641,15 @@ class _Scorer:
         return out
 
     @functools.cached_property
+    def _counts(self) -> Counts | None:
+        """``bounds.chain_counts`` of the candidate's schedule where the bounds read the chain: with one stage a rank
+        only (with several, a rank's V stages' work together bounds more than one stage's chain; measured on the
+        synthetic grid, interleaved 1F1B, the pairs left 140 of 142 candidates descended, and planning took
+        1.3-1.6x as long)."""
+        c = self.c
+        return chain_counts(c.schedule, c.K, c.M, c.V) if c.V == 1 else None
+
+    @functools.cached_property
     def _chain(self) -> Chain:
         """What the bounds read of the active layers besides each stage's ``Least``, each its least over the models:
         the per-action overhead, stage 0's prefix, the forward and backward prefix sums per layer, and each link's
@@ -653,7 +662,7 @@ class _Scorer:
         def least_cum(name: str) -> np.ndarray:
             return np.concatenate(([0.0], np.cumsum(np.min([np.diff(getattr(m.times, name)) for m in ms], axis=0))))
         link = np.zeros(S)
-        if c.V == 1 and S > 1 and c.schedule != "zb-v":
+        if c.V == 1 and S > 1:
             least_out = c.b * float(np.min([m.t.out_per_sample[a:n - 1].min() for m in ms]))
             link[:-1] = np.min([m.links.send_lat + least_out * m.links.send_inv_bw for m in ms], axis=0)
         zb = splits_backward(c.schedule)
@@ -677,7 +686,8 @@ class _Scorer:
         a, n, S = model.start, model.n, c.S
         i, j = np.triu_indices(n - a + 1, k=1)
         lo, hi, st = i + a, j + a, np.arange(S)[:, None]
-        L, done, Fw, PB, Wt = np.stack([least_terms(c, model, self.limit, lo, hi, k) for k in range(S)], axis=1)
+        L, done, Fw, PB, Wt = np.stack([least_terms(c, model, self.limit, lo, hi, k, chain=self._counts is not None)
+                                        for k in range(S)], axis=1)
         sent = p.sent[:S, None]
         before_L = model.cum_time_lb[lo] - model.cum_time_lb[a] + 2 * p.ovh * st + (st > 0) * p.prefix + 2 * sent
         before_F = p.cum_fwd[lo] - p.cum_fwd[a] + p.ovh * st + (st > 0) * p.prefix + sent
@@ -696,10 +706,7 @@ class _Scorer:
             out = np.full((S, n - a + 1, n - a + 1), np.inf)
             out[:, i, j] = v
             return out
-        # (not with several stages a rank: there a rank's V stages' work together bounds more than one stage's chain;
-        # measured on the synthetic grid, interleaved 1F1B, the pairs left 140 of 142 candidates descended, and
-        # planning took 1.3-1.6x as long)
-        cn = chain_counts(c.schedule, c.K, c.M, c.V) if c.V == 1 else None
+        cn = self._counts
         if cn is None:
             return StageTerms(grid(self._weighted(iteration)))
         zb = splits_backward(c.schedule)
