@@ -99,7 +99,8 @@ def _left_out(cand: Candidate) -> str | None:
     candidate), or 2BW with recomputation chosen per stage (``assign.py`` chooses stage strategies by a bound that
     2BW's steady state does not obey)."""
     if cand.schedule == "2bw" and cand.recompute_per_stage:
-        return "2bw with recomputation chosen per stage left out (the search does not choose 2BW's strategies per stage)"
+        return ("2bw with recomputation chosen per stage left out (the search does not choose 2BW's strategies per "
+                "stage)")
     for st in cand.options:
         why = runtime_refusal(cand.schedule, st, cand.D)
         if why is not None:

@@ -162,8 +162,9 @@ def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thre
     3,709,076 bytes against 3,641,888. Under ZB-H1 a recomputing stage's B rebuilds the graph its W reads (before,
     every backward pass recomputed it: the last stage measured 2,573,376 bytes against 1,849,666); and its W
     frees each parameter group's weight gradients before the next group's are made (torch's one call kept two
-    groups' at once: the last stage without recomputation measured 2,038,272 bytes against 2,004,892). GPipe's activations without recomputation are over-predicted here (by
-    8-10 %, the safe side; not this test's class), so only its upper bound is checked."""
+    groups' at once: the last stage without recomputation measured 2,038,272 bytes against 2,004,892). GPipe's
+    activations without recomputation are over-predicted here (by 8-10 %, the safe side; not this test's class), so
+    only its upper bound is checked."""
     model = build_model("bert-tiny", seq_len=SEQ, granularity="half", dropout=0.0, seed=0)
     steps = 5 if schedule == "2bw" else 2
     plan = make_plan(model, [spec(0, K=2, D=1, M=M, b=1)], schedule=schedule, samples_per_epoch=M * steps)

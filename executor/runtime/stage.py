@@ -292,9 +292,10 @@ def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Sched
             raise PtplanError("a token-sliced phase's step needs the model (its layers run slice by slice)")
         compute = sliced_compute(model, phase, position, cached_prefix=cached_prefix)
     else:
+        split = splits_backward(phase.schedule)  # (a recomputing chunk rebuilds its graph once for B and W)
         compute = ChunkCompute(chunks, loss_fn, M=phase.M, last=schedule.K - 1,
                                rebuild={c: mod.without_checkpoint for c, mod in chunks.items()
-                                        if c > 0 and splits_backward(phase.schedule) and getattr(mod, "recompute", False)})
+                                        if split and c > 0 and getattr(mod, "recompute", False)})
         if phase.schedule == "2bw":
             if update is None or len(chunks) != 1:
                 raise PtplanError(f"a 2BW phase runs one chunk per position with an update function, got chunks "
