@@ -279,3 +279,58 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
         for i, v in enumerate((busy, done, forward, bwd - weight, weight)):
             out[i] = np.where(fits, np.minimum(out[i], v), out[i])
     return Least(*out)
+
+
+FORM_CELLS = 2_000_000
+"""Stage positions x ranges of layers ((S, m + 1, m + 1) cells) at most for which the search builds ``path_tables``
+(nine durations a cell, and (S, m + 1, m + 1) terms a form: some 150 MB at this size; a 96-block model's 32
+stages hold 1.2 million)."""
+
+
+class PathTables(NamedTuple):
+    """Each stage position's least durations (``simulate.PATH_FIELDS``) over the models that fit it, for every
+    range of active layers: what ``path_terms`` prices a chain of the simulator's (``simulate.critical_path``)
+    with, for every split at once."""
+    d: np.ndarray
+    """(S, P, len(PATH_FIELDS)) seconds; infinite where no model fits the stage."""
+    i: np.ndarray
+    """(P,) each range's first layer, counted from the first active one ..."""
+    j: np.ndarray
+    """(P,) ... and its end."""
+    m: int
+    """Active layers."""
+
+
+def path_tables(c: Candidate, model: StageModel | StageChoice, limit: float, weights: tuple[float, float]
+                ) -> PathTables:
+    """``PathTables`` of a candidate's stages under the memory ``limit``. ``weights``: the objective's weights of a
+    steady and a fill iteration (``search._seconds_per_sample``), which differ only in stage 0's set-up: the
+    set-up is their weighted mean (so ``path_terms`` times their sum bounds the objective)."""
+    from .stage import stage_times  # (stage imports this module's callers)
+    from .simulate import PATH_FIELDS, path_durations
+    ms = model.models if isinstance(model, StageChoice) else (model,)
+    a, n, S = model.start, model.n, c.S
+    i, j = np.triu_indices(n - a + 1, k=1)
+    lo, hi = i + a, j + a
+    out = np.full((S, len(lo), len(PATH_FIELDS)), np.inf)
+    LO, HI = np.repeat(lo[:, None], S, axis=1), np.repeat(hi[:, None], S, axis=1)
+    ws, wf = weights
+    for m in ms:
+        d = path_durations(stage_times(m, LO, HI))  # each stage position holding each range
+        if c.cache:
+            d[..., -1] = (ws * d[..., -1] + wf * stage_times(m, LO, HI, fill=True).setup_s) / (ws + wf)
+        memo: dict = {}
+        for k in range(S):
+            fits = np.asarray(m.evaluate(k, m.prepare(lo, hi, memo))[1]) <= limit
+            out[k] = np.where(fits[:, None], np.minimum(out[k], d[:, k]), out[k])
+    return PathTables(out, i, j, n - a)
+
+
+def path_terms(t: PathTables, counts: np.ndarray) -> np.ndarray:
+    """(S, m + 1, m + 1): stage s's share, holding layers [i, j), of a chain that runs counts[s, field] of each of
+    its durations (``simulate.critical_path``); infinite where the stage fits nothing or i >= j."""
+    d = np.where(np.isfinite(t.d), t.d, 0.0)
+    v = np.einsum("spf,sf->sp", d, counts)
+    out = np.full((len(counts), t.m + 1, t.m + 1), np.inf)
+    out[:, t.i, t.j] = np.where(np.isfinite(t.d[..., 0]), v, np.inf)
+    return out

@@ -134,13 +134,24 @@ Proof = Callable[[], StageTerms]
 """The stage-by-stage bounds (``StageTerms``) of a candidate's splits."""
 PROOF_SLACK = 1e-9
 """Relative room ``under`` leaves over the score to beat: G's prefix sums round apart from the bound's own."""
+Forms = Callable[["tuple[int, ...] | None"], "list[np.ndarray]"]
+"""``forms(cuts)``: lower bounds of every split's score that the scored split ``cuts`` gives, each a sum of per-stage
+terms (arrays (S, m + 1, m + 1) indexed as ``StageTerms``'; infinite where a stage does not fit): the simulator's
+chain of actions that ends ``cuts``' iteration, priced on every split (``simulate.critical_path``), exact at
+``cuts``; ``forms(None)``: those no split gives (each rank's own chain, ``simulate.rank_paths``). Every split's
+score is at least the sum of its stages' terms in each."""
+FORM_ROUNDS = 2
+"""Splits the proof by forms scores to gain more forms (``_by_forms``) before it gives up."""
+FORM_TIE = 1e-9
+"""The proof by forms shows that no split scores more than this (relative) below the best: a sum of terms rounds
+apart from the simulator's own sum, so a tie cannot be told from a win below it."""
 
 
 def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], float], *, bounds: Bounds | None = None,
                many: Many | None = None, proof: Proof | None = None, radius: int = RADIUS,
                max_rounds: int = MAX_ROUNDS, enumerate_up_to: int | None = None, give_up: float = math.inf,
-               cutoff: float = math.inf, max_flat: int = MAX_FLAT, wide: bool = True, start: float | None = None
-               ) -> tuple[tuple[int, ...], float]:
+               cutoff: float = math.inf, max_flat: int = MAX_FLAT, wide: bool = True, start: float | None = None,
+               forms: Forms | None = None) -> tuple[tuple[int, ...], float]:
     """(cuts, score) of the best split: every split scored where there are at most ``enumerate_up_to``, else the
     descent from ``cuts`` (module docstring). ``score(cuts, best)`` gives the split's objective; ``math.inf``
     where it does not fit; or any number not below ``best`` where it cannot beat ``best``. ``bounds`` (optional)
@@ -152,7 +163,8 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
     ``proof`` (optional) gives per-stage lower bounds (``Proof``): where more splits than that exist, those whose
     bound can still win are found stage by stage (``under``) and, if there are at most ``ENUMERATE_MANY``, scored
     as the enumeration scores all of them: exact, before the descent (with ``cuts``' score to beat) or after it
-    (with the descent's). The descent is not started where ``cuts`` scores above ``give_up``.
+    (with the descent's). Where there are still too many, ``forms`` (optional, with ``proof``): the proof by the
+    simulator's own chains (``_by_forms``). The descent is not started where ``cuts`` scores above ``give_up``.
     ``wide=False``: moves of one layer only (no ``far`` moves, no sideways ones): a local refinement, for a caller
     whose every score is a full search and simulation with no bound to skip it. ``start`` (optional): a score that
     some configuration of ``cuts`` reaches (not below its ``score``), cheaper than ``score``: the enumeration with
@@ -180,7 +192,81 @@ def best_split(cuts: Sequence[int], score: Callable[[tuple[int, ...], float], fl
             return _score_rows(cur, best, rows + a, score, bounds, many, cutoff) if len(rows) else (cur, best)
         if attempt == 0:
             cur, best = _descend(cur, best, score, bounds, radius, max_rounds, max_flat, wide, many)
+    if P is not None and forms is not None and many is not None:
+        return _by_forms(cur, best, P, forms, score, bounds, many, cutoff)
     return cur, best
+
+
+def _by_forms(cur: tuple[int, ...], best: float, P: StageTerms, forms: Forms,
+              score: Callable[[tuple[int, ...], float], float], bounds: Bounds | None, many: Many, cutoff: float
+              ) -> tuple[tuple[int, ...], float]:
+    """``best_split``'s last proof: every split whose score may be under (1 - ``FORM_TIE``) x the best so far is
+    under it in every form (``Forms``) and in the stage-by-stage bound; where those are at most ``ENUMERATE_MANY``
+    (``under_forms``), they are scored and the best is proven. Else a cutting-plane step: the split least in the
+    forms' mean (``_least_split``), which they do not rule out, is scored (it may win) and its own forms join, at
+    most ``FORM_ROUNDS`` times; then the best split reached, unproven."""
+    a = cur[0]
+    terms = forms(None) + forms(cur)
+    for rnd in range(FORM_ROUNDS + 1):
+        bar = min(best, cutoff) * (1 - FORM_TIE)
+        ok = P.G < bar
+        rows = under_forms(ok, terms, bar, ENUMERATE_MANY)
+        if rows is not None:
+            return _score_rows(cur, best, rows + a, score, bounds, many, cutoff) if len(rows) else (cur, best)
+        w = _least_split(ok, functools.reduce(np.add, terms) / len(terms))
+        if w is None or rnd == FORM_ROUNDS:
+            break
+        x = tuple((w + a).tolist())
+        v = float(many(np.array([x]))[0])
+        if v < best * (1 - 1e-12):
+            cur, best = x, v
+        terms += forms(x)
+    return cur, best
+
+
+def _completions(ok: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """(S + 1, m + 1): the least sum of ``g``'s terms over stages s.. from cut lo to the end (infinite where no
+    completion is ``ok``)."""
+    S, m1 = ok.shape[0], ok.shape[1]
+    out = np.full((S + 1, m1), np.inf)
+    out[S, m1 - 1] = 0.0
+    for s in range(S - 1, -1, -1):
+        out[s] = np.min(np.where(ok[s], g[s] + out[s + 1][None, :], np.inf), axis=1)
+    return out
+
+
+def under_forms(ok: np.ndarray, terms: Sequence[np.ndarray], bar: float, cap: int) -> np.ndarray | None:
+    """Every split (rows of cuts from 0 to m) whose stages are all ``ok`` and whose sum of terms is below ``bar`` in
+    every form of ``terms`` (each (S, m + 1, m + 1)), or None where more than ``cap`` partial splits remain at
+    some stage. Stage by stage, each partial split (carrying its sums) is extended by every next cut from which
+    the least completion (``_completions``) keeps every sum below ``bar`` (so a partial split kept may still
+    have no completion under every form at once: then the count may exceed ``cap`` where the splits do not)."""
+    S = ok.shape[0]
+    comp = [_completions(ok, g) for g in terms]
+    paths, sums = np.zeros((1, 1), dtype=np.int64), np.zeros((1, len(terms)))
+    for s in range(S):
+        lo = paths[:, -1]
+        keep = ok[s][lo]
+        for q, g in enumerate(terms):
+            keep &= sums[:, q:q + 1] + g[s][lo] + comp[q][s + 1][None, :] < bar
+        row, hi = np.nonzero(keep)
+        if len(row) > cap:
+            return None
+        sums = sums[row] + np.stack([g[s][lo[row], hi] for g in terms], axis=1)
+        paths = np.column_stack((paths[row], hi))
+    return paths
+
+
+def _least_split(ok: np.ndarray, g: np.ndarray) -> np.ndarray | None:
+    """The split (cuts from 0 to m) whose stages are all ``ok`` with the least sum of ``g``'s terms, or None."""
+    comp = _completions(ok, g)
+    if not np.isfinite(comp[0, 0]):
+        return None
+    cuts = [0]
+    for s in range(ok.shape[0]):
+        lo = cuts[-1]
+        cuts.append(int(np.argmin(np.where(ok[s][lo], g[s][lo] + comp[s + 1], np.inf))))
+    return np.array(cuts)
 
 
 def _descend(cur: tuple[int, ...], best: float, score: Callable[[tuple[int, ...], float], float],

@@ -39,7 +39,7 @@ import numpy as np
 
 from .assign import best_assignments, options
 from .bounds import Chain, Counts, Least, chain_counts, chain_ends, count_times, iteration_lower_bound, last_backward
-from .bounds import least_terms, split_bound, split_bounds
+from .bounds import FORM_CELLS, PathTables, least_terms, path_tables, path_terms, split_bound, split_bounds
 from .cache_size import host_bytes
 from .candidate import Candidate, Choice, Visit
 from .candidate import seconds_per_sample as _seconds_per_sample
@@ -52,7 +52,7 @@ from .partition import refusal_by_bound, split_stages
 from .resplit import GIVE_UP, StageTerms, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
-from .simulate import StageCost, StageTimes, iterations, simulate
+from .simulate import StageCost, StageTimes, critical_path, iterations, rank_paths, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
 from .strategy import Strategy, min_table, runtime_refusal, search_modes, search_strategies, strategy_table
 from .strategy import tp_allreduce_coeffs
@@ -322,8 +322,7 @@ class PhaseSearch:
         sched = self.schedule(c)
         sc = _Scorer(self, c, model, sched, visit, cutoff)
         first = (part.ranges[0][0], *(hi for _, hi in part.ranges))
-        cuts, score = best_split(first, sc, bounds=sc.bounds, start=sc.start(first),
-                                 many=sc.many if self.batched(c) else None, proof=sc.stage_bounds,
+        cuts, score = best_split(first, sc, bounds=sc.bounds, start=sc.start(first), **sc.proofs(self.batched(c)),
                                  give_up=(cutoff * (1 + GIVE_UP) if give_up is None else give_up) if descend
                                  else -math.inf, cutoff=cutoff)
         if score > cutoff * (1 + 1e-12):
@@ -628,16 +627,50 @@ class _Scorer:
     def _weighted(self, iteration: Callable[[float], np.ndarray]) -> np.ndarray:
         """The objective's weighting (``_seconds_per_sample``) of a steady and (with the AutoCache) a fill
         iteration, given as ``iteration(stage 0's set-up)``, each set-up its least over the models."""
-        c, s = self.c, self.s
         ms = self.model.models if isinstance(self.model, StageChoice) else (self.model,)
         steady = iteration(min(m.read_setup_s for m in ms))
-        fill = iteration(min(m.fill_setup_s for m in ms)) if c.cache else steady
-        N = s.cfg.samples_per_epoch  # the objective is linear in the two iterations: its two weights
-        ws, wf = _seconds_per_sample(c, 1.0, 0.0, self.visit, N), _seconds_per_sample(c, 0.0, 1.0, self.visit, N)
+        fill = iteration(min(m.fill_setup_s for m in ms)) if self.c.cache else steady
+        ws, wf = self._weights
         out = np.zeros(np.shape(steady))
         for weight, it in ((ws, steady), (wf, fill)):
             if weight:  # (not 0 x inf where a stage fits nothing)
                 out = out + weight * it
+        return out
+
+    @functools.cached_property
+    def _weights(self) -> tuple[float, float]:
+        """The objective's weights of a steady and a fill iteration: it is linear in the two."""
+        c, v, N = self.c, self.visit, self.s.cfg.samples_per_epoch
+        return _seconds_per_sample(c, 1.0, 0.0, v, N), _seconds_per_sample(c, 0.0, 1.0, v, N)
+
+    def proofs(self, batched: bool) -> dict:
+        """``best_split``'s ``many``, ``proof`` and ``forms`` for this candidate: ``many`` for a batched schedule
+        (``PhaseSearch.batched``), ``forms`` where there is a flush and the tables (``bounds.path_tables``) hold at
+        most ``bounds.FORM_CELLS`` stage-range cells."""
+        c, m = self.c, self.model.n - self.model.start + 1
+        formed = batched and c.schedule != "2bw" and c.S * m * m <= FORM_CELLS
+        return dict(many=self.many if batched else None, proof=self.stage_bounds, forms=self.forms if formed else None)
+
+    @functools.cached_property
+    def _tables(self) -> PathTables:
+        return path_tables(self.c, self.model, self.limit, self._weights)
+
+    def forms(self, cuts: tuple[int, ...] | None) -> list[np.ndarray]:
+        """``resplit.Forms``: the chains of actions that end the split's steady and (with the AutoCache) fill
+        iterations (``simulate.critical_path``), or without a split each rank's own chain (``simulate.rank_paths``),
+        each priced on every stage and range (``bounds.path_terms``) in the objective's units (its weights' sum
+        times the iteration: the tables' set-up is their weighted mean)."""
+        if cuts is None:
+            counts = list(rank_paths(self.sched))
+        else:
+            X = np.array([cuts])
+            counts = [critical_path(self.sched, stage_times(self.model, X[:, :-1], X[:, 1:], fill=fill))
+                      for fill in ((False, True) if self.c.cache else (False,))]
+        out = []
+        for n in counts:
+            g = path_terms(self._tables, n)
+            g[0] += self.s.c.step_overhead_s
+            out.append(sum(self._weights) * g)
         return out
 
     @functools.cached_property

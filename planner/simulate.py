@@ -760,6 +760,90 @@ def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.
     return np.maximum(np.maximum(slope, np.max(work, axis=0)), np.max(channel, axis=0)) + step_overhead_s
 
 
+PATH_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "send_forward", "send_backward",
+               "allreduce", "optimizer", "setup")
+"""What ``critical_path`` counts on each stage: the duration table's eight slots (``_durations``: the forward with
+the prefix, a whole backward, a split backward's input and weight parts, the two sends, the all-reduce, the
+optimizer step), then the stage's set-up."""
+
+
+def path_durations(x: StageTimes) -> np.ndarray:
+    """(N, K, len(PATH_FIELDS)): each split's stages' seconds in ``critical_path``'s order."""
+    w = np.minimum(x.backward_weight_s, x.backward_s)
+    return np.stack((x.forward_s + x.prefix_s, x.backward_s, x.backward_s - w, w, x.send_forward_s,
+                     x.send_backward_s, x.allreduce_s, x.optimizer_s, x.setup_s), axis=-1)
+
+
+def critical_path(schedule: Schedule, x: StageTimes, row: int = 0) -> np.ndarray:
+    """The simulated iteration of split ``row`` of ``x`` as a sum of its stages' durations: (K, len(PATH_FIELDS))
+    counts C with Σ C · ``path_durations(x)[row]`` + the step overhead = ``iterations``' entry (a flushed
+    schedule without token slices). The event loop is max-plus: every clock is the largest of sums of
+    durations along chains of actions (a rank's list order, a message after its sender's action and the link's
+    previous message, a receive after its message, the all-reduce channel, the update after both); C counts the
+    chain that ends the iteration (ties: the first in the loop's order). The same chain exists whatever the
+    durations, so for every split Σ C · its durations + the step overhead is at most its simulated iteration:
+    a lower bound that is exact at ``row`` (``resplit.best_split``'s ``forms``)."""
+    prog = _compile(schedule)
+    if schedule.slices != 1 or prog.marks:
+        raise PtplanError(f"critical_path: schedule {schedule.name!r} has token slices or no flush")
+    K, F = schedule.K, len(PATH_FIELDS)
+    d = path_durations(x)[row].reshape(K * F)
+    R, s2r = schedule.num_ranks, schedule.stage_to_rank
+    none = (0.0, np.zeros(K * F))
+
+    def plus(p: tuple[float, np.ndarray], slot: int) -> tuple[float, np.ndarray]:
+        i = slot // _NSLOT * F + slot % _NSLOT  # the program's slot (stage * _NSLOT + kind) in C's layout
+        c = p[1].copy()
+        c[i] += 1.0
+        return p[0] + d[i], c
+
+    def later(p: tuple[float, np.ndarray], q: tuple[float, np.ndarray]) -> tuple[float, np.ndarray]:
+        return q if q[0] > p[0] else p
+    T = [none] * R
+    for s in range(K):
+        c = T[s2r[s]][1].copy()
+        c[s * F + F - 1] += 1.0
+        T[s2r[s]] = (T[s2r[s]][0] + d[s * F + F - 1], c)
+    D, L, A = [none] * R, [none] * prog.num_links, [none] * prog.num_msgs
+    for o, r, sl, ch, mg in zip(prog.op, prog.rank, prog.slot, prog.chan, prog.msg):
+        if o == _COMPUTE:
+            T[r] = plus(T[r], sl)
+        elif o == _SEND:
+            L[ch] = A[mg] = plus(later(T[r], L[ch]), sl)
+        elif o == _RECV:
+            T[r] = later(T[r], A[mg])
+        else:  # all-reduce (a flushed schedule has no update action)
+            D[r] = plus(later(T[r], D[r]), sl)
+    ends = []
+    for r in range(R):
+        p = later(T[r], D[r])
+        for s in range(K):
+            if s2r[s] == r:
+                p = plus(p, s * _NSLOT + 7)
+        ends.append(p)
+    return max(ends, key=lambda p: p[0])[1].reshape(K, F)
+
+
+def rank_paths(schedule: Schedule) -> np.ndarray:
+    """(R, K, len(PATH_FIELDS)) counts (as ``critical_path``'s) of each rank's own chain: its stages' set-up, every
+    compute action of its list one after another, the all-reduces its list runs after its last compute action
+    (one after another on its channel), and its optimizer step. Every rank's is at most the simulated iteration,
+    whatever the durations (a flushed schedule without token slices)."""
+    prog = _compile(schedule)
+    if schedule.slices != 1 or prog.marks:
+        raise PtplanError(f"rank_paths: schedule {schedule.name!r} has token slices or no flush")
+    K, F, R = schedule.K, len(PATH_FIELDS), schedule.num_ranks
+    out = np.zeros((R, K, F))
+    last = {r: i for i, (o, r) in enumerate(zip(prog.op, prog.rank)) if o == _COMPUTE}
+    for i, (o, r, sl) in enumerate(zip(prog.op, prog.rank, prog.slot)):
+        if o == _COMPUTE or (o == _ALLREDUCE and i > last.get(r, -1)):
+            out[r, sl // _NSLOT, sl % _NSLOT] += 1.0
+    for s, r in enumerate(schedule.stage_to_rank):
+        out[r, s, F - 1] += 1.0
+        out[r, s, 7] += 1.0
+    return out
+
+
 def _rank_memory(prog: _Program, costs: Sequence[StageCost]) -> tuple[int, ...]:
     """Per rank: the module docstring's rank rule."""
     rank_memory = []
