@@ -19,8 +19,12 @@ stage by stage (``Proof``: the bound is a maximum of per-stage terms and of sums
 terms, so whether a partial split has a completion under a bar is a dynamic programme over the stages) finds
 every split that can still beat AutoPipe's split, or failing that the descent's, without listing the others
 (``under``); where they are at most
-``ENUMERATE_MANY`` they are scored as above, and the split is proven the best. Otherwise (too many splits under
-the bound, or no ``many``) it
+``ENUMERATE_MANY`` they are scored as above, and the split is proven the best. Where the bound leaves too many
+with the descent's split to beat, the simulator's own chains prove it (``Forms``, ``_by_forms``): the chain of
+actions that ends a scored split's iteration is a sum of its stages' durations, exact there and a lower bound on
+every other split, so the splits under every such chain are found stage by stage and scored; a schedule with
+several stages a rank needs it, since no one stage's term holds a rank's work. Otherwise (too many splits under
+the bounds, or no ``many``) the split is the descent's: it
 starts from the proxy's optimum and descends on the simulated objective: every move of one
 cut by up to ``RADIUS`` layers, every shift of two neighbouring cuts together by one, every move of
 one layer across a stage (a cut moved one way, the next the other way), and every shift by one of all the
@@ -206,7 +210,7 @@ def _by_forms(cur: tuple[int, ...], best: float, P: StageTerms, forms: Forms,
     forms' mean (``_least_split``), which they do not rule out, is scored (it may win) and its own forms join, at
     most ``FORM_ROUNDS`` times; then the best split reached, unproven."""
     a = cur[0]
-    terms = forms(None) + forms(cur)
+    terms = forms(cur) + forms(None)  # (``under_forms`` filters by the first forms first: the chains exact near the best)
     for rnd in range(FORM_ROUNDS + 1):
         bar = min(best, cutoff) * (1 - FORM_TIE)
         ok = P.G < bar
@@ -220,7 +224,7 @@ def _by_forms(cur: tuple[int, ...], best: float, P: StageTerms, forms: Forms,
         v = float(many(np.array([x]))[0])
         if v < best * (1 - 1e-12):
             cur, best = x, v
-        terms += forms(x)
+        terms = forms(x) + terms
     return cur, best
 
 
@@ -246,10 +250,10 @@ def under_forms(ok: np.ndarray, terms: Sequence[np.ndarray], bar: float, cap: in
     paths, sums = np.zeros((1, 1), dtype=np.int64), np.zeros((1, len(terms)))
     for s in range(S):
         lo = paths[:, -1]
-        keep = ok[s][lo]
-        for q, g in enumerate(terms):
-            keep &= sums[:, q:q + 1] + g[s][lo] + comp[q][s + 1][None, :] < bar
-        row, hi = np.nonzero(keep)
+        row, hi = np.nonzero(ok[s][lo])
+        for q, g in enumerate(terms):  # each form filters what the ones before kept
+            keep = sums[row, q] + g[s][lo[row], hi] + comp[q][s + 1][hi] < bar
+            row, hi = row[keep], hi[keep]
         if len(row) > cap:
             return None
         sums = sums[row] + np.stack([g[s][lo[row], hi] for g in terms], axis=1)
