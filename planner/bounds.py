@@ -292,7 +292,9 @@ class PathTables(NamedTuple):
     range of active layers: what ``path_terms`` prices a chain of the simulator's (``simulate.critical_path``)
     with, for every split at once."""
     d: np.ndarray
-    """(S, P, len(PATH_FIELDS)) seconds; infinite where no model fits the stage."""
+    """(S, P, len(PATH_FIELDS)) seconds (0 where no model fits the stage) ..."""
+    fits: np.ndarray
+    """(S, P): ... whether one does."""
     i: np.ndarray
     """(P,) each range's first layer, counted from the first active one ..."""
     j: np.ndarray
@@ -323,14 +325,14 @@ def path_tables(c: Candidate, model: StageModel | StageChoice, limit: float, wei
         for k in range(S):
             fits = np.asarray(m.evaluate(k, m.prepare(lo, hi, memo))[1]) <= limit
             out[k] = np.where(fits[:, None], np.minimum(out[k], d[:, k]), out[k])
-    return PathTables(out, i, j, n - a)
+    fits = np.isfinite(out[..., 0])
+    return PathTables(np.where(fits[..., None], out, 0.0), fits, i, j, n - a)
 
 
 def path_terms(t: PathTables, counts: np.ndarray) -> np.ndarray:
     """(S, m + 1, m + 1): stage s's share, holding layers [i, j), of a chain that runs counts[s, field] of each of
     its durations (``simulate.critical_path``); infinite where the stage fits nothing or i >= j."""
-    d = np.where(np.isfinite(t.d), t.d, 0.0)
-    v = np.einsum("spf,sf->sp", d, counts)
+    v = np.matmul(t.d, counts[:, :, None])[..., 0]
     out = np.full((len(counts), t.m + 1, t.m + 1), np.inf)
-    out[:, t.i, t.j] = np.where(np.isfinite(t.d[..., 0]), v, np.inf)
+    out[:, t.i, t.j] = np.where(t.fits, v, np.inf)
     return out

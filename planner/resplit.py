@@ -215,8 +215,10 @@ def _by_forms(cur: tuple[int, ...], best: float, P: StageTerms, forms: Forms,
         bar = min(best, cutoff) * (1 - FORM_TIE)
         ok = P.G < bar
         rows = under_forms(ok, terms, bar, ENUMERATE_MANY)
-        if rows is not None:
-            return _score_rows(cur, best, rows + a, score, bounds, many, cutoff) if len(rows) else (cur, best)
+        if rows is not None:  # scored in ascending order of the forms' bound, until it cannot win
+            at = (np.arange(rows.shape[1] - 1)[None, :], rows[:, :-1], rows[:, 1:])
+            lower = np.max([g[at].sum(axis=1) for g in terms], axis=0) if len(rows) else None
+            return _score_rows(cur, best, rows + a, score, bounds, many, cutoff, lower) if len(rows) else (cur, best)
         w = _least_split(ok, functools.reduce(np.add, terms) / len(terms))
         if w is None or rnd == FORM_ROUNDS:
             break
@@ -401,11 +403,15 @@ def far(cuts: Sequence[int], d: int) -> list[tuple[int, ...]]:
 
 
 def _score_rows(cur: tuple[int, ...], best: float, X: np.ndarray, score: Callable[[tuple[int, ...], float], float],
-                bounds: Bounds | None, many: Many | None, cutoff: float) -> tuple[tuple[int, ...], float]:
+                bounds: Bounds | None, many: Many | None, cutoff: float, lower: np.ndarray | None = None
+                ) -> tuple[tuple[int, ...], float]:
     """``best_split``'s enumeration: the splits in the rows of X (all of them, or all that may win) scored in
-    ascending order of their bounds until the next bound cannot win (one at a time by ``score``, or ``CHUNK`` at a
-    time by ``many``); ``cur`` (score ``best``) where none beats it."""
+    ascending order of their bounds (with ``lower``, the larger of it and ``bounds``' for each row) until the next
+    bound cannot win (one at a time by ``score``, or ``CHUNK`` at a time by ``many``); ``cur`` (score ``best``)
+    where none beats it."""
     lb = bounds(X) if bounds is not None else np.zeros(len(X))
+    if lower is not None:
+        lb = np.maximum(lb, lower)
     stop = cutoff * (1 + 1e-12)
     order = np.argsort(lb, kind="stable")
     if many is not None:
