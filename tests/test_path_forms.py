@@ -20,10 +20,10 @@ from ptplan.planner.config import TrainingConfig
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.profile import load_profile
 from ptplan.planner.schedule import ScheduleError, build_schedule, terapipe
-from ptplan.planner.search import Choice, PhaseSearch, Visit, _Scorer
+from ptplan.planner.search import PhaseSearch, Visit, _Scorer
 from ptplan.planner.stage import StageChoice
 from ptplan.planner.simulate import StageTimes, critical_path, iterations, path_durations, rank_paths
-from tests.test_search import random_case
+from tests.test_search import _proofs, random_case
 
 ROOT = Path(__file__).resolve().parents[1]
 FLUSHED = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
@@ -166,27 +166,14 @@ def _interleaved_bert_large(monkeypatch, forms: bool) -> list:
     M <= 8 under interleaved 1F1B on dgx-a100 at batch 256, ``ENUMERATE_MANY`` at 1,000 against their 19,600
     splits; ``forms=False``: the search without the proof by forms (the descent's split where ``under`` fails)."""
     monkeypatch.setattr(resplit, "ENUMERATE_MANY", 1000)
-    listed: list = []
-    under_forms = resplit.under_forms
-    monkeypatch.setattr(resplit, "under_forms", lambda *a: listed.append(under_forms(*a)) or listed[-1])
     if not forms:
         proofs = _Scorer.proofs
         monkeypatch.setattr(_Scorer, "proofs", lambda self, batched: {**proofs(self, batched), "forms": None})
     prof = load_profile(ROOT / "profiles" / "bert-large_a100_bf16.json")
     cfg = TrainingConfig(epochs=2, samples_per_epoch=6400, batch=256, schedule="interleaved-1f1b")
     s = PhaseSearch(prof, get_preset("dgx-a100"), cfg)
-    visit = Visit(samples=6400.0)
-    out = []
-    for c in s.candidates(0, 0)[0]:
-        if c.S != 4 or c.M > 8:
-            continue
-        listed.clear()
-        got = s.evaluate(c, 0, visit, give_up=math.inf)
-        assert isinstance(got, Choice), c.tag
-        sc = _Scorer(s, c, s.model(c, 0), s.schedule(c), visit, math.inf)
-        least = float(np.min(sc.many(resplit._every_cut(s.n, c.S))))
-        out.append((c.K, c.M, bool(listed) and listed[-1] is not None, got.objective / least))
-    return out
+    got = _proofs(monkeypatch, s, Visit(samples=6400.0), lambda c: c.S == 4 and c.M <= 8, record="under_forms")
+    return [(c.K, c.M, proven, choice.objective / least) for c, choice, _, least, proven in got]
 
 
 def test_where_a_rank_holds_several_stages_the_forms_prove_the_split(monkeypatch):

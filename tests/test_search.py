@@ -220,15 +220,15 @@ def test_stage_bounds_are_below_every_splits_bound_and_under_finds_exactly_the_s
     assert checked >= 300 and compared >= 20 and pairs >= 5, (checked, compared, pairs)
 
 
-def _proofs(monkeypatch, s: PhaseSearch, visit: Visit, keep) -> list:
-    """(candidate, its evaluation, its scorer, every split's simulated objective, whether the stage-by-stage bound
-    proved its split: ``resplit.under``'s first answer listed the splits) for each candidate at no freezing that
-    ``keep`` admits."""
+def _proofs(monkeypatch, s: PhaseSearch, visit: Visit, keep, record: str = "under") -> list:
+    """(candidate, its evaluation, its scorer, every split's simulated objective, whether the proof listed the
+    splits: ``resplit.under``'s first answer, or with ``record="under_forms"`` the last answer of the proof by the
+    simulator's chains) for each candidate at no freezing that ``keep`` admits."""
     import numpy as np
 
     found: list = []
-    under = resplit.under
-    monkeypatch.setattr(resplit, "under", lambda P, bar, cap: found.append(under(P, bar, cap)) or found[-1])
+    real = getattr(resplit, record)
+    monkeypatch.setattr(resplit, record, lambda *a: found.append(real(*a)) or found[-1])
     out = []
     for c in s.candidates(0, 0)[0]:
         if not keep(c):
@@ -238,7 +238,7 @@ def _proofs(monkeypatch, s: PhaseSearch, visit: Visit, keep) -> list:
         assert isinstance(got, Choice), c.tag
         sc = _Scorer(s, c, s.model(c, 0), s.schedule(c), visit, math.inf)
         least = float(np.min(sc.many(resplit._every_cut(s.n, c.S))))
-        out.append((c, got, sc, least, bool(found) and found[0] is not None))
+        out.append((c, got, sc, least, bool(found) and found[0 if record == "under" else -1] is not None))
     return out
 
 
