@@ -282,9 +282,10 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
 
 
 FORM_CELLS = 2_000_000
-"""Stage positions x ranges of layers ((S, m + 1, m + 1) cells) at most for which the search builds ``path_tables``
-(nine durations a cell, and (S, m + 1, m + 1) terms a form: some 150 MB at this size; a 96-block model's 32
-stages hold 1.2 million)."""
+"""Stage positions x ranges of layers ((S, m + 1, m + 1) cells) at most for which the search builds ``path_tables``:
+at this size the tables hold 9 durations of each of the half of the cells that are ranges (72 MB of float64) and
+each form 16 MB (a 96-block model's 32 stages are 1.2 million cells). Measured: the synthetic 96-block plan on 4,096
+GPUs under interleaved 1F1B peaked at 295 MB against 249 MB without the forms (``/usr/bin/time``)."""
 
 
 class PathTables(NamedTuple):

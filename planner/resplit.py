@@ -210,7 +210,7 @@ def _by_forms(cur: tuple[int, ...], best: float, P: StageTerms, forms: Forms,
     forms' mean (``_least_split``), which they do not rule out, is scored (it may win) and its own forms join, at
     most ``FORM_ROUNDS`` times; then the best split reached, unproven."""
     a = cur[0]
-    terms = forms(cur) + forms(None)  # (``under_forms`` filters by the first forms first: the chains exact near the best)
+    terms = forms(cur) + forms(None)  # (``under_forms`` applies them in order: the chains exact near here first)
     for rnd in range(FORM_ROUNDS + 1):
         bar = min(best, cutoff) * (1 - FORM_TIE)
         ok = P.G < bar
