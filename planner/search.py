@@ -52,7 +52,7 @@ from .partition import refusal_by_bound, split_stages
 from .resplit import GIVE_UP, StageTerms, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
-from .simulate import StageCost, StageTimes, critical_path, iterations, rank_paths, simulate
+from .simulate import StageCost, StageTimes, critical_paths, iterations, rank_paths, simulate
 from .stage import Links, PhaseShape, StageChoice, StageModel, links_for, stage_times
 from .strategy import Strategy, min_table, runtime_refusal, search_modes, search_strategies, strategy_table
 from .strategy import tp_allreduce_coeffs
@@ -657,15 +657,16 @@ class _Scorer:
 
     def forms(self, cuts: tuple[int, ...] | None) -> list[np.ndarray]:
         """``resplit.Forms``: the chains of actions that end the split's steady and (with the AutoCache) fill
-        iterations (``simulate.critical_path``), or without a split each rank's own chain (``simulate.rank_paths``),
+        iterations, and those that would were one rank a little slower (``simulate.critical_paths``), or without a
+        split each rank's own chain (``simulate.rank_paths``),
         each priced on every stage and range (``bounds.path_terms``) in the objective's units (its weights' sum
         times the iteration: the tables' set-up is their weighted mean)."""
         if cuts is None:
             counts = list(rank_paths(self.sched))
         else:
             X = np.array([cuts])
-            counts = [critical_path(self.sched, stage_times(self.model, X[:, :-1], X[:, 1:], fill=fill))
-                      for fill in ((False, True) if self.c.cache else (False,))]
+            counts = [n for fill in ((False, True) if self.c.cache else (False,))
+                      for n in critical_paths(self.sched, stage_times(self.model, X[:, :-1], X[:, 1:], fill=fill))]
         out = []
         for n in counts:
             g = path_terms(self._tables, n)

@@ -824,6 +824,30 @@ def critical_path(schedule: Schedule, x: StageTimes, row: int = 0) -> np.ndarray
     return max(ends, key=lambda p: p[0])[1].reshape(K, F)
 
 
+PATH_TILT = 0.1
+"""How much heavier ``critical_paths`` makes one rank's compute to find the chain through it."""
+
+
+def critical_paths(schedule: Schedule, x: StageTimes, row: int = 0) -> list[np.ndarray]:
+    """``critical_path`` of split ``row``, then, for each rank, of the same durations with that rank's compute (its
+    stages' forwards, prefix and backwards) ``PATH_TILT`` heavier: the chain that would end the iteration were that
+    rank a little slower (its head and tail through the other ranks as this split has them). Each is a chain of
+    the schedule, so a lower bound on every split as ``critical_path``'s is; the distinct ones, the split's own
+    first. A split near the best is held by several such chains at once (each rank's work bounds it), which one
+    chain alone does not say (``resplit._by_forms``)."""
+    out = [critical_path(schedule, x, row)]
+    one = StageTimes(*(np.asarray(v)[row:row + 1] for v in x))
+    s2r = np.asarray(schedule.stage_to_rank)
+    for r in range(schedule.num_ranks):
+        k = np.where(s2r == r, 1.0 + PATH_TILT, 1.0)[None, :]
+        tilted = one._replace(forward_s=one.forward_s * k, backward_s=one.backward_s * k,
+                              backward_weight_s=one.backward_weight_s * k, prefix_s=one.prefix_s * k)
+        n = critical_path(schedule, tilted)
+        if not any(np.array_equal(n, m) for m in out):
+            out.append(n)
+    return out
+
+
 def rank_paths(schedule: Schedule) -> np.ndarray:
     """(R, K, len(PATH_FIELDS)) counts (as ``critical_path``'s) of each rank's own chain: its stages' set-up, every
     compute action of its list one after another, the all-reduces its list runs after its last compute action

@@ -22,7 +22,7 @@ from ptplan.planner.profile import load_profile
 from ptplan.planner.schedule import ScheduleError, build_schedule, terapipe
 from ptplan.planner.search import PhaseSearch, Visit, _Scorer
 from ptplan.planner.stage import StageChoice
-from ptplan.planner.simulate import StageTimes, critical_path, iterations, path_durations, rank_paths
+from ptplan.planner.simulate import StageTimes, critical_path, critical_paths, iterations, path_durations, rank_paths
 from tests.test_search import _proofs, random_case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def _random_times(rng: np.random.Generator, N: int, S: int) -> StageTimes:
 def test_the_critical_path_is_the_iteration_at_its_split_and_below_it_anywhere_else(schedule, V):
     """At the durations it was read from, the chain's sum plus the step overhead is the simulated iteration; at
     any other durations (200 random sets, some all-reduce-heavy, some zero) it is at most theirs, and so is
-    every rank's own chain."""
+    every rank's own chain and every chain through a rank made slower (``critical_paths``)."""
     rng = np.random.default_rng(len(schedule) + V)
     checked = 0
     while checked < 25:
@@ -63,6 +63,11 @@ def test_the_critical_path_is_the_iteration_at_its_split_and_below_it_anywhere_e
         assert ((d * n).sum(axis=(1, 2)) + step <= its * (1 + 1e-12)).all()
         ranks = np.einsum("nsf,rsf->nr", d, rank_paths(sched))
         assert (ranks.max(axis=1) + step <= its * (1 + 1e-12)).all()
+        tilted = critical_paths(sched, x)  # the split's own chain first, then those through a slower rank
+        assert np.array_equal(tilted[0], n) and len({t.tobytes() for t in tilted}) == len(tilted)
+        assert len(tilted) <= 1 + sched.num_ranks
+        for t in tilted:
+            assert ((d * t).sum(axis=(1, 2)) + step <= its * (1 + 1e-12)).all()
         checked += 1
 
 
