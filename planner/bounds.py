@@ -10,8 +10,8 @@ import numpy as np
 
 from .candidate import Candidate
 from .schedule import COMPUTE_KINDS, ActionKind, build_schedule, splits_backward, stage_to_rank
-from .simulate import StageCost, StageTimes
-from .stage import StageChoice, StageModel, cache_setup_s
+from .simulate import PATH_FIELDS, StageCost, StageTimes, path_durations
+from .stage import StageChoice, StageModel, cache_setup_s, stage_times
 
 if TYPE_CHECKING:
     from .search import PhaseSearch
@@ -310,8 +310,6 @@ def path_tables(c: Candidate, model: StageModel | StageChoice, limit: float, wei
     """``PathTables`` of a candidate's stages under the memory ``limit``. ``weights``: the objective's weights of a
     steady and a fill iteration (``search._seconds_per_sample``), which differ only in stage 0's set-up: the
     set-up is their weighted mean (so ``path_terms`` times their sum bounds the objective)."""
-    from .stage import stage_times  # (stage imports this module's callers)
-    from .simulate import PATH_FIELDS, path_durations
     ms = model.models if isinstance(model, StageChoice) else (model,)
     a, n, S = model.start, model.n, c.S
     i, j = np.triu_indices(n - a + 1, k=1)
