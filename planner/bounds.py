@@ -257,7 +257,7 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
     the models that fit; not over every model: where memory rules out the fastest models of a stage (its
     recomputation-free ones), those would bound it from far below (issue 22: Llama 3.1 70B's 8-stage candidates'
     best splits up to 6.6 % above the bound, too loose to prove them). ``chain``: also each stage's B and W
-    (``Least.path``, ``Least.weight``, what ``chained`` reads; without it they are 0)."""
+    (``Least.path``, ``Least.weight``, what the chain of last B's reads: ``last_backward``; without it 0)."""
     ms = model.models if isinstance(model, StageChoice) else (model,)
     flush, zb = c.schedule != "2bw", splits_backward(c.schedule)
     out = np.full((5,) + np.shape(lo), np.inf)
@@ -271,7 +271,7 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
         done = m.t.optimizer_range_s(lo, hi) + ((m.links.ar_lat[k] + (m.t.cum_sync[hi] - m.t.cum_sync[lo])
                                                   * m.links.ar_per_byte[k]) if sync else 0.0)
         forward = m.times.cum_fwd[hi] - m.times.cum_fwd[lo] + m.ovh + pre
-        if chain:  # (what ``chained`` reads; 0, a bound all the same, where the caller reads no chain)
+        if chain:  # (0, a bound all the same, where the caller reads no chain)
             bwd = m.times.cum_bwd[hi] - m.times.cum_bwd[lo] + m.ovh  # (recomputation's forward left out: still below)
             weight = np.minimum(m.times.cum_bwd_weight[hi] - m.times.cum_bwd_weight[lo], bwd) if zb else 0.0 * bwd
         else:

@@ -679,7 +679,7 @@ class _Scorer:
         """``bounds.chain_counts`` of the candidate's schedule where the bounds read the chain: with one stage a rank
         only (with several, a rank's V stages' work together bounds more than one stage's chain; measured on the
         synthetic grid, interleaved 1F1B, the pairs left 140 of 142 candidates descended, and planning took
-        1.3-1.6x as long)."""
+        1.3-1.6x as long: the proof by the simulator's chains, ``forms``, takes those)."""
         c = self.c
         return chain_counts(c.schedule, c.K, c.M, c.V) if c.V == 1 else None
 

@@ -719,9 +719,8 @@ def iterations(schedule: Schedule, x: StageTimes, *, step_overhead_s: float = 0.
     N, K = np.shape(x.forward_s)
     if K != schedule.K:
         raise PtplanError(f"iterations: costs of {K} stages for a schedule with K={schedule.K} stages")
-    w = np.minimum(x.backward_weight_s, x.backward_s)  # the table ``_durations`` makes, one column per slot
-    cols = np.stack((x.forward_s + x.prefix_s, x.backward_s, x.backward_s - w, w, x.send_forward_s,
-                     x.send_backward_s, x.allreduce_s, x.optimizer_s), axis=-1).reshape(N, K * _NSLOT).T.copy()
+    # the table ``_durations`` makes, one column per slot
+    cols = path_durations(x)[..., :_NSLOT].reshape(N, K * _NSLOT).T.copy()
     R, s2r = schedule.num_ranks, schedule.stage_to_rank
     zero = np.zeros(N)
     T, opt = [zero] * R, [zero] * R
@@ -774,6 +773,14 @@ def path_durations(x: StageTimes) -> np.ndarray:
                      x.send_backward_s, x.allreduce_s, x.optimizer_s, x.setup_s), axis=-1)
 
 
+def _flushed(schedule: Schedule, who: str) -> _Program:
+    """The schedule's program, for the chains (``critical_path``, ``rank_paths``): a flush and no token slices."""
+    prog = _compile(schedule)
+    if schedule.slices != 1 or prog.marks:
+        raise PtplanError(f"{who}: schedule {schedule.name!r} has token slices or no flush")
+    return prog
+
+
 def critical_path(schedule: Schedule, x: StageTimes, row: int = 0) -> np.ndarray:
     """The simulated iteration of split ``row`` of ``x`` as a sum of its stages' durations: (K, len(PATH_FIELDS))
     counts C with Σ C · ``path_durations(x)[row]`` + the step overhead = ``iterations``' entry (a flushed
@@ -783,9 +790,7 @@ def critical_path(schedule: Schedule, x: StageTimes, row: int = 0) -> np.ndarray
     chain that ends the iteration (ties: the first in the loop's order). The same chain exists whatever the
     durations, so for every split Σ C · its durations + the step overhead is at most its simulated iteration:
     a lower bound that is exact at ``row`` (``resplit.best_split``'s ``forms``)."""
-    prog = _compile(schedule)
-    if schedule.slices != 1 or prog.marks:
-        raise PtplanError(f"critical_path: schedule {schedule.name!r} has token slices or no flush")
+    prog = _flushed(schedule, "critical_path")
     K, F = schedule.K, len(PATH_FIELDS)
     d = path_durations(x)[row].reshape(K * F)
     R, s2r = schedule.num_ranks, schedule.stage_to_rank
@@ -853,9 +858,7 @@ def rank_paths(schedule: Schedule) -> np.ndarray:
     compute action of its list one after another, the all-reduces its list runs after its last compute action
     (one after another on its channel), and its optimizer step. Every rank's is at most the simulated iteration,
     whatever the durations (a flushed schedule without token slices)."""
-    prog = _compile(schedule)
-    if schedule.slices != 1 or prog.marks:
-        raise PtplanError(f"rank_paths: schedule {schedule.name!r} has token slices or no flush")
+    prog = _flushed(schedule, "rank_paths")
     K, F, R = schedule.K, len(PATH_FIELDS), schedule.num_ranks
     out = np.zeros((R, K, F))
     last = {r: i for i, (o, r) in enumerate(zip(prog.op, prog.rank)) if o == _COMPUTE}
