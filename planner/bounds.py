@@ -315,24 +315,29 @@ def path_tables(c: Candidate, model: StageModel | StageChoice, limit: float, wei
     i, j = np.triu_indices(n - a + 1, k=1)
     lo, hi = i + a, j + a
     out = np.full((S, len(lo), len(PATH_FIELDS)), np.inf)
-    LO, HI = np.repeat(lo[:, None], S, axis=1), np.repeat(hi[:, None], S, axis=1)
     ws, wf = weights
     for m in ms:
-        d = path_durations(stage_times(m, LO, HI))  # each stage position holding each range
-        if c.cache:
-            d[..., -1] = (ws * d[..., -1] + wf * stage_times(m, LO, HI, fill=True).setup_s) / (ws + wf)
         memo: dict = {}
-        for k in range(S):
-            fits = np.asarray(m.evaluate(k, m.prepare(lo, hi, memo))[1]) <= limit
-            out[k] = np.where(fits[:, None], np.minimum(out[k], d[:, k]), out[k])
+        fits = np.array([np.asarray(m.evaluate(k, m.prepare(lo, hi, memo))[1]) <= limit for k in range(S)])
+        for at in range(0, len(lo), TABLE_ROWS):  # (a block of ranges at a time: its durations are 9 x S columns)
+            r = slice(at, at + TABLE_ROWS)
+            LO, HI = np.repeat(lo[r, None], S, axis=1), np.repeat(hi[r, None], S, axis=1)
+            d = path_durations(stage_times(m, LO, HI))  # each stage position holding each range
+            if c.cache:
+                d[..., -1] = (ws * d[..., -1] + wf * stage_times(m, LO, HI, fill=True).setup_s) / (ws + wf)
+            np.copyto(out[:, r], np.minimum(out[:, r], d.transpose(1, 0, 2)), where=fits[:, r, None])
     fits = np.isfinite(out[..., 0])
-    return PathTables(np.where(fits[..., None], out, 0.0), fits, i, j, n - a)
+    out[~fits] = 0.0
+    return PathTables(out, fits, i, j, n - a)
+
+
+TABLE_ROWS = 1024
+"""Ranges of layers ``path_tables`` prices at a time (its stage times' columns are held for these only)."""
 
 
 def path_terms(t: PathTables, counts: np.ndarray) -> np.ndarray:
-    """(S, m + 1, m + 1): stage s's share, holding layers [i, j), of a chain that runs counts[s, field] of each of
-    its durations (``simulate.critical_path``); infinite where the stage fits nothing or i >= j."""
+    """(S, P + 1): stage s's share, holding range p of layers (``t.i``, ``t.j``; ``resplit.Terms``' layout), of a
+    chain that runs counts[s, field] of each of its durations (``simulate.critical_path``); infinite where the
+    stage fits nothing, and in the last slot (``resplit.Terms.index``' for i >= j)."""
     v = np.matmul(t.d, counts[:, :, None])[..., 0]
-    out = np.full((len(counts), t.m + 1, t.m + 1), np.inf)
-    out[:, t.i, t.j] = np.where(t.fits, v, np.inf)
-    return out
+    return np.concatenate((np.where(t.fits, v, np.inf), np.full((len(counts), 1), np.inf)), axis=1)

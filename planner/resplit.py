@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -138,14 +139,75 @@ Proof = Callable[[], StageTerms]
 """The stage-by-stage bounds (``StageTerms``) of a candidate's splits."""
 PROOF_SLACK = 1e-9
 """Relative room ``under`` leaves over the score to beat: G's prefix sums round apart from the bound's own."""
-Forms = Callable[["tuple[int, ...] | None"], "list[np.ndarray]"]
-"""``forms(cuts)``: lower bounds of every split's score that the scored split ``cuts`` gives, each a sum of per-stage
-terms (arrays (S, m + 1, m + 1) indexed as ``StageTerms``'; infinite where a stage does not fit): the simulator's
-chain of actions that ends ``cuts``' iteration, priced on every split (``simulate.critical_path``), exact at
-``cuts``; ``forms(None)``: those no split gives (each rank's own chain, ``simulate.rank_paths``). Every split's
-score is at least the sum of its stages' terms in each."""
+@dataclass(frozen=True)
+class Terms:
+    """Forms' per-stage terms over a candidate's m active layers, each range of layers once: ``v[q, s,
+    index[i, j]]`` is form q's term of stage s holding layers [a + i, a + j) (as ``StageTerms``' [s, i, j]); the
+    last slot of every row is infinite, and ``index`` sends every i >= j there (so do the stages that do not fit).
+    Half the cells of a dense (S, m + 1, m + 1) array a form: their memory is ``_by_forms``' to bound."""
+    v: np.ndarray
+    """(F, S, m (m + 1) / 2 + 1) ..."""
+    index: np.ndarray
+    """(m + 1, m + 1) int: the slot of range (i, j)."""
+
+    @staticmethod
+    def slots(m: int) -> np.ndarray:
+        """``index`` for m layers: ranges in ``np.triu_indices(m + 1, k=1)``'s order, then the infinite slot."""
+        i, j = np.triu_indices(m + 1, k=1)
+        index = np.full((m + 1, m + 1), len(i))
+        index[i, j] = np.arange(len(i))
+        return index
+
+    @classmethod
+    def of(cls, dense: Sequence[np.ndarray]) -> Terms:
+        """From dense (S, m + 1, m + 1) arrays, one a form (their entries at i >= j are not read)."""
+        S, m1 = np.shape(dense[0])[:2]
+        i, j = np.triu_indices(m1, k=1)
+        v = np.full((len(dense), S, len(i) + 1), np.inf)
+        for q, g in enumerate(dense):
+            v[q, :, :-1] = np.asarray(g)[:, i, j]
+        return cls(v, cls.slots(m1 - 1))
+
+    @property
+    def count(self) -> int:
+        return self.v.shape[0]
+
+    def __add__(self, other: Terms) -> Terms:
+        return Terms(np.concatenate((self.v, other.v)), self.index)
+
+    def first(self, n: int) -> Terms:
+        return Terms(self.v[:n], self.index)
+
+    def dense(self, s: int) -> np.ndarray:
+        """(F, m + 1, m + 1): every form's terms of stage s."""
+        return self.v[:, s][:, self.index]
+
+    def sums(self, rows: np.ndarray) -> np.ndarray:
+        """(F, N): every form's sum over the stages of the splits in ``rows`` (cuts from 0 to m)."""
+        at = self.index[rows[:, :-1], rows[:, 1:]]
+        return self.v[:, np.arange(rows.shape[1] - 1)[None, :], at].sum(axis=2)
+
+    def mean(self) -> Terms:
+        """One form: their mean (a lower bound wherever every one is)."""
+        return Terms(self.v.mean(axis=0, keepdims=True), self.index)
+
+
+Forms = Callable[["tuple[int, ...] | None", int], Terms]
+"""``forms(cuts, at_most)``: at most ``at_most`` lower bounds of every split's score that the scored split ``cuts``
+gives, each a sum of per-stage terms (``Terms``): the simulator's chain of actions that ends ``cuts``' iteration,
+priced on every split (``simulate.critical_path``), exact at ``cuts``; ``forms(None, at_most)``: those no split
+gives (each rank's own chain, ``simulate.rank_paths``). Every split's score is at least the sum of its stages'
+terms in each."""
+FORM_BYTES = 64 << 20
+"""Memory the proof by forms holds its forms' terms in, at most (``_by_forms`` keeps as many forms as fit, the newest
+first). The synthetic 96-block plan's interleaved 1F1B candidates on 4,096 GPUs (32 stages x 19,110 ranges, 4.9 MB a
+form) held up to 27 forms; at 64 MiB, 13: the same candidates proven under interleaved 1F1B, looped BFS and ZB-V on
+that grid and the 24-block one, where 32 MiB left one more ZB-V candidate to the descent (measured 2026-11-28 with a
+``/tmp`` script counting ``best_split``'s outcomes around ``make_plan``). At ``bounds.FORM_CELLS`` a form is 8 MB."""
 FORM_ROUNDS = 2
 """Splits the proof by forms scores to gain more forms (``_by_forms``) before it gives up."""
+EXTEND_PAIRS = 1 << 18
+"""(partial split, next cut) pairs ``under_forms`` filters at a time."""
 FORM_TIE = 1e-9
 """The proof by forms shows that no split scores more than this (relative) below the best: a sum of terms rounds
 apart from the simulator's own sum, so a tie cannot be told from a win below it."""
@@ -208,70 +270,88 @@ def _by_forms(cur: tuple[int, ...], best: float, P: StageTerms, forms: Forms,
     under it in every form (``Forms``) and in the stage-by-stage bound; where those are at most ``ENUMERATE_MANY``
     (``under_forms``), they are scored and the best is proven. Else a cutting-plane step: the split least in the
     forms' mean (``_least_split``), which they do not rule out, is scored (it may win) and its own forms join, at
-    most ``FORM_ROUNDS`` times; then the best split reached, unproven."""
+    most ``FORM_ROUNDS`` times; then the best split reached, unproven. At most ``FORM_BYTES`` of forms are held
+    (twice that while new ones are joined to them), the newest first: each round's chains are exact near the split
+    it scored."""
     a = cur[0]
-    terms = forms(cur) + forms(None)  # (``under_forms`` applies them in order: the chains exact near here first)
+    S, m1 = P.G.shape[:2]
+    room = max(1, FORM_BYTES // (S * (m1 * (m1 - 1) // 2 + 1) * 8))
+    terms = forms(cur, room)  # (``under_forms`` applies them in order: the chains exact near here first)
+    terms = terms + forms(None, room - terms.count) if terms.count < room else terms
     for rnd in range(FORM_ROUNDS + 1):
         bar = min(best, cutoff) * (1 - FORM_TIE)
         ok = P.G < bar
         rows = under_forms(ok, terms, bar, ENUMERATE_MANY)
         if rows is not None:  # scored in ascending order of the forms' bound, until it cannot win
-            at = (np.arange(rows.shape[1] - 1)[None, :], rows[:, :-1], rows[:, 1:])
-            lower = np.max([g[at].sum(axis=1) for g in terms], axis=0) if len(rows) else None
+            lower = terms.sums(rows).max(axis=0) if len(rows) else None
             return _score_rows(cur, best, rows + a, score, bounds, many, cutoff, lower) if len(rows) else (cur, best)
-        w = _least_split(ok, functools.reduce(np.add, terms) / len(terms))
+        w = _least_split(ok, terms.mean())
         if w is None or rnd == FORM_ROUNDS:
             break
         x = tuple((w + a).tolist())
         v = float(many(np.array([x]))[0])
         if v < best * (1 - 1e-12):
             cur, best = x, v
-        terms = forms(x) + terms
+        new = forms(x, room)
+        terms = new + terms.first(room - new.count)
     return cur, best
 
 
-def _completions(ok: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """(S + 1, m + 1): the least sum of ``g``'s terms over stages s.. from cut lo to the end (infinite where no
+def _completions(ok: np.ndarray, terms: Terms) -> np.ndarray:
+    """(F, S + 1, m + 1): each form's least sum of terms over stages s.. from cut lo to the end (infinite where no
     completion is ``ok``)."""
     S, m1 = ok.shape[0], ok.shape[1]
-    out = np.full((S + 1, m1), np.inf)
-    out[S, m1 - 1] = 0.0
+    out = np.full((terms.count, S + 1, m1), np.inf)
+    out[:, S, m1 - 1] = 0.0
     for s in range(S - 1, -1, -1):
-        out[s] = np.min(np.where(ok[s], g[s] + out[s + 1][None, :], np.inf), axis=1)
+        out[:, s] = np.min(np.where(ok[s][None], terms.dense(s) + out[:, s + 1][:, None, :], np.inf), axis=2)
     return out
 
 
-def under_forms(ok: np.ndarray, terms: Sequence[np.ndarray], bar: float, cap: int) -> np.ndarray | None:
+def under_forms(ok: np.ndarray, terms: Terms, bar: float, cap: int) -> np.ndarray | None:
     """Every split (rows of cuts from 0 to m) whose stages are all ``ok`` and whose sum of terms is below ``bar`` in
-    every form of ``terms`` (each (S, m + 1, m + 1)), or None where more than ``cap`` partial splits remain at
-    some stage. Stage by stage, each partial split (carrying its sums) is extended by every next cut from which
-    the least completion (``_completions``) keeps every sum below ``bar`` (so a partial split kept may still
-    have no completion under every form at once: then the count may exceed ``cap`` where the splits do not)."""
-    S = ok.shape[0]
-    comp = [_completions(ok, g) for g in terms]
-    paths, sums = np.zeros((1, 1), dtype=np.int64), np.zeros((1, len(terms)))
+    every form of ``terms``, or None where more than ``cap`` partial splits remain at some stage. Stage by stage,
+    each partial split (carrying its sums) is extended by every next cut from which the least completion
+    (``_completions``) keeps every sum below ``bar`` (so a partial split kept may still have no completion under
+    every form at once: then the count may exceed ``cap`` where the splits do not). The partial splits are
+    extended ``EXTEND_PAIRS`` (partial, cut) pairs at a time, so a stage that will exceed ``cap`` stops there
+    rather than extending all of them (the answer is the same)."""
+    S, m1 = ok.shape[0], ok.shape[1]
+    comp = _completions(ok, terms)
+    paths, sums = np.zeros((1, 1), dtype=np.int64), np.zeros((1, terms.count))
+    step = max(1, EXTEND_PAIRS // m1)
     for s in range(S):
-        lo = paths[:, -1]
-        row, hi = np.nonzero(ok[s][lo])
-        for q, g in enumerate(terms):  # each form filters what the ones before kept
-            keep = sums[row, q] + g[s][lo[row], hi] + comp[q][s + 1][hi] < bar
-            row, hi = row[keep], hi[keep]
-        if len(row) > cap:
-            return None
-        sums = sums[row] + np.stack([g[s][lo[row], hi] for g in terms], axis=1)
+        v = terms.v[:, s]
+        rows, his, kept = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], 0
+        for at in range(0, len(paths), step):
+            lo = paths[at:at + step, -1]
+            row, hi = np.nonzero(ok[s][lo])
+            slot = terms.index[lo[row], hi]
+            for q in range(terms.count):  # each form filters what the ones before kept
+                keep = sums[at + row, q] + v[q, slot] + comp[q, s + 1, hi] < bar
+                row, hi, slot = row[keep], hi[keep], slot[keep]
+            kept += len(row)
+            if kept > cap:
+                return None
+            rows.append(at + row)
+            his.append(hi)
+        row, hi = np.concatenate(rows), np.concatenate(his)
+        sums = sums[row] + v[:, terms.index[paths[row, -1], hi]].T
         paths = np.column_stack((paths[row], hi))
     return paths
 
 
-def _least_split(ok: np.ndarray, g: np.ndarray) -> np.ndarray | None:
-    """The split (cuts from 0 to m) whose stages are all ``ok`` with the least sum of ``g``'s terms, or None."""
-    comp = _completions(ok, g)
+def _least_split(ok: np.ndarray, terms: Terms) -> np.ndarray | None:
+    """The split (cuts from 0 to m) whose stages are all ``ok`` with the least sum of the (one) form's terms, or
+    None."""
+    comp = _completions(ok, terms)[0]
     if not np.isfinite(comp[0, 0]):
         return None
     cuts = [0]
     for s in range(ok.shape[0]):
         lo = cuts[-1]
-        cuts.append(int(np.argmin(np.where(ok[s][lo], g[s][lo] + comp[s + 1], np.inf))))
+        g = terms.v[0, s][terms.index[lo]]
+        cuts.append(int(np.argmin(np.where(ok[s][lo], g + comp[s + 1], np.inf))))
     return np.array(cuts)
 
 

@@ -49,7 +49,7 @@ from .config import AUTO_SCHEDULES, TrainingConfig
 from .costs import CostTable
 from .errors import InfeasibleError, PtplanError
 from .partition import refusal_by_bound, split_stages
-from .resplit import GIVE_UP, StageTerms, best_split, enumerable
+from .resplit import GIVE_UP, StageTerms, Terms, best_split, enumerable
 from .profile import Profile
 from .schedule import Schedule, build_schedule, peak_inflight, peak_stashed, splits_backward, stage_to_rank
 from .simulate import StageCost, StageTimes, critical_paths, iterations, rank_paths, simulate
@@ -655,10 +655,10 @@ class _Scorer:
     def _tables(self) -> PathTables:
         return path_tables(self.c, self.model, self.limit, self._weights)
 
-    def forms(self, cuts: tuple[int, ...] | None) -> list[np.ndarray]:
+    def forms(self, cuts: tuple[int, ...] | None, at_most: int) -> Terms:
         """``resplit.Forms``: the chains of actions that end the split's steady and (with the AutoCache) fill
         iterations, and those that would were one rank a little slower (``simulate.critical_paths``), or without a
-        split each rank's own chain (``simulate.rank_paths``),
+        split each rank's own chain (``simulate.rank_paths``), the first ``at_most`` of them,
         each priced on every stage and range (``bounds.path_terms``) in the objective's units (its weights' sum
         times the iteration: the tables' set-up is their weighted mean)."""
         if cuts is None:
@@ -667,12 +667,17 @@ class _Scorer:
             X = np.array([cuts])
             counts = [n for fill in ((False, True) if self.c.cache else (False,))
                       for n in critical_paths(self.sched, stage_times(self.model, X[:, :-1], X[:, 1:], fill=fill))]
-        out = []
-        for n in counts:
-            g = path_terms(self._tables, n)
-            g[0] += self.s.c.step_overhead_s
-            out.append(sum(self._weights) * g)
-        return out
+        t = self._tables
+        v = np.empty((min(len(counts), max(at_most, 0)), self.c.S, len(t.i) + 1))
+        for q, n in enumerate(counts[:len(v)]):
+            v[q] = path_terms(t, n)
+            v[q, 0] += self.s.c.step_overhead_s
+            v[q] *= sum(self._weights)
+        return Terms(v, self._slots)
+
+    @functools.cached_property
+    def _slots(self) -> np.ndarray:
+        return Terms.slots(self._tables.m)
 
     @functools.cached_property
     def _counts(self) -> Counts | None:

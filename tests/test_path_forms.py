@@ -80,11 +80,14 @@ def test_the_chains_are_refused_where_there_is_no_flush_or_there_are_token_slice
             rank_paths(sched)
 
 
+@pytest.mark.parametrize("pairs", [resplit.EXTEND_PAIRS, 1, 20])
 @pytest.mark.parametrize("seed", range(4))
-def test_under_forms_lists_exactly_the_splits_under_every_form_or_says_there_are_too_many(seed):
+def test_under_forms_lists_exactly_the_splits_under_every_form_or_says_there_are_too_many(seed, pairs, monkeypatch):
     """On random terms (some stages not ``ok``): the rows are exactly the splits whose every form's sum is under
     the bar (every split summed and filtered); with a ``cap`` under their number the answer is None; the least
-    split of a form's terms is the one of least sum."""
+    split of a form's terms is the one of least sum. The same whether the partial splits are extended all at once
+    (the default ``EXTEND_PAIRS`` is more pairs than these have), one at a time, or a few at a time."""
+    monkeypatch.setattr(resplit, "EXTEND_PAIRS", pairs)
     rng = np.random.default_rng(seed)
     compared = 0
     for _ in range(40):
@@ -101,11 +104,11 @@ def test_under_forms_lists_exactly_the_splits_under_every_form_or_says_there_are
         u = np.unique(sums.max(axis=1)[fine])
         bar = float(rng.choice(u) + 1e-9) if len(u) else 1.0
         want = sorted(map(tuple, X[fine & (sums < bar).all(axis=1)].tolist()))
-        got = resplit.under_forms(ok, terms, bar, 10**6)
+        got = resplit.under_forms(ok, resplit.Terms.of(terms), bar, 10**6)
         assert got is not None and sorted(map(tuple, got.tolist())) == want
         if want:
-            assert resplit.under_forms(ok, terms, bar, len(want) - 1) is None
-            least = resplit._least_split(ok, terms[0])
+            assert resplit.under_forms(ok, resplit.Terms.of(terms), bar, len(want) - 1) is None
+            least = resplit._least_split(ok, resplit.Terms.of(terms[:1]))
             assert least is not None
             assert terms[0][np.arange(S), least[:-1], least[1:]].sum() == pytest.approx(sums[fine, 0].min(), rel=1e-12)
         compared += 1
@@ -150,13 +153,12 @@ def test_the_forms_never_exceed_a_splits_objective_and_meet_it_at_their_own_spli
     for sc, X in _flushed_cases(seed, 12):
         scores = sc.many(X)
         a = X[0, 0]
-        at = (np.arange(sc.c.S)[None, :], X[:, :-1] - a, X[:, 1:] - a)
         finite = np.flatnonzero(np.isfinite(scores))
         for i in finite[:3].tolist() + [int(np.argmin(scores))]:
             if not np.isfinite(scores[i]):
                 continue
-            forms = sc.forms(None) + sc.forms(tuple(X[i].tolist()))
-            sums = np.stack([g[at].sum(axis=1) for g in forms], axis=1)
+            forms = sc.forms(None, 10**6) + sc.forms(tuple(X[i].tolist()), 10**6)
+            sums = forms.sums(X - a).T
             ok = np.isfinite(scores)
             assert (sums[ok] <= scores[ok, None] * (1 + 1e-9)).all(), sc.c.tag
             if not sc.c.cache and not isinstance(sc.model, StageChoice):
@@ -190,6 +192,43 @@ def test_where_a_rank_holds_several_stages_the_forms_prove_the_split(monkeypatch
     assert {(K, M) for K, M, *_ in got} >= {(1, 1), (1, 8), (2, 2), (2, 4), (2, 8)}
     for K, M, proven, ratio in got:
         assert proven and ratio <= 1 + resplit.FORM_TIE, (K, M, ratio)
+
+
+def test_terms_hold_each_range_once_and_sum_as_the_dense_arrays():
+    """``resplit.Terms``: a form's term of stage s holding [i, j) is the dense array's [s, i, j]; every i >= j is
+    the infinite slot; the sums over splits, the mean and the concatenation are the dense arrays'."""
+    rng = np.random.default_rng(0)
+    S, m = 3, 7
+    dense = [rng.uniform(0.0, 1.0, (S, m + 1, m + 1)) for _ in range(3)]
+    t = resplit.Terms.of(dense)
+    assert t.v.shape == (3, S, m * (m + 1) // 2 + 1) and t.count == 3
+    upper = np.triu(np.ones((m + 1, m + 1), dtype=bool), k=1)
+    for s in range(S):
+        got = t.dense(s)
+        assert (got[:, upper] == np.stack([g[s][upper] for g in dense])).all()
+        assert np.isinf(got[:, ~upper]).all()
+    X = resplit._every_cut(m, S)
+    at = (np.arange(S)[None, :], X[:, :-1], X[:, 1:])
+    want = np.stack([g[at].sum(axis=1) for g in dense])
+    assert np.allclose(t.sums(X), want, rtol=1e-12)
+    assert np.allclose(t.mean().sums(X)[0], want.mean(axis=0), rtol=1e-12)
+    both = t + t.first(1)
+    assert both.count == 4 and (both.v[3] == t.v[0]).all()
+
+
+def test_the_forms_held_fit_their_memory_and_a_proof_under_a_tight_budget_is_still_exact(monkeypatch):
+    """``resplit.FORM_BYTES`` bounds the forms' terms each listing holds (here lowered to one form's bytes): the
+    proof then has one chain at a time (the newest), proves fewer of bert-large's interleaved candidates, and every
+    one it proves is still the least of every split's simulated objective."""
+    monkeypatch.setattr(resplit, "FORM_BYTES", 1)
+    held = []
+    real = resplit.under_forms
+    monkeypatch.setattr(resplit, "under_forms", lambda ok, terms, *a: held.append(terms.count) or real(ok, terms, *a))
+    got = _interleaved_bert_large(monkeypatch, forms=True)
+    assert held and max(held) == 1
+    assert any(proven for *_, proven, _ in got)
+    for K, M, proven, ratio in got:
+        assert not proven or ratio <= 1 + resplit.FORM_TIE, (K, M, ratio)
 
 
 def test_without_the_forms_the_descent_misses_the_best_split(monkeypatch):
