@@ -284,9 +284,9 @@ def least_terms(c: Candidate, model: StageModel | StageChoice, limit: float, lo:
 FORM_CELLS = 2_000_000
 """Stage positions x ranges of layers ((S, m + 1, m + 1) cells) at most for which the search builds ``path_tables``:
 at this size the tables hold 9 durations of each of the half of the cells that are ranges (72 MB of float64) and
-each form 16 MB (a 96-block model's 32 stages are 1.2 million cells). Measured: the synthetic 96-block plan on 4,096
-GPUs under interleaved 1F1B peaked at 288 MiB against 243 MiB without the forms (``/usr/bin/time``: 295,096 and
-248,972 KiB)."""
+each form 8 MB (``resplit.Terms``; ``resplit.FORM_BYTES`` bounds how many are held); a 96-block model's 32 stages
+are 1.2 million cells. Measured (``/usr/bin/time``, ``make_plan`` of the synthetic 96-block plan on 4,096 GPUs):
+interleaved 1F1B peaked at 383,320 KiB against 248,588 KiB without the forms (2e3265b), ZB-V at 350,120 KiB."""
 
 
 class PathTables(NamedTuple):

@@ -194,6 +194,23 @@ def test_where_a_rank_holds_several_stages_the_forms_prove_the_split(monkeypatch
         assert proven and ratio <= 1 + resplit.FORM_TIE, (K, M, ratio)
 
 
+def test_path_tables_are_the_same_priced_a_few_ranges_at_a_time(monkeypatch):
+    """``bounds.path_tables`` prices ``TABLE_ROWS`` ranges of layers at a time: with 7 (every block short, the last
+    shorter) the tables are the ones priced all at once, bit for bit (random searches' candidates: the AutoCache,
+    per-stage strategies)."""
+    from ptplan.planner import bounds
+
+    checked = 0
+    for sc, _ in _flushed_cases(5, 6):
+        whole = bounds.path_tables(sc.c, sc.model, sc.limit, sc._weights)
+        monkeypatch.setattr(bounds, "TABLE_ROWS", 7)
+        part = bounds.path_tables(sc.c, sc.model, sc.limit, sc._weights)
+        monkeypatch.undo()
+        assert len(whole.i) > 7 and np.array_equal(whole.d, part.d) and np.array_equal(whole.fits, part.fits)
+        checked += 1
+    assert checked == 6
+
+
 def test_terms_hold_each_range_once_and_sum_as_the_dense_arrays():
     """``resplit.Terms``: a form's term of stage s holding [i, j) is the dense array's [s, i, j]; every i >= j is
     the infinite slot; the sums over splits, the mean and the concatenation are the dense arrays'."""
