@@ -184,8 +184,8 @@ class Terms:
 
     def sums(self, rows: np.ndarray) -> np.ndarray:
         """(F, N): every form's sum over the stages of the splits in ``rows`` (cuts from 0 to m)."""
-        at = self.index[rows[:, :-1], rows[:, 1:]]
-        return self.v[:, np.arange(rows.shape[1] - 1)[None, :], at].sum(axis=2)
+        at = (np.arange(rows.shape[1] - 1)[None, :], self.index[rows[:, :-1], rows[:, 1:]])
+        return np.array([v[at].sum(axis=1) for v in self.v]).reshape(self.count, len(rows))
 
     def mean(self) -> Terms:
         """One form: their mean (a lower bound wherever every one is)."""
