@@ -1,6 +1,7 @@
 """How the split search settles each candidate's split (issue 22 item 4: the split must minimise the simulated
 iteration, or be proven to), on ``bench/plan_bench.py``'s synthetic model and DGX H100 clusters (global batch 8
-a GPU, 10 epochs of 10^6 samples, alpha 1/3, the AutoCache on ``auto``): 1F1B, the default, and the schedules with several stages a rank.
+a GPU, 10 epochs of 10^6 samples, alpha 1/3, the AutoCache on ``auto``): 1F1B, the default, and the schedules
+with several stages a rank.
 
 Every call of ``resplit.best_split`` made by ``make_plan`` is counted by how it ended:
 

@@ -203,8 +203,8 @@ FORM_BYTES = 64 << 20
 first). The synthetic 96-block plan's interleaved 1F1B candidates on 4,096 GPUs (32 stages x 19,110 ranges, 4.9 MB a
 form) held up to 27 forms; at 64 MiB, 13: the same candidates proven under interleaved 1F1B, looped BFS and ZB-V on
 that grid and the 24-block one as at 128 MiB, where 32 MiB left one more ZB-V candidate to the descent (2026-11-28:
-the outcomes ``bench/split_proofs.py`` counts, counted by a ``/tmp`` script with this constant patched). At ``bounds.FORM_CELLS`` a form is
-8 MB."""
+the outcomes ``bench/split_proofs.py`` counts, counted by a ``/tmp`` script with this constant patched). At
+``bounds.FORM_CELLS`` a form is 8 MB."""
 FORM_ROUNDS = 2
 """Splits the proof by forms scores to gain more forms (``_by_forms``) before it gives up."""
 EXTEND_PAIRS = 1 << 18
