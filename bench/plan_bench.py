@@ -32,6 +32,7 @@ from pathlib import Path
 from ptplan.planner.cluster import Cluster
 from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.planner import TrainingConfig, make_plan
+from ptplan.planner.profile import Profile
 from ptplan.planner.search import PhaseSearch
 from ptplan.planner.synthetic import synthetic_profile
 
@@ -41,11 +42,17 @@ TARGETS = {(384, 4096): 5.0, (96, 1024): 1.0}
 HYBRID = dict(blocks=48, hidden=2048, gpus=64, batch=1024, target_s=5.0)
 
 
-def run_case(blocks: int, gpus: int, repeats: int) -> dict:
+def synthetic_case(blocks: int, gpus: int, schedule: str = "1f1b"
+                   ) -> tuple[Profile, Cluster, TrainingConfig, FreezePolicy]:
+    """The module docstring's case: ``make_plan``'s arguments (``bench/split_proofs.py`` plans the same)."""
     prof = synthetic_profile(num_blocks=blocks, hidden=1024, batch_sizes=(1, 2, 4, 8, 16, 32, 64))
     cluster = Cluster.uniform(nodes=gpus // 8, gpus_per_node=8, like="dgx-h100")
-    training = TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=8 * gpus)
-    freeze = FreezePolicy(policy="geometric", alpha=1 / 3)
+    training = TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=8 * gpus, schedule=schedule)
+    return prof, cluster, training, FreezePolicy(policy="geometric", alpha=1 / 3)
+
+
+def run_case(blocks: int, gpus: int, repeats: int) -> dict:
+    prof, cluster, training, freeze = synthetic_case(blocks, gpus)
     times, cpu, plan = [], [], None
     evaluated = [0]
     real = PhaseSearch.evaluate

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 SCHEDULES = ("1f1b", "interleaved-1f1b", "looped-bfs", "zb-v", "auto")
 CASES = ("24x4096", "96x4096", "96x1024")
 OUTCOMES = ("one stage", "every split", "first pass", "bound", "chains 0", "chains 1", "chains 2", "descent")
@@ -42,12 +43,11 @@ OUTCOMES = ("one stage", "every split", "first pass", "bound", "chains 0", "chai
 
 def run_case(schedule: str, blocks: int, gpus: int) -> dict:
     """``make_plan`` of one case with ``best_split``'s outcomes counted (module docstring)."""
+    from plan_bench import synthetic_case
+
     from ptplan.planner import resplit
     from ptplan.planner import search as search_mod
-    from ptplan.planner.cluster import Cluster
-    from ptplan.planner.freeze import FreezePolicy
-    from ptplan.planner.planner import TrainingConfig, make_plan
-    from ptplan.planner.synthetic import synthetic_profile
+    from ptplan.planner.planner import make_plan
 
     counts: collections.Counter = collections.Counter()
     seen: dict[str, list] = {}
@@ -85,11 +85,8 @@ def run_case(schedule: str, blocks: int, gpus: int) -> dict:
         return out
     search_mod.best_split = best
 
-    prof = synthetic_profile(num_blocks=blocks, hidden=1024, batch_sizes=(1, 2, 4, 8, 16, 32, 64))
-    cluster = Cluster.uniform(nodes=gpus // 8, gpus_per_node=8, like="dgx-h100")
-    training = TrainingConfig(epochs=10, samples_per_epoch=1_000_000, batch=8 * gpus, schedule=schedule)
     c0 = time.process_time()
-    plan = make_plan(prof, cluster, training, FreezePolicy(policy="geometric", alpha=1 / 3))
+    plan = make_plan(*synthetic_case(blocks, gpus, schedule))
     cpu = time.process_time() - c0
     return dict(schedule=schedule, blocks=blocks, gpus=gpus, outcomes={k: counts[k] for k in OUTCOMES},
                 calls=sum(counts.values()), cpu_s=round(cpu, 2), plan_total_s=plan.totals.seconds,
