@@ -3,7 +3,8 @@
 bert-tiny (halves, 8 tokens, dropout 0), one pipeline of K = 2 positions on 2 forked gloo processes (one thread
 each), M micro-batches of 1 sample (16; GPipe with recomputation 64, where the held outputs show), AdamW, no
 freezing: every schedule the executor runs whole micro-batches with (V = 2 where it takes chunks), each with
-recomputation off and on. The sampled step's measured peak per rank (``executor/runtime/memory.StepMemory``:
+recomputation off, on (the whole stage) and of each stage's first layer only (Galvatron's layer-wise choice; not
+2BW, which recomputes whole stages only). The sampled step's measured peak per rank (``executor/runtime/memory.StepMemory``:
 stage tensors + live saved-for-backward storages + the backward's working set, the 4-byte AdamW step counters
 left out as the stage model leaves them out) against the simulator's rank peak from the stage model
 (``StageModel.stage_costs`` on the run's own profile, ``simulate``'s ``rank_peak_memory_bytes``). Error =
@@ -26,8 +27,8 @@ CASES = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("2bw", 1), ("interleaved-1f1b
 SEQ, K = 8, 2
 
 
-def measure(schedule: str, V: int, recompute: bool, tmp: str) -> list[dict]:
-    """One case: per rank, (measured, predicted) bytes."""
+def measure(schedule: str, V: int, recompute: bool, tmp: str, layers: int = 0) -> list[dict]:
+    """One case: per rank, (measured, predicted) bytes; ``layers``: each stage recomputes only its first ``layers``."""
     import torch
 
     from ptplan.executor.data.dataset import TensorDataset
@@ -48,7 +49,8 @@ def measure(schedule: str, V: int, recompute: bool, tmp: str) -> list[dict]:
     steps = 5 if schedule == "2bw" else 2  # 2BW's memory is sampled at its 4th step
     model = build_model("bert-tiny", seq_len=SEQ, granularity="half", dropout=0.0, seed=0)
     plan = make_plan(model, [spec(0, K=K, D=1, M=M, b=1, schedule=schedule, V=V)], samples_per_epoch=M * steps)
-    plan = dataclasses.replace(plan, phases=tuple(dataclasses.replace(p, recompute=recompute) for p in plan.phases))
+    plan = dataclasses.replace(plan, phases=tuple(dataclasses.replace(
+        p, recompute=recompute, recompute_layers=(layers,) * len(p.partition)) for p in plan.phases))
     log = os.path.join(tmp, "run.jsonl")
     cfg = RunConfig(plan="(bench)", model="bert-tiny", optimizer="adamw", lr=1e-3, seed=0, progress=False,
                     steps_per_epoch=steps, epochs=1, timeout_s=60, log=log)
@@ -68,7 +70,7 @@ def measure(schedule: str, V: int, recompute: bool, tmp: str) -> list[dict]:
     twobw = schedule == "2bw"
     shape = PhaseShape(K=K, M=M, b=1, D=1, frozen=0, cache=False, V=V, inflight=peak_inflight(schedule, K, M, V),
                        stashed=peak_stashed(schedule, K, M, V), optimizer="adamw", device_is_host=True,
-                       weight_versions=2 if twobw else 1, own_p2p=twobw, recompute=recompute,
+                       weight_versions=2 if twobw else 1, own_p2p=twobw, recompute=recompute, recompute_layers=layers,
                        stage_ranks=stage_to_rank(schedule, K, V))
     costs = StageModel(table, shape, links_for(cpu_cluster(K), K, stage_to_rank(schedule, K, V))).stage_costs(
         ph.partition)
@@ -79,7 +81,8 @@ def measure(schedule: str, V: int, recompute: bool, tmp: str) -> list[dict]:
         want = predicted[pos]
         layers = [i for c, (lo, hi) in enumerate(ph.partition) if s2r[c] == pos for i in range(lo, hi)]
         measured = got["total"] - 4 * sum(1 for i in layers for _ in model.layers[i].parameters())
-        rows.append({"schedule": schedule, "V": V, "recompute": recompute, "M": M, "rank": rank,
+        rows.append({"schedule": schedule, "V": V, "recompute": recompute, "recompute_layers": layers, "M": M,
+                     "rank": rank,
                      "measured_bytes": measured, "predicted_bytes": int(want), "error": int(want) / measured - 1})
     return rows
 
@@ -92,11 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     print(f"{'schedule':<18}{'V':>2} {'rc':<4}{'M':>3} {'rank':>4} {'measured B':>12} {'predicted B':>12} {'error':>8}")
     for schedule, V in CASES:
-        for recompute in (False, True):
+        for recompute, layers in ((False, 0), (True, 0)) + (((True, 1),) if schedule != "2bw" else ()):
             with tempfile.TemporaryDirectory() as tmp:
-                for r in measure(schedule, V, recompute, tmp):
+                for r in measure(schedule, V, recompute, tmp, layers):
                     rows.append(r)
-                    print(f"{schedule:<18}{V:>2} {'on' if recompute else 'off':<4}{r['M']:>3} {r['rank']:>4} "
+                    rc = f"rc{layers}" if layers else "on" if recompute else "off"
+                    print(f"{schedule:<18}{V:>2} {rc:<4}{r['M']:>3} {r['rank']:>4} "
                           f"{r['measured_bytes']:>12,} {r['predicted_bytes']:>12,} {r['error']:>+8.2%}", flush=True)
     Path(args.out).write_text(json.dumps({"command": "python bench/schedule_memory.py", "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -104,9 +104,12 @@ active layers [lo, R), R = min(lo + r, hi), are one checkpoint unit; the others 
     backward += Σ forward[lo:R]
     per_mb    = b · (out[lo-1] + Σ saved[R:hi] + out[hi-1])     (their input, the others' activations)
     w         = b · (Σ saved[lo:R] + out[R-1])                  (the unit's activations, rebuilt)
+    stash    += max(b · Σ saved[lo:R] - b · out[lo-1], 0)        (zero-bubble: B rebuilds the unit, W reads it)
 
 (a stage of r layers or fewer recomputes them all, as above). ``executor/runtime.recompute_first`` runs
-exactly this; ``tests/test_stage_strategy_runtime.py`` counts the saved bytes with ``saved_tensors_hooks``.
+exactly this; ``tests/test_stage_strategy_runtime.py`` counts the saved bytes with ``saved_tensors_hooks``. Under a
+split backward the unit's F runs without autograd and its B rebuilds it once, after the other layers' input
+gradient, for both B and W (``executor/runtime/step.ChunkCompute``'s ``rebuild``, ``tests/test_split_backward_recompute.py``).
 
 One ``StageModel`` prices every stage with one strategy. ``StageChoice`` prices stages whose strategies
 differ (issue 14, per stage): over one ``StageModel`` per strategy of the same phase, each candidate stage
@@ -461,6 +464,8 @@ class StageModel:
         if self.shape.recompute and r:  # the first r layers: their input stashed, the rest's activations kept
             R = np.minimum(at_I(self._index) + r, J)  # R = J: the whole stage, as below
             tm = self.times
+            if self._stashed is not None:  # a split backward's B rebuilds the first r layers' graph, which W reads
+                stash = stash + np.maximum(b * (t.cum_saved[R] - at_I(t.cum_saved)) - in_bytes, 0.0)
             return Band(I=I, J=J, fb=tm.cum_fb[J] - at_I(tm.cum_fb) + tm.cum_fwd[R] - at_I(tm.cum_fwd),
                         state=state, grad=grad, weights=weights,
                         per_mb=in_bytes + b * (t.cum_saved[J] - t.cum_saved[R] + out_J), in_bytes=in_bytes,

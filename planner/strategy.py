@@ -205,10 +205,6 @@ def runtime_refusal(schedule: str, st: Strategy, D: int) -> str | None:
     if splits_backward(schedule) and st.fsdp and D > 1:
         return (f"FSDP with a split backward ({schedule}) is not run by the executor (torch's weight-gradient pass "
                 f"does not see FSDP's gradient hooks)")
-    if splits_backward(schedule) and st.recompute_layers:
-        return (f"recomputing the first {st.recompute_layers} layers of a stage with a split backward ({schedule}) is "
-                f"not run by the executor (a checkpointed unit recomputes in every backward pass that reaches it: B's "
-                f"and each of W's; a whole recomputing stage rebuilds its graph once for both)")
     return None
 
 

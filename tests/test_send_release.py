@@ -147,11 +147,13 @@ def _run(tmp, plan, steps: int, *, log_pending: bool):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("schedule,recompute,M", [("1f1b", False, 16), ("gpipe", False, 16), ("2bw", False, 16),
-                                                  ("1f1b", True, 16), ("gpipe", True, 64), ("2bw", True, 16),
-                                                  ("zb-h1", False, 16), ("zb-h1", True, 16)])
-def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thread, schedule, recompute, M):
-    """K = 2, M micro-batches of 1, with and without recomputation: every rank's measured peak
+@pytest.mark.parametrize("schedule,recompute,layers,M", [
+    ("1f1b", False, 0, 16), ("gpipe", False, 0, 16), ("2bw", False, 0, 16), ("1f1b", True, 0, 16),
+    ("gpipe", True, 0, 64), ("2bw", True, 0, 16), ("zb-h1", False, 0, 16), ("zb-h1", True, 0, 16),
+    ("1f1b", True, 1, 16), ("zb-h1", True, 1, 16)])
+def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thread, schedule, recompute, layers, M):
+    """K = 2, M micro-batches of 1, with and without recomputation (``layers``: of each stage's first layers only,
+    which under ZB-H1 B rebuilds once for itself and W): every rank's measured peak
     (``memory.StepMemory``) at most the stage model's; also no further under it than the backward's accumulate term
     (``tests/test_runtime_memory.py``'s bound; under ZB-H1 plus the stash of the most micro-batches between B and
     W), and the static terms exact. Held sends put 1F1B's last stage over
@@ -169,7 +171,8 @@ def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thre
     steps = 5 if schedule == "2bw" else 2
     plan = make_plan(model, [spec(0, K=2, D=1, M=M, b=1)], schedule=schedule, samples_per_epoch=M * steps)
     if recompute:
-        plan = dataclasses.replace(plan, phases=tuple(dataclasses.replace(p, recompute=True) for p in plan.phases))
+        plan = dataclasses.replace(plan, phases=tuple(dataclasses.replace(
+            p, recompute=True, recompute_layers=(layers,) * p.K) for p in plan.phases))
     _, records, _ = _run(str(tmp_path), plan, steps, log_pending=False)
     prof = profile_model(build_model("bert-tiny", seq_len=SEQ, granularity="half", dropout=0.0, seed=0),
                          device="cpu", batch_sizes=(1, 2), warmup=0, repeats=1, progress=False)
@@ -178,7 +181,7 @@ def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thre
     twobw = schedule == "2bw"
     shape = PhaseShape(K=ph.K, M=ph.M, b=ph.micro_batch_size, D=ph.D, frozen=ph.frozen_layers, cache=ph.cache,
                        inflight=peak_inflight(ph.schedule, ph.K, ph.M), optimizer="adamw", device_is_host=True,
-                       weight_versions=2 if twobw else 1, own_p2p=twobw, recompute=recompute,
+                       weight_versions=2 if twobw else 1, own_p2p=twobw, recompute=recompute, recompute_layers=layers,
                        stashed=peak_stashed(ph.schedule, ph.K, ph.M))
     predicted = StageModel(table, shape, links_for(cpu_cluster(2), ph.K)).stage_memory(ph.partition)
     (rec,) = [r for r in records if r["type"] == "step" and r.get("memory_sampled")]
@@ -193,7 +196,7 @@ def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thre
         slack = float(table.accumulate_bytes[lo:hi].max()) + stashed * ph.micro_batch_size * float(
             table.stash_per_sample[lo:hi].sum())
         want = predicted[s]
-        where = (schedule, recompute, rank)
+        where = (schedule, recompute, layers, rank)
         assert (got["params"], got["grads"], got["optimizer"] - counters, got["buffers"]) == (
             want.weights, want.gradients, want.optimizer, want.buffers), where
         assert got["total"] - counters <= want.total, (where, got["total"] - counters, want.total)

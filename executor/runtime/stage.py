@@ -38,7 +38,7 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.plan import Phase
 from ptplan.planner.schedule import Schedule, splits_backward
 
-from ptplan.executor.runtime.step import ChunkCompute, StepInterpreter
+from ptplan.executor.runtime.step import ChunkCompute, Recomputed, StepInterpreter
 from ptplan.executor.runtime.transition import DEVICE, HOST
 
 
@@ -202,6 +202,28 @@ class StageModule(nn.Module):
         finally:
             self.recompute = was
 
+    def recomputed(self) -> Recomputed | None:
+        """How this stage recomputes under a split backward (``step.Recomputed``): the whole stage, run without its
+        checkpoint; or its first r layers (``recompute_first``) as the head and the layers after them as the tail;
+        None where it does not recompute."""
+        def whole(x: Tensor, kw: dict[str, Tensor]) -> Tensor:
+            with self.without_checkpoint():
+                return self(x, **kw)
+        if self.recompute:
+            return Recomputed(head=whole, head_params=list(self.parameters()))
+        unit = self.active[0] if len(self.active) else None
+        if not isinstance(unit, RecomputedLayers):
+            return None
+        rest = list(self.active)[1:]
+
+        def tail(h: Tensor, kw: dict[str, Tensor]) -> Tensor:
+            for layer in rest:
+                h = layer(h, **kw)
+            return h
+        assert not len(self.prefix), "a stage with a frozen prefix (stage 0) recomputes through its checkpoint"
+        return Recomputed(head=lambda x, kw: unit.run_plain(x, **kw), head_params=list(unit.parameters()), tail=tail,
+                          tail_params=[p for layer in rest for p in layer.parameters()])
+
 
 class RecomputedLayers(nn.Module):
     """Consecutive layers of a stage run as one ``torch.utils.checkpoint`` unit (non-reentrant): a
@@ -223,6 +245,10 @@ class RecomputedLayers(nn.Module):
         for layer in self.layers:
             x = layer(x, attention_mask=attention_mask)
         return x
+
+    def run_plain(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The unit's layers without the checkpoint (``StageModule.recomputed``: a split backward rebuilds them)."""
+        return self._run_active(x, attention_mask)
 
 
 def recompute_first(mod: nn.Module, r: int) -> None:
@@ -293,9 +319,9 @@ def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Sched
         compute = sliced_compute(model, phase, position, cached_prefix=cached_prefix)
     else:
         split = splits_backward(phase.schedule)  # (a recomputing chunk rebuilds its graph once for B and W)
+        rebuild = {c: mod.recomputed() for c, mod in chunks.items() if split and c > 0}
         compute = ChunkCompute(chunks, loss_fn, M=phase.M, last=schedule.K - 1,
-                               rebuild={c: mod.without_checkpoint for c, mod in chunks.items()
-                                        if split and c > 0 and getattr(mod, "recompute", False)})
+                               rebuild={c: rc for c, rc in rebuild.items() if rc is not None})
         if phase.schedule == "2bw":
             if update is None or len(chunks) != 1:
                 raise PtplanError(f"a 2BW phase runs one chunk per position with an update function, got chunks "

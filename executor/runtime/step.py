@@ -31,7 +31,7 @@ rest). The compute entry points are ``_forward``, ``_backward`` and ``_backward_
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Hashable, Mapping, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -173,23 +173,35 @@ class Messages:
             self.pending = [p for p in self.pending if not p[2].is_completed()]
 
 
+class Recomputed(NamedTuple):
+    """How a chunk that recomputes its activations runs under a split backward (``ChunkCompute``'s ``rebuild``):
+    ``head(x, kw)`` runs its recomputed layers without a checkpoint (the whole chunk, or its first r layers:
+    ``Phase.recompute_layers``), ``head_params`` are their parameters; ``tail(h, kw)`` runs the layers after them with
+    autograd (None: the head is the whole chunk), ``tail_params`` are theirs."""
+    head: Callable[[Tensor, dict[str, Tensor]], Tensor]
+    head_params: Sequence[nn.Parameter]
+    tail: Callable[[Tensor, dict[str, Tensor]], Tensor] | None = None
+    tail_params: Sequence[nn.Parameter] = ()
+
+
 class ChunkCompute:
     """Forward and backward of whole micro-batches on this position's chunks (modules by chunk index).
 
     ``call(c, m, input, kwargs)`` runs chunk c (default: the module; 2BW: on micro-batch m's weight version).
 
-    ``rebuild``: chunks that recompute their activations under a split backward (chunk index -> a context in
-    which the module runs without its own checkpoint). A checkpointed graph recomputes the forward in every
-    backward pass that reaches it, and a split backward makes one pass for B and one per parameter group for W
-    (a bert-tiny stage of 6 layers ran 20 forwards per micro-batch where the plan prices 2). So such a chunk's
-    F runs under ``no_grad`` (keeping, as recomputation does, only its input and output), and its B first
-    rebuilds the graph -- the forward once more, on the same random-number state -- which B and W then share
-    (``planner/stage.py``: the rebuilt activations are held from B to W).
+    ``rebuild``: chunks that recompute their activations under a split backward (chunk index -> ``Recomputed``). A
+    checkpointed graph recomputes the forward in every backward pass that reaches it, and a split backward makes one
+    pass for B and one per parameter group for W (a bert-tiny stage of 6 layers ran 20 forwards per micro-batch where
+    the plan prices 2). So such a chunk's F runs its recomputed layers (the head: the whole chunk, or its first r
+    layers) under ``no_grad``, keeping, as recomputation does, only their input and output, and the layers after
+    them (the tail) with autograd; its B takes the tail's input gradient, then rebuilds the head's graph -- its
+    forward once more, on the random-number state the F began with -- and takes the chunk's input gradient
+    through it; W reads both graphs (``planner/stage.py``: the rebuilt activations are held from B to W).
     """
 
     def __init__(self, chunks: Mapping[int, nn.Module], loss_fn: Callable[[Tensor, Tensor], Tensor], *, M: int,
                  last: int, call: Callable[[int, int, Tensor, dict[str, Tensor]], Tensor] | None = None,
-                 rebuild: Mapping[int, Callable[[], ContextManager[Any]]] | None = None) -> None:
+                 rebuild: Mapping[int, Recomputed] | None = None) -> None:
         self.chunks, self.loss_fn, self.M, self.last = chunks, loss_fn, M, last
         self.call = call or (lambda c, m, inp, kw: self.chunks[c](inp, **kw))
         self.rebuild = dict(rebuild or {})
@@ -197,6 +209,8 @@ class ChunkCompute:
             raise PtplanError("chunk 0 runs its whole backward in W: it recomputes through its checkpoint")
         self._rng: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
         """(chunk, micro-batch) -> the random-number state its forward began with (``rebuild`` chunks)."""
+        self._mid: dict[tuple[int, int], Tensor] = {}
+        """(chunk, micro-batch) -> the head's output, the tail's input leaf (``rebuild`` chunks with a tail)."""
         self.fwd: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         """(chunk, micro-batch) -> (its input, its output; the loss on the last chunk) until its backward."""
         self.pending: dict[tuple[int, int], Any] = {}
@@ -229,66 +243,96 @@ class ChunkCompute:
         else:
             assert inp is not None, f"chunk {c}'s input for micro-batch {m}"
             inp = inp.detach().requires_grad_(True)
-        if c in self.rebuild:
+        rc = self.rebuild.get(c)
+        if rc is None:
+            out = self._loss(c, m, self.call(c, m, inp, self._kw[i]))
+        else:
             self._rng[(c, m)] = _rng_state(inp.device)
             with torch.no_grad():
-                out = self._run(c, m, inp)
-        else:
-            out = self._run(c, m, inp)
+                h = rc.head(inp, self._kw[i])
+                out = self._loss(c, m, h) if rc.tail is None else h
+            if rc.tail is not None:
+                self._mid[(c, m)] = h = h.detach().requires_grad_(True)
+                out = self._loss(c, m, rc.tail(h, self._kw[i]))
         if c == self.last:
             self._losses[m] = out.detach()
         self.fwd[(c, m)] = (inp if c > 0 else None, out)
         return out
 
-    def _run(self, c: int, m: int, inp: Tensor) -> Tensor:
-        """Chunk c's forward of micro-batch m, and on the last chunk its loss."""
-        i = m % self.M
-        out = self.call(c, m, inp, self._kw[i])
-        if c == self.last:
-            y = self._ys[i]
-            if y is None:
-                raise PtplanError("the last stage needs the batch's targets")
-            out = self.loss_fn(out, y)
-        return out
+    def _loss(self, c: int, m: int, out: Tensor) -> Tensor:
+        """Chunk c's output of micro-batch m, or on the last chunk its loss."""
+        if c != self.last:
+            return out
+        y = self._ys[m % self.M]
+        if y is None:
+            raise PtplanError("the last stage needs the batch's targets")
+        return self.loss_fn(out, y)
 
-    def _graph(self, c: int, m: int) -> tuple[Tensor | None, Tensor]:
-        """Chunk c's (input, output) of micro-batch m for its backward: as its forward left them, or for a
-        ``rebuild`` chunk the forward run again with autograd, on the state its forward began with."""
-        inp, out = self.fwd.pop((c, m))
-        if c not in self.rebuild:
-            return inp, out
-        assert inp is not None
-        del out
+    def _rebuilt(self, c: int, m: int, inp: Tensor, rc: Recomputed) -> Tensor:
+        """A ``rebuild`` chunk's head run again with autograd on micro-batch m's input, on the random-number state its
+        forward began with (and, where the head is the whole last chunk, its loss)."""
         cpu, dev = self._rng.pop((c, m))
         devices = [inp.device] if dev is not None else []
-        with torch.random.fork_rng(devices=devices, device_type=inp.device.type), self.rebuild[c](), \
-                torch.enable_grad():
+        with torch.random.fork_rng(devices=devices, device_type=inp.device.type), torch.enable_grad():
             torch.set_rng_state(cpu)
             if dev is not None:
                 torch.cuda.set_rng_state(dev, inp.device)
-            return inp, self._run(c, m, inp)
+            h = rc.head(inp, self._kw[m % self.M])
+            return self._loss(c, m, h) if rc.tail is None else h
 
     def backward(self, c: int, m: int, sl: int, grad: Tensor | None, *, full: bool) -> Tensor | None:
         """Chunk c's backward of micro-batch m; its input's gradient (None on chunk 0)."""
+        if c in self.rebuild:
+            return self._backward_rebuilt(c, m, grad, full=full)
         if full:
-            inp, out = self._graph(c, m)
+            inp, out = self.fwd.pop((c, m))
             torch.autograd.backward(out, grad_tensors=grad)
             return None if inp is None else inp.grad
         if c == 0:  # torch's first stage: the input needs no gradient, so W runs the whole backward
             self.pending[(c, m)] = grad
             return None
-        inp, out = self._graph(c, m)
+        inp, out = self.fwd.pop((c, m))
         assert inp is not None, f"chunk {c} > 0 keeps its input"
         dinputs, groups = torch_adapter.backward_input([out], None if grad is None else [grad], [inp],
                                                        self.chunks[c].parameters())
         self.pending[(c, m)] = groups
         return dinputs[0]
 
+    def _backward_rebuilt(self, c: int, m: int, grad: Tensor | None, *, full: bool) -> Tensor | None:
+        """``backward`` of a ``rebuild`` chunk: the tail's input gradient (where it has a tail), then the head
+        rebuilt and the chunk's input gradient through it; W's groups of both kept (``full``: the whole backward)."""
+        rc = self.rebuild[c]
+        inp, out = self.fwd.pop((c, m))
+        assert inp is not None, f"chunk {c} > 0 keeps its input"
+        seed, tail_groups = grad, None
+        if rc.tail is not None:
+            h = self._mid.pop((c, m))
+            if full:
+                torch.autograd.backward(out, grad_tensors=grad)
+                seed = h.grad
+            else:
+                (seed,), tail_groups = torch_adapter.backward_input([out], None if grad is None else [grad], [h],
+                                                                   iter(rc.tail_params))
+        del out
+        rebuilt = self._rebuilt(c, m, inp, rc)
+        if full:
+            torch.autograd.backward(rebuilt, grad_tensors=seed)
+            return inp.grad
+        (dinput,), head_groups = torch_adapter.backward_input([rebuilt], None if seed is None else [seed], [inp],
+                                                             iter(rc.head_params))
+        self.pending[(c, m)] = (head_groups, tail_groups)
+        return dinput
+
     def backward_weight(self, c: int, m: int, sl: int) -> None:
         pending = self.pending.pop((c, m))
         if c == 0:
             _, out = self.fwd.pop((c, m))
             torch.autograd.backward(out, grad_tensors=pending)
+        elif c in self.rebuild:
+            rc, (head_groups, tail_groups) = self.rebuild[c], pending
+            if tail_groups is not None:
+                torch_adapter.backward_weight(iter(rc.tail_params), tail_groups)
+            torch_adapter.backward_weight(iter(rc.head_params), head_groups)
         else:
             torch_adapter.backward_weight(self.chunks[c].parameters(), pending)
 
