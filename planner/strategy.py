@@ -53,6 +53,9 @@ With FSDP (ZeRO-3: FSDP2 ``fully_shard`` over the stage's D replicas), per layer
                                                            gradients stay sharded between micro-batches)
     W, G, optimizer  = sharded: / D
     sync             = none after the pipeline (the runtime skips its flat all-reduce)
+    weight-gradient part, stash = 0: under a split backward (ZB-H1, ZB-V) a sharded stage's B runs its whole
+                       backward and its W nothing (torch's weight-gradient pass does not run FSDP's gradient
+                       hooks), so nothing waits between them
     transient        = 2 · max W / tp (the layer in use and the prefetched one) + max G / tp (one
                        layer's unsharded gradient before its reduce-scatter): conservative, the
                        largest layer of the whole model
@@ -83,7 +86,6 @@ import numpy as np
 from .cluster import Cluster
 from .costs import CostTable
 from .errors import PtplanError
-from .schedule import splits_backward
 
 TP_KINDS = {"attention": 1, "mlp": 1, "block": 2}
 """Megatron all-reduces per forward (and as many per backward) of a layer of this kind."""
@@ -202,9 +204,6 @@ def runtime_refusal(schedule: str, st: Strategy, D: int) -> str | None:
     if schedule == "2bw" and st.recompute_layers:
         return ("2bw recomputes whole stages only (its loop checkpoints each micro-batch's call on its weight "
                 "version), not the first layers of one")
-    if splits_backward(schedule) and st.fsdp and D > 1:
-        return (f"FSDP with a split backward ({schedule}) is not run by the executor (torch's weight-gradient pass "
-                f"does not see FSDP's gradient hooks)")
     return None
 
 
@@ -317,6 +316,11 @@ def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, f
         rs = np.where(G > 0, (dp_ar[0] + G * dp_ar[1]) / 2.0, 0.0)
         fwd, bwd, nog = fwd + ag[:, None], bwd + (ag + rs)[:, None], nog + ag[:, None]  # frozen: no rs
         sync = np.zeros_like(G)
+        # under a split backward (ZB-H1, ZB-V) a sharded stage's B runs its whole backward and its W nothing (torch's
+        # weight-gradient pass does not run FSDP's gradient hooks: ``executor/runtime/step.ChunkCompute``'s whole)
+        bww = np.zeros_like(bww)
+        t.stash_per_sample = np.zeros_like(table.stash_per_sample)
+        t.cum_stash = _cum(t.stash_per_sample)
         W, G = W / D, G / D
         opt_div = div * D
     else:
@@ -338,8 +342,10 @@ def min_table(a: CostTable, b: CostTable) -> CostTable:
     choose their strategy."""
     t = copy.copy(a)
     t._cache, t._derived = {}, {}
-    for name in ("_fwd", "_bwd", "_nog", "_bww", "param_bytes", "grad_bytes"):
+    for name in ("_fwd", "_bwd", "_nog", "param_bytes", "grad_bytes"):
         setattr(t, name, np.minimum(getattr(a, name), getattr(b, name)))
+    # the weight-gradient part only shortens a zero-bubble B (backward - W): the least of those, not of each part
+    t._bww = np.clip(t._bwd - np.minimum(a._bwd - a._bww, b._bwd - b._bww), 0.0, t._bwd)
     t.set_optimizer(np.minimum(a.optimizer_s, b.optimizer_s), min(a.optimizer_call_s, b.optimizer_call_s))
     t.cum_param, t.cum_grad = _cum(t.param_bytes), _cum(t.grad_bytes)
     t.cum_sync = _cum(np.minimum(np.diff(a.cum_sync), np.diff(b.cum_sync)))

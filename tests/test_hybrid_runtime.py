@@ -64,7 +64,7 @@ def _fsdp_plan(model, schedule: str, strategies, cache: bool = False):
     """FSDP over D=2 replicas of a 2-stage pipeline, then a 4-stage pipeline (no data parallelism), then
     one stage over D=4; the micro-batches per global batch (4, 4, 8) are the reference's."""
     _, l1, l2 = LAYOUTS[model.name]
-    V = 2 if schedule == "interleaved-1f1b" else 1
+    V = 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
     return _mixed_plan(model, [spec(0, K=2, D=2, M=2, b=2, ranks=l1, schedule=schedule, V=V),
                                spec(1, K=4, D=1, M=4, b=2, schedule=schedule, V=V, cache=cache),
                                spec(2, K=1, D=4, M=2, b=1, ranks=l2, schedule=schedule, V=V, cache=cache)], strategies)
@@ -170,15 +170,18 @@ FS = [(True, False), (False, False), (True, True)]
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name,schedule,optimizer", [("bert-tiny", "1f1b", "sgd"), ("bert-tiny", "1f1b", "adamw"),
                                                       ("gpt2-tiny", "gpipe", "adamw"),
-                                                      ("bert-tiny", "interleaved-1f1b", "sgd")])
+                                                      ("bert-tiny", "interleaved-1f1b", "sgd"),
+                                                      ("bert-tiny", "zb-h1", "adamw"), ("gpt2-tiny", "zb-v", "sgd")])
 def test_fsdp_through_transitions_matches_reference(name, schedule, optimizer, tmp_path):
+    """Under ZB-H1 and ZB-V a sharded stage's B runs its whole backward (FSDP reduce-scatters in it) and its W
+    nothing; before, such plans were refused (torch's weight-gradient pass does not run FSDP's gradient hooks)."""
     _check(name, schedule, optimizer, FS, tmp_path, "fsdp", plan_of=_fsdp_plan)
 
 
 def _tp_plan(model, schedule: str, strategies):
     """Tensor parallelism over 2 ranks in a 2-stage pipeline (K=2, D=1, tp=2: ranks 0,1 run stage 0 and 2,3
     stage 1), then over 2 ranks per replica (K=1, D=2, tp=2), then none (K=1, D=4)."""
-    V = 2 if schedule == "interleaved-1f1b" else 1
+    V = 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
     return _mixed_plan(model, [spec(0, K=2, D=1, M=4, b=2, schedule=schedule, V=V),
                                spec(1, K=1, D=2, M=2, b=2, schedule=schedule, V=V),
                                spec(2, K=1, D=4, M=2, b=1, schedule=schedule, V=V)], strategies)
@@ -229,16 +232,14 @@ def test_tensor_parallel_with_the_autocache_matches_reference(tmp_path):
 
 
 def test_strategies_the_executor_does_not_run_are_refused():
-    """FSDP with a split backward and FSDP in PipeDream-2BW phases (its own loop has no FSDP hooks) are
-    refused, naming the fix; 2BW with recomputation runs (tests/test_twobw.py checks its numbers)."""
+    """FSDP in PipeDream-2BW phases (its own loop has no FSDP hooks) is refused, naming the fix; 2BW with
+    recomputation runs (tests/test_twobw.py checks its numbers), and so does FSDP with a split backward (above)."""
     from ptplan.executor.training.validate import check_strategies
     from ptplan.planner.errors import PtplanError
     import tests.test_twobw as tb
 
     check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), RC))
-    fz = _fsdp_plan(_build("bert-tiny"), "zb-h1", FS)
-    with pytest.raises(PtplanError, match=r"FSDP with a split backward \(zb-h1\) is not run"):
-        check_strategies(fz)
+    check_strategies(_fsdp_plan(_build("bert-tiny"), "zb-h1", FS))
     with pytest.raises(PtplanError, match=r"2bw with fsdp is not run"):
         check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), [(False, False), (True, False)] * 2))
     check_strategies(with_strategies(tb._plan(tb._build("gpt2-tiny")), [(False, False)] * 3))

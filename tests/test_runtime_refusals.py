@@ -4,8 +4,9 @@
 Before, the search had its own list (2BW's) and the executor another (2BW's and FSDP under a split backward), so
 ``ptplan plan --schedule zb-h1 --strategies auto`` wrote FSDP phases that ``ptplan run`` refused, and layer-wise
 recomputation under ZB-H1 and ZB-V ran with a checkpointed unit that recomputed in every backward pass (B's and each
-of W's parameter groups'). The executor now runs that as priced (B rebuilds the first layers once for itself and W:
-``tests/test_split_backward_recompute.py``), so it left the list."""
+of W's parameter groups'). The executor now runs both as priced -- B rebuilds the first layers once for itself and W
+(``tests/test_split_backward_recompute.py``); a sharded stage's B runs its whole backward and its W nothing
+(``tests/test_hybrid_runtime.py``) --, so they left the list: what is left is 2BW's."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,6 @@ from ptplan.planner.errors import PtplanError
 from ptplan.planner.freeze import FreezePolicy
 from ptplan.planner.planner import make_plan
 from ptplan.planner.profile import load_profile
-from ptplan.planner.schedule import splits_backward
 from ptplan.planner.strategy import Strategy, runtime_refusal
 
 PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "bert-base_a100_bf16.json"
@@ -32,17 +32,14 @@ def test_every_plan_the_search_writes_passes_the_executors_strategy_check(schedu
     """bert-base on 8 A100s with a share of their memory small enough that the search needs tensor parallelism,
     FSDP or recomputation (on every stage or per stage): every phase's every stage passes ``check_strategies``.
     On adf136d the zb-h1 and zb-v plans at 2 % had FSDP phases that it refused, and at 0.4-0.6 % layer-wise
-    recomputation that it ran as a checkpoint recomputed in every pass (now run as priced; the zb-h1 plan at 0.4 %
-    takes it on one stage of its first phase)."""
+    recomputation that it ran as a checkpoint recomputed in every pass (both now run as priced; the zb-h1 plan at
+    0.4 % takes layer-wise recomputation in its first phase)."""
     prof = load_profile(PROFILE)
     cfg = TrainingConfig(batch=256, schedule=schedule, memory_fraction=fraction, epochs=4, samples_per_epoch=4096)
     plan = make_plan(prof, get_preset("dgx-a100"), cfg, FreezePolicy(), strategies="auto")
     check_strategies(plan)
     strategies = {ph.strategy_label for ph in plan.phases}
     assert strategies - {"dp"}, strategies  # the memory share made the search use a strategy
-    for ph in plan.phases:
-        if splits_backward(ph.schedule) and ph.D > 1:
-            assert not any(ph.fsdp_at(s) for s in range(ph.K * ph.V)), ph.strategy_label
     if (schedule, fraction) == ("zb-h1", 0.004):  # the search may take layer-wise recomputation under ZB-H1
         assert any(ph.recompute_layers for ph in plan.phases), strategies
 
@@ -54,7 +51,7 @@ def test_each_refusal_by_hand():
     assert runtime_refusal("2bw", rc2, 1) is not None
     assert runtime_refusal("2bw", Strategy(recompute=True), 1) is None
     for zb in ("zb-h1", "zb-v"):
-        assert runtime_refusal(zb, Strategy(fsdp=True), 2) is not None
+        assert runtime_refusal(zb, Strategy(fsdp=True), 2) is None
         assert runtime_refusal(zb, Strategy(fsdp=True), 1) is None
         assert runtime_refusal(zb, rc2, 1) is None
         assert runtime_refusal(zb, Strategy(tp=2, recompute=True), 4) is None
@@ -63,16 +60,21 @@ def test_each_refusal_by_hand():
             assert runtime_refusal(name, st, 2) is None
 
 
-def test_run_refuses_a_plan_with_fsdp_under_a_split_backward_and_takes_layer_wise_recomputation():
-    """A plan written by hand (or by an older ptplan) under ZB-H1 with D > 1: stage 1 sharded (FSDP) is refused,
-    ``check_strategies`` naming the phase, the stage and why; stage 1 recomputing its first 2 layers is run."""
+def test_run_takes_fsdp_and_layer_wise_recomputation_under_a_split_backward_and_refuses_them_under_2bw():
+    """A plan written by hand (or by an older ptplan): under ZB-H1 with D > 1, stage 1 sharded (FSDP) or recomputing
+    its first 2 layers passes ``check_strategies``; the same stage under 2BW is refused, naming the phase, the
+    stage and why."""
     prof = load_profile(PROFILE)
     cfg = TrainingConfig(batch=64, schedule="zb-h1", epochs=2, samples_per_epoch=1024, pin_K=2)
     plan = make_plan(prof, get_preset("dgx-a100"), cfg, FreezePolicy(policy="none"))
     ph = plan.phases[0]
     assert ph.K == 2 and ph.D > 1 and ph.schedule == "zb-h1"
-    bad = dataclasses.replace(ph, fsdp=(False, True))
-    with pytest.raises(PtplanError, match=r"stage 1: FSDP with a split backward \(zb-h1\)"):
-        check_strategies(dataclasses.replace(plan, phases=(bad, *plan.phases[1:])))
-    layer_wise = dataclasses.replace(ph, recompute=(False, True), recompute_layers=(0, 2))
-    check_strategies(dataclasses.replace(plan, phases=(layer_wise, *plan.phases[1:])))
+    for st in (dict(fsdp=(False, True)), dict(recompute=(False, True), recompute_layers=(0, 2))):
+        check_strategies(dataclasses.replace(plan, phases=(dataclasses.replace(ph, **st), *plan.phases[1:])))
+    twobw = make_plan(prof, get_preset("dgx-a100"), dataclasses.replace(cfg, schedule="2bw"),
+                      FreezePolicy(policy="none"))
+    ph = twobw.phases[0]
+    assert ph.K == 2 and ph.schedule == "2bw", (ph.K, ph.schedule)
+    bad = dataclasses.replace(ph, recompute=(False, True), recompute_layers=(0, 2))
+    with pytest.raises(PtplanError, match=r"stage 1: 2bw recomputes whole stages only"):
+        check_strategies(dataclasses.replace(twobw, phases=(bad, *twobw.phases[1:])))

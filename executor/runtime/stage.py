@@ -319,9 +319,10 @@ def build_schedule(chunks: dict[int, StageModule], phase: Phase, schedule: Sched
         compute = sliced_compute(model, phase, position, cached_prefix=cached_prefix)
     else:
         split = splits_backward(phase.schedule)  # (a recomputing chunk rebuilds its graph once for B and W)
-        rebuild = {c: mod.recomputed() for c, mod in chunks.items() if split and c > 0}
+        whole = frozenset(c for c in chunks if split and phase.D > 1 and phase.fsdp_at(c))  # (FSDP: never split)
+        rebuild = {c: mod.recomputed() for c, mod in chunks.items() if split and c > 0 and c not in whole}
         compute = ChunkCompute(chunks, loss_fn, M=phase.M, last=schedule.K - 1,
-                               rebuild={c: rc for c, rc in rebuild.items() if rc is not None})
+                               rebuild={c: rc for c, rc in rebuild.items() if rc is not None}, whole=whole)
         if phase.schedule == "2bw":
             if update is None or len(chunks) != 1:
                 raise PtplanError(f"a 2BW phase runs one chunk per position with an update function, got chunks "

@@ -197,16 +197,25 @@ class ChunkCompute:
     them (the tail) with autograd; its B takes the tail's input gradient, then rebuilds the head's graph -- its
     forward once more, on the random-number state the F began with -- and takes the chunk's input gradient
     through it; W reads both graphs (``planner/stage.py``: the rebuilt activations are held from B to W).
+
+    ``whole``: chunks whose backward is never split: under a split backward their B runs the whole backward and
+    their W nothing (FSDP-sharded chunks with D > 1: torch's weight-gradient pass does not run FSDP's gradient
+    hooks, so the reduce-scatter would never happen; ``planner/strategy.strategy_table`` prices such a layer's
+    weight-gradient part as 0 and its stash as none).
     """
 
     def __init__(self, chunks: Mapping[int, nn.Module], loss_fn: Callable[[Tensor, Tensor], Tensor], *, M: int,
                  last: int, call: Callable[[int, int, Tensor, dict[str, Tensor]], Tensor] | None = None,
-                 rebuild: Mapping[int, Recomputed] | None = None) -> None:
+                 rebuild: Mapping[int, Recomputed] | None = None, whole: frozenset[int] = frozenset()) -> None:
         self.chunks, self.loss_fn, self.M, self.last = chunks, loss_fn, M, last
         self.call = call or (lambda c, m, inp, kw: self.chunks[c](inp, **kw))
         self.rebuild = dict(rebuild or {})
+        self.whole = whole
         if 0 in self.rebuild:
             raise PtplanError("chunk 0 runs its whole backward in W: it recomputes through its checkpoint")
+        if self.whole & set(self.rebuild):
+            raise PtplanError(f"chunks {sorted(self.whole & set(self.rebuild))} run their backward whole: they "
+                              f"recompute through their checkpoint, not a rebuild")
         self._rng: dict[tuple[int, int], tuple[Tensor, Tensor | None]] = {}
         """(chunk, micro-batch) -> the random-number state its forward began with (``rebuild`` chunks)."""
         self._mid: dict[tuple[int, int], Tensor] = {}
@@ -284,7 +293,7 @@ class ChunkCompute:
         """Chunk c's backward of micro-batch m; its input's gradient (None on chunk 0)."""
         if c in self.rebuild:
             return self._backward_rebuilt(c, m, grad, full=full)
-        if full:
+        if full or c in self.whole:
             inp, out = self.fwd.pop((c, m))
             torch.autograd.backward(out, grad_tensors=grad)
             return None if inp is None else inp.grad
@@ -324,6 +333,8 @@ class ChunkCompute:
         return dinput
 
     def backward_weight(self, c: int, m: int, sl: int) -> None:
+        if c in self.whole:  # its B ran the whole backward
+            return
         pending = self.pending.pop((c, m))
         if c == 0:
             _, out = self.fwd.pop((c, m))
