@@ -3,8 +3,7 @@
 bert-tiny (halves, 8 tokens, dropout 0), one pipeline of K = 2 positions on 2 forked gloo processes (one thread
 each), M micro-batches of 1 sample (16; GPipe with recomputation 64, where the held outputs show), AdamW, no
 freezing: every schedule the executor runs whole micro-batches with (V = 2 where it takes chunks), each with
-recomputation off, on (the whole stage) and of each stage's first layer only (Galvatron's layer-wise choice; not
-2BW, which recomputes whole stages only). The sampled step's measured peak per rank (``executor/runtime/memory.StepMemory``:
+recomputation off, on (the whole stage) and of each stage's first layer only (Galvatron's layer-wise choice). The sampled step's measured peak per rank (``executor/runtime/memory.StepMemory``:
 stage tensors + live saved-for-backward storages + the backward's working set, the 4-byte AdamW step counters
 left out as the stage model leaves them out) against the simulator's rank peak from the stage model
 (``StageModel.stage_costs`` on the run's own profile, ``simulate``'s ``rank_peak_memory_bytes``). Error =
@@ -95,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     print(f"{'schedule':<18}{'V':>2} {'rc':<4}{'M':>3} {'rank':>4} {'measured B':>12} {'predicted B':>12} {'error':>8}")
     for schedule, V in CASES:
-        for recompute, layers in ((False, 0), (True, 0)) + (((True, 1),) if schedule != "2bw" else ()):
+        for recompute, layers in ((False, 0), (True, 0), (True, 1)):
             with tempfile.TemporaryDirectory() as tmp:
                 for r in measure(schedule, V, recompute, tmp, layers):
                     rows.append(r)

@@ -201,9 +201,6 @@ def runtime_refusal(schedule: str, st: Strategy, D: int) -> str | None:
     if schedule == "2bw" and (st.tp > 1 or st.fsdp):
         return (f"2bw with {st.label} is not run by the executor (its 2BW loop runs plain stages, whole-stage "
                 f"recomputation at most: FSDP's and DTensor's hooks are not wired into it)")
-    if schedule == "2bw" and st.recompute_layers:
-        return ("2bw recomputes whole stages only (its loop checkpoints each micro-batch's call on its weight "
-                "version), not the first layers of one")
     return None
 
 

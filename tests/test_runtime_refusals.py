@@ -6,7 +6,9 @@ Before, the search had its own list (2BW's) and the executor another (2BW's and 
 recomputation under ZB-H1 and ZB-V ran with a checkpointed unit that recomputed in every backward pass (B's and each
 of W's parameter groups'). The executor now runs both as priced -- B rebuilds the first layers once for itself and W
 (``tests/test_split_backward_recompute.py``); a sharded stage's B runs its whole backward and its W nothing
-(``tests/test_hybrid_runtime.py``) --, so they left the list: what is left is 2BW's."""
+(``tests/test_hybrid_runtime.py``) --, and so does layer-wise recomputation under 2BW (its rerun binds the
+micro-batch's weight version: ``tests/test_twobw.py``), so they left the list: what is left is tp and FSDP under
+2BW."""
 from __future__ import annotations
 
 import dataclasses
@@ -48,7 +50,7 @@ def test_each_refusal_by_hand():
     rc2 = Strategy(recompute=True, recompute_layers=2)
     assert runtime_refusal("2bw", Strategy(tp=2), 1) is not None
     assert runtime_refusal("2bw", Strategy(fsdp=True), 2) is not None
-    assert runtime_refusal("2bw", rc2, 1) is not None
+    assert runtime_refusal("2bw", rc2, 1) is None
     assert runtime_refusal("2bw", Strategy(recompute=True), 1) is None
     for zb in ("zb-h1", "zb-v"):
         assert runtime_refusal(zb, Strategy(fsdp=True), 2) is None
@@ -60,21 +62,22 @@ def test_each_refusal_by_hand():
             assert runtime_refusal(name, st, 2) is None
 
 
-def test_run_takes_fsdp_and_layer_wise_recomputation_under_a_split_backward_and_refuses_them_under_2bw():
+def test_run_takes_fsdp_and_layer_wise_recomputation_under_a_split_backward_and_refuses_fsdp_under_2bw():
     """A plan written by hand (or by an older ptplan): under ZB-H1 with D > 1, stage 1 sharded (FSDP) or recomputing
-    its first 2 layers passes ``check_strategies``; the same stage under 2BW is refused, naming the phase, the
-    stage and why."""
+    its first 2 layers passes ``check_strategies``; under 2BW layer-wise recomputation passes too, and FSDP is
+    refused, naming the phase, the stage and why."""
     prof = load_profile(PROFILE)
     cfg = TrainingConfig(batch=64, schedule="zb-h1", epochs=2, samples_per_epoch=1024, pin_K=2)
     plan = make_plan(prof, get_preset("dgx-a100"), cfg, FreezePolicy(policy="none"))
     ph = plan.phases[0]
     assert ph.K == 2 and ph.D > 1 and ph.schedule == "zb-h1"
-    for st in (dict(fsdp=(False, True)), dict(recompute=(False, True), recompute_layers=(0, 2))):
+    fsdp, layer_wise = dict(fsdp=(False, True)), dict(recompute=(False, True), recompute_layers=(0, 2))
+    for st in (fsdp, layer_wise):
         check_strategies(dataclasses.replace(plan, phases=(dataclasses.replace(ph, **st), *plan.phases[1:])))
     twobw = make_plan(prof, get_preset("dgx-a100"), dataclasses.replace(cfg, schedule="2bw"),
                       FreezePolicy(policy="none"))
     ph = twobw.phases[0]
-    assert ph.K == 2 and ph.schedule == "2bw", (ph.K, ph.schedule)
-    bad = dataclasses.replace(ph, recompute=(False, True), recompute_layers=(0, 2))
-    with pytest.raises(PtplanError, match=r"stage 1: 2bw recomputes whole stages only"):
-        check_strategies(dataclasses.replace(twobw, phases=(bad, *twobw.phases[1:])))
+    assert ph.K == 2 and ph.D > 1 and ph.schedule == "2bw", (ph.K, ph.D, ph.schedule)
+    check_strategies(dataclasses.replace(twobw, phases=(dataclasses.replace(ph, **layer_wise), *twobw.phases[1:])))
+    with pytest.raises(PtplanError, match=r"stage 1: 2bw with fsdp is not run by the executor"):
+        check_strategies(dataclasses.replace(twobw, phases=(dataclasses.replace(ph, **fsdp), *twobw.phases[1:])))

@@ -150,7 +150,7 @@ def _run(tmp, plan, steps: int, *, log_pending: bool):
 @pytest.mark.parametrize("schedule,recompute,layers,M", [
     ("1f1b", False, 0, 16), ("gpipe", False, 0, 16), ("2bw", False, 0, 16), ("1f1b", True, 0, 16),
     ("gpipe", True, 0, 64), ("2bw", True, 0, 16), ("zb-h1", False, 0, 16), ("zb-h1", True, 0, 16),
-    ("1f1b", True, 1, 16), ("zb-h1", True, 1, 16)])
+    ("1f1b", True, 1, 16), ("zb-h1", True, 1, 16), ("2bw", True, 1, 16)])
 def test_many_micro_batches_peak_within_the_stage_model(tmp_path, one_torch_thread, schedule, recompute, layers, M):
     """K = 2, M micro-batches of 1, with and without recomputation (``layers``: of each stage's first layers only,
     which under ZB-H1 B rebuilds once for itself and W): every rank's measured peak

@@ -233,13 +233,25 @@ class RecomputedLayers(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.lo, self.hi = lo, lo + len(layers)
+        self.bind_weights = False
+        """Whether the rerun uses the weight tensors the forward used (``twobw.TwoBW`` sets it: its forward runs in a
+        ``functional_call`` on a micro-batch's weight version, and a checkpoint's rerun, in the backward, would
+        otherwise read the module's own parameters, the newest version)."""
 
-    def forward(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        if torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
+    def forward(self, x: Tensor, attention_mask: Tensor | None = None, *, plain: bool = False) -> Tensor:
+        if plain or not torch.is_grad_enabled():
+            return self._run_active(x, attention_mask)
+        from torch.utils.checkpoint import checkpoint
 
+        if not self.bind_weights:
             return checkpoint(self._run_active, x, attention_mask, use_reentrant=False)
-        return self._run_active(x, attention_mask)
+        from torch.func import functional_call
+
+        names, tensors = zip(*self.named_parameters())  # inside a functional_call: the version's tensors
+
+        def rerun(x: Tensor, mask: Tensor | None, *weights: Tensor) -> Tensor:
+            return functional_call(self, dict(zip(names, weights)), (x,), {"attention_mask": mask, "plain": True})
+        return checkpoint(rerun, x, attention_mask, *tensors, use_reentrant=False)
 
     def _run_active(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         for layer in self.layers:

@@ -107,6 +107,9 @@ class TwoBW:
         checkpoint would rerun outside ``functional_call``, on the newest weights)."""
         if self.recompute:
             module.recompute = False  # type: ignore[assignment]
+        for unit in module.modules():  # a stage recomputing its first layers (``stage.RecomputedLayers``): their
+            if hasattr(unit, "bind_weights"):  # rerun binds the micro-batch's version, as this checkpoint does
+                unit.bind_weights = True
         self.versions: dict[int, dict[str, Tensor]] = {}
         """Version t -> its leaf tensors (versions 0 and 1 share the weights the policy starts from)."""
         self.steps = 0
