@@ -199,8 +199,8 @@ def runtime_refusal(schedule: str, st: Strategy, D: int) -> str | None:
     (``candidates.enumerate_candidates``, ``search.PhaseSearch.stage_options``), and ``ptplan run`` refuses a plan
     that has one (``executor/training/validate.check_strategies``)."""
     if schedule == "2bw" and (st.tp > 1 or st.fsdp):
-        return (f"2bw with {st.label} is not run by the executor (its 2BW loop runs plain stages, whole-stage "
-                f"recomputation at most: FSDP's and DTensor's hooks are not wired into it)")
+        return (f"2bw with {st.label} is not run by the executor (its 2BW loop runs plain stages, recomputing at "
+                f"most: FSDP's and DTensor's hooks are not wired into it)")
     return None
 
 

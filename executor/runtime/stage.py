@@ -247,11 +247,12 @@ class RecomputedLayers(nn.Module):
             return checkpoint(self._run_active, x, attention_mask, use_reentrant=False)
         from torch.func import functional_call
 
-        names, tensors = zip(*self.named_parameters())  # inside a functional_call: the version's tensors
+        named = list(self.named_parameters())  # inside a functional_call: the version's tensors
+        names = [name for name, _ in named]
 
         def rerun(x: Tensor, mask: Tensor | None, *weights: Tensor) -> Tensor:
             return functional_call(self, dict(zip(names, weights)), (x,), {"attention_mask": mask, "plain": True})
-        return checkpoint(rerun, x, attention_mask, *tensors, use_reentrant=False)
+        return checkpoint(rerun, x, attention_mask, *(w for _, w in named), use_reentrant=False)
 
     def _run_active(self, x: Tensor, attention_mask: Tensor | None) -> Tensor:
         for layer in self.layers:
