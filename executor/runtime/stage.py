@@ -206,11 +206,11 @@ class StageModule(nn.Module):
         """How this stage recomputes under a split backward (``step.Recomputed``): the whole stage, run without its
         checkpoint; or its first r layers (``recompute_first``) as the head and the layers after them as the tail;
         None where it does not recompute."""
-        def whole(x: Tensor, kw: dict[str, Tensor]) -> Tensor:
+        def stage(x: Tensor, kw: dict[str, Tensor]) -> Tensor:
             with self.without_checkpoint():
                 return self(x, **kw)
         if self.recompute:
-            return Recomputed(head=whole, head_params=list(self.parameters()))
+            return Recomputed(head=stage, head_params=list(self.parameters()))
         unit = self.active[0] if len(self.active) else None
         if not isinstance(unit, RecomputedLayers):
             return None
@@ -221,7 +221,7 @@ class StageModule(nn.Module):
                 h = layer(h, **kw)
             return h
         assert not len(self.prefix), "a stage with a frozen prefix (stage 0) recomputes through its checkpoint"
-        return Recomputed(head=lambda x, kw: unit.run_plain(x, **kw), head_params=list(unit.parameters()), tail=tail,
+        return Recomputed(head=lambda x, kw: unit(x, plain=True, **kw), head_params=list(unit.parameters()), tail=tail,
                           tail_params=[p for layer in rest for p in layer.parameters()])
 
 
@@ -239,6 +239,8 @@ class RecomputedLayers(nn.Module):
         otherwise read the module's own parameters, the newest version)."""
 
     def forward(self, x: Tensor, attention_mask: Tensor | None = None, *, plain: bool = False) -> Tensor:
+        """The unit's layers, as one checkpoint where autograd records; ``plain``: without it (a split backward's
+        rebuild, ``StageModule.recomputed``, and the bound rerun below)."""
         if plain or not torch.is_grad_enabled():
             return self._run_active(x, attention_mask)
         from torch.utils.checkpoint import checkpoint
@@ -258,10 +260,6 @@ class RecomputedLayers(nn.Module):
         for layer in self.layers:
             x = layer(x, attention_mask=attention_mask)
         return x
-
-    def run_plain(self, x: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """The unit's layers without the checkpoint (``StageModule.recomputed``: a split backward rebuilds them)."""
-        return self._run_active(x, attention_mask)
 
 
 def recompute_first(mod: nn.Module, r: int) -> None:
