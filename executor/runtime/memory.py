@@ -33,7 +33,9 @@ stage.py's term in brackets:
 - **transient** [transient]: the flat gradient all-reduce buffer (``gradients.start_allreduce_grads``,
   D > 1: the stage's gradients in one tensor), tracked in the same live-bytes count as the
   activations while it exists; it is made after the activations are freed, except under PipeDream-2BW,
-  whose all-reduce runs under the next mini-batch's work (stage.py then adds it to the peak).
+  whose all-reduce runs under the next mini-batch's work (stage.py then adds it to the peak). On an FSDP-sharded
+  stage, also the layers FSDP2 gathers, while their storages hold them (``_FsdpGathers``), and the flat buffers its
+  all-gathers receive into (stage.py's FSDP transient).
 - **host_params** (not in ``total``): the frozen prefix's weights a cached phase's stage 0 keeps in
   host memory (stage.py leaves them out of the device's memory).
 
@@ -50,6 +52,7 @@ peak leaves after the static terms and the gradients.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from typing import Any
 
@@ -57,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ptplan.executor.profiling.live_bytes import LiveCount, NewStorages
+from ptplan.executor.profiling.live_bytes import LiveCount, NewStorages, _storage
 
 FIELDS = ("total", "params", "grads", "optimizer", "buffers", "activations", "transient", "host_params")
 METHOD_CPU = ("cpu: stage tensors + live saved-for-backward storages (saved_tensors_hooks) + the backward's working "
@@ -100,31 +103,131 @@ class _Holder:
 
 class _LiveBytes:
     """Storages kept for backward (packed by autograd) or held by the schedule, each counted once however many
-    references point at it, by kind (``activations`` or ``transient``), as births and deaths in ``count``'s log."""
+    references point at it, by kind (``activations`` or ``transient``), as births and deaths in ``count``'s log.
+    Storages are told apart by the objects themselves (held weakly, as ``NewStorages`` does), never by their
+    address: FSDP2 frees a gathered layer's bytes under the tensors autograd saved (``_FsdpGathers``), and the next
+    storage made at that address is another one."""
 
-    def __init__(self, exclude: set[int], count: LiveCount) -> None:
+    def __init__(self, exclude: "weakref.WeakSet[Any]", count: LiveCount) -> None:
         self.exclude = exclude
         self.count = count
-        self.refs: dict[int, tuple[int, str]] = {}
+        self.refs: dict[int, tuple[int, str, int]] = {}
+        """Each counted storage's key -> (references alive, kind, bytes when it was first counted)."""
+        self._keys: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._serial = itertools.count()
 
     def add(self, t: Tensor, kind: str = "activations") -> int | None:
-        ptr, nbytes = _key(t)
-        if ptr in self.exclude:
+        st = _storage(t)
+        if st is None or st in self.exclude:
             return None
-        n, kind = self.refs.get(ptr, (0, kind))
-        self.refs[ptr] = (n + 1, kind)
+        key = self._keys.get(st)
+        if key is None:
+            key = self._keys[st] = next(self._serial)
+        n, kind, nbytes = self.refs.get(key, (0, kind, st.nbytes()))
+        self.refs[key] = (n + 1, kind, nbytes)
         if n == 0:
-            self.count.born(("ptr", ptr), nbytes, kind)
-        return ptr
+            self.count.born(("live", key), nbytes, kind)
+        return key
 
-    def release(self, ptr: int, nbytes: int) -> None:
-        n, kind = self.refs.get(ptr, (0, "activations"))
+    def release(self, key: int) -> None:
+        n, kind, nbytes = self.refs.get(key, (0, "activations", 0))
         if n > 1:
-            self.refs[ptr] = (n - 1, kind)
-            return
-        if n == 1:
-            del self.refs[ptr]
-            self.count.died(("ptr", ptr), nbytes, kind)
+            self.refs[key] = (n - 1, kind, nbytes)
+        elif n == 1:
+            del self.refs[key]
+            self.count.died(("live", key), nbytes, kind)
+
+
+def _sharded(module: Any) -> bool:
+    """Whether any part of ``module`` is FSDP2-sharded (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+class _FsdpGathers:
+    """FSDP2's gathered layers on a CPU rank (``hybrid.shard_layer``), logged in the live count as ``transient``.
+
+    FSDP2 gathers a layer's parameters into storages it keeps and resizes in place: to their full size when it
+    gathers them (before the layer's forward or backward), to nothing when it reshards (``alloc_storage`` and
+    ``free_storage`` on ``FSDPParam.all_gather_outputs``). No operation makes those bytes and no reference's death
+    frees them, so while measuring ``FSDPParam.alloc_all_gather_outputs`` and ``free_unsharded_param`` are wrapped
+    to log each storage's bytes as they come and go, and the tensors autograd saves from them (the gathered weights
+    a linear keeps for its backward) are left out of the activations (``storages``, the caller's exclusions). The
+    flat buffer an all-gather receives into is made by FSDP's unshard: inside a backward action the backward's own
+    count sees it; outside one (the gathers for a forward) the unshard runs under ``outside``, which logs it as it is
+    made and as it dies."""
+
+    def __init__(self, module: Any, count: LiveCount, storages: "weakref.WeakSet[Any]",
+                 outside: NewStorages) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.count, self.storages, self.outside = count, storages, outside
+        self.in_backward = False
+        self._keys: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._serial = itertools.count()
+        self._saved: list[tuple[type, str, Any]] = []
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                for group in m._get_fsdp_state()._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        for t in fp.all_gather_outputs:
+                            st = t.untyped_storage()
+                            self.storages.add(st)
+                            if st.nbytes():  # gathered when the step begins: alive from the start
+                                self.count.born(self._key(st), st.nbytes(), "transient")
+        gathers = self
+
+        def alloc(fp: Any, _orig: Any = FSDPParam.alloc_all_gather_outputs) -> None:
+            before = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in fp.all_gather_outputs]
+            _orig(fp)
+            for st, n in before:
+                gathers.storages.add(st)
+                if st.nbytes() != n:
+                    gathers.count.born(gathers._key(st), st.nbytes() - n, "transient")
+
+        def free(fp: Any, _orig: Any = FSDPParam.free_unsharded_param) -> None:
+            before = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in fp.all_gather_outputs]
+            _orig(fp)
+            for st, n in before:
+                if st.nbytes() != n:
+                    gathers.count.died(gathers._key(st), n - st.nbytes(), "transient")
+
+        def outside_backward(orig: Any) -> Any:
+            def run(group: Any, *args: Any, **kwargs: Any) -> Any:
+                with contextlib.nullcontext() if gathers.in_backward else gathers.outside:
+                    return orig(group, *args, **kwargs)
+            return run
+
+        for cls, name, fn in ((FSDPParam, "alloc_all_gather_outputs", alloc),
+                              (FSDPParam, "free_unsharded_param", free),
+                              (FSDPParamGroup, "unshard", outside_backward(FSDPParamGroup.unshard)),
+                              (FSDPParamGroup, "wait_for_unshard", outside_backward(FSDPParamGroup.wait_for_unshard))):
+            self._saved.append((cls, name, cls.__dict__[name]))
+            setattr(cls, name, fn)
+
+    def _key(self, st: Any) -> tuple[str, int]:
+        key = self._keys.get(st)
+        if key is None:
+            key = self._keys[st] = next(self._serial)
+        return ("gathered", key)
+
+    @contextlib.contextmanager
+    def backward(self, scope: Any) -> Any:
+        """A backward action's scope: the backward's own count sees the gathers' buffers there."""
+        self.in_backward = True
+        try:
+            with scope:
+                yield
+        finally:
+            self.in_backward = False
+
+    def close(self) -> None:
+        for cls, name, fn in reversed(self._saved):
+            setattr(cls, name, fn)
+        self._saved = []
 
 
 class StepMemory:
@@ -140,6 +243,7 @@ class StepMemory:
         self._handle: Any = None
         self._shard_input = 0
         self._transient = 0
+        self._gathers: _FsdpGathers | None = None
         self.result: dict[str, int] = {}
 
     # -- CPU bookkeeping ------------------------------------------------------------------------
@@ -153,12 +257,16 @@ class StepMemory:
     def _opt_tensors(self) -> list[Tensor]:
         return [v for p in self.params for v in self.rt.opt.state.get(p, {}).values() if isinstance(v, Tensor)]
 
-    def _static(self) -> tuple[dict[str, int], set[int]]:
+    def _static(self) -> tuple[dict[str, int], "weakref.WeakSet[Any]"]:
+        """Bytes of the weights, optimizer state and receive buffers, and their storages (never counted again)."""
         seen: set[int] = set()
+        recv = list(self.rt.schedule.recv_buffers()) if self.rt.schedule is not None else []
         params = _sum_unique(self._weights(), seen)
         optimizer = _sum_unique(self._opt_tensors(), seen)
-        buffers = _sum_unique(self.rt.schedule.recv_buffers(), seen) if self.rt.schedule is not None else 0
-        return {"params": params, "optimizer": optimizer, "buffers": buffers}, seen
+        buffers = _sum_unique(recv, seen)
+        storages = (_storage(t) for t in self._weights() + self._opt_tensors() + recv if isinstance(t, Tensor))
+        return ({"params": params, "optimizer": optimizer, "buffers": buffers},
+                weakref.WeakSet(st for st in storages if st is not None))
 
     def _pack(self, t: Tensor) -> Any:
         if not isinstance(t, Tensor):
@@ -169,9 +277,9 @@ class StepMemory:
         h = _Holder(t.detach())
         if self._working.key_of(t) is not None:  # made by a backward (recomputation): counted there
             return h
-        ptr = self._live.add(t)
-        if ptr is not None:
-            weakref.finalize(h, self._live.release, ptr, _key(t)[1])
+        key = self._live.add(t)
+        if key is not None:
+            weakref.finalize(h, self._live.release, key)
         return h
 
     @staticmethod
@@ -179,9 +287,9 @@ class StepMemory:
         return h.t if isinstance(h, _Holder) else h
 
     def _track(self, t: Tensor, kind: str) -> None:
-        ptr = self._live.add(t, kind)
-        if ptr is not None:
-            weakref.finalize(t, self._live.release, ptr, _key(t)[1])
+        key = self._live.add(t, kind)
+        if key is not None:
+            weakref.finalize(t, self._live.release, key)
 
     def _on_output(self, _module, _args, out) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -195,7 +303,7 @@ class StepMemory:
         if kind == "buffers":
             self._shard_input += nbytes
             if not self.cuda:
-                self._live.exclude.add(_key(t)[0])  # micro-batch views saved for backward: counted here
+                self._live.exclude.add(_storage(t))  # micro-batch views saved for backward: counted here
         else:
             self._transient = max(self._transient, nbytes)
             if not self.cuda:
@@ -218,8 +326,12 @@ class StepMemory:
         self._count = LiveCount()
         self._live = _LiveBytes(exclude, self._count)
         self._working = NewStorages(self._count, "working", ignore=self._weights() + self._opt_tensors())
+        self._gathers = (_FsdpGathers(self.module, self._count, exclude, NewStorages(self._count, "transient"))
+                         if _sharded(self.module) else None)
         if self.rt.schedule is not None:
-            self.rt.schedule.backward_scope = lambda: self._working
+            gathers = self._gathers
+            self.rt.schedule.backward_scope = ((lambda: self._working) if gathers is None
+                                               else (lambda: gathers.backward(self._working)))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         self._handle = self.module.register_forward_hook(self._on_output)
@@ -241,6 +353,8 @@ class StepMemory:
             return
         self._hooks.__exit__(None, None, None)
         self._handle.remove()
+        if self._gathers is not None:
+            self._gathers.close()
         if self.rt.schedule is not None:
             self.rt.schedule.backward_scope = contextlib.nullcontext
         static = dict(self._static_bytes)
