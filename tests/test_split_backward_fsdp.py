@@ -4,10 +4,10 @@ its W nothing, as ``planner/strategy.strategy_table`` prices it (no weight-gradi
 weight-gradient pass, such a stage skips FSDP's reduce-scatter and the run ends 1e-1 off the reference); this is
 what a rank holds: its shards of weights, gradients and optimizer state, as under 1F1B.
 
-The peak itself is not asserted: stage 0's ranks read 2,874,324 or 3,266,388 bytes (whether FSDP2's flat all-gather
-buffer of the embedding is still held when its gradients are made), the second over the stage model's 3,194,112
-(2.3 %): each layer, its own FSDP root, keeps its reduce-scatter input until the backward call ends, which the model's
-transient leaves out (docs/strategies.md)."""
+The peak: stage 0's ranks read 2,541,524 bytes against the stage model's 3,194,112 (docs/strategies.md). Before the
+layers shared FSDP2's list of reduce-scatter inputs in flight (``hybrid.shard_layer``), they read 2,874,324 or
+3,266,388, the second over the model's: each layer, its own FSDP root, kept its layer's whole gradient until the
+backward call ended."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,7 +36,10 @@ SEQ, M, STEPS = 8, 8, 2
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_a_sharded_stage_under_a_split_backward_holds_its_shards(tmp_path, schedule):
     """K = 2, D = 2, every stage FSDP-sharded, M = 8 micro-batches of 1, AdamW, on 4 forked processes: at the sampled
-    step's peak each rank's weights, gradients and optimizer state are exactly the stage model's shards."""
+    step's peak each rank's weights, gradients and optimizer state are exactly the stage model's shards, its FSDP
+    transient the model's, and its peak within the model's; and FSDP2 never holds more than one reduce-scatter input
+    of a rank's layers at a time (``hybrid.shard_layer``: each layer its own root kept one each, until the backward
+    call ended: the test read 3 so)."""
     model = build_model("bert-tiny", seq_len=SEQ, granularity="half", dropout=0.0, seed=0)
     plan = make_plan(model, [spec(0, K=2, D=2, M=M, b=1, schedule=schedule)], samples_per_epoch=2 * M * STEPS)
     plan = dataclasses.replace(plan, phases=tuple(dataclasses.replace(p, fsdp=True) for p in plan.phases))
@@ -46,8 +49,22 @@ def test_a_sharded_stage_under_a_split_backward_holds_its_shards(tmp_path, sched
                                            generator=torch.Generator().manual_seed(1)))
 
     def worker(rank: int, world: int) -> None:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
         torch.set_num_threads(1)
+        lists: dict[int, list] = {}
+        most = [0]
+        post_backward = FSDPParamGroup.post_backward
+
+        def observed(group, *args, **kwargs):  # FSDP2's own hook, run as it is; only the retained inputs are read
+            lists[id(group.comm_ctx.reduce_scatter_states)] = group.comm_ctx.reduce_scatter_states
+            most[0] = max(most[0], sum(map(len, lists.values())))
+            return post_backward(group, *args, **kwargs)
+
+        FSDPParamGroup.post_backward = observed
         run_training(cfg, plan, model, data)
+        with open(os.path.join(tmp_path, f"retained{rank}"), "w") as f:
+            f.write(str(most[0]))
 
     res = run_world(4, worker, tmpdir=str(tmp_path), timeout_s=60, deadline_s=150)
     assert res.ok, res.explain()
@@ -69,3 +86,6 @@ def test_a_sharded_stage_under_a_split_backward_holds_its_shards(tmp_path, sched
         # largest layer whole and the flat buffer its all-gather received into, the stage model's 2 x its weights
         # (its gradient, made in its backward, is in the backward's working set); 0 when the count missed them
         assert got["transient"] == 2 * table.param_bytes[lo:hi].max(), (schedule, rank)
+        assert got["total"] <= want.total, (schedule, rank, got["total"], want.total)
+        with open(os.path.join(tmp_path, f"retained{rank}")) as f:
+            assert int(f.read()) == 1, (schedule, rank)  # the input of the layer before, until this one's replaces it

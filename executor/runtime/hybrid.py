@@ -76,7 +76,7 @@ The price: entering holds a full second copy of one layer at a time, until ``ful
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -125,6 +125,8 @@ class ShardedStage:
         weights train transposed in ``nn.Linear``s, ``families.registry.tp_twin``); identity when absent."""
         self._frozen_back: dict[int, dict[str, Callable[[Tensor], Tensor]]] = {}
         """A split frozen prefix layer -> its parameters' maps back to the canonical layout (GPT-2)."""
+        self._reduce_scatters: list[Any] = []
+        """The reduce-scatter inputs FSDP2 keeps in flight, one list for every layer sharded here (``shard_layer``)."""
 
     def _slots(self) -> dict[int, tuple[int, int]]:
         return {id(p): (g, j) for g, group in enumerate(self.opt.param_groups) for j, p in enumerate(group["params"])}
@@ -170,7 +172,7 @@ class ShardedStage:
                 maps = tp_twin(twin, tp_mesh.size())
                 _parallelize(twin, tp_mesh, self.sp)
             if shard:
-                shard_layer(twin, dp_mesh)
+                shard_layer(twin, dp_mesh, self._reduce_scatters)
             elif split and self.sp:
                 _replicated_grads_reduced(twin)  # FSDP2 does this itself for the layers it shards
             by_name = dict(twin.named_parameters())
@@ -276,16 +278,36 @@ def split_widths(layer: nn.Module) -> dict[str, int]:
     return out
 
 
-def shard_layer(layer: nn.Module, dp_mesh) -> None:
+def shard_layer(layer: nn.Module, dp_mesh, reduce_scatters: list[Any] | None = None) -> None:
     """``fully_shard`` one layer over the data-parallel mesh, resharded after every forward. Each layer is its
     own FSDP root (no FSDP module above it), and FSDP2 by default keeps a root's gathered weights from its
     forward to its backward: with several micro-batches in flight a stage would hold its layers whole. Resharded,
     a layer is all-gathered in every micro-batch's forward and again in its backward, and its gradient
     reduce-scattered there -- what ``planner/strategy.py`` prices (weights / D, two gathered layers at a time).
-    A frozen layer (requires_grad off) is only all-gathered, in its forward."""
+    A frozen layer (requires_grad off) is only all-gathered, in its forward.
+
+    ``reduce_scatters``: one list shared by a rank's sharded layers, as their reduce-scatter inputs in flight. FSDP2
+    keeps each reduce-scatter's input (the layer's whole gradient) until the next one is issued, but per root, and
+    a root lets its last one go only when the backward call ends: as separate roots a stage's backward would hold
+    every layer's whole gradient by its end (measured: ``docs/strategies.md``), which the stage model does not
+    price. Sharing the list is what one FSDP context over the layers would do (the next layer's reduce-scatter
+    releases the one before), without a root above them, whose hooks would keep its layers gathered from forward to
+    backward. An FSDP2 that keeps no such list (one input per context, in an attribute of its own) is left as it
+    is."""
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(layer, mesh=dp_mesh, reshard_after_forward=True)
+    if reduce_scatters is None:
+        return
+    ctx = layer._get_fsdp_state()._comm_ctx  # type: ignore[operator]
+    made = ctx.lazy_init  # the root's first forward makes the context's state, the list among it: share it after
+
+    def lazy_init(device: torch.device) -> None:
+        made(device)
+        if isinstance(getattr(ctx, "reduce_scatter_states", None), list):
+            ctx.reduce_scatter_states = reduce_scatters
+
+    ctx.lazy_init = lazy_init
 
 
 def tp_plan(layer: nn.Module, tp: int, sp: bool = False) -> dict[str, object] | None:
