@@ -141,7 +141,7 @@ from .errors import PtplanError
 from .plan import MemoryBreakdown
 from .replicate import layout
 from .simulate import StageCost, StageTimes, peak_bytes
-from .strategy import Strategy, gather_bytes, splittable, strategy_table
+from .strategy import Strategy, gather_layers, splittable, strategy_table
 
 OPTIMIZER_STATE_FACTOR = {k: float(v) for k, v in OPTIMIZER_SLOTS.items()}
 """Optimizer-state bytes per byte of weights (``costs.OPTIMIZER_SLOTS``: torch allocates state like the
@@ -368,8 +368,15 @@ class StageModel:
         if not 0 <= fill_from <= sh.frozen:
             raise PtplanError(f"fill_from={fill_from} must lie in 0..{sh.frozen}")
         st = Strategy(tp=sh.tp, fsdp=sh.fsdp, recompute=sh.recompute, sp=sh.sp)
-        self.extra_static = gather_bytes(table, st)
-        """FSDP's gathered-layer transient, held on every stage (0 without FSDP)."""
+        self._gather = None
+        """With FSDP, the range maxima of each layer's gathered weights x 2 and unsharded gradient (``strategy.py``'s
+        transient, over a stage's layers: ``prepare``)."""
+        prefix_gather = 0.0
+        if st.fsdp:
+            W, G = gather_layers(table, st)
+            self._gather = (RangeMax(2 * W), RangeMax(G))
+            if sh.frozen and not sh.cache:  # stage 0 gathers the uncached prefix's layers in its forward too
+                prefix_gather = float(2 * W[:sh.frozen].max())
         self.raw = table
         """The profile's own table: the AutoCache's prefix (whole in host memory) is priced from it; an uncached
         prefix runs split and sharded as the stage's active layers (``strategy.py``), from ``t``."""
@@ -415,6 +422,7 @@ class StageModel:
         self._has_working = sh.recompute or bool(self._working)
         self.stage0_static, self.prefix_s, self.read_setup_s, self.fill_setup_s, self.stage0_after = \
             _stage0_prefix(self.raw, table, self.times, sh, fill_from)
+        self.stage0_static += prefix_gather
 
     @cached_property
     def position_state(self) -> np.ndarray:
@@ -489,7 +497,15 @@ class StageModel:
         after = bd.grad if self.sync else np.zeros_like(bd.grad)  # the flat all-reduce buffer
         if self.opt_temp:
             after = np.maximum(after, self.opt_temp * bd.weights)
-        terms = (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, bd.state, bd.per_mb, after,
+        state = bd.state
+        if self._gather is not None:  # FSDP's transient, over the stage's layers
+            take = getattr(I, "take_from", None)
+
+            def at_I(arr: np.ndarray) -> np.ndarray:
+                return take(arr) if take is not None else arr[I]
+
+            state = state + self._gather[0].query(at_I, J) + self._gather[1].query(at_I, J)
+        terms = (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, state, bd.per_mb, after,
                  np.broadcast_to(bd.working, np.shape(bd.fb)))
         return terms if self._stashed is None else terms + (np.broadcast_to(bd.stash, np.shape(bd.fb)),)
 
@@ -527,8 +543,6 @@ class StageModel:
                 t = t + (self._lat_out[s] + outb * self._inv_out[s])
                 if self._remote_out[s]:
                     static = static + (1 if sh.own_p2p else sh.M) * outb
-            if self.extra_static:
-                static = static + self.extra_static
             if s == 0:
                 t = t + (self.prefix_s + self.read_setup_s / sh.M)
                 static = static + self.stage0_static
@@ -547,8 +561,6 @@ class StageModel:
                 per_mb = per_mb + has_in * inb
         else:
             static = state + sh.M * (rin * inb + rout * outb) + is0 * self.stage0_static
-        if self.extra_static:
-            static = static + self.extra_static
         if self.stage0_after:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)
         return t, static, per_mb, after, self._inflight[si]
@@ -564,7 +576,6 @@ class StageModel:
             per = per_mb if sh.recompute else per_mb + inb
         else:
             static, per = state + sh.M * (inb + outb) + self.stage0_static, per_mb
-        static = static + self.extra_static
         if self._stashed is not None:
             static = static + float(self._stashed.max()) * terms[7]
         if self.stage0_after:

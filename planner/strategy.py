@@ -56,9 +56,12 @@ With FSDP (ZeRO-3: FSDP2 ``fully_shard`` over the stage's D replicas), per layer
     weight-gradient part, stash = 0: under a split backward (ZB-H1, ZB-V) a sharded stage's B runs its whole
                        backward and its W nothing (torch's weight-gradient pass does not run FSDP's gradient
                        hooks), so nothing waits between them
-    transient        = 2 · max W / tp (the layer in use and the prefetched one) + max G / tp (one
-                       layer's unsharded gradient before its reduce-scatter): conservative, the
-                       largest layer of the whole model
+    transient        = 2 · max W / tp (the layer in use and the prefetched one, or its all-gather's flat
+                       buffer) + max G / tp (one layer's unsharded gradient, then its reduce-scatter input),
+                       each max over the stage's layers (``gather_layers``; stage 0 with an uncached frozen
+                       prefix adds 2 · the prefix's largest W / tp, which FSDP gathers in its forward). A rank's
+                       sharded layers share FSDP2's list of reduce-scatter inputs in flight, so the next
+                       layer's reduce-scatter releases the one before (``executor/runtime/hybrid.shard_layer``)
 
 where a ring all-gather of B bytes costs half a ring all-reduce of B (lat_ag, per_byte_ag: half the
 stage's data-parallel all-reduce coefficients). Frozen layers have G = 0 (no gradient, no optimizer
@@ -275,13 +278,20 @@ def splittable(table: CostTable) -> np.ndarray:
     return table.derived("splittable", make)
 
 
+def gather_layers(table: CostTable, st: Strategy) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, the bytes FSDP gathers (W / tp) and its unsharded gradient (G / tp): the transient's terms
+    (module docstring)."""
+    div = np.where(splittable(table) > 0, st.tp, 1)
+    return table.param_bytes / div, table.grad_bytes / div
+
+
 def gather_bytes(table: CostTable, st: Strategy) -> float:
-    """FSDP's transient (module docstring): 2 · max W / tp + max G / tp; 0 without FSDP."""
+    """FSDP's transient over all the layers of ``table`` (module docstring): 2 · max W / tp + max G / tp; 0
+    without FSDP. A stage's own is over its layers (``stage.StageModel``)."""
     if not st.fsdp:
         return 0.0
-    split = splittable(table) > 0
-    div = np.where(split, st.tp, 1)
-    return float(2 * (table.param_bytes / div).max() + (table.grad_bytes / div).max())
+    W, G = gather_layers(table, st)
+    return float(2 * W.max() + G.max())
 
 
 def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, float],

@@ -104,7 +104,10 @@ def test_fsdp_shards_state_and_reduce_scatters():
                                         m.stage_costs(ranges), base.stage_costs(ranges)):
         assert mb.weights == int(mb0.weights / 4) or abs(mb.weights - mb0.weights / 4) <= 1
         assert abs(mb.gradients - mb0.gradients / 4) <= 1 and abs(mb.optimizer - mb0.optimizer / 4) <= 1
-        assert mb.buffers - mb0.buffers == pytest.approx(extra, abs=2)
+        # the transient over the stage's own layers: the layer in use and the next (or its all-gather's buffer)
+        # whole, and one layer's unsharded gradient; at most the whole model's
+        own = 2 * t.param_bytes[lo:hi].max() + t.grad_bytes[lo:hi].max()
+        assert own <= extra and mb.buffers - mb0.buffers == pytest.approx(own, abs=2)
         # all-gathers per micro-batch make forward and backward slower, and every backward reduce-scatters
         # its gradients (FSDP2's default, what the executor runs): no all-reduce after the pipeline
         L = m.links
