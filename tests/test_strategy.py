@@ -94,7 +94,7 @@ def test_tensor_parallel_divides_the_backward_working_set_as_the_activations():
 
 def test_fsdp_shards_state_and_reduce_scatters():
     prof = synthetic_profile(num_blocks=4, hidden=256, seq_len=64, vocab=1024)
-    ranges = [(0, 5), (5, prof.num_layers)]
+    ranges = [(0, 9), (9, prof.num_layers)]  # stage 1: the final norm and the head, smaller than a block's MLP
     base, _ = model(prof, D=4)
     m, _ = model(prof, D=4, fsdp=True)
     t = CostTable(prof)
@@ -108,6 +108,7 @@ def test_fsdp_shards_state_and_reduce_scatters():
         # whole, and one layer's unsharded gradient; at most the whole model's
         own = 2 * t.param_bytes[lo:hi].max() + t.grad_bytes[lo:hi].max()
         assert own <= extra and mb.buffers - mb0.buffers == pytest.approx(own, abs=2)
+        assert (own < extra) == (lo == 9)
         # all-gathers per micro-batch make forward and backward slower, and every backward reduce-scatters
         # its gradients (FSDP2's default, what the executor runs): no all-reduce after the pipeline
         L = m.links
@@ -158,6 +159,12 @@ def test_frozen_prefix_has_no_gradient_terms_under_any_strategy():
             dlat, dper = float(np.mean(L.ar_lat)), float(np.mean(L.ar_per_byte))
             want = want + (dlat + raw.param_bytes[:n0] / np.where(a > 0, tp, 1)[:n0] * dper) / 2
         assert m.prefix_s == pytest.approx(float(want.sum()))
+        if fsdp:  # FSDP's transient over each stage's own layers; stage 0 also gathers the prefix's in its forward
+            plain, _ = model(prof, tp=tp, fsdp=False, frozen=n0, b=b)
+            W, G = (x / np.where(a > 0, tp, 1) for x in (raw.param_bytes, raw.grad_bytes))
+            for s, ((lo, hi), x, y) in enumerate(zip(ranges, mem, plain.stage_memory(ranges))):
+                own = 2 * W[lo:hi].max() + G[lo:hi].max() + (2 * W[:n0].max() if s == 0 else 0.0)
+                assert x.buffers - y.buffers == pytest.approx(own, abs=2), (tp, s)
         if tp > 1 or fsdp:
             assert mem[0].weights < int(t.cum_param[n0 + 2] - t.cum_param[n0] + raw.cum_param[n0])
         # the cached phase keeps the prefix whole in host memory: not on the device, its fill priced whole
