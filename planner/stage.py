@@ -87,16 +87,16 @@ Memory, per rank holding stage s (bytes): ``peak = static + max(inflight · per_
               executor fills the cache micro-batch by micro-batch, on the shapes a recomputing
               stage 0 uses)
 
-Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSDP, every per-layer
-cost above is first replaced by one shard's (``strategy_table``: times / tp plus the Megatron
-all-reduces and FSDP's all-gathers, weights and gradients / tp and / D, saved activations divided where
-Megatron's split divides them, all but the linears' gathered input with sequence parallelism ``PhaseShape.sp``), FSDP's per-micro-batch
-reduce-scatter joins the backward and replaces the all-reduce and its flat buffer, and ``static`` gains
-FSDP's gathered-layer transient (``gather_bytes``). An uncached frozen prefix is priced from the same
-per-shard table -- stage 0 runs it split over tp and, when stage 0 has FSDP, sharded over D: its weights and
-no-grad forward (with its all-reduces and all-gathers) are the shard's, and it has no gradient terms --; a
-cached prefix stays whole in host memory, so the cache set-up and the streamed weights keep the profile's own
-numbers (``StageModel.raw``). The default (tp=1, no FSDP) leaves every number above unchanged.
+Strategies (``strategy.py``, issue 14): with tensor parallel width tp > 1 or FSDP, every per-layer cost above is
+first replaced by one shard's (``strategy_table``: times / tp plus the Megatron all-reduces and FSDP's all-gathers,
+weights and gradients / tp and / D, saved activations divided where Megatron's split divides them, all but the
+linears' gathered input with sequence parallelism ``PhaseShape.sp``), FSDP's per-micro-batch reduce-scatter joins
+the backward and replaces the all-reduce and its flat buffer, and ``static`` gains FSDP's gathered-layer transient
+over the stage's layers (``gather_layers``). An uncached frozen prefix is priced from the same per-shard table --
+stage 0 runs it split over tp and, when stage 0 has FSDP, sharded over D: its weights and no-grad forward (with its
+all-reduces and all-gathers) are the shard's, and it has no gradient terms --; a cached prefix stays whole in host
+memory, so the cache set-up and the streamed weights keep the profile's own numbers (``StageModel.raw``). The
+default (tp=1, no FSDP) leaves every number above unchanged.
 
 Layer-wise recomputation (Galvatron's, ``PhaseShape.recompute_layers`` = r >= 1): only the stage's first r
 active layers [lo, R), R = min(lo + r, hi), are one checkpoint unit; the others keep their activations:

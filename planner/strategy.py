@@ -8,7 +8,7 @@ FSDP and recomputation are per stage: a ``Strategy`` is one stage's, and a phase
 (``stage.StageChoice`` picks each stage's; ``phase_label`` writes them).
 
 The stage model (``stage.py``) calls ``strategy_table`` to turn the profile's per-layer costs into the
-costs of one shard, and ``gather_bytes`` for FSDP's transient; everything else in it is unchanged,
+costs of one shard, and ``gather_layers`` for FSDP's transient; everything else in it is unchanged,
 so the default strategy (tp=1, dp, no recomputation) gives exactly the old numbers.
 
 Per layer, with tp > 1 (only layers whose ``kind`` is ``attention``, ``mlp`` or ``block`` split):
@@ -283,15 +283,6 @@ def gather_layers(table: CostTable, st: Strategy) -> tuple[np.ndarray, np.ndarra
     (module docstring)."""
     div = np.where(splittable(table) > 0, st.tp, 1)
     return table.param_bytes / div, table.grad_bytes / div
-
-
-def gather_bytes(table: CostTable, st: Strategy) -> float:
-    """FSDP's transient over all the layers of ``table`` (module docstring): 2 · max W / tp + max G / tp; 0
-    without FSDP. A stage's own is over its layers (``stage.StageModel``)."""
-    if not st.fsdp:
-        return 0.0
-    W, G = gather_layers(table, st)
-    return float(2 * W.max() + G.max())
 
 
 def strategy_table(table: CostTable, st: Strategy, D: int, tp_ar: tuple[float, float],

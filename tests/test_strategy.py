@@ -11,7 +11,7 @@ from ptplan.planner.costs import CostTable
 from ptplan.planner.errors import PtplanError
 from ptplan.planner.schedule import peak_inflight
 from ptplan.planner.stage import OPTIMIZER_STATE_FACTOR, PhaseShape, StageModel, links_for
-from ptplan.planner.strategy import Strategy, gather_bytes, splittable, tp_allreduce_coeffs, tp_saved_share
+from ptplan.planner.strategy import Strategy, gather_layers, splittable, tp_allreduce_coeffs, tp_saved_share
 from ptplan.planner.synthetic import synthetic_profile
 
 
@@ -98,8 +98,9 @@ def test_fsdp_shards_state_and_reduce_scatters():
     base, _ = model(prof, D=4)
     m, _ = model(prof, D=4, fsdp=True)
     t = CostTable(prof)
-    extra = gather_bytes(t, Strategy(fsdp=True))
-    assert extra == 2 * t.param_bytes.max() + t.grad_bytes.max()
+    W, G = gather_layers(t, Strategy(fsdp=True))
+    assert (W == t.param_bytes).all() and (G == t.grad_bytes).all()  # tp 1: whole layers
+    extra = 2 * t.param_bytes.max() + t.grad_bytes.max()  # the whole model's largest layer
     for (lo, hi), mb, mb0, c, c0 in zip(ranges, m.stage_memory(ranges), base.stage_memory(ranges),
                                         m.stage_costs(ranges), base.stage_costs(ranges)):
         assert mb.weights == int(mb0.weights / 4) or abs(mb.weights - mb0.weights / 4) <= 1
