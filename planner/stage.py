@@ -422,7 +422,9 @@ class StageModel:
         self._has_working = sh.recompute or bool(self._working)
         self.stage0_static, self.prefix_s, self.read_setup_s, self.fill_setup_s, self.stage0_after = \
             _stage0_prefix(self.raw, table, self.times, sh, fill_from)
-        self.stage0_static += prefix_gather
+        self._stage0_held = self.stage0_static + prefix_gather
+        """What stage 0 holds beyond its layers' terms: ``stage0_static`` (the frozen prefix's weights or the cached
+        shard) and, with FSDP, the uncached prefix's gathered layers (2 x its largest, ``strategy.py``)."""
 
     @cached_property
     def position_state(self) -> np.ndarray:
@@ -545,7 +547,7 @@ class StageModel:
                     static = static + (1 if sh.own_p2p else sh.M) * outb
             if s == 0:
                 t = t + (self.prefix_s + self.read_setup_s / sh.M)
-                static = static + self.stage0_static
+                static = static + self._stage0_held
                 if self.stage0_after:
                     after = np.maximum(after, self.stage0_after)
             return t, static, per_mb, after, self._inflight[s]
@@ -556,11 +558,11 @@ class StageModel:
             + is0 * (self.prefix_s + self.read_setup_s / sh.M)
         rin, rout = self._remote_in[si], self._remote_out[si]
         if sh.own_p2p:
-            static = state + rout * outb + is0 * self.stage0_static
+            static = state + rout * outb + is0 * self._stage0_held
             if not sh.recompute:
                 per_mb = per_mb + has_in * inb
         else:
-            static = state + sh.M * (rin * inb + rout * outb) + is0 * self.stage0_static
+            static = state + sh.M * (rin * inb + rout * outb) + is0 * self._stage0_held
         if self.stage0_after:
             after = np.where(is0, np.maximum(after, self.stage0_after), after)
         return t, static, per_mb, after, self._inflight[si]
@@ -572,10 +574,10 @@ class StageModel:
         sh = self.shape
         _, inb, outb, state, per_mb, after, w = terms[:7]
         if sh.own_p2p:
-            static = state + outb + self.stage0_static
+            static = state + outb + self._stage0_held
             per = per_mb if sh.recompute else per_mb + inb
         else:
-            static, per = state + sh.M * (inb + outb) + self.stage0_static, per_mb
+            static, per = state + sh.M * (inb + outb) + self._stage0_held, per_mb
         if self._stashed is not None:
             static = static + float(self._stashed.max()) * terms[7]
         if self.stage0_after:
