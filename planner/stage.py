@@ -458,11 +458,7 @@ class StageModel:
         an index object with ``take_from(arr)`` (the partitioner's strided band) instead of an array. ``memo``:
         where models of one ``StageChoice`` share what depends only on their table (``_table_band``)."""
         t, b = self.t, self.shape.b
-        take = getattr(I, "take_from", None)
-
-        def at_I(arr: np.ndarray) -> np.ndarray:
-            return take(arr) if take is not None else arr[I]
-
+        at_I = _indexer(I)
         if memo is None:
             got = _table_band(self, at_I, J)
         else:
@@ -501,11 +497,7 @@ class StageModel:
             after = np.maximum(after, self.opt_temp * bd.weights)
         state = bd.state
         if self._gather is not None:  # FSDP's transient, over the stage's layers
-            take = getattr(I, "take_from", None)
-
-            def at_I(arr: np.ndarray) -> np.ndarray:
-                return take(arr) if take is not None else arr[I]
-
+            at_I = _indexer(I)
             state = state + self._gather[0].query(at_I, J) + self._gather[1].query(at_I, J)
         terms = (bd.fb + 2 * self.ovh, bd.in_bytes, bd.out_bytes, state, bd.per_mb, after,
                  np.broadcast_to(bd.working, np.shape(bd.fb)))
@@ -680,6 +672,15 @@ def stage_times(m: StageModel | StageChoice, lo: np.ndarray, hi: np.ndarray, *, 
                       send_backward_latency_s=np.broadcast_to((s > 0) * m._lat_in, np.shape(lo)),
                       tp_comm_s=tp_lat + sh.b * (m._cum_tp_per_sample[hi] - m._cum_tp_per_sample[lo]),
                       tp_comm_latency_s=tp_lat)
+
+
+def _indexer(I: Any) -> Callable[[np.ndarray], np.ndarray]:
+    """``arr[I]`` as a function of ``arr``: ``I`` an array of stage starts, or the partitioner's strided band (an
+    index object with ``take_from(arr)``)."""
+    take = getattr(I, "take_from", None)
+    if take is not None:
+        return take
+    return lambda arr: arr[I]
 
 
 def _table_band(m: StageModel, at_I: Callable[[np.ndarray], np.ndarray], J: np.ndarray) -> tuple:
